@@ -1,0 +1,42 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PIP    := $(BIN)/python -m pip --disable-pip-version-check --quiet
+
+.PHONY: demo test lint typecheck bench chaos clean install
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) install -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(BIN)/python -c "import ledger, worker, recovery, celery, sqlalchemy, psycopg"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/toolledger demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(PIP) install -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(BIN)/toolledger bench
+
+chaos: $(STAMP)
+	$(BIN)/toolledger chaos --jobs 10000 --duration 600
+
+clean:
+	rm -rf $(VENV) .toolledger .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,133 @@
+"""Engines and schema migrations for both dialects.
+
+SQLite (the embedded default) runs in WAL mode with synchronous=FULL, because invariant 1
+asks that ``running`` be durable before the effect, and write transactions start with
+BEGIN IMMEDIATE so two writers never deadlock upgrading a read lock (SQLITE_BUSY is not
+retried by the busy timeout in that case). Postgres goes through psycopg 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from ledger.types import dumps
+
+#: Where the embedded default keeps its files (the ledger, the broker, the sandbox).
+DEFAULT_HOME = Path(".toolledger")
+#: How long a SQLite writer waits for the lock before giving up.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Execution option that makes a SQLite transaction take the write lock at BEGIN.
+WRITE = "toolledger_write"
+
+
+def default_url(home: Path = DEFAULT_HOME) -> str:
+    return f"sqlite:///{home / 'ledger.db'}"
+
+
+def normalize_url(url: str) -> str:
+    """Accept the spellings users paste (postgres://, postgresql://) and pick psycopg 3."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def create_engine(url: str, **kwargs: Any) -> sa.Engine:
+    """An engine configured for the ledger on either dialect."""
+    url = normalize_url(url)
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed, **kwargs)
+    kwargs.setdefault("pool_size", 4)
+    kwargs.setdefault("max_overflow", 8)
+    return sa.create_engine(parsed, json_serializer=dumps, **kwargs)
+
+
+def _sqlite_engine(url: sa.URL, **kwargs: Any) -> sa.Engine:
+    engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
+
+    @sa.event.listens_for(engine, "do_connect")
+    def _make_home(_dialect: Any, _record: Any, _cargs: Any, _cparams: Any) -> None:
+        # At first connect, not at engine creation: refused input leaves no files behind.
+        if url.database and url.database != ":memory:":
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
+        cursor = dbapi_conn.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = FULL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        write = conn.get_execution_options().get(WRITE, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+@contextmanager
+def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
+    """One transaction that will write: on SQLite it holds the write lock from BEGIN."""
+    with engine.connect() as conn:
+        conn = conn.execution_options(**{WRITE: True})
+        with conn.begin():
+            yield conn
+
+
+def alembic_config(engine: sa.Engine | None = None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    if engine is not None:
+        config.attributes["engine"] = engine
+    return config
+
+
+def upgrade(engine: sa.Engine, revision: str = "head") -> None:
+    """Create or migrate the schema (``toolledger db upgrade``)."""
+    command.upgrade(alembic_config(engine), revision)
+
+
+def downgrade(engine: sa.Engine, revision: str = "base") -> None:
+    command.downgrade(alembic_config(engine), revision)
+
+
+def current_revision(engine: sa.Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+class SchemaError(RuntimeError):
+    """The ledger's schema is missing or not at the revision this code needs."""
+
+
+def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
+    """Check the schema is at head. An empty embedded SQLite ledger is created on the spot;
+    anything else (Postgres, or an older revision) must be migrated on purpose."""
+    current, head = current_revision(engine), head_revision()
+    if current == head:
+        return
+    if current is None and create_embedded and engine.dialect.name == "sqlite":
+        upgrade(engine)
+        return
+    raise SchemaError(
+        f"the ledger schema is at revision {current or 'none'}, this code needs {head}: "
+        "run 'toolledger db upgrade'"
+    )

@@ -1,0 +1,118 @@
+"""Identities: canonical argument hashes, idempotency keys, execution ids, lease tokens.
+
+The idempotency key names the logical action and is never derived from the arguments:
+two independent requests with equal arguments are two actions. The hash only detects a
+key reused for different content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+import uuid
+from typing import Any
+
+from ledger.errors import ArgumentsTooLarge, InvalidArguments, InvalidIdentifier
+
+#: Default cap on the canonical JSON of one call's arguments.
+MAX_ARGS_BYTES = 1024 * 1024
+
+_SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TOOL = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def canonical_json(value: Any) -> str:
+    """Keys sorted, no spaces, non-ASCII kept as is, NaN and Infinity refused."""
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except ValueError as exc:
+        raise InvalidArguments(f"arguments are not valid JSON: {exc}") from exc
+    except TypeError as exc:
+        raise InvalidArguments(f"arguments are not JSON-serialisable: {exc}") from exc
+
+
+def args_sha256(args: Any) -> str:
+    """SHA-256 hex of the canonical JSON of ``args``."""
+    return hashlib.sha256(canonical_json(args).encode("utf-8")).hexdigest()
+
+
+def check_args(args: Any, max_bytes: int = MAX_ARGS_BYTES) -> str:
+    """Refuse anything but a JSON object within the cap; return its args_sha256."""
+    if not isinstance(args, dict):
+        raise InvalidArguments(f"arguments must be a JSON object, not {type(args).__name__}")
+    encoded = canonical_json(args).encode("utf-8")
+    if len(encoded) > max_bytes:
+        raise ArgumentsTooLarge(
+            f"arguments are {len(encoded)} bytes of canonical JSON, over the cap of {max_bytes}"
+        )
+    return hashlib.sha256(encoded).hexdigest()
+
+
+def check_scope(scope: str) -> str:
+    """A scope names a sandbox directory: letters, digits, '.', '_', '-', never '..' or '/'."""
+    if not isinstance(scope, str) or not _SCOPE.fullmatch(scope) or ".." in scope:
+        raise InvalidIdentifier(
+            f"scope {scope!r} is not a safe name: 1-128 of [A-Za-z0-9._-], "
+            "starting with a letter or digit, without '..'"
+        )
+    return scope
+
+
+def check_tool_name(tool: str) -> str:
+    if not isinstance(tool, str) or not _TOOL.fullmatch(tool):
+        raise InvalidIdentifier(f"tool name {tool!r} is not 1-64 of [A-Za-z0-9_-]")
+    return tool
+
+
+def check_text_id(value: str, what: str, max_len: int = 512) -> str:
+    """Non-empty, at most ``max_len`` characters, no control characters."""
+    if not isinstance(value, str) or not value or not value.strip():
+        raise InvalidIdentifier(f"{what} must not be empty")
+    if len(value) > max_len or _CONTROL.search(value):
+        raise InvalidIdentifier(f"{what} must be at most {max_len} printable characters")
+    return value
+
+
+def default_key(tool: str, tool_call_id: str) -> str:
+    """``"{tool}:{tool_call_id}"``: one logical action per call the model made."""
+    check_tool_name(tool)
+    check_text_id(tool_call_id, "tool_call_id", 256)
+    return f"{tool}:{tool_call_id}"
+
+
+def new_execution_id() -> str:
+    """A UUIDv7 (RFC 9562): unique per attempt and ordered by time, kind to B-tree indexes."""
+    unix_ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (unix_ms & 0xFFFF_FFFF_FFFF) << 80 | rand
+    value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
+    return str(uuid.UUID(int=value))
+
+
+def new_lease_token() -> str:
+    """The fence a claim holds: every write by its executor must present it."""
+    return secrets.token_hex(16)
+
+
+def check_call(
+    scope: str,
+    tool_call_id: str,
+    tool: str,
+    args: Any,
+    key: str | None = None,
+    max_bytes: int = MAX_ARGS_BYTES,
+) -> tuple[str, str]:
+    """Every check on a submission that needs no database; returns (key, args_sha256)."""
+    check_scope(scope)
+    check_text_id(tool_call_id, "tool_call_id", 256)
+    check_tool_name(tool)
+    key = default_key(tool, tool_call_id) if key is None else check_text_id(key, "key")
+    return key, check_args(args, max_bytes)

@@ -1,0 +1,839 @@
+"""The Ledger facade: every state change is a compare-and-set plus its event, one transaction.
+
+Each transition below is an ``UPDATE … WHERE <key> AND status = <expected> [AND lease_token
+= <fence>] RETURNING …``; zero rows means the caller's view is stale and nothing was
+written. The claim is an ``INSERT … ON CONFLICT DO NOTHING RETURNING`` on the unique
+(scope, idempotency_key, attempt): the database decides who runs, never a prior read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ledger import db
+from ledger.errors import (
+    ConflictError,
+    InvalidArguments,
+    InvalidTransition,
+    NotFound,
+    StaleFence,
+)
+from ledger.identity import (
+    MAX_ARGS_BYTES,
+    check_call,
+    check_text_id,
+    new_execution_id,
+    new_lease_token,
+)
+from ledger.models import execution_events, executions, operations, tool_calls
+from ledger.receipts import receipt_for
+from ledger.records import (
+    CallView,
+    Claim,
+    EventRecord,
+    ExecutionRecord,
+    ListedCall,
+    OperationRecord,
+    Receipt,
+    Submitted,
+)
+from ledger.transitions import RETRYABLE, TERMINAL, EventKind, Status, check_transition
+from ledger.types import db_now, db_now_plus
+
+#: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
+LEASE_SECONDS = 30.0
+#: Rows ``list`` returns unless told otherwise.
+LIST_LIMIT = 1000
+
+Event = dict[str, Any]
+
+
+def _event(
+    kind: EventKind | Status,
+    scope: str,
+    key: str,
+    actor: str,
+    detail: dict[str, Any],
+    execution_id: str | None = None,
+) -> Event:
+    return {
+        "scope": scope,
+        "idempotency_key": key,
+        "execution_id": execution_id,
+        "kind": str(kind),
+        "actor": actor,
+        "detail": detail,
+    }
+
+
+def _op_key(scope: str, key: str) -> sa.ColumnElement[bool]:
+    return sa.and_(operations.c.scope == scope, operations.c.idempotency_key == key)
+
+
+class Ledger:
+    """The execution layer's own record of every side-effecting tool call."""
+
+    def __init__(
+        self,
+        url: str | sa.Engine,
+        *,
+        max_args_bytes: int = MAX_ARGS_BYTES,
+        fast_path: bool = True,
+    ) -> None:
+        self.engine = url if isinstance(url, sa.Engine) else db.create_engine(url)
+        self.dialect = self.engine.dialect.name
+        self.max_args_bytes = max_args_bytes
+        self._fast: Any = None
+        if fast_path and self.dialect == "postgresql":
+            from ledger.fastpath import PostgresFastPath
+
+            self._fast = PostgresFastPath(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def upgrade(self) -> None:
+        db.upgrade(self.engine)
+
+    # ---------------------------------------------------------------- plumbing
+
+    @contextmanager
+    def _write(self) -> Iterator[sa.Connection]:
+        with db.write_transaction(self.engine) as conn:
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[sa.Connection]:
+        with self.engine.connect() as conn:
+            yield conn
+
+    def _insert(self, table: sa.Table) -> Any:
+        dialect = postgresql if self.dialect == "postgresql" else sqlite
+        return dialect.insert(table)
+
+    @staticmethod
+    def _append(conn: sa.Connection, *events: Event) -> None:
+        conn.execute(execution_events.insert().values(at=db_now()), list(events))
+
+    @staticmethod
+    def _key_for(conn: sa.Connection, scope: str, tool_call_id: str) -> str:
+        key: str | None = conn.execute(
+            sa.select(tool_calls.c.idempotency_key).where(
+                tool_calls.c.scope == scope, tool_calls.c.tool_call_id == tool_call_id
+            )
+        ).scalar_one_or_none()
+        if key is None:
+            raise NotFound(f"no call {tool_call_id!r} in scope {scope!r}")
+        return key
+
+    @staticmethod
+    def _operation(conn: sa.Connection, scope: str, key: str) -> OperationRecord:
+        row = conn.execute(sa.select(operations).where(_op_key(scope, key))).first()
+        if row is None:
+            raise NotFound(f"no operation {key!r} in scope {scope!r}")
+        return OperationRecord.from_row(row)
+
+    @staticmethod
+    def _move_operation(
+        conn: sa.Connection, scope: str, key: str, attempt: int, old: Status, new: Status
+    ) -> bool:
+        """Follow an execution's change on its operation, if it is the current attempt."""
+        moved = conn.execute(
+            operations.update()
+            .where(
+                _op_key(scope, key),
+                operations.c.status == old,
+                operations.c.authorized_attempts == attempt,
+            )
+            .values(status=new)
+            .returning(operations.c.status)
+        ).first()
+        return moved is not None
+
+    # ---------------------------------------------------------------- submit / decide
+
+    def submit(
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        key: str | None = None,
+        approved_by: str | None = None,
+        reason: str | None = None,
+        actor: str = "agent",
+    ) -> Submitted:
+        """Record a call. Same key and arguments again returns the existing record."""
+        key, sha = check_call(scope, tool_call_id, tool, args, key, self.max_args_bytes)
+        if approved_by is not None:
+            check_text_id(approved_by, "approver", 256)
+        status = Status.APPROVED if approved_by else Status.PENDING_APPROVAL
+        check_transition(None, status)
+        with self._write() as conn:
+            created = self._insert_operation(conn, scope, key, tool, args, sha, status, approved_by)
+            if created is None:
+                op = self._operation(conn, scope, key)
+                if op.args_sha256 != sha or op.tool != tool:
+                    raise ConflictError(
+                        scope=scope,
+                        idempotency_key=key,
+                        stored_sha256=op.args_sha256,
+                        requested_sha256=sha,
+                        detail="" if op.tool == tool else f"recorded for tool {op.tool!r}",
+                    )
+            else:
+                op = created
+            if not self._insert_tool_call(conn, scope, tool_call_id, key, sha):
+                return Submitted(op, tool_call_id, "existing")
+            if created is None:
+                self._append(
+                    conn,
+                    _event(EventKind.LINKED, scope, key, actor, {"tool_call_id": tool_call_id}),
+                )
+                return Submitted(op, tool_call_id, "linked")
+            submitted = {"tool_call_id": tool_call_id, "tool": tool, "args": args}
+            decision = {"attempt": 1, "reason": reason} if approved_by else {}
+            self._append(
+                conn,
+                _event(EventKind.SUBMITTED, scope, key, actor, submitted),
+                _event(status, scope, key, approved_by or actor, decision),
+            )
+        return Submitted(op, tool_call_id, "created")
+
+    def _insert_operation(
+        self,
+        conn: sa.Connection,
+        scope: str,
+        key: str,
+        tool: str,
+        args: dict[str, Any],
+        sha: str,
+        status: Status,
+        approved_by: str | None,
+    ) -> OperationRecord | None:
+        row = conn.execute(
+            self._insert(operations)
+            .values(
+                scope=scope,
+                idempotency_key=key,
+                tool=tool,
+                args=args,
+                args_sha256=sha,
+                status=status,
+                authorized_attempts=1 if approved_by else 0,
+                decided_by=approved_by,
+                decided_at=db_now() if approved_by else None,
+                created_at=db_now(),
+            )
+            .on_conflict_do_nothing(index_elements=["scope", "idempotency_key"])
+            .returning(*operations.c)
+        ).first()
+        return OperationRecord.from_row(row) if row else None
+
+    def _insert_tool_call(
+        self, conn: sa.Connection, scope: str, tool_call_id: str, key: str, sha: str
+    ) -> bool:
+        """Bind the call to its key; False if it was bound already (to this same action)."""
+        inserted = conn.execute(
+            self._insert(tool_calls)
+            .values(
+                scope=scope,
+                tool_call_id=tool_call_id,
+                idempotency_key=key,
+                args_sha256=sha,
+                created_at=db_now(),
+            )
+            .on_conflict_do_nothing(index_elements=["scope", "tool_call_id"])
+            .returning(tool_calls.c.tool_call_id)
+        ).first()
+        if inserted is not None:
+            return True
+        bound = conn.execute(
+            sa.select(tool_calls.c.idempotency_key, tool_calls.c.args_sha256).where(
+                tool_calls.c.scope == scope, tool_calls.c.tool_call_id == tool_call_id
+            )
+        ).one()
+        if bound.idempotency_key != key or bound.args_sha256 != sha:
+            raise ConflictError(
+                scope=scope,
+                idempotency_key=bound.idempotency_key,
+                stored_sha256=bound.args_sha256,
+                requested_sha256=sha,
+                detail=f"tool_call_id {tool_call_id!r} is already recorded for that key",
+            )
+        return False
+
+    def approve(
+        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+    ) -> OperationRecord:
+        """pending_approval -> approved: attempt 1 may now run."""
+        return self._decide(scope, tool_call_id, Status.APPROVED, by, reason)
+
+    def reject(
+        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+    ) -> OperationRecord:
+        """pending_approval -> rejected: nothing will ever run."""
+        return self._decide(scope, tool_call_id, Status.REJECTED, by, reason)
+
+    def _decide(
+        self, scope: str, tool_call_id: str, new: Status, by: str, reason: str | None
+    ) -> OperationRecord:
+        check_transition(Status.PENDING_APPROVAL, new)
+        check_text_id(by, "decider", 256)
+        values: dict[str, Any] = {
+            "status": new,
+            "decided_by": by,
+            "decided_at": db_now(),
+            "reason": reason,
+        }
+        detail: dict[str, Any] = {"reason": reason}
+        if new is Status.APPROVED:
+            values["authorized_attempts"] = 1
+            detail["attempt"] = 1
+        with self._write() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            row = conn.execute(
+                operations.update()
+                .where(_op_key(scope, key), operations.c.status == Status.PENDING_APPROVAL)
+                .values(**values)
+                .returning(*operations.c)
+            ).first()
+            if row is None:
+                current = self._operation(conn, scope, key).status
+                raise InvalidTransition(current, new, f"call {tool_call_id!r}")
+            self._append(conn, _event(new, scope, key, by, detail))
+        return OperationRecord.from_row(row)
+
+    def authorize_retry(
+        self,
+        scope: str,
+        tool_call_id: str,
+        *,
+        by: str,
+        accept_duplicate: bool = False,
+        reason: str | None = None,
+    ) -> OperationRecord:
+        """unknown/failed -> approved: a new attempt under the same key, authorised by ``by``.
+
+        The caller (who knows the tool) decides whether a duplicate effect must be accepted
+        explicitly; the ledger records that it was.
+        """
+        check_text_id(by, "authoriser", 256)
+        with self._write() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            op = self._operation(conn, scope, key)
+            if op.status not in RETRYABLE:
+                raise InvalidTransition(
+                    op.status,
+                    Status.APPROVED,
+                    f"a retry of {tool_call_id!r} (only unknown or failed)",
+                )
+            attempt = op.authorized_attempts + 1
+            row = conn.execute(
+                operations.update()
+                .where(
+                    _op_key(scope, key),
+                    operations.c.status == op.status,
+                    operations.c.authorized_attempts == op.authorized_attempts,
+                )
+                .values(status=Status.APPROVED, authorized_attempts=attempt, enqueued_at=None)
+                .returning(*operations.c)
+            ).first()
+            if row is None:
+                raise InvalidTransition(op.status, Status.APPROVED, "a concurrent change")
+            detail = {
+                "attempt": attempt,
+                "retry": True,
+                "accept_duplicate": accept_duplicate,
+                "reason": reason,
+            }
+            self._append(conn, _event(Status.APPROVED, scope, key, by, detail))
+        return OperationRecord.from_row(row)
+
+    # ---------------------------------------------------------------- the executor's path
+
+    def claim(
+        self,
+        scope: str,
+        key: str,
+        attempt: int,
+        *,
+        worker_id: str,
+        lease_seconds: float = LEASE_SECONDS,
+    ) -> Claim | None:
+        """Win the right to run ``attempt``, or None: not approved, not authorised, or lost.
+
+        ``running`` and its event are committed before this returns (invariant 1): a crash
+        after it leaves evidence that the effect may have started.
+        """
+        if self._fast is not None:
+            return self._fast.claim(scope, key, attempt, worker_id, lease_seconds)  # type: ignore[no-any-return]
+        execution_id, token = new_execution_id(), new_lease_token()
+        with self._write() as conn:
+            op = conn.execute(
+                sa.select(operations.c.tool, operations.c.args).where(
+                    _op_key(scope, key),
+                    operations.c.status == Status.APPROVED,
+                    operations.c.authorized_attempts == attempt,
+                )
+            ).first()
+            if op is None:
+                return None
+            won = conn.execute(
+                self._insert(executions)
+                .values(
+                    execution_id=execution_id,
+                    scope=scope,
+                    idempotency_key=key,
+                    attempt=attempt,
+                    status=Status.RUNNING,
+                    worker_id=worker_id,
+                    lease_token=token,
+                    lease_expires_at=db_now_plus(lease_seconds),
+                    heartbeat_at=db_now(),
+                    started_at=db_now(),
+                    reconciled=False,
+                )
+                .on_conflict_do_nothing(index_elements=["scope", "idempotency_key", "attempt"])
+                .returning(executions.c.lease_expires_at)
+            ).first()
+            if won is None:
+                return None
+            self._move_operation(conn, scope, key, attempt, Status.APPROVED, Status.RUNNING)
+            detail = {"attempt": attempt, "worker_id": worker_id}
+            self._append(conn, _event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
+        return Claim(
+            execution_id=execution_id,
+            scope=scope,
+            idempotency_key=key,
+            attempt=attempt,
+            lease_token=token,
+            lease_expires_at=won.lease_expires_at,
+            worker_id=worker_id,
+            tool=op.tool,
+            args=op.args,
+        )
+
+    def renew_lease(
+        self, execution_id: str, lease_token: str, lease_seconds: float = LEASE_SECONDS
+    ) -> bool:
+        """Extend the lease by the database clock; False when the row is no longer ours."""
+        with self._write() as conn:
+            renewed = conn.execute(
+                executions.update()
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.status == Status.RUNNING,
+                    executions.c.lease_token == lease_token,
+                )
+                .values(lease_expires_at=db_now_plus(lease_seconds), heartbeat_at=db_now())
+                .returning(executions.c.execution_id)
+            ).first()
+        return renewed is not None
+
+    def finish(
+        self,
+        execution_id: str,
+        lease_token: str,
+        status: Status,
+        result: dict[str, Any],
+        *,
+        error: str | None = None,
+    ) -> ExecutionRecord:
+        """running -> succeeded/failed with its result, one transaction (invariant 2).
+
+        Raises StaleFence when the row is no longer running under this token: a sweep
+        declared it unknown, and the caller should record its result as evidence instead.
+        """
+        if status not in TERMINAL:
+            raise InvalidTransition(Status.RUNNING, status, "a terminal write")
+        if not isinstance(result, dict):
+            raise InvalidArguments("a result must be a JSON object")
+        if self._fast is not None:
+            return self._fast.finish(execution_id, lease_token, status, result, error)  # type: ignore[no-any-return]
+        with self._write() as conn:
+            row = conn.execute(
+                executions.update()
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.status == Status.RUNNING,
+                    executions.c.lease_token == lease_token,
+                )
+                .values(status=status, result=result, error=error, finished_at=db_now())
+                .returning(*executions.c)
+            ).first()
+            if row is None:
+                raise StaleFence(execution_id)
+            done = ExecutionRecord.from_row(row)
+            self._move_operation(
+                conn, done.scope, done.idempotency_key, done.attempt, Status.RUNNING, status
+            )
+            detail = {"result": result, "error": error, "reconciled": False}
+            self._append(
+                conn,
+                _event(
+                    status,
+                    done.scope,
+                    done.idempotency_key,
+                    done.worker_id or "worker",
+                    detail,
+                    execution_id,
+                ),
+            )
+        return done
+
+    def record_evidence(self, execution_id: str, detail: dict[str, Any], *, actor: str) -> int:
+        """Append a fact about an execution that changes no state (e.g. a late result)."""
+        with self._write() as conn:
+            seq = conn.execute(
+                execution_events.insert()
+                .from_select(
+                    ["scope", "idempotency_key", "execution_id", "kind", "actor", "at", "detail"],
+                    sa.select(
+                        executions.c.scope,
+                        executions.c.idempotency_key,
+                        executions.c.execution_id,
+                        sa.literal(EventKind.EVIDENCE.value),
+                        sa.literal(actor),
+                        db_now(),
+                        sa.literal(detail, execution_events.c.detail.type),
+                    ).where(executions.c.execution_id == execution_id),
+                )
+                .returning(execution_events.c.seq)
+            ).scalar_one_or_none()
+        if seq is None:
+            raise NotFound(f"no execution {execution_id!r}")
+        return int(seq)
+
+    # ---------------------------------------------------------------- recovery transitions
+
+    def mark_unknown(
+        self,
+        execution_id: str,
+        *,
+        reason: str,
+        actor: str,
+        lease_token: str | None = None,
+    ) -> ExecutionRecord:
+        """running -> unknown, for an executor known to be gone. The row is kept."""
+        where = [executions.c.execution_id == execution_id, executions.c.status == Status.RUNNING]
+        if lease_token is not None:
+            where.append(executions.c.lease_token == lease_token)
+        with self._write() as conn:
+            marked = self._mark_unknown(conn, where, reason, actor)
+        if not marked:
+            raise StaleFence(execution_id, f"execution {execution_id} is not running: unchanged")
+        return marked[0]
+
+    def mark_expired(
+        self, *, grace_seconds: float = 0.0, limit: int = 1000, actor: str = "sweep"
+    ) -> list[ExecutionRecord]:
+        """Every ``running`` whose lease expired more than ``grace_seconds`` ago -> unknown.
+
+        The UPDATE re-checks status and lease in its own WHERE, so an executor that renewed
+        or finished meanwhile wins; concurrent sweeps skip each other's locked rows and each
+        row changes (and gets its event) once.
+        """
+        deadline = db_now_plus(-grace_seconds)
+        expired = (
+            sa.select(executions.c.execution_id)
+            .where(executions.c.status == Status.RUNNING, executions.c.lease_expires_at < deadline)
+            .order_by(executions.c.lease_expires_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        where = [
+            executions.c.execution_id.in_(expired),
+            executions.c.status == Status.RUNNING,
+            executions.c.lease_expires_at < deadline,
+        ]
+        with self._write() as conn:
+            return self._mark_unknown(conn, where, "lease expired", actor)
+
+    def _mark_unknown(
+        self,
+        conn: sa.Connection,
+        where: Sequence[sa.ColumnElement[bool]],
+        reason: str,
+        actor: str,
+    ) -> list[ExecutionRecord]:
+        # RETURNING gives the new row; the heartbeat and lease columns are not changed by
+        # this UPDATE, so they are the last ones the executor wrote.
+        rows = conn.execute(
+            executions.update().where(*where).values(status=Status.UNKNOWN).returning(*executions.c)
+        ).all()
+        marked = [ExecutionRecord.from_row(r) for r in rows]
+        events = []
+        for ex in marked:
+            self._move_operation(
+                conn, ex.scope, ex.idempotency_key, ex.attempt, Status.RUNNING, Status.UNKNOWN
+            )
+            detail = {
+                "reason": reason,
+                "worker_id": ex.worker_id,
+                "last_heartbeat_at": ex.heartbeat_at.isoformat() if ex.heartbeat_at else None,
+                "lease_expired_at": ex.lease_expires_at.isoformat()
+                if ex.lease_expires_at
+                else None,
+            }
+            events.append(
+                _event(Status.UNKNOWN, ex.scope, ex.idempotency_key, actor, detail, ex.execution_id)
+            )
+        if events:
+            self._append(conn, *events)
+        return marked
+
+    def reconcile(
+        self,
+        execution_id: str,
+        status: Status,
+        result: dict[str, Any],
+        *,
+        evidence: dict[str, Any],
+        actor: str,
+    ) -> ExecutionRecord:
+        """unknown -> succeeded/failed on the same execution, ``reconciled: true``, with the
+        evidence that justified it. Zero rows (already resolved) raises StaleFence."""
+        if status not in TERMINAL:
+            raise InvalidTransition(Status.UNKNOWN, status, "a reconciliation")
+        if not isinstance(result, dict):
+            raise InvalidArguments("a result must be a JSON object")
+        with self._write() as conn:
+            row = conn.execute(
+                executions.update()
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.status == Status.UNKNOWN,
+                )
+                .values(status=status, result=result, reconciled=True, finished_at=db_now())
+                .returning(*executions.c)
+            ).first()
+            if row is None:
+                self._require_execution(conn, execution_id)
+                raise StaleFence(execution_id, f"execution {execution_id} is not unknown")
+            done = ExecutionRecord.from_row(row)
+            self._move_operation(
+                conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
+            )
+            detail = {"result": result, "reconciled": True, "evidence": evidence}
+            self._append(
+                conn, _event(status, done.scope, done.idempotency_key, actor, detail, execution_id)
+            )
+        return done
+
+    def resolve(
+        self, execution_id: str, status: Status, *, by: str, evidence: str
+    ) -> ExecutionRecord:
+        """A human's resolution of an unknown: who decided, and on what evidence."""
+        if status not in TERMINAL:
+            raise InvalidTransition(Status.UNKNOWN, status, "a human resolution")
+        check_text_id(by, "resolver", 256)
+        check_text_id(evidence, "evidence", 10_000)
+        result = {"status": status.value, "resolved_by": by, "evidence": evidence}
+        return self.reconcile(
+            execution_id,
+            status,
+            result,
+            evidence={"kind": "human", "by": by, "text": evidence},
+            actor=by,
+        )
+
+    # ---------------------------------------------------------------- outbox
+
+    def mark_enqueued(self, scope: str, key: str, attempt: int) -> bool:
+        """Record that a message for ``attempt`` was published (after it was)."""
+        with self._write() as conn:
+            row = conn.execute(
+                operations.update()
+                .where(
+                    _op_key(scope, key),
+                    operations.c.status == Status.APPROVED,
+                    operations.c.authorized_attempts == attempt,
+                )
+                .values(enqueued_at=db_now())
+                .returning(operations.c.scope)
+            ).first()
+        return row is not None
+
+    def take_due_for_enqueue(
+        self, *, older_than_seconds: float, limit: int = 1000
+    ) -> list[tuple[str, str, int]]:
+        """Approved, unclaimed work whose last publication is older than the threshold (or
+        never happened). Stamps each as enqueued now, so concurrent sweeps take it once."""
+        deadline = db_now_plus(-older_than_seconds)
+        last = sa.func.coalesce(operations.c.enqueued_at, operations.c.decided_at)
+        due = (
+            sa.select(operations.c.scope, operations.c.idempotency_key)
+            .where(operations.c.status == Status.APPROVED, last < deadline)
+            .order_by(operations.c.enqueued_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        with self._write() as conn:
+            rows = conn.execute(
+                operations.update()
+                .where(
+                    sa.tuple_(operations.c.scope, operations.c.idempotency_key).in_(due),
+                    operations.c.status == Status.APPROVED,
+                    last < deadline,
+                )
+                .values(enqueued_at=db_now())
+                .returning(
+                    operations.c.scope,
+                    operations.c.idempotency_key,
+                    operations.c.authorized_attempts,
+                )
+            ).all()
+        return [(r.scope, r.idempotency_key, r.authorized_attempts) for r in rows]
+
+    # ---------------------------------------------------------------- reads
+
+    def key_for(self, scope: str, tool_call_id: str) -> str:
+        with self._read() as conn:
+            return self._key_for(conn, scope, tool_call_id)
+
+    def operation(self, scope: str, key: str) -> OperationRecord:
+        with self._read() as conn:
+            return self._operation(conn, scope, key)
+
+    def execution(self, execution_id: str) -> ExecutionRecord:
+        with self._read() as conn:
+            return self._require_execution(conn, execution_id)
+
+    @staticmethod
+    def _require_execution(conn: sa.Connection, execution_id: str) -> ExecutionRecord:
+        row = conn.execute(
+            sa.select(executions).where(executions.c.execution_id == execution_id)
+        ).first()
+        if row is None:
+            raise NotFound(f"no execution {execution_id!r}")
+        return ExecutionRecord.from_row(row)
+
+    def get(self, scope: str, tool_call_id: str) -> CallView:
+        """The call, its action and every attempt at it."""
+        with self._read() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            op = self._operation(conn, scope, key)
+            rows = conn.execute(
+                sa.select(executions)
+                .where(executions.c.scope == scope, executions.c.idempotency_key == key)
+                .order_by(executions.c.attempt)
+            ).all()
+        return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
+
+    def events(self, scope: str, tool_call_id: str) -> list[EventRecord]:
+        """The history of the call's action, in order."""
+        with self._read() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            rows = conn.execute(
+                sa.select(execution_events)
+                .where(
+                    execution_events.c.scope == scope,
+                    execution_events.c.idempotency_key == key,
+                )
+                .order_by(execution_events.c.seq)
+            ).all()
+        return [EventRecord.from_row(r) for r in rows]
+
+    def receipt(self, scope: str, tool_call_id: str) -> Receipt:
+        """The result to hand the model, by the replay rules; never runs anything."""
+        view = self.get(scope, tool_call_id)
+        return receipt_for(view.operation, view.current)
+
+    def list_calls(
+        self,
+        *,
+        status: Status | None = None,
+        scope: str | None = None,
+        limit: int = LIST_LIMIT,
+    ) -> list[ListedCall]:
+        """Calls from current state (never from the history), oldest first."""
+        first_call = (
+            sa.select(sa.func.min(tool_calls.c.tool_call_id))
+            .where(
+                tool_calls.c.scope == operations.c.scope,
+                tool_calls.c.idempotency_key == operations.c.idempotency_key,
+            )
+            .scalar_subquery()
+        )
+        current = sa.and_(
+            executions.c.scope == operations.c.scope,
+            executions.c.idempotency_key == operations.c.idempotency_key,
+            executions.c.attempt == operations.c.authorized_attempts,
+        )
+        query = sa.select(
+            operations.c.scope,
+            operations.c.idempotency_key,
+            operations.c.tool,
+            operations.c.status,
+            operations.c.authorized_attempts,
+            operations.c.created_at,
+            executions.c.execution_id,
+            executions.c.reconciled,
+            first_call.label("tool_call_id"),
+        ).select_from(operations.outerjoin(executions, current))
+        if status is not None:
+            query = query.where(operations.c.status == status)
+        if scope is not None:
+            query = query.where(operations.c.scope == scope)
+        query = query.order_by(
+            operations.c.created_at, operations.c.scope, operations.c.idempotency_key
+        )
+        if limit:
+            query = query.limit(limit)
+        with self._read() as conn:
+            return [ListedCall.from_row(r) for r in conn.execute(query)]
+
+    def unknown_executions(
+        self, limit: int = 1000
+    ) -> list[tuple[ExecutionRecord, OperationRecord]]:
+        """Executions that are unknown now, with their operations (the partial index)."""
+        query = (
+            sa.select(executions, *[c.label(f"op_{c.name}") for c in operations.c])
+            .join(
+                operations,
+                sa.and_(
+                    operations.c.scope == executions.c.scope,
+                    operations.c.idempotency_key == executions.c.idempotency_key,
+                ),
+            )
+            .where(executions.c.status == Status.UNKNOWN)
+            .order_by(executions.c.scope, executions.c.idempotency_key)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+        out = []
+        for row in rows:
+            m = row._mapping
+            op = {c.name: m[f"op_{c.name}"] for c in operations.c}
+            out.append((ExecutionRecord.from_row(row), OperationRecord.from_row(op)))  # type: ignore[arg-type]
+        return out
+
+    def evidence_for(self, scope: str, key: str, execution_id: str) -> list[EventRecord]:
+        """Evidence events recorded for one execution, oldest first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(execution_events)
+                .where(
+                    execution_events.c.scope == scope,
+                    execution_events.c.idempotency_key == key,
+                    execution_events.c.execution_id == execution_id,
+                    execution_events.c.kind == EventKind.EVIDENCE,
+                )
+                .order_by(execution_events.c.seq)
+            ).all()
+        return [EventRecord.from_row(r) for r in rows]
+
+    def verify(self, page_size: int = 1000) -> Any:
+        """Rebuild current state from the events alone and report every difference."""
+        from ledger.events import verify
+
+        return verify(self.engine, page_size)

@@ -1,0 +1,40 @@
+"""The replay rules (DESIGN §6): what the model is told about a call, without running it."""
+
+from __future__ import annotations
+
+from ledger.errors import CorruptRecord, NoReceipt
+from ledger.records import ExecutionRecord, OperationRecord, Receipt
+from ledger.transitions import TERMINAL, Status
+
+UNKNOWN_MESSAGE = (
+    "The outcome of this tool call could not be confirmed: its executor stopped before "
+    "recording a result. It was not run again. Treat the effect as possibly applied and "
+    "ask a human before repeating it."
+)
+
+
+def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -> Receipt:
+    """The receipt for ``operation``, whose current attempt is ``execution`` (or None)."""
+    status = operation.status
+    if status is Status.REJECTED:
+        content: dict[str, object] = {"status": "rejected"}
+        if operation.reason:
+            content["reason"] = operation.reason
+        return Receipt(status, content, None)
+    if status is Status.UNKNOWN:
+        if execution is None:
+            raise CorruptRecord(f"{operation.idempotency_key!r} is unknown without an execution")
+        content = {
+            "status": "unknown",
+            "execution_id": execution.execution_id,
+            "message": UNKNOWN_MESSAGE,
+        }
+        return Receipt(status, content, execution.execution_id)
+    if status in TERMINAL:
+        if execution is None or execution.result is None:
+            raise CorruptRecord(
+                f"{operation.idempotency_key!r} is {status} without a saved result: "
+                "recovery stops here; inspect the ledger"
+            )
+        return Receipt(status, execution.result, execution.execution_id)
+    raise NoReceipt(f"{operation.idempotency_key!r} is {status}: there is no receipt yet")

@@ -1,0 +1,218 @@
+"""Rows as frozen dataclasses, built from database rows by ``from_row``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Self
+
+import sqlalchemy as sa
+
+from ledger.transitions import Status
+
+
+class _FromRow:
+    @classmethod
+    def from_row(cls, row: sa.Row[Any] | sa.RowMapping) -> Self:
+        mapping = row._mapping if isinstance(row, sa.Row) else row
+        values = {f.name: mapping[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        if "status" in values:
+            values["status"] = Status(values["status"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class OperationRecord(_FromRow):
+    """A logical action: what was asked, who decided, where it stands."""
+
+    scope: str
+    idempotency_key: str
+    tool: str
+    args: dict[str, Any]
+    args_sha256: str
+    status: Status
+    authorized_attempts: int
+    decided_by: str | None
+    decided_at: datetime | None
+    reason: str | None
+    created_at: datetime
+    enqueued_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionRecord(_FromRow):
+    """One real attempt."""
+
+    execution_id: str
+    scope: str
+    idempotency_key: str
+    attempt: int
+    status: Status
+    worker_id: str | None
+    lease_token: str | None
+    lease_expires_at: datetime | None
+    heartbeat_at: datetime | None
+    started_at: datetime
+    finished_at: datetime | None
+    result: dict[str, Any] | None
+    reconciled: bool
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The public view: everything but the lease token, which is the executor's fence."""
+        return {
+            "execution_id": self.execution_id,
+            "attempt": self.attempt,
+            "status": self.status.value,
+            "result": self.result,
+            "reconciled": self.reconciled,
+            "worker_id": self.worker_id,
+            "error": self.error,
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "lease_expires_at": _iso(self.lease_expires_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord(_FromRow):
+    """One entry of the append-only history."""
+
+    seq: int
+    scope: str
+    idempotency_key: str
+    execution_id: str | None
+    kind: str
+    actor: str
+    at: datetime
+    detail: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "kind": self.kind,
+            "execution_id": self.execution_id,
+            "actor": self.actor,
+            "at": _iso(self.at),
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The right to run one attempt, held under a lease token (the fence)."""
+
+    execution_id: str
+    scope: str
+    idempotency_key: str
+    attempt: int
+    lease_token: str
+    lease_expires_at: datetime
+    worker_id: str
+    tool: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """The tool result handed back to the model for one tool_call_id."""
+
+    status: Status
+    content: dict[str, Any]
+    execution_id: str | None
+
+    @property
+    def is_error(self) -> bool:
+        return self.status in (Status.FAILED, Status.REJECTED)
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What submit did: recorded a new action, linked a new call to one, or found the call."""
+
+    operation: OperationRecord
+    tool_call_id: str
+    outcome: Literal["created", "linked", "existing"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallView:
+    """Everything known about one tool call: its action and every attempt at it."""
+
+    scope: str
+    tool_call_id: str
+    operation: OperationRecord
+    executions: tuple[ExecutionRecord, ...]
+
+    @property
+    def current(self) -> ExecutionRecord | None:
+        """The execution of the latest authorised attempt, if it was claimed."""
+        attempt = self.operation.authorized_attempts
+        return next((e for e in self.executions if e.attempt == attempt), None)
+
+    def to_json(self, receipt: Receipt | None) -> dict[str, Any]:
+        op = self.operation
+        return {
+            "scope": self.scope,
+            "tool_call_id": self.tool_call_id,
+            "tool": op.tool,
+            "idempotency_key": op.idempotency_key,
+            "args_sha256": op.args_sha256,
+            "status": op.status.value,
+            "args": op.args,
+            "authorized_attempts": op.authorized_attempts,
+            "decided_by": op.decided_by,
+            "reason": op.reason,
+            "created_at": _iso(op.created_at),
+            "enqueued_at": _iso(op.enqueued_at),
+            "executions": [e.to_json() for e in self.executions],
+            "receipt": receipt.content if receipt else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ListedCall:
+    """One row of ``list``: an action, its first tool call and its current attempt."""
+
+    scope: str
+    idempotency_key: str
+    tool_call_id: str | None
+    tool: str
+    status: Status
+    attempt: int
+    execution_id: str | None
+    reconciled: bool | None
+    created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Any) -> ListedCall:
+        m = row._mapping
+        return cls(
+            scope=m["scope"],
+            idempotency_key=m["idempotency_key"],
+            tool_call_id=m["tool_call_id"],
+            tool=m["tool"],
+            status=Status(m["status"]),
+            attempt=m["authorized_attempts"],
+            execution_id=m["execution_id"],
+            reconciled=m["reconciled"],
+            created_at=m["created_at"],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scope": self.scope,
+            "tool_call_id": self.tool_call_id,
+            "idempotency_key": self.idempotency_key,
+            "tool": self.tool,
+            "status": self.status.value,
+            "attempt": self.attempt,
+            "execution_id": self.execution_id,
+            "reconciled": self.reconciled,
+            "created_at": _iso(self.created_at),
+        }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None

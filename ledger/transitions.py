@@ -1,0 +1,78 @@
+"""The state machine: the vocabulary of statuses and the one table of allowed changes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from ledger.errors import InvalidStatus, InvalidTransition
+
+
+class Status(StrEnum):
+    """Where a logical action (and each real attempt at it) stands."""
+
+    PENDING_APPROVAL = "pending_approval"  # recorded; waits for a human decision
+    APPROVED = "approved"  # may run; its authorised attempt is not claimed yet
+    REJECTED = "rejected"  # a human said no; nothing ever runs
+    RUNNING = "running"  # claimed, durable before the effect starts
+    SUCCEEDED = "succeeded"  # the tool reported success; its result was saved with it
+    FAILED = "failed"  # the tool reported failure; partial effects are still possible
+    UNKNOWN = "unknown"  # the outcome cannot be confirmed; NOT "safe to run again"
+
+
+class EventKind(StrEnum):
+    """What an event in the history records: a status change, or one of these."""
+
+    SUBMITTED = "submitted"  # the operation and its first tool call were recorded
+    LINKED = "linked"  # another tool_call_id names the same key, same arguments
+    PENDING_APPROVAL = "pending_approval"
+    APPROVED = "approved"  # also a retry: a new attempt authorised under the same key
+    REJECTED = "rejected"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    EVIDENCE = "evidence"  # a fact about an execution that changed no state (late result)
+
+
+#: Statuses an execution row (one real attempt) can have.
+EXECUTION_STATUSES = frozenset({Status.RUNNING, Status.SUCCEEDED, Status.FAILED, Status.UNKNOWN})
+#: Statuses whose row must carry a result, written in the same transaction.
+TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED})
+#: Statuses where the call still waits for something (a human, a worker, evidence).
+OPEN = frozenset({Status.PENDING_APPROVAL, Status.APPROVED, Status.RUNNING, Status.UNKNOWN})
+
+#: Statuses a human may authorise a new attempt from (a retry is not an approval).
+RETRYABLE = frozenset({Status.UNKNOWN, Status.FAILED})
+
+#: Every allowed (old, new) pair; ``None`` is "not recorded yet". Nothing else is allowed.
+TRANSITIONS: frozenset[tuple[Status | None, Status]] = frozenset(
+    {
+        (None, Status.PENDING_APPROVAL),  # submit without an approver
+        (None, Status.APPROVED),  # submit with an approver
+        (Status.PENDING_APPROVAL, Status.APPROVED),
+        (Status.PENDING_APPROVAL, Status.REJECTED),
+        (Status.APPROVED, Status.RUNNING),  # the claim
+        (Status.RUNNING, Status.SUCCEEDED),  # the executor's terminal write
+        (Status.RUNNING, Status.FAILED),
+        (Status.RUNNING, Status.UNKNOWN),  # lease expired: the executor is gone
+        (Status.UNKNOWN, Status.SUCCEEDED),  # reconciled with evidence, or resolved by a human
+        (Status.UNKNOWN, Status.FAILED),
+        (Status.UNKNOWN, Status.APPROVED),  # a human authorised a new attempt
+        (Status.FAILED, Status.APPROVED),
+    }
+)
+
+
+def parse_status(value: str) -> Status:
+    """The Status named ``value``, or InvalidStatus before anything is written."""
+    try:
+        return Status(value)
+    except ValueError:
+        names = ", ".join(s.value for s in Status)
+        raise InvalidStatus(f"unknown status {value!r}; expected one of: {names}") from None
+
+
+def check_transition(old: Status | None, new: Status, what: str = "") -> None:
+    """Raise InvalidTransition unless (old, new) is in the table."""
+    if (old, new) not in TRANSITIONS:
+        raise InvalidTransition(old, new, what)

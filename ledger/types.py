@@ -1,0 +1,92 @@
+"""Column types and SQL expressions that behave the same on Postgres and SQLite.
+
+Leases are judged by the database clock, never the caller's: ``db_now()`` and
+``db_now_plus(seconds)`` compile to ``now()`` on Postgres and to SQLite's own clock,
+written in the same text format SQLAlchemy uses for SQLite datetimes, so that
+comparisons in SQL and values read back agree.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+
+# SQLite keeps text; %f gives milliseconds, padded to the microseconds SQLAlchemy writes.
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
+
+
+class UTCDateTime(sa.types.TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes; naive text on SQLite, timestamptz on Postgres."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetimes are refused: pass an aware UTC datetime")
+        if dialect.name == "sqlite":
+            return value.astimezone(UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def dumps(value: Any) -> str:
+    """How JSON columns are written: compact, non-ASCII kept, key order as given."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+#: JSON stored as text on both dialects (not JSONB): a saved result replays byte for byte.
+JSONType = sa.JSON(none_as_null=True)
+
+
+class db_now(FunctionElement[datetime]):  # reads like the SQL function it is
+    """The database's current time."""
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+class db_now_plus(FunctionElement[datetime]):
+    """The database's current time plus ``seconds`` (negative for the past)."""
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+    def __init__(self, seconds: float | sa.ColumnElement[Any]) -> None:
+        if not isinstance(seconds, sa.ColumnElement):
+            seconds = sa.bindparam("seconds", float(seconds), type_=sa.Float)
+        super().__init__(seconds)
+
+
+@compiles(db_now, "postgresql")
+def _pg_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(db_now, "sqlite")
+def _sqlite_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "(" + _SQLITE_NOW.format(modifier="") + ")"
+
+
+@compiles(db_now_plus, "postgresql")
+def _pg_now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(now() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
+
+
+@compiles(db_now_plus, "sqlite")
+def _sqlite_now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return "(" + _SQLITE_NOW.format(modifier=f", printf('%+.6f seconds', {seconds})") + ")"

@@ -1,0 +1,222 @@
+"""Shared fixtures: real Postgres and Redis, a fresh database per test module, both backends.
+
+- Postgres: one migrated template per session, cloned per module (CREATE DATABASE … TEMPLATE).
+- SQLite: one migrated template file per session, copied per module.
+- ``db_url`` is parametrised over both backends: a test written once runs on both.
+- Redis: a key prefix per test (kombu's ``global_keyprefix``), deleted afterwards.
+- A service that does not answer: testcontainers if a Docker engine runs here; otherwise a
+  loud skip locally, and a failure under CI=true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from ledger.db import create_engine, upgrade
+from ledger.ledger import Ledger
+
+CI = os.environ.get("CI", "").lower() == "true"
+PG_URL = os.environ.get("TOOLLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("TOOLLEDGER_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def missing_service(name: str, reason: str) -> None:
+    """Skip loudly, or fail under CI=true: a missing service is never a silent pass."""
+    message = f"{name} is not reachable ({reason})"
+    if CI:
+        pytest.fail(f"{message}; under CI=true a missing service is a failure", pytrace=False)
+    pytest.skip(f"{message}; start it (see README) - skipped locally, fails under CI=true")
+
+
+def docker_engine_runs() -> bool:
+    if not shutil.which("docker"):
+        return False
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    return False
+
+
+def _admin(url: str) -> sa.Engine:
+    return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0)
+
+
+# ---------------------------------------------------------------------------- Postgres
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """A URL of a Postgres where we may create databases."""
+    try:
+        engine = create_engine(PG_URL, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+        engine.dispose()
+        yield PG_URL
+        return
+    except sa.exc.OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0]
+    if docker_engine_runs():
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:15.8-alpine", driver="psycopg") as container:
+            yield container.get_connection_url()
+        return
+    missing_service("PostgreSQL", reason)
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_server: str) -> Iterator[str]:
+    """A migrated database that every module's database is cloned from."""
+    name = f"tl_tpl_{uuid.uuid4().hex[:10]}"
+    admin = _admin(pg_server)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    engine = create_engine(sa.make_url(pg_server).set(database=name).render_as_string(False))
+    upgrade(engine)
+    engine.dispose()
+    yield name
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    admin.dispose()
+
+
+@contextlib.contextmanager
+def fresh_pg_database(server: str, template: str) -> Iterator[str]:
+    name = f"tl_t_{uuid.uuid4().hex[:12]}"
+    admin = _admin(server)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name} TEMPLATE {template}")
+    try:
+        yield sa.make_url(server).set(database=name).render_as_string(False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def pg_url(pg_server: str, pg_template: str) -> Iterator[str]:
+    """A fresh, migrated Postgres database for this test module."""
+    with fresh_pg_database(pg_server, pg_template) as url:
+        yield url
+
+
+# ---------------------------------------------------------------------------- SQLite
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "ledger.db"
+    engine = create_engine(f"sqlite:///{path}")
+    upgrade(engine)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    engine.dispose()
+    return path
+
+
+def fresh_sqlite_database(template: Path, directory: Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "ledger.db"
+    shutil.copyfile(template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture(scope="module")
+def sqlite_url(sqlite_template: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fresh, migrated SQLite database (WAL) for this test module."""
+    return fresh_sqlite_database(sqlite_template, tmp_path_factory.mktemp("sqlite"))
+
+
+# ---------------------------------------------------------------------------- both
+
+
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def db_url(backend: str, request: pytest.FixtureRequest) -> str:
+    """A fresh ledger database for this module, on each backend in turn."""
+    return str(request.getfixturevalue("pg_url" if backend == "postgres" else "sqlite_url"))
+
+
+@pytest.fixture(scope="module")
+def ledger(db_url: str) -> Iterator[Ledger]:
+    led = Ledger(db_url)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+def fresh_db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database of its own for one test (global checks such as verify or list)."""
+    if backend == "postgres":
+        server = request.getfixturevalue("pg_server")
+        template = request.getfixturevalue("pg_template")
+        with fresh_pg_database(server, template) as url:
+            yield url
+    else:
+        yield fresh_sqlite_database(request.getfixturevalue("sqlite_template"), tmp_path / "db")
+
+
+_scopes = itertools.count(1)
+
+
+@pytest.fixture
+def scope() -> str:
+    """A scope no other test uses: tests sharing a module database never see each other."""
+    return f"t{next(_scopes)}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------- Redis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+    try:
+        client.ping()
+        yield REDIS_URL
+        return
+    except redis.RedisError as exc:
+        reason = str(exc)
+    finally:
+        client.close()
+    if docker_engine_runs():
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer("redis:7.2-alpine") as container:
+            host, port = container.get_container_host_ip(), container.get_exposed_port(6379)
+            yield f"redis://{host}:{port}/0"
+        return
+    missing_service("Redis", reason)
+
+
+@pytest.fixture
+def redis_prefix(redis_server: str) -> Iterator[str]:
+    """A key prefix of this test's own; every key under it is deleted afterwards."""
+    import redis
+
+    prefix = f"tltest-{uuid.uuid4().hex[:10]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_server)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()

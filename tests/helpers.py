@@ -1,0 +1,15 @@
+"""Helpers tests share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+TABLES = ("operations", "tool_calls", "executions", "execution_events")
+
+
+def row_counts(engine: sa.Engine) -> dict[str, Any]:
+    """How many rows each ledger table holds (to prove that refused input wrote nothing)."""
+    with engine.connect() as conn:
+        return {t: conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar_one() for t in TABLES}

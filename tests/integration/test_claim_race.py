@@ -1,0 +1,73 @@
+"""Invariant 3 under real concurrency: 8 processes race over the same 1,000 keys."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+
+import sqlalchemy as sa
+
+from ledger.ledger import Ledger
+
+PROCESSES, KEYS = 8, 1000
+
+
+def _racer(
+    url: str, scope: str, index: int, start_at: float
+) -> tuple[list[str], int, list[str], float]:
+    ledger = Ledger(url)
+    keys = [f"write_file:c{i}" for i in range(KEYS)]
+    random.Random(index).shuffle(keys)
+    won, lost, errors = [], 0, []
+    while time.time() < start_at:  # all processes start together
+        time.sleep(0.001)
+    began = time.perf_counter()
+    for key in keys:
+        try:
+            claim = ledger.claim(scope, key, 1, worker_id=f"p{index}")
+        except Exception as exc:  # noqa: BLE001 - every error is a finding here
+            errors.append(repr(exc))
+            continue
+        if claim is None:
+            lost += 1
+        else:
+            won.append(key)
+    elapsed = time.perf_counter() - began
+    ledger.close()
+    return won, lost, errors, elapsed
+
+
+def test_claim_race__exactly_one_winner_per_key(db_url, scope, record_property):
+    ledger = Ledger(db_url)
+    for i in range(KEYS):
+        ledger.submit(
+            scope, f"c{i}", "write_file", {"path": f"f{i}", "content": "x"}, approved_by="a"
+        )
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 3.0
+    with ctx.Pool(PROCESSES) as pool:
+        results = pool.starmap(_racer, [(db_url, scope, i, start_at) for i in range(PROCESSES)])
+    won = [key for w, _, _, _ in results for key in w]
+    lost = sum(r[1] for r in results)
+    errors = [e for r in results for e in r[2]]
+    assert errors == []
+    assert len(won) == KEYS and len(set(won)) == KEYS  # exactly 1,000 wins, no key twice
+    assert lost == (PROCESSES - 1) * KEYS  # every other attempt a clean lost claim
+    with ledger.engine.connect() as conn:
+        executions = conn.execute(
+            sa.text("SELECT count(*) FROM executions WHERE scope = :s"), {"s": scope}
+        ).scalar_one()
+        running_events = conn.execute(
+            sa.text("SELECT count(*) FROM execution_events WHERE scope = :s AND kind = 'running'"),
+            {"s": scope},
+        ).scalar_one()
+    assert executions == KEYS and running_events == KEYS
+    wall = max(r[3] for r in results)
+    rate = PROCESSES * KEYS / wall
+    record_property("claim_attempts_per_s", round(rate))
+    print(
+        f"\nclaim race: {PROCESSES}x{KEYS} attempts in {wall:.2f}s = {rate:.0f} attempts/s, "
+        f"{KEYS} wins, {lost} lost, wins per process {[len(r[0]) for r in results]}"
+    )
+    ledger.close()

@@ -1,0 +1,240 @@
+"""The CLI contract (DESIGN §9): JSON fields, exit codes, one-line errors, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ledger.ledger import Ledger
+from tests.helpers import row_counts
+from worker.cli import main
+
+ARGS = '{"path": "a.txt", "content": "done"}'
+
+
+@pytest.fixture
+def run(db_url, capsys):
+    def _run(*argv: str) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--db", db_url, *argv])
+        out, err = capsys.readouterr()
+        return int(exit_.value.code or 0), out, err
+
+    return _run
+
+
+def submit(run, scope, cid="c1", args=ARGS, *extra):
+    return run(
+        "submit",
+        "--scope",
+        scope,
+        "--tool-call-id",
+        cid,
+        "--tool",
+        "write_file",
+        "--args",
+        args,
+        *extra,
+    )
+
+
+BAD_INPUT = [
+    ("malformed-json", ["--args", '{"path": '], "not valid JSON"),
+    ("nan", ["--args", '{"x": NaN}'], "NaN is not allowed"),
+    ("non-object", ["--args", "[1, 2]"], "must be a JSON object"),
+    ("string", ["--args", '"hello"'], "must be a JSON object"),
+    ("oversized", ["--args", json.dumps({"content": "x" * 200})], "over the cap"),
+    ("bad-tool-name", ["--args", ARGS, "--tool", "rm -rf"], "tool name"),
+    ("empty-key", ["--args", ARGS, "--key", ""], "must not be empty"),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "message"), BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
+def test_cli__bad_input_refused_exit_6_nothing_written(
+    run, ledger, scope, monkeypatch, name, argv, message
+):
+    monkeypatch.setenv("TOOLLEDGER_MAX_ARGS_BYTES", "100")
+    before = row_counts(ledger.engine)
+    base = ["submit", "--scope", scope, "--tool-call-id", "c1", "--tool", "write_file"]
+    code, out, err = run(*base, *argv)
+    assert code == 6, err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert out == ""
+    assert row_counts(ledger.engine) == before
+
+
+@pytest.mark.parametrize("bad_scope", ["../x", "a/b", "..", "", "x" * 200, "a b"])
+def test_cli__unsafe_scope_refused_everywhere(run, ledger, bad_scope):
+    before = row_counts(ledger.engine)
+    for argv in (
+        [
+            "submit",
+            "--scope",
+            bad_scope,
+            "--tool-call-id",
+            "c",
+            "--tool",
+            "write_file",
+            "--args",
+            ARGS,
+        ],
+        ["show", "--scope", bad_scope, "--tool-call-id", "c"],
+        ["approve", "--scope", bad_scope, "--tool-call-id", "c", "--by", "x"],
+        ["list", "--scope", bad_scope],
+    ):
+        code, _, err = run(*argv)
+        assert code == 6, (argv, err)
+        assert "scope" in err
+    assert row_counts(ledger.engine) == before
+
+
+def test_cli__unknown_status_refused(run):
+    code, _, err = run("list", "--status", "done")
+    assert code == 6 and "unknown status 'done'" in err
+
+
+def test_cli__json_errors_are_one_json_object(run, scope):
+    code, out, err = run("show", "--scope", scope, "--tool-call-id", "nope", "--json")
+    assert code == 4 and out == ""
+    assert json.loads(err) == {"error": f"no call 'nope' in scope '{scope}'", "exit_code": 4}
+
+
+def test_cli__usage_error_exit_2(run, scope):
+    code, _, err = run("submit", "--scope", scope)
+    assert code == 2 and "Missing option" in err and err.count("\n") == 1
+
+
+def test_cli__conflict_exit_3_names_both_hashes(run, ledger, scope):
+    assert submit(run, scope)[0] == 0
+    before = row_counts(ledger.engine)
+    code, _, err = submit(run, scope, "c1", '{"path": "a.txt", "content": "other"}', "--json")
+    assert code == 3
+    error = json.loads(err)["error"]
+    view = ledger.get(scope, "c1")
+    assert view.operation.args_sha256 in error
+    assert row_counts(ledger.engine) == before
+
+
+def test_cli__state_does_not_allow_exit_5(run, scope):
+    submit(run, scope, "c1", ARGS, "--approved-by", "alice")
+    code, _, err = run("approve", "--scope", scope, "--tool-call-id", "c1", "--by", "bob")
+    assert code == 5 and "approved to approved" in err
+
+
+def test_cli__submit_show_events_list_json_contract(run, scope):
+    code, out, _ = submit(run, scope, "c1", ARGS, "--json")
+    assert code == 0
+    submitted = json.loads(out)
+    assert submitted["status"] == "pending_approval" and submitted["outcome"] == "created"
+    assert run("approve", "--scope", scope, "--tool-call-id", "c1", "--by", "bob", "--json")[0] == 0
+
+    code, out, _ = run("show", "--scope", scope, "--tool-call-id", "c1", "--json")
+    shown = json.loads(out)
+    for field in (
+        "scope",
+        "tool_call_id",
+        "tool",
+        "idempotency_key",
+        "args_sha256",
+        "status",
+        "executions",
+        "receipt",
+    ):
+        assert field in shown
+    assert (shown["status"], shown["idempotency_key"], shown["receipt"]) == (
+        "approved",
+        "write_file:c1",
+        None,
+    )
+    assert shown["args_sha256"] == submitted["args_sha256"]
+
+    code, out, _ = run("events", "--scope", scope, "--tool-call-id", "c1", "--json")
+    kinds = [e["kind"] for e in json.loads(out)["events"]]
+    assert kinds == ["submitted", "pending_approval", "approved"]
+
+    code, out, _ = run("--json", "list", "--scope", scope, "--status", "approved")
+    listed = json.loads(out)
+    assert listed["count"] == 1 and listed["calls"][0]["tool_call_id"] == "c1"
+
+
+def test_cli__show_json_executions_carry_the_contract_fields(run, ledger, scope):
+    submit(run, scope, "c1", ARGS, "--approved-by", "alice")
+    claim = ledger.claim(scope, "write_file:c1", 1, worker_id="w")
+    from ledger.transitions import Status
+
+    ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"bytes_written": 4})
+    shown = json.loads(run("show", "--scope", scope, "--tool-call-id", "c1", "--json")[1])
+    (ex,) = shown["executions"]
+    assert {k: ex[k] for k in ("execution_id", "attempt", "status", "result", "reconciled")} == {
+        "execution_id": claim.execution_id,
+        "attempt": 1,
+        "status": "succeeded",
+        "result": {"bytes_written": 4},
+        "reconciled": False,
+    }
+    assert "lease_token" not in ex
+    assert shown["receipt"] == {"bytes_written": 4}
+
+
+def test_cli__real_entry_point_never_prints_a_traceback(tmp_path: Path):
+    exe = Path(sys.executable).with_name("toolledger")
+    env = {"PATH": "/usr/bin:/bin", "TOOLLEDGER_HOME": str(tmp_path / "home")}
+    bad = subprocess.run(
+        [
+            str(exe),
+            "submit",
+            "--scope",
+            "s",
+            "--tool-call-id",
+            "c",
+            "--tool",
+            "write_file",
+            "--args",
+            "{oops",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert bad.returncode == 6
+    assert bad.stderr.startswith("toolledger: error:") and "Traceback" not in bad.stderr
+    assert not (tmp_path / "home").exists()  # refused input created nothing at all
+    ok = subprocess.run([str(exe), "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert ok.returncode == 0 and "submit" in ok.stdout
+
+
+def test_cli__embedded_default_creates_its_ledger_on_first_use(tmp_path: Path):
+    exe = Path(sys.executable).with_name("toolledger")
+    env = {"PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [
+            str(exe),
+            "submit",
+            "--scope",
+            "s",
+            "--tool-call-id",
+            "c",
+            "--tool",
+            "write_file",
+            "--args",
+            ARGS,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / ".toolledger" / "ledger.db").exists()
+    led = Ledger(f"sqlite:///{tmp_path / '.toolledger' / 'ledger.db'}")
+    assert led.get("s", "c").operation.status.value == "pending_approval"
+    led.close()

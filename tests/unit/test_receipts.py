@@ -1,0 +1,83 @@
+from datetime import UTC, datetime
+
+import pytest
+
+from ledger.errors import CorruptRecord, NoReceipt
+from ledger.receipts import receipt_for
+from ledger.records import ExecutionRecord, OperationRecord
+from ledger.transitions import Status
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def op(status, reason=None):
+    return OperationRecord(
+        scope="s",
+        idempotency_key="write_file:c1",
+        tool="write_file",
+        args={},
+        args_sha256="0" * 64,
+        status=status,
+        authorized_attempts=1,
+        decided_by="alice",
+        decided_at=NOW,
+        reason=reason,
+        created_at=NOW,
+        enqueued_at=None,
+    )
+
+
+def ex(status, result=None):
+    return ExecutionRecord(
+        execution_id="e1",
+        scope="s",
+        idempotency_key="write_file:c1",
+        attempt=1,
+        status=status,
+        worker_id="w",
+        lease_token="t",
+        lease_expires_at=NOW,
+        heartbeat_at=NOW,
+        started_at=NOW,
+        finished_at=None,
+        result=result,
+        reconciled=False,
+        error=None,
+    )
+
+
+def test_receipt__rejected():
+    r = receipt_for(op(Status.REJECTED, reason="not today"), None)
+    assert r.content == {"status": "rejected", "reason": "not today"}
+    assert r.is_error
+
+
+@pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
+def test_receipt__terminal_replays_exactly_the_saved_result(status):
+    saved = {"path": "diagnosis.txt", "bytes_written": 4, "nested": {"b": 1, "a": [2]}}
+    r = receipt_for(op(status), ex(status, saved))
+    assert r.content == saved
+    assert list(r.content) == list(saved)  # key order too
+    assert r.execution_id == "e1"
+
+
+@pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
+def test_receipt__terminal_without_result_is_an_error(status):
+    with pytest.raises(CorruptRecord):
+        receipt_for(op(status), ex(status, None))
+    with pytest.raises(CorruptRecord):
+        receipt_for(op(status), None)
+
+
+@pytest.mark.parametrize("status", [Status.PENDING_APPROVAL, Status.APPROVED, Status.RUNNING])
+def test_receipt__not_yet(status):
+    with pytest.raises(NoReceipt):
+        receipt_for(op(status), ex(Status.RUNNING) if status is Status.RUNNING else None)
+
+
+def test_receipt__unknown_names_the_execution():
+    r = receipt_for(op(Status.UNKNOWN), ex(Status.UNKNOWN))
+    assert r.content["status"] == "unknown"
+    assert r.content["execution_id"] == "e1"
+    assert "not run again" in r.content["message"]
+    assert not r.is_error
