@@ -7,6 +7,8 @@ stderr (a JSON object with ``error`` under ``--json``), never a traceback.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -25,6 +27,7 @@ from ledger.identity import check_scope, check_text_id
 from ledger.ledger import Ledger
 from ledger.transitions import parse_status
 from worker.config import ConfigError, Settings
+from worker.submit import Submitter
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT = 3, 4, 5, 6
@@ -66,7 +69,13 @@ class Context:
     def unchecked_ledger(self) -> Ledger:
         return Ledger(self.settings.db, max_args_bytes=self.settings.max_args_bytes)
 
+    @cached_property
+    def submitter(self) -> Submitter:
+        return Submitter(self.settings, ledger=lambda: self.ledger)
+
     def close(self) -> None:
+        if "submitter" in self.__dict__:
+            self.submitter.close()
         if "unchecked_ledger" in self.__dict__:
             self.unchecked_ledger.close()
 
@@ -220,18 +229,16 @@ def submit(
     reason: str | None,
 ) -> None:
     """Record a call; approved at once with --approved-by, else pending_approval."""
-    from worker.submit import prepare_call, submit_call
-
     args = parse_json_object(raw_args, "--args")
-    call = prepare_call(c.settings, scope, tool_call_id, tool, args, key)  # before any file
-    out = submit_call(c.settings, c.ledger, call, approved_by=approved_by, reason=reason)
+    call = c.submitter.prepare(scope, tool_call_id, tool, args, key)  # before any write
+    out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
     c.emit(out, _human_submit)
 
 
 def _human_submit(d: dict[str, Any]) -> str:
     call = f"{d['scope']}/{d['tool_call_id']}"
     line = f"{d['outcome']}: {call} -> {d['idempotency_key']} [{d['status']}]"
-    if d.get("enqueue_error"):
+    if d.get("enqueue_error"):  # recorded and approved; the sweep will publish it
         line += f"\nwarning: not enqueued ({d['enqueue_error']}); the sweep will re-enqueue it"
     if "result" in d:
         line += "\n" + json.dumps(d["result"], ensure_ascii=False, indent=2)
@@ -245,10 +252,9 @@ def _decision(name: str, approve: bool) -> click.Command:
     @json_option
     @pass_ctx
     def command(c: Context, scope: str, tool_call_id: str, by: str, reason: str | None) -> None:
-        from worker.submit import decide_call
-
-        out = decide_call(c.settings, c.ledger, scope, tool_call_id, by, reason, approve=approve)
-        c.emit(out, lambda d: f"{d['status']}: {d['scope']}/{d['tool_call_id']} by {by}")
+        out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
+        out["outcome"] = "decided"
+        c.emit(out, _human_submit)
 
     command.__doc__ = f"The human decision: {name} a pending call."
     return cli.command(name)(command)
@@ -363,21 +369,6 @@ def verify(c: Context) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
-@cli.command()
-@json_option
-@pass_ctx
-def demo(c: Context) -> None:
-    """The showcase on the embedded default (arrives with the workers and recovery)."""
-    c.emit(
-        {"demo": "not built yet", "try": "toolledger submit / approve / show / events / verify"},
-        lambda d: "The demo arrives with the worker and recovery issues. Meanwhile try:\n"
-        "  toolledger submit --scope demo --tool-call-id call_1 --tool write_file \\\n"
-        "      --args '{\"path\": \"diagnosis.txt\", \"content\": \"done\"}'\n"
-        "  toolledger approve --scope demo --tool-call-id call_1 --by you\n"
-        "  toolledger show --scope demo --tool-call-id call_1",
-    )
-
-
 # ------------------------------------------------------------------------------ main
 
 
@@ -394,8 +385,17 @@ def _exit_code(exc: BaseException) -> int:
     return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_FAILURE)
 
 
+def _load_commands() -> None:
+    """The commands that live with their parts register themselves on ``cli``."""
+    import worker.cli_run  # noqa: F401
+
+    with contextlib.suppress(ModuleNotFoundError):
+        importlib.import_module("recovery.cli")
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: run a command, map every error to one line and an exit code."""
+    _load_commands()
     args = sys.argv[1:] if argv is None else argv
     as_json = "--json" in args
     try:

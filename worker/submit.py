@@ -1,14 +1,30 @@
-"""Submitting and deciding calls from the edge (CLI, API): validate, record, then act."""
+"""Submitting and deciding calls from the edge (CLI, Python API): validate, record, enqueue.
+
+Order matters: every check that needs no database runs before anything is recorded (refused
+input leaves no trace); the call is committed before its message is published (outbox); a
+publish that fails leaves the operation approved with ``enqueued_at`` unset, which the sweep
+re-publishes.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
+
+from celery import Celery
 
 from ledger.identity import check_call
 from ledger.ledger import Ledger
 from ledger.records import OperationRecord
+from ledger.transitions import Status
 from worker.config import Settings
+from worker.sandbox import Sandbox
+from worker.tools import Registry, ToolContext, load_registry
+
+log = logging.getLogger("toolledger.submit")
 
 
 @dataclass(frozen=True)
@@ -21,19 +37,7 @@ class PreparedCall:
     args: dict[str, Any]
     key: str
     args_sha256: str
-
-
-def prepare_call(
-    settings: Settings,
-    scope: str,
-    tool_call_id: str,
-    tool: str,
-    args: dict[str, Any],
-    key: str | None = None,
-) -> PreparedCall:
-    """Validate before anything is recorded (or any file created)."""
-    key, sha = check_call(scope, tool_call_id, tool, args, key, settings.max_args_bytes)
-    return PreparedCall(scope, tool_call_id, tool, args, key, sha)
+    read_only: bool
 
 
 def _summary(op: OperationRecord, scope: str, tool_call_id: str) -> dict[str, Any]:
@@ -47,40 +51,128 @@ def _summary(op: OperationRecord, scope: str, tool_call_id: str) -> dict[str, An
     }
 
 
-def submit_call(
-    settings: Settings,
-    ledger: Ledger,
-    call: PreparedCall,
-    *,
-    approved_by: str | None = None,
-    reason: str | None = None,
-) -> dict[str, Any]:
-    """Record the call."""
-    submitted = ledger.submit(
-        call.scope,
-        call.tool_call_id,
-        call.tool,
-        call.args,
-        key=call.key,
-        approved_by=approved_by,
-        reason=reason,
-    )
-    out = _summary(submitted.operation, call.scope, call.tool_call_id)
-    out["outcome"] = submitted.outcome
-    return out
+class Submitter:
+    """Validates, records and enqueues calls. One per process; reuses its broker connection."""
 
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        ledger: Ledger | Callable[[], Ledger] | None = None,
+        registry: Registry | None = None,
+        app: Celery | None = None,
+    ) -> None:
+        self.settings = settings
+        self._ledger_factory = ledger if callable(ledger) else None
+        self._ledger = None if callable(ledger) else ledger
+        self.registry = registry or load_registry(settings.tools)
+        self.sandbox = Sandbox(settings.sandbox, settings.max_content_bytes)
+        self._app = app
 
-def decide_call(
-    settings: Settings,
-    ledger: Ledger,
-    scope: str,
-    tool_call_id: str,
-    by: str,
-    reason: str | None,
-    *,
-    approve: bool,
-) -> dict[str, Any]:
-    """Approve or reject a pending call."""
-    decide = ledger.approve if approve else ledger.reject
-    op = decide(scope, tool_call_id, by=by, reason=reason)
-    return _summary(op, scope, tool_call_id)
+    @property
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            factory = self._ledger_factory or (
+                lambda: Ledger(self.settings.db, max_args_bytes=self.settings.max_args_bytes)
+            )
+            self._ledger = factory()
+        return self._ledger
+
+    @cached_property
+    def app(self) -> Celery:
+        if self._app is not None:
+            return self._app
+        from worker.app import create_app
+
+        return create_app(self.settings)
+
+    def prepare(
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        key: str | None = None,
+    ) -> PreparedCall:
+        """Identifiers, size, tool name, schema and sandbox paths — before any write."""
+        key, sha = check_call(scope, tool_call_id, tool, args, key, self.settings.max_args_bytes)
+        spec = self.registry.get(tool)
+        parsed = spec.parse(args)
+        if spec.check is not None:
+            spec.check(parsed, ToolContext(scope, self.sandbox))
+        return PreparedCall(scope, tool_call_id, tool, args, key, sha, spec.read_only)
+
+    def submit(
+        self, call: PreparedCall, *, approved_by: str | None = None, reason: str | None = None
+    ) -> dict[str, Any]:
+        """Record the call (or run it, if read-only) and enqueue it if approved."""
+        if call.read_only:
+            return self._read_only(call)
+        submitted = self.ledger.submit(
+            call.scope,
+            call.tool_call_id,
+            call.tool,
+            call.args,
+            key=call.key,
+            approved_by=approved_by,
+            reason=reason,
+        )
+        op = submitted.operation
+        out = _summary(op, call.scope, call.tool_call_id)
+        out["outcome"] = submitted.outcome
+        if op.status is Status.APPROVED and (submitted.outcome == "created" or not op.enqueued_at):
+            out.update(self.enqueue(op.scope, op.idempotency_key, op.authorized_attempts))
+        return out
+
+    def _read_only(self, call: PreparedCall) -> dict[str, Any]:
+        from worker.pipeline import Executor
+
+        spec = self.registry.get(call.tool)
+        executor = Executor(
+            self.ledger,
+            self.registry,
+            self.sandbox,
+            worker_id="read-only",
+            lease_seconds=self.settings.lease_seconds,
+        )
+        status, result = executor.run_read_only(call.scope, spec, call.args)
+        return {
+            "scope": call.scope,
+            "tool_call_id": call.tool_call_id,
+            "tool": call.tool,
+            "idempotency_key": call.key,
+            "args_sha256": call.args_sha256,
+            "status": status.value,
+            "outcome": "read_only",
+            "recorded": False,
+            "result": result,
+        }
+
+    def decide(
+        self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool
+    ) -> dict[str, Any]:
+        """Approve (and enqueue) or reject a pending call."""
+        decide = self.ledger.approve if approve else self.ledger.reject
+        op = decide(scope, tool_call_id, by=by, reason=reason)
+        out = _summary(op, scope, tool_call_id)
+        if op.status is Status.APPROVED:
+            out.update(self.enqueue(scope, op.idempotency_key, op.authorized_attempts))
+        return out
+
+    def enqueue(self, scope: str, key: str, attempt: int) -> dict[str, Any]:
+        """Publish the job, then record that it was; a failure is reported, not raised."""
+        from worker.tasks import publish
+
+        try:
+            publish(self.app, self.settings, scope, key, attempt)
+        except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry
+            log.warning("enqueue of %s/%s failed: %s", scope, key, exc)
+            return {"enqueued": False, "enqueue_error": f"{type(exc).__name__}: {exc}"}
+        self.ledger.mark_enqueued(scope, key, attempt)
+        return {"enqueued": True}
+
+    def close(self) -> None:
+        if self._ledger is not None and self._ledger_factory is None:
+            self._ledger.close()
+        if "app" in self.__dict__ and self._app is None:
+            self.app.close()

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from ledger.ledger import Ledger
-from tests.helpers import row_counts
-from worker.cli import main
+from tests.helpers import row_counts, run_cli
 
 ARGS = '{"path": "a.txt", "content": "done"}'
 
@@ -19,10 +18,7 @@ ARGS = '{"path": "a.txt", "content": "done"}'
 @pytest.fixture
 def run(db_url, capsys):
     def _run(*argv: str) -> tuple[int, str, str]:
-        with pytest.raises(SystemExit) as exit_:
-            main(["--db", db_url, *argv])
-        out, err = capsys.readouterr()
-        return int(exit_.value.code or 0), out, err
+        return run_cli(capsys, "--db", db_url, *argv)
 
     return _run
 

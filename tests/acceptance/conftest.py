@@ -1,0 +1,87 @@
+"""Acceptance fixtures: real Postgres, real Redis, real ``celery worker`` processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger.ledger import Ledger
+from worker.config import Settings
+from worker.processes import ManagedProcess, service_env, worker_process
+from worker.submit import Submitter
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+@dataclass
+class Stack:
+    """One test's world: its database, broker prefix, sandbox, effects log and workers."""
+
+    db: str
+    broker: str
+    prefix: str
+    root: Path
+    settings_env: dict[str, str]
+    workers: list[ManagedProcess] = field(default_factory=list)
+
+    @property
+    def sandbox(self) -> Path:
+        return self.root / "sandbox"
+
+    @property
+    def effects_log(self) -> Path:
+        return self.root / "effects.log"
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        return service_env(**{**self.settings_env, **overrides})
+
+    def settings(self, **overrides: Any) -> Settings:
+        env = {f"TOOLLEDGER_{k.upper()}": v for k, v in self.settings_env.items()}
+        return Settings.from_env(env, **overrides)
+
+    def submitter(self, **overrides: Any) -> Submitter:
+        return Submitter(self.settings(**overrides))
+
+    def ledger(self) -> Ledger:
+        return Ledger(self.db)
+
+    def worker(self, name: str = "w1", concurrency: int = 2, **env: str) -> ManagedProcess:
+        proc = worker_process(name, self.env(**env), self.root / "logs", concurrency=concurrency)
+        self.workers.append(proc)
+        return proc.start().wait_ready()
+
+    def effects(self) -> list[dict[str, Any]]:
+        if not self.effects_log.exists():
+            return []
+        return [json.loads(line) for line in self.effects_log.read_text().splitlines()]
+
+
+@pytest.fixture
+def stack(pg_url: str, redis_server: str, redis_prefix: str, tmp_path: Path) -> Iterator[Stack]:
+    settings_env = {
+        "db": pg_url,
+        "broker": redis_server,
+        "broker_prefix": redis_prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "tools": "worker.probe",
+        "effects_log": str(tmp_path / "effects.log"),
+        "home": str(tmp_path / "home"),
+    }
+    s = Stack(pg_url, redis_server, redis_prefix, tmp_path, settings_env)
+    yield s
+    for proc in s.workers:
+        proc.stop()

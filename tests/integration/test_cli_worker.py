@@ -1,0 +1,157 @@
+"""CLI: tools, submit validation against the registry and sandbox, execute, read-only calls."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tests.helpers import row_counts, run_cli
+
+
+@pytest.fixture
+def run(db_url, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TOOLLEDGER_SANDBOX", str(tmp_path / "sandbox"))
+    monkeypatch.setenv("TOOLLEDGER_BROKER", "redis://127.0.0.1:1/0")  # nobody listens
+
+    def _run(*argv: str) -> tuple[int, str, str]:
+        return run_cli(capsys, "--db", db_url, *argv)
+
+    return _run
+
+
+def submit(run, scope, cid, tool, args, *extra):
+    return run(
+        "submit",
+        "--scope",
+        scope,
+        "--tool-call-id",
+        cid,
+        "--tool",
+        tool,
+        "--args",
+        json.dumps(args),
+        *extra,
+    )
+
+
+def test_tools__json_schemas_in_openai_and_anthropic_form(run):
+    _, out, _ = run("tools", "--json")
+    tools = {t["name"]: t for t in json.loads(out)["tools"]}
+    assert {"write_file", "append_file", "read_file"} <= set(tools)
+    w = tools["write_file"]
+    assert (w["idempotent"], w["reconcilable"], w["read_only"]) == (True, True, False)
+    assert (tools["append_file"]["idempotent"], tools["append_file"]["reconcilable"]) == (
+        False,
+        False,
+    )
+    assert tools["read_file"]["read_only"] is True
+    schema = w["openai"]["function"]["parameters"]
+    assert w["openai"]["type"] == "function" and w["openai"]["function"]["name"] == "write_file"
+    assert w["anthropic"]["input_schema"] == schema
+    assert schema["type"] == "object" and set(schema["required"]) == {"path", "content"}
+    assert schema["additionalProperties"] is False
+
+
+def test_tools__format_openai_is_a_list_to_pass_as_tools(run):
+    code, out, _ = run("tools", "--format", "openai")
+    listed = json.loads(out)
+    assert code == 0 and all(t["type"] == "function" for t in listed)
+
+
+BAD = [
+    ("unknown-tool", "format_disk", {"path": "a"}, 4, "unknown tool"),
+    ("missing-field", "write_file", {"path": "a"}, 6, "content: Field required"),
+    ("extra-field", "write_file", {"path": "a", "content": "x", "mode": 7}, 6, "mode: Extra"),
+    ("wrong-type", "write_file", {"path": "a", "content": 7}, 6, "content: Input should be"),
+    ("path-escape", "write_file", {"path": "../../etc/x", "content": "x"}, 6, "'..'"),
+    ("absolute", "append_file", {"path": "/etc/passwd", "content": "x"}, 6, "absolute"),
+]
+
+
+@pytest.mark.parametrize(("name", "tool", "args", "code", "message"), BAD, ids=[b[0] for b in BAD])
+def test_submit__validated_against_tool_and_sandbox(
+    run, ledger, scope, name, tool, args, code, message
+):
+    before = row_counts(ledger.engine)
+    got, out, err = submit(run, scope, "c1", tool, args, "--approved-by", "alice")
+    assert got == code, err
+    assert message in err and out == ""
+    assert row_counts(ledger.engine) == before
+
+
+def test_submit__read_only_needs_no_approval_and_leaves_no_claim(run, ledger, scope, tmp_path):
+    (tmp_path / "sandbox" / scope).mkdir(parents=True)
+    (tmp_path / "sandbox" / scope / "notes.txt").write_text("hello")
+    before = row_counts(ledger.engine)
+    code, out, _ = submit(run, scope, "r1", "read_file", {"path": "notes.txt"}, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["recorded"] is False
+    assert result["result"]["content"] == "hello"
+    assert row_counts(ledger.engine) == before
+
+
+def test_submit__approved_with_broker_down_is_recorded_and_says_so(run, ledger, scope):
+    code, out, _ = submit(
+        run,
+        scope,
+        "c1",
+        "write_file",
+        {"path": "a", "content": "x"},
+        "--approved-by",
+        "alice",
+        "--json",
+    )
+    data = json.loads(out)
+    assert code == 0 and data["status"] == "approved"
+    assert data["enqueued"] is False and data["enqueue_error"]
+    assert ledger.get(scope, "c1").operation.enqueued_at is None
+
+
+def test_execute__runs_an_approved_call_in_process(run, scope, tmp_path):
+    submit(
+        run,
+        scope,
+        "c1",
+        "write_file",
+        {"path": "d/report.txt", "content": "done"},
+        "--approved-by",
+        "alice",
+    )
+    code, out, _ = run("execute", "--scope", scope, "--tool-call-id", "c1", "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["status"] == "succeeded" and shown["outcome"] == "finished"
+    assert (tmp_path / "sandbox" / scope / "d/report.txt").read_text() == "done"
+    assert shown["receipt"]["bytes_written"] == 4
+    code, _, err = run("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 5 and "succeeded" in err
+
+
+def test_execute__pending_call_is_refused(run, scope):
+    submit(run, scope, "c1", "write_file", {"path": "a", "content": "x"})
+    code, _, err = run("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 5 and "pending_approval" in err
+
+
+def test_tools__user_module_from_env(run, tmp_path, monkeypatch):
+    module = tmp_path / "mytools_for_test.py"
+    module.write_text(
+        textwrap.dedent('''
+        from pydantic import BaseModel
+        from worker.tools import tool
+
+        class Args(BaseModel):
+            to: str
+
+        @tool(idempotent=False)
+        def send_greeting(args: Args, ctx) -> dict:
+            """Send a greeting."""
+            return {"sent_to": args.to}
+    ''')
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "mytools_for_test")
+    _, out, _ = run("tools", "--json")
+    names = [t["name"] for t in json.loads(out)["tools"]]
+    assert "send_greeting" in names

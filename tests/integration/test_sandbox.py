@@ -1,0 +1,203 @@
+"""Sandbox attacks, refused at submit and again at execution, nothing written outside."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from ledger.errors import InputError
+from ledger.ledger import Ledger
+from ledger.transitions import Status
+from tests.helpers import row_counts
+from worker.config import Settings
+from worker.pipeline import Executor
+from worker.sandbox import ContentTooLarge, PathRefused, Sandbox
+from worker.submit import Submitter
+from worker.tools import load_registry
+
+
+def tree(root: Path, exclude: Path | None = None) -> dict[str, str]:
+    """Every entry under ``root`` (but ``exclude``) with what it is: proof nothing changed."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        base = Path(dirpath)
+        if exclude and (base == exclude or exclude in base.parents):
+            continue
+        for name in dirnames + filenames:
+            p = base / name
+            if p.is_symlink():
+                found[str(p)] = "link->" + os.readlink(p)
+            elif p.is_file():
+                found[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                found[str(p)] = "dir" if p.is_dir() else "other"
+    return found
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A sandbox with scope 'me', a neighbour scope 'other', and secrets outside the root."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("do not touch")
+    root = tmp_path / "sandbox"
+    sb = Sandbox(root, max_content_bytes=64)
+    sb.write_atomic("other", "theirs.txt", b"theirs")
+    sb.write_atomic("me", "ok/inside.txt", b"mine")
+    mine = root / "me"
+    os.symlink(outside / "secret.txt", mine / "file_link")
+    os.symlink(outside, mine / "dir_link")
+    os.symlink(root / "other", mine / "to_other")
+    (mine / "a_dir").mkdir()
+    os.mkfifo(mine / "fifo")
+    return sb, tmp_path, mine
+
+
+ATTACKS = [
+    ("dotdot", "../x"),
+    ("absolute", "/etc/passwd"),
+    ("dotdot-inside", "a/../../x"),
+    ("nul", "a\x00b"),
+    ("symlinked-file", "file_link"),
+    ("symlinked-dir", "dir_link/secret.txt"),
+    ("symlinked-dir-deep", "ok/../dir_link/x"),
+    ("into-other-scope-by-link", "to_other/theirs.txt"),
+    ("into-other-scope-by-dotdot", "../other/theirs.txt"),
+    ("target-is-directory", "a_dir"),
+    ("target-is-fifo", "fifo"),
+    ("empty-component", "ok//inside.txt"),
+    ("dot", "./ok/inside.txt"),
+    ("trailing-slash", "ok/"),
+    ("control-char", "ok/\nx"),
+    ("over-long-component", "x" * 300),
+]
+
+
+@pytest.mark.parametrize(("name", "path"), ATTACKS, ids=[a[0] for a in ATTACKS])
+@pytest.mark.parametrize("op", ["check", "write", "append", "read"])
+def test_sandbox__attack_refused_nothing_written_outside(world, name, path, op):
+    sb, tmp_path, mine = world
+    before = tree(tmp_path, exclude=mine)
+    inside_before = tree(mine)
+    action = {
+        "check": lambda: sb.check("me", path),
+        "write": lambda: sb.write_atomic("me", path, b"pwned"),
+        "append": lambda: sb.append("me", path, b"pwned"),
+        "read": lambda: sb.read("me", path),
+    }[op]
+    with pytest.raises(PathRefused):
+        action()
+    assert tree(tmp_path, exclude=mine) == before
+    assert tree(mine) == inside_before  # not even a temp file left behind
+
+
+@pytest.mark.parametrize("scope", ["a/b", "..", "../other", ".", "other/../me", ""])
+def test_sandbox__scope_name_with_slash_or_dotdot_refused(world, scope):
+    sb, tmp_path, _ = world
+    before = tree(tmp_path)
+    with pytest.raises(InputError):
+        sb.write_atomic(scope, "x.txt", b"pwned")
+    assert tree(tmp_path) == before
+
+
+def test_sandbox__content_over_the_cap_refused(world):
+    sb, tmp_path, _ = world
+    before = tree(tmp_path)
+    with pytest.raises(ContentTooLarge):
+        sb.write_atomic("me", "big.txt", b"x" * 65)
+    with pytest.raises(ContentTooLarge):
+        sb.append("me", "ok/inside.txt", b"x" * 65)
+    assert tree(tmp_path) == before
+    sb.write_atomic("me", "big.txt", b"x" * 64)  # at the cap: fine
+
+
+def test_sandbox__atomic_write_replaces_and_leaves_no_temp_files(world):
+    sb, _, mine = world
+    facts = sb.write_atomic("me", "ok/inside.txt", b"new content")
+    assert (mine / "ok/inside.txt").read_bytes() == b"new content"
+    assert facts.sha256 == hashlib.sha256(b"new content").hexdigest()
+    assert not [p for p in mine.rglob(".tl-*")]
+
+
+def test_sandbox__append_appends(world):
+    sb, _, mine = world
+    sb.append("me", "log/a.txt", b"one\n")
+    sb.append("me", "log/a.txt", b"two\n")
+    assert (mine / "log/a.txt").read_bytes() == b"one\ntwo\n"
+
+
+# ---------------------------------------------------------------------------- through submit
+
+
+@pytest.fixture
+def submitter(sqlite_url, tmp_path, world):
+    sb, _, _ = world
+    settings = Settings(
+        db=sqlite_url,
+        sandbox=sb.root,
+        max_content_bytes=64,
+        broker="redis://127.0.0.1:1/0",
+        home=tmp_path / "home",
+    )
+    sub = Submitter(settings)
+    yield sub
+    sub.close()
+
+
+@pytest.mark.parametrize(("name", "path"), ATTACKS, ids=[a[0] for a in ATTACKS])
+@pytest.mark.parametrize("tool", ["write_file", "append_file", "read_file"])
+def test_submit__attack_refused_nothing_recorded(submitter, world, name, path, tool):
+    _, tmp_path, _ = world
+    before_fs, before_db = tree(tmp_path), row_counts(submitter.ledger.engine)
+    args = {"path": path} if tool == "read_file" else {"path": path, "content": "pwned"}
+    with pytest.raises(InputError):
+        call = submitter.prepare("me", f"c-{name}", tool, args)
+        submitter.submit(call, approved_by="alice")
+    assert row_counts(submitter.ledger.engine) == before_db
+    assert tree(tmp_path) == before_fs
+
+
+def test_submit__content_over_cap_and_bad_scope_refused(submitter, world):
+    _, tmp_path, _ = world
+    before_fs, before_db = tree(tmp_path), row_counts(submitter.ledger.engine)
+    with pytest.raises(InputError, match="over the cap"):
+        submitter.prepare("me", "c1", "write_file", {"path": "a", "content": "x" * 65})
+    for scope in ("a/b", "..", "x/../me"):
+        with pytest.raises(InputError, match="scope"):
+            submitter.prepare(scope, "c1", "write_file", {"path": "a", "content": "x"})
+    assert row_counts(submitter.ledger.engine) == before_db
+    assert tree(tmp_path) == before_fs
+
+
+# ---------------------------------------------------------------------------- at execution
+
+
+def _executor(ledger: Ledger, sb: Sandbox) -> Executor:
+    return Executor(ledger, load_registry(), sb, worker_id="t", lease_seconds=30)
+
+
+@pytest.mark.parametrize("swap", ["file", "parent-dir"])
+def test_execution__symlink_swapped_in_after_submit_fails_before_any_byte(submitter, world, swap):
+    sb, tmp_path, mine = world
+    # Given a call whose path was safe at submit time
+    target = "later/report.txt"
+    call = submitter.prepare("me", f"c-{swap}", "write_file", {"path": target, "content": "x"})
+    submitter.ledger.submit("me", call.tool_call_id, call.tool, call.args, approved_by="al")
+    # When an attacker swaps in a symlink before the worker runs it
+    (mine / "later").mkdir()
+    if swap == "file":
+        os.symlink(tmp_path / "outside" / "secret.txt", mine / "later" / "report.txt")
+    else:
+        os.rmdir(mine / "later")
+        os.symlink(tmp_path / "outside", mine / "later")
+    before = tree(tmp_path, exclude=mine)
+    outcome = _executor(submitter.ledger, sb).execute("me", f"write_file:{call.tool_call_id}", 1)
+    # Then the execution fails, refused, and nothing outside the scope changed
+    assert outcome.status is Status.FAILED
+    assert outcome.result["error"] == "refused" and "symlink" in outcome.result["message"]
+    assert tree(tmp_path, exclude=mine) == before
+    assert (tmp_path / "outside" / "secret.txt").read_text() == "do not touch"
+    assert not [p for p in mine.rglob(".tl-*")]

@@ -1,0 +1,84 @@
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from worker import failpoints
+from worker.failpoints import FailpointError, FailpointSpecError, parse
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    failpoints.configure(None)
+
+
+def test_failpoints__unset_costs_nothing():
+    failpoints.configure(None)
+    assert failpoints.hit is failpoints._off
+    failpoints.configure("")
+    assert failpoints.hit is failpoints._off
+
+
+def test_failpoints__parse_every_form():
+    actions = parse(
+        "after_effect=exit(23); after_claim=10%raise;before_effect=2*sleep(0.5);after_terminal=stop"
+    )
+    assert (actions["after_effect"].kind, actions["after_effect"].arg) == ("exit", 23)
+    assert (actions["after_claim"].kind, actions["after_claim"].probability) == ("raise", 0.1)
+    assert (actions["before_effect"].remaining, actions["before_effect"].arg) == (2, 0.5)
+    assert actions["after_terminal"].kind == "stop"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nowhere=raise",
+        "after_claim=explode",
+        "after_claim=exit",
+        "after_claim",
+        "after_claim=sleep()",
+    ],
+)
+def test_failpoints__bad_spec_refused(spec):
+    with pytest.raises(FailpointSpecError):
+        parse(spec)
+
+
+def test_failpoints__count_limits_firing():
+    failpoints.configure("after_claim=2*raise")
+    for _ in range(2):
+        with pytest.raises(FailpointError):
+            failpoints.hit("after_claim")
+    failpoints.hit("after_claim")  # the third time: nothing
+    failpoints.hit("before_effect")  # not configured: nothing
+
+
+def test_failpoints__probability_fires_about_that_often():
+    random.seed(7)
+    failpoints.configure("after_claim=20%raise")
+    fired = 0
+    for _ in range(2000):
+        try:
+            failpoints.hit("after_claim")
+        except FailpointError:
+            fired += 1
+    assert 300 < fired < 500
+
+
+def test_failpoints__sleep_sleeps():
+    failpoints.configure("before_effect=sleep(0.2)")
+    began = time.monotonic()
+    failpoints.hit("before_effect")
+    assert time.monotonic() - began >= 0.2
+
+
+def test_failpoints__exit_is_immediate_with_the_code():
+    code = (
+        "from worker import failpoints; failpoints.configure('after_effect=exit(23)');"
+        "failpoints.hit('after_effect'); print('survived')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 23 and "survived" not in proc.stdout

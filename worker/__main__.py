@@ -1,0 +1,5 @@
+"""``python -m worker`` is ``toolledger``."""
+
+from worker.cli import main
+
+main()

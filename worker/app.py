@@ -1,0 +1,94 @@
+"""The Celery app: settings per DESIGN §7, from TOOLLEDGER_* (``celery -A worker.app`` works).
+
+- acks_late + reject_on_worker_lost: a message is acked only after the task ran, and requeued
+  when its child dies. Redeliveries are harmless because the ledger claim decides who runs.
+- prefetch 1: a worker holds no message it is not about to run.
+- one visibility timeout, set in every place Redis reads it (celery#7651, kombu#337), and
+  checked at start against lease and time limits: soft < hard < lease < visibility timeout.
+- long-running tasks are cancelled when the broker connection is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, signals
+
+from ledger.db import create_engine, ensure_schema
+from worker.config import Settings
+
+log = logging.getLogger("toolledger.worker")
+
+EXECUTE = "toolledger.execute"
+SWEEP = "toolledger.sweep"
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """Options for the broker's transport, only those it understands (kombu's SQLAlchemy
+    transport hands every option it does not know to create_engine)."""
+    scheme = settings.broker.split("://", 1)[0]
+    options: dict[str, Any] = {}
+    if scheme in ("redis", "rediss", "sentinel", "sqs"):
+        options["visibility_timeout"] = int(settings.visibility_timeout)
+    if settings.broker_prefix and scheme in ("redis", "rediss", "sentinel"):
+        options["global_keyprefix"] = settings.broker_prefix
+    return options
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    transport = transport_options(settings)
+    return {
+        "broker_transport_options": transport,
+        "result_backend_transport_options": dict(transport),
+        "visibility_timeout": int(settings.visibility_timeout),
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_soft_time_limit": settings.soft_time_limit,
+        "task_time_limit": settings.time_limit,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "task_default_queue": settings.queue,
+        "task_routes": {SWEEP: {"queue": settings.sweep_queue}},
+        "broker_connection_retry_on_startup": True,
+        "enable_utc": True,
+    }
+
+
+def check_worker_start(settings: Settings) -> None:
+    """Refuse to start on inconsistent limits or a schema not at head (created if embedded)."""
+    settings.check()
+    engine = create_engine(settings.db)
+    try:
+        ensure_schema(engine)
+    finally:
+        engine.dispose()  # no connection may cross the fork into pool children
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings.from_env()
+    app = Celery("toolledger", broker=settings.broker, set_as_current=False)
+    app.conf.update(celery_config(settings))
+    app.toolledger_settings = settings
+
+    from worker.tasks import register_tasks
+
+    register_tasks(app, settings)
+
+    @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _check(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        try:
+            check_worker_start(settings)
+        except Exception as exc:
+            log.critical("toolledger worker cannot start: %s", exc)
+            raise SystemExit(2) from exc
+
+    return app
+
+
+app = create_app()

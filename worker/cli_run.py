@@ -1,0 +1,105 @@
+"""Commands that run things: execute, worker, tools (and the showcase, demo)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from ledger.errors import StateError
+from ledger.transitions import Status
+from worker.cli import Context, call_options, cli, json_option, pass_ctx
+from worker.runtime import Runtime, default_worker_id
+
+
+@cli.command()
+@call_options
+@json_option
+@pass_ctx
+def execute(c: Context, scope: str, tool_call_id: str) -> None:
+    """Run an approved call now, in this process, through the same pipeline as a worker."""
+    ledger = c.ledger
+    op = ledger.get(scope, tool_call_id).operation
+    if op.status is not Status.APPROVED:
+        raise StateError(
+            f"call {tool_call_id!r} is {op.status}: only an approved, unclaimed call can run"
+        )
+    submitter = c.submitter
+    rt = Runtime(c.settings, ledger, submitter.registry, submitter.sandbox)
+    outcome = rt.executor(default_worker_id("cli")).execute(
+        scope, op.idempotency_key, op.authorized_attempts
+    )
+    if outcome.state == "lost":
+        raise StateError(f"call {tool_call_id!r} was claimed by someone else first")
+    view = ledger.get(scope, tool_call_id)
+    try:
+        receipt = ledger.receipt(scope, tool_call_id)
+    except StateError:
+        receipt = None
+    data = view.to_json(receipt)
+    data["outcome"] = outcome.state
+    c.emit(
+        data,
+        lambda d: (
+            f"{d['outcome']}: {scope}/{tool_call_id} [{d['status']}]\n"
+            + json.dumps(d["receipt"], ensure_ascii=False, indent=2)
+        ),
+    )
+
+
+def _given(args: tuple[str, ...], *names: str) -> bool:
+    return any(a in names or a.startswith(tuple(f"{n}=" for n in names)) for a in args)
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+@pass_ctx
+def worker(c: Context, celery_args: tuple[str, ...]) -> None:
+    """Run a Celery worker with toolledger's app and defaults.
+
+    Celery's worker options pass through (--concurrency, --pool, --loglevel, -n, -Q, …);
+    by default it consumes the job queue and the sweep queue, at loglevel INFO.
+    """
+    from worker.app import check_worker_start, create_app
+
+    settings = c.settings
+    check_worker_start(settings)
+    app = create_app(settings)
+    argv = ["worker"]
+    if not _given(celery_args, "-Q", "--queues"):
+        argv += ["--queues", f"{settings.queue},{settings.sweep_queue}"]
+    if not _given(celery_args, "-l", "--loglevel"):
+        argv += ["--loglevel", "INFO"]
+    app.worker_main([*argv, *celery_args])
+
+
+@cli.command()
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["all", "openai", "anthropic"]),
+    default="all",
+    show_default=True,
+    help="openai / anthropic: a list ready to pass as the API's tools.",
+)
+@json_option
+@pass_ctx
+def tools(c: Context, fmt: str) -> None:
+    """The registered tools: their JSON schemas and their contracts."""
+    definitions = [t.definitions() for t in c.submitter.registry]
+    data: Any = {"tools": definitions} if fmt == "all" else [d[fmt] for d in definitions]
+
+    def human(_: Any) -> str:
+        return "\n".join(
+            f"{d['name']:<14} {'idempotent' if d['idempotent'] else 'not idempotent':<15} "
+            f"{'read-only' if d['read_only'] else 'side effect':<12} "
+            f"{'reconcilable' if d['reconcilable'] else 'human recovery':<15} "
+            f"{d['description'].splitlines()[0][:70]}"
+            for d in definitions
+        )
+
+    c.emit(data, human if fmt == "all" else None)

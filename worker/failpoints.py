@@ -1,0 +1,115 @@
+"""Failpoints: open each crash window of the execute protocol on purpose (DESIGN §5).
+
+``TOOLLEDGER_FAILPOINTS="after_effect=exit(23)"`` — points are separated by ``;``, each
+``point=[P%][N*]action``, as in fail-rs: ``5%exit(23)`` fires with probability 5 %,
+``2*raise`` fires the first two times only. Actions: ``exit(N)`` (os._exit: no cleanup, no
+finally blocks, like a kill), ``raise``, ``sleep(S)``, ``stop`` (SIGSTOP to self: a zombie
+until someone sends SIGCONT), ``off``.
+
+Zero cost when unset: ``hit`` is then a function that returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+POINTS = ("after_claim", "before_effect", "after_effect", "after_terminal")
+ENV = "TOOLLEDGER_FAILPOINTS"
+
+_SPEC = re.compile(
+    r"^(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|raise|sleep|stop|off)"
+    r"(?:\((?P<arg>[^)]*)\))?$"
+)
+
+
+class FailpointError(RuntimeError):
+    """Raised by a failpoint whose action is ``raise``."""
+
+
+class FailpointSpecError(ValueError):
+    """TOOLLEDGER_FAILPOINTS does not parse."""
+
+
+@dataclass
+class Action:
+    kind: str
+    arg: float = 0.0
+    probability: float = 1.0
+    remaining: int | None = None  # None: every time
+
+    def should_fire(self) -> bool:
+        if self.remaining is not None:
+            if self.remaining <= 0:
+                return False
+            self.remaining -= 1
+        return self.probability >= 1.0 or random.random() < self.probability
+
+    def perform(self, point: str) -> None:
+        if self.kind == "exit":
+            os._exit(int(self.arg))
+        elif self.kind == "raise":
+            raise FailpointError(f"failpoint {point} fired")
+        elif self.kind == "sleep":
+            time.sleep(self.arg)
+        elif self.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def parse(spec: str) -> dict[str, Action]:
+    """``"after_effect=exit(23);after_claim=10%raise"`` -> {point: Action}."""
+    actions: dict[str, Action] = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        point, _, text = item.partition("=")
+        point, text = point.strip(), text.strip()
+        if point not in POINTS:
+            raise FailpointSpecError(f"unknown failpoint {point!r}; known: {', '.join(POINTS)}")
+        match = _SPEC.match(text)
+        if not match:
+            raise FailpointSpecError(f"cannot parse failpoint action {text!r} for {point}")
+        kind, arg = match["action"], match["arg"]
+        if kind in ("exit", "sleep") and not arg:
+            raise FailpointSpecError(f"{kind} needs an argument, e.g. {kind}(1)")
+        actions[point] = Action(
+            kind=kind,
+            arg=float(arg) if arg else 0.0,
+            probability=float(match["pct"]) / 100 if match["pct"] else 1.0,
+            remaining=int(match["count"]) if match["count"] else None,
+        )
+    return actions
+
+
+_lock = threading.Lock()
+_active: dict[str, Action] = {}
+
+
+def _off(point: str) -> None:
+    """What ``hit`` is when no failpoint is configured."""
+
+
+def _on(point: str) -> None:
+    action = _active.get(point)
+    if action is None or action.kind == "off":
+        return
+    with _lock:  # counters are shared by the threads of one process
+        fire = action.should_fire()
+    if fire:
+        action.perform(point)
+
+
+#: Call at each crash window: ``failpoints.hit("after_effect")``.
+hit = _off
+
+
+def configure(spec: str | None) -> None:
+    """Activate the failpoints of ``spec`` (empty or None: all off, at zero cost)."""
+    global hit
+    actions = parse(spec) if spec else {}
+    _active.clear()
+    _active.update(actions)
+    hit = _on if actions else _off

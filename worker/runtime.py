@@ -1,0 +1,63 @@
+"""What a process needs to execute calls: ledger, registry, sandbox — one set per process.
+
+Prefork children must not share the parent's database connections, so the runtime is built
+lazily in the process that uses it and rebuilt if the pid changes (after a fork).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from ledger.ledger import Ledger
+from worker import failpoints
+from worker.config import Settings
+from worker.pipeline import Executor
+from worker.sandbox import Sandbox
+from worker.tools import Registry, load_registry
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    ledger: Ledger
+    registry: Registry
+    sandbox: Sandbox
+
+    @classmethod
+    def build(cls, settings: Settings) -> Runtime:
+        failpoints.configure(settings.failpoints)
+        return cls(
+            settings=settings,
+            ledger=Ledger(settings.db, max_args_bytes=settings.max_args_bytes),
+            registry=load_registry(settings.tools),
+            sandbox=Sandbox(settings.sandbox, settings.max_content_bytes),
+        )
+
+    def executor(self, worker_id: str | None = None) -> Executor:
+        return Executor(
+            self.ledger,
+            self.registry,
+            self.sandbox,
+            worker_id=worker_id or default_worker_id(),
+            lease_seconds=self.settings.lease_seconds,
+        )
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
+def default_worker_id(prefix: str = "") -> str:
+    return f"{prefix or socket.gethostname()}:{os.getpid()}"
+
+
+_runtime: tuple[int, Runtime] | None = None
+
+
+def runtime(settings: Settings) -> Runtime:
+    """This process's runtime (built on first use, and again after a fork)."""
+    global _runtime
+    if _runtime is None or _runtime[0] != os.getpid():
+        _runtime = (os.getpid(), Runtime.build(settings))
+    return _runtime[1]

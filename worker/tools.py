@@ -1,0 +1,229 @@
+"""Tools and their contract.
+
+A tool is a function ``run(args, ctx) -> dict`` with its arguments as a pydantic model, plus
+what recovery needs to know about it:
+
+- ``idempotent``: running it twice has the effect of running it once (a human retry of an
+  idempotent tool needs no explicit acceptance of a duplicate effect);
+- ``read_only``: it changes nothing, so it needs no approval and takes no claim;
+- ``reconcile(args, ctx) -> Evidence | None``: after a crash, look at the world (never change
+  it) and say whether the requested effect holds; None means "cannot tell" and the call stays
+  ``unknown`` for a human. A tool that calls a downstream service reconciles by asking that
+  service for its receipt under ``ctx.idempotency_key`` — the key it sent with the request;
+- ``check(args, ctx)``: refuse unsafe arguments at submit time, before anything is recorded.
+
+Register with ``@tool`` (the default registry), in a module named by ``TOOLLEDGER_TOOLS`` or an
+entry point in the ``toolledger.tools`` group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, TypeVar, get_type_hints
+
+import pydantic
+
+from ledger.errors import InvalidArguments, NotFound
+from ledger.transitions import Status
+from worker.sandbox import Sandbox
+
+ENTRY_POINT_GROUP = "toolledger.tools"
+
+
+class UnknownTool(NotFound):
+    """No tool of that name is registered."""
+
+
+class InvalidToolArguments(InvalidArguments):
+    """The arguments do not match the tool's schema."""
+
+
+class ToolError(Exception):
+    """Raised by a tool to report failure: the call ends ``failed`` with this message."""
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class OutcomeUnknown(Exception):
+    """Raised by a tool that cannot tell whether its effect happened (e.g. a timeout)."""
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool may use while it runs (or while it is checked or reconciled)."""
+
+    scope: str
+    sandbox: Sandbox
+    execution_id: str | None = None
+    idempotency_key: str | None = None
+    attempt: int = 0
+    lease_lost: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A reconciler's finding: the state of the world proves this outcome."""
+
+    status: Status
+    result: dict[str, Any]
+    detail: dict[str, Any]
+
+
+A = TypeVar("A", bound=pydantic.BaseModel)
+RunFn = Callable[[Any, ToolContext], dict[str, Any]]
+ReconcileFn = Callable[[Any, ToolContext], Evidence | None]
+CheckFn = Callable[[Any, ToolContext], None]
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    args_model: type[pydantic.BaseModel]
+    run: RunFn
+    idempotent: bool = False
+    read_only: bool = False
+    reconcile: ReconcileFn | None = None
+    check: CheckFn | None = None
+
+    def parse(self, args: dict[str, Any]) -> pydantic.BaseModel:
+        """Validate ``args`` against the schema; InvalidToolArguments in one line if not."""
+        try:
+            return self.args_model.model_validate(args)
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidToolArguments(f"invalid arguments for {self.name}: {problems}") from None
+
+    def json_schema(self) -> dict[str, Any]:
+        schema = self.args_model.model_json_schema()
+        schema.pop("title", None)
+        return schema
+
+    def definitions(self) -> dict[str, Any]:
+        """The tool as OpenAI and Anthropic tool definitions take it, and its contract."""
+        schema = self.json_schema()
+        return {
+            "name": self.name,
+            "description": self.description,
+            "idempotent": self.idempotent,
+            "read_only": self.read_only,
+            "reconcilable": self.reconcile is not None,
+            "openai": {
+                "type": "function",
+                "function": {
+                    "name": self.name,
+                    "description": self.description,
+                    "parameters": schema,
+                },
+            },
+            "anthropic": {
+                "name": self.name,
+                "description": self.description,
+                "input_schema": schema,
+            },
+        }
+
+
+def make_tool(
+    fn: Callable[[A, ToolContext], dict[str, Any]],
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    idempotent: bool = False,
+    read_only: bool = False,
+    reconcile: Callable[[A, ToolContext], Evidence | None] | None = None,
+    check: Callable[[A, ToolContext], None] | None = None,
+) -> Tool:
+    """A Tool from a function whose first parameter is annotated with its args model."""
+    params = list(inspect.signature(fn).parameters)
+    model = get_type_hints(fn).get(params[0]) if params else None
+    if not (isinstance(model, type) and issubclass(model, pydantic.BaseModel)):
+        raise TypeError(f"{fn.__name__}: annotate the first parameter with a pydantic model")
+    return Tool(
+        name=name or fn.__name__,
+        description=_prose(description or fn.__doc__ or ""),
+        args_model=model,
+        run=fn,
+        idempotent=idempotent,
+        read_only=read_only,
+        reconcile=reconcile,
+        check=check,
+    )
+
+
+def _prose(doc: str) -> str:
+    """A docstring as a model reads it best: lines folded within each paragraph."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs if p.strip())
+
+
+class Registry:
+    """Tools by name."""
+
+    def __init__(self, tools: list[Tool] | None = None) -> None:
+        self._tools: dict[str, Tool] = {}
+        for t in tools or []:
+            self.register(t)
+
+    def register(self, t: Tool) -> Tool:
+        existing = self._tools.get(t.name)
+        if existing is not None and existing is not t and existing.run is not t.run:
+            raise ValueError(f"a different tool named {t.name!r} is already registered")
+        self._tools[t.name] = t
+        return t
+
+    def tool(self, **options: Any) -> Callable[[RunFn], RunFn]:
+        """Decorator: ``@registry.tool(idempotent=True, reconcile=...)``."""
+
+        def decorate(fn: RunFn) -> RunFn:
+            self.register(make_tool(fn, **options))
+            return fn
+
+        return decorate
+
+    def get(self, name: str) -> Tool:
+        try:
+            return self._tools[name]
+        except KeyError:
+            known = ", ".join(sorted(self._tools)) or "none"
+            raise UnknownTool(f"unknown tool {name!r}; registered: {known}") from None
+
+    def __iter__(self) -> Iterator[Tool]:
+        return iter(sorted(self._tools.values(), key=lambda t: t.name))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+
+#: The default registry: built-ins, then user tools registered with ``@tool``.
+registry = Registry()
+tool = registry.tool
+
+
+def load_registry(modules: str = "", *, use_entry_points: bool = True) -> Registry:
+    """The default registry with the built-ins, the modules named (comma-separated, as in
+    TOOLLEDGER_TOOLS) and the ``toolledger.tools`` entry points loaded."""
+    from worker.builtin_tools import BUILTINS
+
+    for t in BUILTINS:
+        registry.register(t)
+    for name in filter(None, (m.strip() for m in modules.split(","))):
+        importlib.import_module(name)
+    if use_entry_points:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            loaded = ep.load()  # a module (its @tool ran on import), a Tool, or register(registry)
+            if isinstance(loaded, Tool):
+                registry.register(loaded)
+            elif callable(loaded) and not isinstance(loaded, type):
+                loaded(registry)
+    return registry
