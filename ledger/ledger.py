@@ -31,15 +31,11 @@ from ledger.identity import (
     new_lease_token,
 )
 from ledger.models import execution_events, executions, operations, tool_calls
-from ledger.receipts import receipt_for
+from ledger.reads import LedgerReads, op_key
 from ledger.records import (
-    CallView,
     Claim,
-    EventRecord,
     ExecutionRecord,
-    ListedCall,
     OperationRecord,
-    Receipt,
     Submitted,
 )
 from ledger.transitions import RETRYABLE, TERMINAL, EventKind, Status, check_transition
@@ -47,9 +43,6 @@ from ledger.types import db_now, db_now_plus
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
 LEASE_SECONDS = 30.0
-#: Rows ``list`` returns unless told otherwise.
-LIST_LIMIT = 1000
-
 Event = dict[str, Any]
 
 
@@ -71,11 +64,7 @@ def _event(
     }
 
 
-def _op_key(scope: str, key: str) -> sa.ColumnElement[bool]:
-    return sa.and_(operations.c.scope == scope, operations.c.idempotency_key == key)
-
-
-class Ledger:
+class Ledger(LedgerReads):
     """The execution layer's own record of every side-effecting tool call."""
 
     def __init__(
@@ -107,11 +96,6 @@ class Ledger:
         with db.write_transaction(self.engine) as conn:
             yield conn
 
-    @contextmanager
-    def _read(self) -> Iterator[sa.Connection]:
-        with self.engine.connect() as conn:
-            yield conn
-
     def _insert(self, table: sa.Table) -> Any:
         dialect = postgresql if self.dialect == "postgresql" else sqlite
         return dialect.insert(table)
@@ -121,24 +105,6 @@ class Ledger:
         conn.execute(execution_events.insert().values(at=db_now()), list(events))
 
     @staticmethod
-    def _key_for(conn: sa.Connection, scope: str, tool_call_id: str) -> str:
-        key: str | None = conn.execute(
-            sa.select(tool_calls.c.idempotency_key).where(
-                tool_calls.c.scope == scope, tool_calls.c.tool_call_id == tool_call_id
-            )
-        ).scalar_one_or_none()
-        if key is None:
-            raise NotFound(f"no call {tool_call_id!r} in scope {scope!r}")
-        return key
-
-    @staticmethod
-    def _operation(conn: sa.Connection, scope: str, key: str) -> OperationRecord:
-        row = conn.execute(sa.select(operations).where(_op_key(scope, key))).first()
-        if row is None:
-            raise NotFound(f"no operation {key!r} in scope {scope!r}")
-        return OperationRecord.from_row(row)
-
-    @staticmethod
     def _move_operation(
         conn: sa.Connection, scope: str, key: str, attempt: int, old: Status, new: Status
     ) -> bool:
@@ -146,7 +112,7 @@ class Ledger:
         moved = conn.execute(
             operations.update()
             .where(
-                _op_key(scope, key),
+                op_key(scope, key),
                 operations.c.status == old,
                 operations.c.authorized_attempts == attempt,
             )
@@ -300,7 +266,7 @@ class Ledger:
             key = self._key_for(conn, scope, tool_call_id)
             row = conn.execute(
                 operations.update()
-                .where(_op_key(scope, key), operations.c.status == Status.PENDING_APPROVAL)
+                .where(op_key(scope, key), operations.c.status == Status.PENDING_APPROVAL)
                 .values(**values)
                 .returning(*operations.c)
             ).first()
@@ -338,7 +304,7 @@ class Ledger:
             row = conn.execute(
                 operations.update()
                 .where(
-                    _op_key(scope, key),
+                    op_key(scope, key),
                     operations.c.status == op.status,
                     operations.c.authorized_attempts == op.authorized_attempts,
                 )
@@ -378,7 +344,7 @@ class Ledger:
         with self._write() as conn:
             op = conn.execute(
                 sa.select(operations.c.tool, operations.c.args).where(
-                    _op_key(scope, key),
+                    op_key(scope, key),
                     operations.c.status == Status.APPROVED,
                     operations.c.authorized_attempts == attempt,
                 )
@@ -653,7 +619,7 @@ class Ledger:
             row = conn.execute(
                 operations.update()
                 .where(
-                    _op_key(scope, key),
+                    op_key(scope, key),
                     operations.c.status == Status.APPROVED,
                     operations.c.authorized_attempts == attempt,
                 )
@@ -692,145 +658,6 @@ class Ledger:
                 )
             ).all()
         return [(r.scope, r.idempotency_key, r.authorized_attempts) for r in rows]
-
-    # ---------------------------------------------------------------- reads
-
-    def key_for(self, scope: str, tool_call_id: str) -> str:
-        with self._read() as conn:
-            return self._key_for(conn, scope, tool_call_id)
-
-    def operation(self, scope: str, key: str) -> OperationRecord:
-        with self._read() as conn:
-            return self._operation(conn, scope, key)
-
-    def execution(self, execution_id: str) -> ExecutionRecord:
-        with self._read() as conn:
-            return self._require_execution(conn, execution_id)
-
-    @staticmethod
-    def _require_execution(conn: sa.Connection, execution_id: str) -> ExecutionRecord:
-        row = conn.execute(
-            sa.select(executions).where(executions.c.execution_id == execution_id)
-        ).first()
-        if row is None:
-            raise NotFound(f"no execution {execution_id!r}")
-        return ExecutionRecord.from_row(row)
-
-    def get(self, scope: str, tool_call_id: str) -> CallView:
-        """The call, its action and every attempt at it."""
-        with self._read() as conn:
-            key = self._key_for(conn, scope, tool_call_id)
-            op = self._operation(conn, scope, key)
-            rows = conn.execute(
-                sa.select(executions)
-                .where(executions.c.scope == scope, executions.c.idempotency_key == key)
-                .order_by(executions.c.attempt)
-            ).all()
-        return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
-
-    def events(self, scope: str, tool_call_id: str) -> list[EventRecord]:
-        """The history of the call's action, in order."""
-        with self._read() as conn:
-            key = self._key_for(conn, scope, tool_call_id)
-            rows = conn.execute(
-                sa.select(execution_events)
-                .where(
-                    execution_events.c.scope == scope,
-                    execution_events.c.idempotency_key == key,
-                )
-                .order_by(execution_events.c.seq)
-            ).all()
-        return [EventRecord.from_row(r) for r in rows]
-
-    def receipt(self, scope: str, tool_call_id: str) -> Receipt:
-        """The result to hand the model, by the replay rules; never runs anything."""
-        view = self.get(scope, tool_call_id)
-        return receipt_for(view.operation, view.current)
-
-    def list_calls(
-        self,
-        *,
-        status: Status | None = None,
-        scope: str | None = None,
-        limit: int = LIST_LIMIT,
-    ) -> list[ListedCall]:
-        """Calls from current state (never from the history), oldest first."""
-        first_call = (
-            sa.select(sa.func.min(tool_calls.c.tool_call_id))
-            .where(
-                tool_calls.c.scope == operations.c.scope,
-                tool_calls.c.idempotency_key == operations.c.idempotency_key,
-            )
-            .scalar_subquery()
-        )
-        current = sa.and_(
-            executions.c.scope == operations.c.scope,
-            executions.c.idempotency_key == operations.c.idempotency_key,
-            executions.c.attempt == operations.c.authorized_attempts,
-        )
-        query = sa.select(
-            operations.c.scope,
-            operations.c.idempotency_key,
-            operations.c.tool,
-            operations.c.status,
-            operations.c.authorized_attempts,
-            operations.c.created_at,
-            executions.c.execution_id,
-            executions.c.reconciled,
-            first_call.label("tool_call_id"),
-        ).select_from(operations.outerjoin(executions, current))
-        if status is not None:
-            query = query.where(operations.c.status == status)
-        if scope is not None:
-            query = query.where(operations.c.scope == scope)
-        query = query.order_by(
-            operations.c.created_at, operations.c.scope, operations.c.idempotency_key
-        )
-        if limit:
-            query = query.limit(limit)
-        with self._read() as conn:
-            return [ListedCall.from_row(r) for r in conn.execute(query)]
-
-    def unknown_executions(
-        self, limit: int = 1000
-    ) -> list[tuple[ExecutionRecord, OperationRecord]]:
-        """Executions that are unknown now, with their operations (the partial index)."""
-        query = (
-            sa.select(executions, *[c.label(f"op_{c.name}") for c in operations.c])
-            .join(
-                operations,
-                sa.and_(
-                    operations.c.scope == executions.c.scope,
-                    operations.c.idempotency_key == executions.c.idempotency_key,
-                ),
-            )
-            .where(executions.c.status == Status.UNKNOWN)
-            .order_by(executions.c.scope, executions.c.idempotency_key)
-            .limit(limit)
-        )
-        with self._read() as conn:
-            rows = conn.execute(query).all()
-        out = []
-        for row in rows:
-            m = row._mapping
-            op = {c.name: m[f"op_{c.name}"] for c in operations.c}
-            out.append((ExecutionRecord.from_row(row), OperationRecord.from_row(op)))  # type: ignore[arg-type]
-        return out
-
-    def evidence_for(self, scope: str, key: str, execution_id: str) -> list[EventRecord]:
-        """Evidence events recorded for one execution, oldest first."""
-        with self._read() as conn:
-            rows = conn.execute(
-                sa.select(execution_events)
-                .where(
-                    execution_events.c.scope == scope,
-                    execution_events.c.idempotency_key == key,
-                    execution_events.c.execution_id == execution_id,
-                    execution_events.c.kind == EventKind.EVIDENCE,
-                )
-                .order_by(execution_events.c.seq)
-            ).all()
-        return [EventRecord.from_row(r) for r in rows]
 
     def verify(self, page_size: int = 1000) -> Any:
         """Rebuild current state from the events alone and report every difference."""

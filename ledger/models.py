@@ -16,7 +16,7 @@ from typing import Any, ClassVar, cast
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from ledger.transitions import EXECUTION_STATUSES, OPEN, EventKind, Status
+from ledger.transitions import EXECUTION_STATUSES, EventKind, Status
 from ledger.types import JSONType, UTCDateTime
 
 NAMING_CONVENTION = {
@@ -37,6 +37,9 @@ def _partial(name: str, *columns: str, where: str) -> sa.Index:
     """A partial index, the same on both dialects: the sweep's cost follows its rows."""
     clause = sa.text(where)
     return sa.Index(name, *columns, postgresql_where=clause, sqlite_where=clause)
+
+
+WAITING = (Status.PENDING_APPROVAL, Status.RUNNING, Status.UNKNOWN)
 
 
 class Base(DeclarativeBase):
@@ -72,7 +75,8 @@ class Operation(Base):
         sa.CheckConstraint(_in("status", Status), name="status"),
         sa.CheckConstraint("authorized_attempts >= 0", name="authorized_attempts"),
         _partial("ix_operations_approved_unclaimed", "enqueued_at", where="status = 'approved'"),
-        _partial("ix_operations_open", "status", "scope", where=_in("status", OPEN)),
+        # What waits on someone (a human, a worker, evidence); approved has its own index.
+        _partial("ix_operations_waiting", "status", "scope", where=_in("status", WAITING)),
     )
 
 

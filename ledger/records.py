@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Self
@@ -14,7 +15,7 @@ from ledger.transitions import Status
 
 class _FromRow:
     @classmethod
-    def from_row(cls, row: sa.Row[Any] | sa.RowMapping) -> Self:
+    def from_row(cls, row: sa.Row[Any] | Mapping[str, Any]) -> Self:
         mapping = row._mapping if isinstance(row, sa.Row) else row
         values = {f.name: mapping[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         if "status" in values:

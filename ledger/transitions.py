@@ -38,8 +38,6 @@ class EventKind(StrEnum):
 EXECUTION_STATUSES = frozenset({Status.RUNNING, Status.SUCCEEDED, Status.FAILED, Status.UNKNOWN})
 #: Statuses whose row must carry a result, written in the same transaction.
 TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED})
-#: Statuses where the call still waits for something (a human, a worker, evidence).
-OPEN = frozenset({Status.PENDING_APPROVAL, Status.APPROVED, Status.RUNNING, Status.UNKNOWN})
 
 #: Statuses a human may authorise a new attempt from (a retry is not an approval).
 RETRYABLE = frozenset({Status.UNKNOWN, Status.FAILED})

@@ -53,6 +53,19 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "accept_content": ["json"],
         "task_default_queue": settings.queue,
         "task_routes": {SWEEP: {"queue": settings.sweep_queue}},
+        # The beat: one sweep per interval on its own queue; a sweep message older than the
+        # interval is dropped (the next one is already on its way).
+        "beat_schedule": {
+            "toolledger-sweep": {
+                "task": SWEEP,
+                "schedule": settings.sweep_interval,
+                "options": {
+                    "queue": settings.sweep_queue,
+                    "expires": round(settings.sweep_interval * 0.9, 3),
+                },
+            }
+        },
+        "beat_schedule_filename": str(settings.home / "celerybeat-schedule"),
         "broker_connection_retry_on_startup": True,
         "enable_utc": True,
     }

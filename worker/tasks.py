@@ -3,6 +3,7 @@ carries pointers, the ledger carries truth — arguments are read from the ledge
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -15,7 +16,7 @@ log = logging.getLogger("toolledger.worker")
 
 
 def register_tasks(app: Celery, settings: Settings) -> None:
-    from worker.app import EXECUTE
+    from worker.app import EXECUTE, SWEEP
 
     @app.task(name=EXECUTE, bind=True)  # type: ignore[untyped-decorator]
     def execute(task: Task, scope: str, idempotency_key: str, attempt: int) -> str:
@@ -42,7 +43,23 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             )
         return outcome.state
 
-    _ = execute
+    @app.task(name=SWEEP)  # type: ignore[untyped-decorator]
+    def sweep() -> dict[str, Any]:
+        from recovery.sweep import sweep as run_sweep
+
+        rt = runtime(settings)
+        summary = run_sweep(
+            rt.ledger,
+            rt.registry,
+            rt.sandbox,
+            grace_seconds=settings.sweep_grace,
+            requeue_after=settings.requeue_after,
+            publish=lambda s, k, a: publish(app, settings, s, k, a),
+        )
+        log.info("%s: %s", SWEEP, json.dumps(summary.to_json()))
+        return summary.to_json()
+
+    _ = execute, sweep
 
 
 def publish(

@@ -85,3 +85,19 @@ def stack(pg_url: str, redis_server: str, redis_prefix: str, tmp_path: Path) -> 
     yield s
     for proc in s.workers:
         proc.stop()
+
+
+def toolledger(stack: Stack, *argv: str, **env: str) -> tuple[int, str, str]:
+    """The real CLI in a subprocess, against this stack."""
+    import subprocess
+
+    from worker.processes import toolledger_argv
+
+    proc = subprocess.run(
+        [*toolledger_argv(), *argv],
+        env=stack.env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout, proc.stderr

@@ -55,7 +55,7 @@ def test_migrations__every_constraint_and_index_named_as_the_models_say(empty_ur
     upgrade(engine)
     expected = {
         "ix_operations_approved_unclaimed",
-        "ix_operations_open",
+        "ix_operations_waiting",
         "ix_tool_calls_operation",
         "ix_executions_running_lease",
         "ix_executions_unknown",

@@ -16,7 +16,7 @@ branch_labels = None
 depends_on = None
 
 STATUSES = "'approved', 'failed', 'pending_approval', 'rejected', 'running', 'succeeded', 'unknown'"
-OPEN = "'approved', 'pending_approval', 'running', 'unknown'"
+WAITING = "'pending_approval', 'running', 'unknown'"
 EXECUTION_STATUSES = "'failed', 'running', 'succeeded', 'unknown'"
 KINDS = (
     "'approved', 'evidence', 'failed', 'linked', 'pending_approval', 'rejected', "
@@ -71,7 +71,7 @@ def upgrade() -> None:
     _partial(
         "ix_operations_approved_unclaimed", "operations", ["enqueued_at"], "status = 'approved'"
     )
-    _partial("ix_operations_open", "operations", ["status", "scope"], f"status IN ({OPEN})")
+    _partial("ix_operations_waiting", "operations", ["status", "scope"], f"status IN ({WAITING})")
 
     op.create_table(
         "tool_calls",

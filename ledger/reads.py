@@ -1,0 +1,204 @@
+"""The ledger's reads: current state (never the history) for calls, lists and recovery."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import sqlalchemy as sa
+
+from ledger.errors import NotFound
+from ledger.models import execution_events, executions, operations, tool_calls
+from ledger.receipts import receipt_for
+from ledger.records import (
+    CallView,
+    EventRecord,
+    ExecutionRecord,
+    ListedCall,
+    OperationRecord,
+    Receipt,
+)
+from ledger.transitions import EventKind, Status
+
+#: Rows ``list`` returns unless told otherwise.
+LIST_LIMIT = 1000
+
+
+def op_key(scope: str, key: str) -> sa.ColumnElement[bool]:
+    return sa.and_(operations.c.scope == scope, operations.c.idempotency_key == key)
+
+
+class LedgerReads:
+    """Read methods of the Ledger facade."""
+
+    engine: sa.Engine
+
+    @contextmanager
+    def _read(self) -> Iterator[sa.Connection]:
+        with self.engine.connect() as conn:
+            yield conn
+
+    @staticmethod
+    def _key_for(conn: sa.Connection, scope: str, tool_call_id: str) -> str:
+        key: str | None = conn.execute(
+            sa.select(tool_calls.c.idempotency_key).where(
+                tool_calls.c.scope == scope, tool_calls.c.tool_call_id == tool_call_id
+            )
+        ).scalar_one_or_none()
+        if key is None:
+            raise NotFound(f"no call {tool_call_id!r} in scope {scope!r}")
+        return key
+
+    @staticmethod
+    def _operation(conn: sa.Connection, scope: str, key: str) -> OperationRecord:
+        row = conn.execute(sa.select(operations).where(op_key(scope, key))).first()
+        if row is None:
+            raise NotFound(f"no operation {key!r} in scope {scope!r}")
+        return OperationRecord.from_row(row)
+
+    def key_for(self, scope: str, tool_call_id: str) -> str:
+        with self._read() as conn:
+            return self._key_for(conn, scope, tool_call_id)
+
+    def operation(self, scope: str, key: str) -> OperationRecord:
+        with self._read() as conn:
+            return self._operation(conn, scope, key)
+
+    def execution(self, execution_id: str) -> ExecutionRecord:
+        with self._read() as conn:
+            return self._require_execution(conn, execution_id)
+
+    @staticmethod
+    def _require_execution(conn: sa.Connection, execution_id: str) -> ExecutionRecord:
+        row = conn.execute(
+            sa.select(executions).where(executions.c.execution_id == execution_id)
+        ).first()
+        if row is None:
+            raise NotFound(f"no execution {execution_id!r}")
+        return ExecutionRecord.from_row(row)
+
+    def get(self, scope: str, tool_call_id: str) -> CallView:
+        """The call, its action and every attempt at it."""
+        with self._read() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            op = self._operation(conn, scope, key)
+            rows = conn.execute(
+                sa.select(executions)
+                .where(executions.c.scope == scope, executions.c.idempotency_key == key)
+                .order_by(executions.c.attempt)
+            ).all()
+        return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
+
+    def events(self, scope: str, tool_call_id: str) -> list[EventRecord]:
+        """The history of the call's action, in order."""
+        with self._read() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            rows = conn.execute(
+                sa.select(execution_events)
+                .where(
+                    execution_events.c.scope == scope,
+                    execution_events.c.idempotency_key == key,
+                )
+                .order_by(execution_events.c.seq)
+            ).all()
+        return [EventRecord.from_row(r) for r in rows]
+
+    def receipt(self, scope: str, tool_call_id: str) -> Receipt:
+        """The result to hand the model, by the replay rules; never runs anything."""
+        view = self.get(scope, tool_call_id)
+        return receipt_for(view.operation, view.current)
+
+    def list_calls(
+        self,
+        *,
+        status: Status | None = None,
+        scope: str | None = None,
+        limit: int = LIST_LIMIT,
+    ) -> list[ListedCall]:
+        """Calls from current state (never from the history), oldest first."""
+        first_call = (
+            sa.select(sa.func.min(tool_calls.c.tool_call_id))
+            .where(
+                tool_calls.c.scope == operations.c.scope,
+                tool_calls.c.idempotency_key == operations.c.idempotency_key,
+            )
+            .scalar_subquery()
+        )
+        current = sa.and_(
+            executions.c.scope == operations.c.scope,
+            executions.c.idempotency_key == operations.c.idempotency_key,
+            executions.c.attempt == operations.c.authorized_attempts,
+        )
+        query = sa.select(
+            operations.c.scope,
+            operations.c.idempotency_key,
+            operations.c.tool,
+            operations.c.status,
+            operations.c.authorized_attempts,
+            operations.c.created_at,
+            executions.c.execution_id,
+            executions.c.reconciled,
+            first_call.label("tool_call_id"),
+        ).select_from(operations.outerjoin(executions, current))
+        if status is not None:
+            query = query.where(operations.c.status == status)
+        if scope is not None:
+            query = query.where(operations.c.scope == scope)
+        query = query.order_by(
+            operations.c.created_at, operations.c.scope, operations.c.idempotency_key
+        )
+        if limit:
+            query = query.limit(limit)
+        with self._read() as conn:
+            return [ListedCall.from_row(r) for r in conn.execute(query)]
+
+    def unknown_executions(
+        self, limit: int = 1000, after: tuple[str, str, str] | None = None
+    ) -> list[tuple[ExecutionRecord, OperationRecord]]:
+        """Executions unknown now, with their operations, in (scope, key, id) pages.
+
+        Served by the partial index on unknown rows: its cost follows the unknown rows."""
+        order = (executions.c.scope, executions.c.idempotency_key, executions.c.execution_id)
+        query = (
+            sa.select(executions, *[c.label(f"op_{c.name}") for c in operations.c])
+            .join(
+                operations,
+                sa.and_(
+                    operations.c.scope == executions.c.scope,
+                    operations.c.idempotency_key == executions.c.idempotency_key,
+                ),
+            )
+            .where(executions.c.status == Status.UNKNOWN)
+            .order_by(*order)
+            .limit(limit)
+        )
+        if after is not None:
+            query = query.where(sa.tuple_(*order) > sa.tuple_(*after))
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+        out = []
+        for row in rows:
+            m = row._mapping
+            op = {c.name: m[f"op_{c.name}"] for c in operations.c}
+            out.append((ExecutionRecord.from_row(row), OperationRecord.from_row(op)))
+        return out
+
+    def evidence_for(self, keyed: Sequence[ExecutionRecord]) -> dict[str, list[EventRecord]]:
+        """Evidence events of these executions by execution id, oldest first: one query,
+        through the (scope, key, seq) index."""
+        if not keyed:
+            return {}
+        pairs = sorted({(e.scope, e.idempotency_key) for e in keyed})
+        ids = {e.execution_id for e in keyed}
+        pair = sa.tuple_(execution_events.c.scope, execution_events.c.idempotency_key)
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(execution_events)
+                .where(pair.in_(pairs), execution_events.c.kind == EventKind.EVIDENCE)
+                .order_by(execution_events.c.seq)
+            ).all()
+        found: dict[str, list[EventRecord]] = {}
+        for row in rows:
+            if row.execution_id in ids:
+                found.setdefault(row.execution_id, []).append(EventRecord.from_row(row))
+        return found

@@ -1,0 +1,72 @@
+"""What only a human may decide: resolving an unknown, and authorising a new attempt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ledger.errors import StateError
+from ledger.transitions import Status
+from worker.submit import Submitter
+
+
+class DuplicateNotAccepted(StateError):
+    """A retry of a tool that is not idempotent must accept a duplicate effect explicitly."""
+
+
+def retry(
+    submitter: Submitter,
+    scope: str,
+    tool_call_id: str,
+    *,
+    by: str,
+    accept_duplicate: bool = False,
+    reason: str | None = None,
+) -> dict[str, Any]:
+    """A new attempt under the same key, authorised by ``by``, then enqueued.
+
+    The first attempt may have taken effect (unknown) or partly taken effect (failed): for a
+    tool that is not idempotent, a retry can apply the effect twice, and the person must say
+    that they accept it.
+    """
+    ledger = submitter.ledger
+    op = ledger.get(scope, tool_call_id).operation
+    tool = submitter.registry.get(op.tool)
+    if not tool.idempotent and not accept_duplicate:
+        raise DuplicateNotAccepted(
+            f"{op.tool} is not idempotent: the {op.status} attempt may already have taken "
+            "effect, so a retry may apply it a second time; pass --accept-duplicate to accept "
+            "a duplicate effect"
+        )
+    retried = ledger.authorize_retry(
+        scope, tool_call_id, by=by, accept_duplicate=accept_duplicate, reason=reason
+    )
+    out: dict[str, Any] = {
+        "scope": scope,
+        "tool_call_id": tool_call_id,
+        "idempotency_key": retried.idempotency_key,
+        "tool": retried.tool,
+        "status": retried.status.value,
+        "attempt": retried.authorized_attempts,
+        "authorized_by": by,
+        "duplicate_effect_accepted": accept_duplicate,
+    }
+    if not tool.idempotent:
+        out["warning"] = f"{by} accepted that {op.tool} may take effect twice"
+    out.update(submitter.enqueue(scope, retried.idempotency_key, retried.authorized_attempts))
+    return out
+
+
+def resolve(
+    submitter: Submitter, execution_id: str, status: Status, *, by: str, evidence: str
+) -> dict[str, Any]:
+    """unknown -> succeeded/failed on a human's word, with the evidence they give."""
+    done = submitter.ledger.resolve(execution_id, status, by=by, evidence=evidence)
+    return {
+        "execution_id": execution_id,
+        "scope": done.scope,
+        "idempotency_key": done.idempotency_key,
+        "status": done.status.value,
+        "result": done.result,
+        "reconciled": done.reconciled,
+        "resolved_by": by,
+    }

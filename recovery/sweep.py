@@ -1,0 +1,101 @@
+"""The sweep: one recovery pass, run by the beat on its own queue (or ``toolledger sweep``).
+
+1. ``running`` whose lease expired by the database clock (plus a grace) -> ``unknown``;
+2. every ``unknown`` with evidence -> ``succeeded``/``failed``, ``reconciled: true``;
+3. approved work whose message was lost (unclaimed, last published long ago) -> published again.
+
+Each step reads through a partial index, so a pass costs what it touches, not the ledger's
+size. Two sweeps at once are safe: step 1 skips rows the other holds and re-checks status
+and lease in its UPDATE; step 2 is a compare-and-set; step 3 stamps what it takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ledger.ledger import Ledger
+from recovery.reconcile import reconcile_unknown
+from worker.sandbox import Sandbox
+from worker.tools import Registry
+
+log = logging.getLogger("toolledger.recovery")
+
+Publish = Callable[[str, str, int], None]
+
+#: Rows one statement takes at a time (a pass loops until nothing is left).
+BATCH = 1000
+
+
+@dataclass
+class SweepSummary:
+    marked_unknown: int = 0
+    reconciled: int = 0
+    still_unknown: int = 0
+    requeued: int = 0
+    from_late_result: int = 0
+    from_reconciler: int = 0
+    duration_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sweep(
+    ledger: Ledger,
+    registry: Registry,
+    sandbox: Sandbox,
+    *,
+    grace_seconds: float,
+    requeue_after: float,
+    publish: Publish | None,
+    batch: int = BATCH,
+    actor: str = "sweep",
+) -> SweepSummary:
+    """One recovery pass. Never executes a tool."""
+    began = time.perf_counter()
+    summary = SweepSummary()
+    while marked := ledger.mark_expired(grace_seconds=grace_seconds, limit=batch, actor=actor):
+        summary.marked_unknown += len(marked)
+        if len(marked) < batch:
+            break
+    tally = reconcile_unknown(ledger, registry, sandbox, page_size=batch, actor=actor)
+    summary.reconciled, summary.still_unknown = tally.reconciled, tally.still_unknown
+    summary.from_late_result, summary.from_reconciler = (
+        tally.from_late_result,
+        tally.from_reconciler,
+    )
+    summary.errors.extend(tally.errors)
+    if publish is not None:
+        summary.requeued = requeue_lost(ledger, publish, requeue_after, batch, summary.errors)
+    summary.duration_s = round(time.perf_counter() - began, 4)
+    return summary
+
+
+def requeue_lost(
+    ledger: Ledger, publish: Publish, older_than: float, batch: int, errors: list[str]
+) -> int:
+    """Publish again what was approved but never claimed and not published recently.
+
+    The rows are stamped before the publish: if the publish fails, the next sweep past the
+    threshold tries again; a message published twice is harmless (the claim decides)."""
+    published, seen = 0, set[tuple[str, str, int]]()
+    while due := ledger.take_due_for_enqueue(older_than_seconds=older_than, limit=batch):
+        if seen.intersection(due):  # a tiny threshold can hand back what we just stamped
+            break
+        seen.update(due)
+        for scope, key, attempt in due:
+            try:
+                publish(scope, key, attempt)
+                published += 1
+            except Exception as exc:  # noqa: BLE001 - the broker is down: next sweep retries
+                errors.append(f"requeue of {scope}/{key} failed: {exc}")
+                log.warning("requeue of %s/%s failed: %s", scope, key, exc)
+                return published
+        if len(due) < batch:
+            break
+    return published

@@ -1,0 +1,273 @@
+"""The sweep on both backends: mark, reconcile by evidence only, re-enqueue lost work."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from ledger.ledger import Ledger
+from ledger.transitions import Status
+from recovery.sweep import sweep
+from tests.helpers import TABLES
+from worker.builtin_tools import ContentArgs
+from worker.sandbox import Sandbox
+from worker.tools import Registry, load_registry, make_tool
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    return Sandbox(tmp_path / "sandbox")
+
+
+def crashed(
+    ledger: Ledger,
+    sandbox: Sandbox,
+    scope: str,
+    cid: str,
+    tool: str = "write_file",
+    content: str = "done",
+    effect: bool = True,
+) -> str:
+    """A call whose executor died after (or before) its effect: running, lease expired."""
+    args = {"path": f"{cid}.txt", "content": content}
+    ledger.submit(scope, cid, tool, args, approved_by="alice")
+    claim = ledger.claim(scope, f"{tool}:{cid}", 1, worker_id="dead", lease_seconds=0.05)
+    if effect:
+        data = content.encode()
+        if tool == "append_file":
+            sandbox.append(scope, args["path"], data)
+        else:
+            sandbox.write_atomic(scope, args["path"], data)
+    return claim.execution_id
+
+
+def run_sweep(ledger: Ledger, sandbox: Sandbox, registry: Registry | None = None, **kw: Any):
+    time.sleep(0.1)  # past every 50 ms lease
+    kw.setdefault("publish", None)
+    return sweep(
+        ledger,
+        registry or load_registry(),
+        sandbox,
+        grace_seconds=0,
+        requeue_after=kw.pop("requeue_after", 60),
+        **kw,
+    )
+
+
+def dump(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
+    with ledger.engine.connect() as conn:
+        return {
+            t: [tuple(r) for r in conn.exec_driver_sql(f"SELECT * FROM {t} ORDER BY 1, 2")]
+            for t in TABLES
+        }
+
+
+def test_sweep__crash_after_effect_reconciled_same_execution_file_untouched(ledger, scope, sandbox):
+    eid = crashed(ledger, sandbox, scope, "c1")
+    path = sandbox.scope_dir(scope) / "c1.txt"
+    before = (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns)
+    summary = run_sweep(ledger, sandbox)
+    assert summary.marked_unknown >= 1 and summary.reconciled >= 1
+    view = ledger.get(scope, "c1")
+    (ex,) = view.executions
+    assert (ex.execution_id, ex.status, ex.reconciled) == (eid, Status.SUCCEEDED, True)
+    assert ex.result == {
+        "path": "c1.txt",
+        "bytes_written": 4,
+        "sha256": hashlib.sha256(b"done").hexdigest(),
+    }
+    kinds = [e.kind for e in ledger.events(scope, "c1") if e.execution_id == eid]
+    assert kinds == ["running", "unknown", "succeeded"]
+    evidence = ledger.events(scope, "c1")[-1].detail["evidence"]
+    assert evidence["kind"] == "reconciler" and evidence["sha256"] == ex.result["sha256"]
+    assert (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns) == before
+
+
+def test_sweep__file_changed_by_someone_else_stays_unknown_content_kept(ledger, scope, sandbox):
+    crashed(ledger, sandbox, scope, "c1")
+    path = sandbox.scope_dir(scope) / "c1.txt"
+    path.write_text("edited by a human")
+    run_sweep(ledger, sandbox)
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    assert path.read_text() == "edited by a human"
+
+
+def test_sweep__file_deleted_stays_unknown_nothing_recreated(ledger, scope, sandbox):
+    crashed(ledger, sandbox, scope, "c1")
+    path = sandbox.scope_dir(scope) / "c1.txt"
+    path.unlink()
+    run_sweep(ledger, sandbox)
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    assert not path.exists()
+
+
+def test_sweep__crash_before_effect_stays_unknown(ledger, scope, sandbox):
+    crashed(ledger, sandbox, scope, "c1", effect=False)
+    run_sweep(ledger, sandbox)
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    assert not (sandbox.scope_dir(scope) / "c1.txt").exists()
+
+
+def test_sweep__append_file_becomes_unknown_never_rerun(ledger, scope, sandbox):
+    crashed(ledger, sandbox, scope, "c1", tool="append_file", content="one line\n")
+    path = sandbox.scope_dir(scope) / "c1.txt"
+    before = path.read_bytes()
+    run_sweep(ledger, sandbox)
+    run_sweep(ledger, sandbox)
+    view = ledger.get(scope, "c1")
+    assert view.operation.status is Status.UNKNOWN and len(view.executions) == 1
+    assert path.read_bytes() == before == b"one line\n"
+
+
+def test_sweep__second_sweep_changes_nothing(fresh_db_url, scope, sandbox):
+    ledger = Ledger(fresh_db_url)
+    crashed(ledger, sandbox, scope, "ok")
+    crashed(ledger, sandbox, scope, "gone")
+    (sandbox.scope_dir(scope) / "gone.txt").unlink()
+    crashed(ledger, sandbox, scope, "app", tool="append_file")
+    first = run_sweep(ledger, sandbox)
+    assert (first.marked_unknown, first.reconciled, first.still_unknown) == (3, 1, 2)
+    rows, files = dump(ledger), sorted(p.read_bytes() for p in sandbox.root.rglob("*.txt"))
+    second = run_sweep(ledger, sandbox)
+    assert (second.marked_unknown, second.reconciled, second.still_unknown) == (0, 0, 2)
+    assert dump(ledger) == rows
+    assert sorted(p.read_bytes() for p in sandbox.root.rglob("*.txt")) == files
+    assert ledger.verify().ok
+    ledger.close()
+
+
+def test_sweep__late_result_of_the_original_executor_is_evidence(ledger, scope, sandbox):
+    ledger.submit(scope, "c1", "append_file", {"path": "x", "content": "y"}, approved_by="al")
+    claim = ledger.claim(scope, "append_file:c1", 1, worker_id="zombie", lease_seconds=0.05)
+    time.sleep(0.1)
+    ledger.mark_expired(grace_seconds=0)
+    ledger.record_evidence(
+        claim.execution_id,
+        {"late_result": {"bytes_appended": 1}, "status": "succeeded"},
+        actor="zombie",
+    )
+    summary = run_sweep(ledger, sandbox)
+    assert summary.from_late_result >= 1
+    ex = ledger.get(scope, "c1").current
+    assert (ex.status, ex.result, ex.reconciled) == (Status.SUCCEEDED, {"bytes_appended": 1}, True)
+    assert ledger.events(scope, "c1")[-1].detail["evidence"]["kind"] == "late_result"
+
+
+def _bomb_write(args: ContentArgs, ctx: Any) -> dict[str, Any]:
+    raise AssertionError("recovery executed a tool")
+
+
+def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(ledger, scope, sandbox):
+    def broken_reconcile(*_: Any) -> Any:
+        raise OSError("disk on fire")
+
+    registry = Registry(
+        [
+            make_tool(_bomb_write, name="write_file", reconcile=broken_reconcile),
+            make_tool(_bomb_write, name="append_file"),
+        ]
+    )
+    crashed(ledger, sandbox, scope, "c1")
+    summary = run_sweep(ledger, sandbox, registry)
+    assert summary.still_unknown >= 1 and any("disk on fire" in e for e in summary.errors)
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+
+
+# ---------------------------------------------------------------------------- concurrency
+
+
+def _one_sweep(url: str, root: str, start_at: float) -> dict[str, Any]:
+    ledger = Ledger(url)
+    while time.time() < start_at:
+        time.sleep(0.001)
+    summary = sweep(
+        ledger,
+        load_registry(),
+        Sandbox(Path(root)),
+        grace_seconds=0,
+        requeue_after=3600,
+        publish=None,
+        batch=100,
+    )
+    ledger.close()
+    return summary.to_json()
+
+
+def test_sweep__two_sweeps_at_once_each_row_marked_once(fresh_db_url, sandbox):
+    ledger = Ledger(fresh_db_url)
+    for i in range(1000):
+        ledger.submit(
+            "race", f"c{i}", "append_file", {"path": f"{i}", "content": "x"}, approved_by="al"
+        )
+        ledger.claim("race", f"append_file:c{i}", 1, worker_id="dead", lease_seconds=0.01)
+    time.sleep(0.1)
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 2.0
+    with ctx.Pool(2) as pool:
+        results = pool.starmap(_one_sweep, [(fresh_db_url, str(sandbox.root), start_at)] * 2)
+    assert sum(r["marked_unknown"] for r in results) == 1000
+    with ledger.engine.connect() as conn:
+        per_row = conn.execute(
+            sa.text(
+                "SELECT execution_id, count(*) FROM execution_events WHERE kind = 'unknown' "
+                "GROUP BY execution_id"
+            )
+        ).all()
+    assert len(per_row) == 1000 and {n for _, n in per_row} == {1}
+    assert ledger.verify().ok
+    print(f"\ntwo concurrent sweeps: marked {[r['marked_unknown'] for r in results]}")
+    ledger.close()
+
+
+# ---------------------------------------------------------------------------- outbox
+
+
+def test_sweep__requeues_approved_unclaimed_work_once(fresh_db_url, sandbox):
+    ledger = Ledger(fresh_db_url)
+    ledger.submit("s", "lost", "write_file", {"path": "a", "content": "b"}, approved_by="al")
+    ledger.submit("s", "fresh", "write_file", {"path": "c", "content": "d"}, approved_by="al")
+    ledger.mark_enqueued("s", "write_file:fresh", 1)
+    ledger.submit("s", "claimed", "write_file", {"path": "e", "content": "f"}, approved_by="al")
+    ledger.claim("s", "write_file:claimed", 1, worker_id="w", lease_seconds=60)
+    ledger.submit("s", "pending", "write_file", {"path": "g", "content": "h"})
+    published: list[tuple[str, str, int]] = []
+    time.sleep(0.2)
+    summary = run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.1)
+    # lost (never published) and fresh (published 0.2 s ago, threshold 0.1 s); never the
+    # claimed or the pending one
+    assert sorted(published) == [("s", "write_file:fresh", 1), ("s", "write_file:lost", 1)]
+    assert summary.requeued == 2
+    # Just published: not again until the threshold passes.
+    again = sweep(
+        ledger,
+        load_registry(),
+        sandbox,
+        grace_seconds=0,
+        requeue_after=30,
+        publish=lambda *a: published.append(a),
+    )
+    assert again.requeued == 0 and len(published) == 2
+    ledger.close()
+
+
+def test_sweep__publish_failure_is_reported_and_retried_next_time(fresh_db_url, sandbox):
+    ledger = Ledger(fresh_db_url)
+    ledger.submit("s", "lost", "write_file", {"path": "a", "content": "b"}, approved_by="al")
+
+    def down(*_: Any) -> None:
+        raise ConnectionError("broker down")
+
+    time.sleep(0.2)
+    failed = run_sweep(ledger, sandbox, publish=down, requeue_after=0.1)
+    assert failed.requeued == 0 and "broker down" in failed.errors[0]
+    time.sleep(0.2)
+    published: list[Any] = []
+    ok = run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.1)
+    assert ok.requeued == 1 and published == [("s", "write_file:lost", 1)]
+    ledger.close()

@@ -1,0 +1,368 @@
+"""Transcript repair: OpenAI chat, Responses API and Anthropic; JSON and JSONL."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger.errors import ConflictError, NoReceipt, NotFound
+from ledger.ledger import Ledger
+from ledger.transitions import Status
+from recovery.transcript import TranscriptError, repair_file, repair_transcript
+from tests.helpers import run_cli
+
+FORMATS = ["openai", "responses", "anthropic"]
+SAVED = {"path": "report.txt", "bytes_written": 4, "note": "診断 ✓"}
+
+Turn = tuple[str, Any]
+
+
+# ---------------------------------------------------------------------------- builders
+
+
+def calls_msg(fmt: str, calls: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    if fmt == "openai":
+        return [
+            {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "tool_calls": [
+                    {
+                        "id": i,
+                        "type": "function",
+                        "function": {"name": t, "arguments": json.dumps(a)},
+                    }
+                    for i, t, a in calls
+                ],
+            }
+        ]
+    if fmt == "responses":
+        return [
+            {
+                "type": "function_call",
+                "id": f"fc_{i}",
+                "call_id": i,
+                "name": t,
+                "arguments": json.dumps(a),
+                "status": "completed",
+            }
+            for i, t, a in calls
+        ]
+    return [
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "On it."}]
+            + [{"type": "tool_use", "id": i, "name": t, "input": a} for i, t, a in calls],
+        }
+    ]
+
+
+def results_msg(fmt: str, results: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    if fmt == "openai":
+        return [{"role": "tool", "tool_call_id": i, "content": c} for i, c in results]
+    if fmt == "responses":
+        return [{"type": "function_call_output", "call_id": i, "output": c} for i, c in results]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": i, "content": c} for i, c in results
+            ],
+        }
+    ]
+
+
+def text_msg(fmt: str, role: str, text: str) -> dict[str, Any]:
+    if fmt == "responses":
+        return {
+            "type": "message",
+            "role": role,
+            "content": [{"type": "input_text", "text": text}],
+            "x-trace": {"span": 7},
+        }
+    return {"role": role, "content": text, "x-meta": {"turn": text[:8]}}
+
+
+def build(fmt: str, turns: list[Turn]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for kind, value in turns:
+        if kind == "calls":
+            items += calls_msg(fmt, value)
+        elif kind == "results":
+            items += results_msg(fmt, value)
+        else:
+            items.append(text_msg(fmt, kind, value))
+    return items
+
+
+def serialise(items: list[dict[str, Any]], container: str, fmt: str) -> str:
+    if container == "jsonl":
+        return "".join(json.dumps(i, ensure_ascii=False) + "\n" for i in items)
+    key = "input" if fmt == "responses" else "messages"
+    return json.dumps(
+        {"model": "m-1", key: items, "metadata": {"keep": [1, 2.50, "é"]}},
+        ensure_ascii=False,
+        indent=2,
+    )
+
+
+def only_insertions(old: str, new: str) -> list[str]:
+    """The inserted pieces, asserting nothing of the old text changed or vanished."""
+    pieces = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        assert op in ("equal", "insert"), (op, old[i1:i2], new[j1:j2])
+        if op == "insert":
+            pieces.append(new[j1:j2])
+    return pieces
+
+
+def tool_results(fmt: str, text: str, container: str) -> list[tuple[str, str]]:
+    """(call id, content) of every tool result in a transcript, in order."""
+    items = (
+        [json.loads(line) for line in text.splitlines() if line.strip()]
+        if container == "jsonl"
+        else next(v for k, v in json.loads(text).items() if k in ("messages", "input"))
+    )
+    if fmt == "openai":
+        return [(m["tool_call_id"], m["content"]) for m in items if m.get("role") == "tool"]
+    if fmt == "responses":
+        return [
+            (m["call_id"], m["output"]) for m in items if m.get("type") == "function_call_output"
+        ]
+    return [
+        (b["tool_use_id"], b["content"])
+        for m in items
+        if isinstance(m.get("content"), list)
+        for b in m["content"]
+        if b.get("type") == "tool_result"
+    ]
+
+
+# ---------------------------------------------------------------------------- ledger states
+
+
+ARGS = {"path": "report.txt", "content": "done"}
+
+
+def in_state(ledger: Ledger, scope: str, cid: str, status: Status, args=None) -> str | None:
+    args = args or {"path": f"{cid}.txt", "content": cid}
+    approve = status not in (Status.PENDING_APPROVAL, Status.REJECTED)
+    ledger.submit(scope, cid, "write_file", args, approved_by="al" if approve else None)
+    if status is Status.REJECTED:
+        ledger.reject(scope, cid, by="bob", reason="not now")
+        return None
+    if status in (Status.PENDING_APPROVAL, Status.APPROVED):
+        return None
+    claim = ledger.claim(scope, f"write_file:{cid}", 1, worker_id="w")
+    if status in (Status.SUCCEEDED, Status.FAILED):
+        ledger.finish(
+            claim.execution_id,
+            claim.lease_token,
+            status,
+            SAVED if status is Status.SUCCEEDED else {"error": "disk full"},
+        )
+    elif status is Status.UNKNOWN:
+        ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    return claim.execution_id
+
+
+def call(cid: str) -> tuple[str, str, dict[str, Any]]:
+    return (cid, "write_file", {"path": f"{cid}.txt", "content": cid})
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("container", ["json", "jsonl"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repair__mixed_batch_receipts_in_call_order(ledger, scope, fmt, container):
+    eid_unknown = in_state(ledger, scope, "call_u", Status.UNKNOWN)
+    in_state(ledger, scope, "call_s", Status.SUCCEEDED)
+    turns = [("user", "write the report"), ("calls", [call("call_u"), call("call_s")])]
+    text = serialise(build(fmt, turns), container, fmt)
+    report = repair_transcript(text, ledger, scope)  # format detected
+    assert (report.format, report.container, report.calls) == (fmt, container, 2)
+    only_insertions(text, report.text)
+    results = tool_results(fmt, report.text, container)
+    assert [r[0] for r in results] == ["call_u", "call_s"]
+    unknown, saved = (json.loads(r[1]) for r in results)
+    assert unknown["status"] == "unknown" and unknown["execution_id"] == eid_unknown
+    assert saved == SAVED and results[1][1] == json.dumps(SAVED, ensure_ascii=False)
+    assert [i["status"] for i in report.inserted] == ["unknown", "succeeded"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repair__rejected_gets_a_rejection_receipt(ledger, scope, fmt):
+    in_state(ledger, scope, "call_r", Status.REJECTED)
+    text = serialise(build(fmt, [("user", "go"), ("calls", [call("call_r")])]), "json", fmt)
+    report = repair_transcript(text, ledger, scope, fmt)
+    ((cid, content),) = tool_results(fmt, report.text, "json")
+    assert cid == "call_r" and json.loads(content) == {"status": "rejected", "reason": "not now"}
+    if fmt == "anthropic":
+        assert '"is_error": true' in report.text
+
+
+@pytest.mark.parametrize("container", ["json", "jsonl"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repair__long_transcript_only_last_batch_dangling_rest_preserved(
+    ledger, scope, fmt, container
+):
+    turns: list[Turn] = []
+    for t in range(15):
+        cid = f"old_{t}"
+        turns += [
+            ("user", f"turn {t} — é"),
+            ("calls", [call(cid)]),
+            ("results", [(cid, json.dumps({"earlier": t}))]),
+            ("assistant", f"done {t}"),
+        ]
+    in_state(ledger, scope, "last_a", Status.SUCCEEDED)
+    in_state(ledger, scope, "last_b", Status.FAILED)
+    turns += [("user", "and now two more"), ("calls", [call("last_a"), call("last_b")])]
+    text = serialise(build(fmt, turns), container, fmt)
+    report = repair_transcript(text, ledger, scope)
+    assert (report.calls, report.answered_before) == (17, 15)
+    pieces = only_insertions(text, report.text)
+    assert "old_" not in "".join(pieces)  # nothing about the earlier turns was touched
+    results = tool_results(fmt, report.text, container)
+    assert [r[0] for r in results[-2:]] == ["last_a", "last_b"]
+    assert json.loads(results[-1][1]) == {"error": "disk full"}
+    assert report.text.startswith(text[: text.index("and now two more")])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repair__second_repair_adds_nothing(ledger, scope, fmt, tmp_path):
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    path = tmp_path / "t.json"
+    path.write_text(serialise(build(fmt, [("user", "x"), ("calls", [call("c1")])]), "json", fmt))
+    assert repair_file(path, ledger, scope).changed
+    once = path.read_bytes()
+    again = repair_file(path, ledger, scope)
+    assert not again.changed and again.answered_before == 1
+    assert path.read_bytes() == once
+
+
+def test_repair__anthropic_partial_user_turn_gets_the_missing_block_after_the_others(ledger, scope):
+    in_state(ledger, scope, "a", Status.SUCCEEDED)
+    in_state(ledger, scope, "b", Status.UNKNOWN)
+    items = build("anthropic", [("user", "x"), ("calls", [call("a"), call("b")])])
+    items.append(
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "a", "content": json.dumps(SAVED)},
+                {"type": "text", "text": "also, hurry"},
+            ],
+        }
+    )
+    text = serialise(items, "json", "anthropic")
+    report = repair_transcript(text, ledger, scope)
+    only_insertions(text, report.text)
+    last = json.loads(report.text)["messages"][-1]["content"]
+    assert [b.get("tool_use_id", b["type"]) for b in last] == ["a", "b", "text"]
+
+
+ERRORS = [
+    ("missing", NotFound, "is not in the ledger"),
+    ("conflict", ConflictError, "other arguments"),
+    ("pending", NoReceipt, "no receipt yet"),
+]
+
+
+@pytest.mark.parametrize(("case", "error", "message"), ERRORS, ids=[e[0] for e in ERRORS])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repair__cannot_give_a_receipt_stops_transcript_untouched(
+    ledger, scope, tmp_path, fmt, case, error, message
+):
+    in_state(ledger, scope, "fine", Status.SUCCEEDED)
+    if case == "conflict":
+        in_state(ledger, scope, "bad", Status.SUCCEEDED, args={"path": "x", "content": "other"})
+    elif case == "pending":
+        in_state(ledger, scope, "bad", Status.PENDING_APPROVAL)
+    path = tmp_path / "t.json"
+    path.write_text(
+        serialise(build(fmt, [("user", "x"), ("calls", [call("fine"), call("bad")])]), "json", fmt)
+    )
+    before = path.read_bytes()
+    with pytest.raises(error, match=message) as err:
+        repair_file(path, ledger, scope)
+    assert "'bad'" in str(err.value)
+    assert path.read_bytes() == before
+
+
+def test_repair__never_executes_even_if_every_tool_raises(ledger, scope, monkeypatch):
+    from worker import pipeline, tools
+
+    def explode(*_: Any, **__: Any) -> Any:
+        raise AssertionError("repair executed something")
+
+    for t in list(tools.load_registry()):
+        monkeypatch.setitem(
+            tools.registry._tools,
+            t.name,
+            tools.Tool(
+                t.name, t.description, t.args_model, explode, t.idempotent, t.read_only, explode
+            ),
+        )
+    monkeypatch.setattr(pipeline.Executor, "execute", explode)
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    in_state(ledger, scope, "c2", Status.UNKNOWN)
+    text = serialise(
+        build("openai", [("user", "x"), ("calls", [call("c1"), call("c2")])]), "jsonl", "openai"
+    )
+    assert len(repair_transcript(text, ledger, scope).inserted) == 2
+
+
+@pytest.mark.parametrize("bad", ["", "not json at all\n", "[1, 2", '{"nothing": "here"}'])
+def test_repair__not_a_transcript(ledger, scope, bad):
+    with pytest.raises(TranscriptError):
+        repair_transcript(bad, ledger, scope)
+
+
+def test_repair__no_tool_calls_nothing_to_do(ledger, scope):
+    text = serialise([text_msg("openai", "user", "hi")], "json", "openai")
+    report = repair_transcript(text, ledger, scope)
+    assert report.format is None and not report.changed and report.text == text
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_repair_cli__in_place_out_and_exit_codes(db_url, ledger, scope, tmp_path, capsys):
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        serialise(build("openai", [("user", "x"), ("calls", [call("c1")])]), "jsonl", "openai")
+    )
+    original = path.read_text()
+    code, out, _ = run_cli(
+        capsys,
+        "--db",
+        db_url,
+        "repair",
+        str(path),
+        "--scope",
+        scope,
+        "--out",
+        str(tmp_path / "fixed.jsonl"),
+        "--json",
+    )
+    summary = json.loads(out)
+    assert code == 0 and summary["format"] == "openai" and len(summary["inserted"]) == 1
+    assert path.read_text() == original  # --out leaves the input alone
+    assert tool_results("openai", (tmp_path / "fixed.jsonl").read_text(), "jsonl")[0][0] == "c1"
+    code, out, _ = run_cli(capsys, "--db", db_url, "repair", str(path), "--scope", scope)
+    assert code == 0 and "1 inserted" in out and path.read_text() != original
+    path.write_text(
+        serialise(build("openai", [("user", "x"), ("calls", [call("zz")])]), "jsonl", "openai")
+    )
+    code, _, err = run_cli(capsys, "--db", db_url, "repair", str(path), "--scope", scope)
+    assert code == 4 and "'zz'" in err
+    Path(path).write_text("garbage")
+    code, _, err = run_cli(capsys, "--db", db_url, "repair", str(path), "--scope", scope)
+    assert code == 6 and "line 1 is not JSON" in err

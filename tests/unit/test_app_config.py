@@ -1,0 +1,59 @@
+import pytest
+
+from worker.app import SWEEP, create_app, transport_options
+from worker.config import ConfigError, Settings
+
+
+def redis_settings(**kw):
+    return Settings(broker="redis://127.0.0.1:6379/0", db="sqlite:///x.db", **kw)
+
+
+def test_app__celery_settings_of_design_section_7():
+    conf = create_app(redis_settings()).conf
+    assert conf.task_acks_late is True
+    assert conf.task_reject_on_worker_lost is True
+    assert conf.worker_prefetch_multiplier == 1
+    assert conf.worker_cancel_long_running_tasks_on_connection_loss is True
+    assert 0 < conf.task_soft_time_limit < conf.task_time_limit < 30
+
+
+def test_app__one_visibility_timeout_everywhere_redis_reads_it():
+    conf = create_app(redis_settings(visibility_timeout=900, broker_prefix="p:")).conf
+    assert conf.broker_transport_options["visibility_timeout"] == 900
+    assert conf.result_backend_transport_options["visibility_timeout"] == 900
+    assert conf.visibility_timeout == 900
+    assert conf.broker_transport_options["global_keyprefix"] == "p:"
+
+
+def test_app__embedded_broker_gets_no_options_it_would_pass_to_create_engine():
+    assert transport_options(Settings(broker="sqla+sqlite:///b.db")) == {}
+
+
+def test_beat__sweeps_on_its_own_queue_expiring_before_the_next():
+    settings = redis_settings(sweep_interval=7)
+    entry = create_app(settings).conf.beat_schedule["toolledger-sweep"]
+    assert entry["task"] == SWEEP and entry["schedule"] == 7
+    assert entry["options"]["queue"] == settings.sweep_queue != settings.queue
+    assert 0 < entry["options"]["expires"] < 7
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"soft_time_limit": 25, "time_limit": 20},  # soft >= hard
+        {"time_limit": 40},  # hard >= lease
+        {"lease_seconds": 30, "visibility_timeout": 50},  # redelivery while running
+    ],
+)
+def test_settings__inconsistent_limits_refused(kw):
+    with pytest.raises(ConfigError):
+        redis_settings(**kw).check()
+
+
+def test_settings__defaults_are_consistent_and_read_from_env():
+    redis_settings().check()
+    s = Settings.from_env({"TOOLLEDGER_LEASE_SECONDS": "12", "TOOLLEDGER_HOME": "/tmp/h"})
+    assert (s.lease_seconds, s.soft_time_limit, s.time_limit) == (12, 8, 10)
+    assert str(s.db) == "sqlite:////tmp/h/ledger.db"
+    with pytest.raises(ConfigError):
+        Settings.from_env({"TOOLLEDGER_LEASE_SECONDS": "soon"})

@@ -1,0 +1,32 @@
+"""The documented reconciler contract for tools that call a downstream service."""
+
+from examples import downstream_tool as ex
+from ledger.transitions import Status
+from worker.sandbox import Sandbox
+from worker.tools import ToolContext
+
+
+def ctx(tmp_path, key="charge_account:call_1"):
+    return ToolContext("s", Sandbox(tmp_path), "e1", key, 1)
+
+
+def test_downstream__reconcile_asks_for_the_receipt_never_charges(tmp_path, monkeypatch):
+    service = ex.InMemoryPayments()
+    monkeypatch.setattr(ex, "SERVICE", service)
+    args = ex.ChargeArgs(account="acme", cents=500)
+    assert ex.reconcile_charge(args, ctx(tmp_path)) is None  # never charged: no evidence
+    assert service.receipts == {}  # ... and asking did not charge
+    done = ex.charge_account(args, ctx(tmp_path))
+    found = ex.reconcile_charge(args, ctx(tmp_path))
+    assert found.status is Status.SUCCEEDED and found.result == done
+    other = ex.ChargeArgs(account="acme", cents=999)
+    assert ex.reconcile_charge(other, ctx(tmp_path)) is None  # other terms: not proven
+
+
+def test_downstream__the_key_makes_a_duplicate_harmless(tmp_path, monkeypatch):
+    service = ex.InMemoryPayments()
+    monkeypatch.setattr(ex, "SERVICE", service)
+    args = ex.ChargeArgs(account="acme", cents=500)
+    ex.charge_account(args, ctx(tmp_path))
+    ex.charge_account(args, ctx(tmp_path))
+    assert len(service.receipts) == 1
