@@ -1,0 +1,42 @@
+"""The ledger: the execution layer's own record of every side-effecting tool call."""
+
+from ledger.errors import (
+    ConflictError,
+    CorruptRecord,
+    InputError,
+    InvalidTransition,
+    LedgerError,
+    NoReceipt,
+    NotFound,
+    StaleFence,
+    StateError,
+)
+from ledger.identity import args_sha256, canonical_json, default_key
+from ledger.ledger import Ledger
+from ledger.records import CallView, Claim, EventRecord, ExecutionRecord, OperationRecord, Receipt
+from ledger.transitions import TRANSITIONS, EventKind, Status
+
+__all__ = [
+    "TRANSITIONS",
+    "CallView",
+    "Claim",
+    "ConflictError",
+    "CorruptRecord",
+    "EventKind",
+    "EventRecord",
+    "ExecutionRecord",
+    "InputError",
+    "InvalidTransition",
+    "Ledger",
+    "LedgerError",
+    "NoReceipt",
+    "NotFound",
+    "OperationRecord",
+    "Receipt",
+    "StaleFence",
+    "StateError",
+    "Status",
+    "args_sha256",
+    "canonical_json",
+    "default_key",
+]

@@ -175,3 +175,22 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
             )
         ),
     )
+
+
+@cli.command()
+@json_option
+@pass_ctx
+def demo(c: Context) -> int:
+    """The showcase: an agent session, a worker crash, recovery — on the embedded default."""
+    from recovery.demo import render, run_demo
+
+    out = (lambda _t: None) if c.json else (lambda t: click.echo(t, err=False))
+    summary = run_demo(c.settings, out)
+    if c.json:
+        c.emit(summary)
+    else:
+        from worker.cli import _human_list
+
+        rows = c.ledger.list_calls(scope=summary["scope"])
+        click.echo(render(summary, c.settings, _human_list({"calls": [r.to_json() for r in rows]})))
+    return 0 if summary["ok"] else 1

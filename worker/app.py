@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from celery import Celery, signals
 
 from ledger.db import create_engine, ensure_schema
+from worker import broker  # registers the embedded transport
 from worker.config import Settings
 
 log = logging.getLogger("toolledger.worker")
@@ -83,6 +85,9 @@ def check_worker_start(settings: Settings) -> None:
 
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
+    broker.register()
+    if settings.broker.startswith(f"{broker.ALIAS}+"):
+        Path(settings.broker.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
     app = Celery("toolledger", broker=settings.broker, set_as_current=False)
     app.conf.update(celery_config(settings))
     app.toolledger_settings = settings

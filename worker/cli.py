@@ -338,12 +338,18 @@ def list_(c: Context, status: str | None, scope: str | None, limit: int) -> None
 
 
 def _human_list(d: dict[str, Any]) -> str:
-    lines = [f"{'scope':<16} {'tool_call_id':<24} {'tool':<14} {'status':<17} attempt execution_id"]
-    for r in d["calls"]:
+    calls = d["calls"]
+    w_scope = max([5, *(len(r["scope"]) for r in calls)])
+    w_call = max([12, *(len(str(r["tool_call_id"])) for r in calls)])
+    lines = [
+        f"{'scope':<{w_scope}} {'tool_call_id':<{w_call}} {'tool':<14} {'status':<17} "
+        "attempt execution_id"
+    ]
+    for r in calls:
         mark = " (reconciled)" if r["reconciled"] else ""
         lines.append(
-            f"{r['scope']:<16} {r['tool_call_id']!s:<24} {r['tool']:<14} {r['status']:<17} "
-            f"{r['attempt']:>7} {r['execution_id'] or '-'}{mark}"
+            f"{r['scope']:<{w_scope}} {r['tool_call_id']!s:<{w_call}} {r['tool']:<14} "
+            f"{r['status']:<17} {r['attempt']:>7} {r['execution_id'] or '-'}{mark}"
         )
     return "\n".join(lines)
 

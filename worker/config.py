@@ -68,7 +68,7 @@ class Settings:
         if not self.db:
             set_(self, "db", f"sqlite:///{home / 'ledger.db'}")
         if not self.broker:
-            set_(self, "broker", f"sqla+sqlite:///{home / 'broker.db'}")
+            set_(self, "broker", f"embedded+sqlite:///{home / 'broker.db'}")
         if self.sandbox == Path():
             set_(self, "sandbox", home / "sandbox")
         if not self.soft_time_limit:
@@ -82,7 +82,7 @@ class Settings:
 
     @property
     def embedded_broker(self) -> bool:
-        return self.broker.startswith(("sqla+", "filesystem:"))
+        return self.broker.startswith(("embedded+", "sqla+", "filesystem:"))
 
     def check(self) -> None:
         """Refuse inconsistent limits (DESIGN §7): soft < hard < lease < visibility timeout."""

@@ -144,6 +144,19 @@ class ManagedProcess:
         return self.start()
 
 
+def stop_all(procs: list[ManagedProcess], timeout: float = 20.0) -> None:
+    """Warm-stop several processes at once (each waits for its running task)."""
+    for p in procs:
+        if p.alive():
+            p.signal(signal.SIGCONT, group=True)
+            p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        p.stop(timeout=1.0)
+
+
 def worker_process(
     name: str,
     env: dict[str, str],

@@ -18,7 +18,7 @@ log = logging.getLogger("toolledger.worker")
 def register_tasks(app: Celery, settings: Settings) -> None:
     from worker.app import EXECUTE, SWEEP
 
-    @app.task(name=EXECUTE, bind=True)  # type: ignore[untyped-decorator]
+    @app.task(name=EXECUTE, bind=True, shared=False)  # type: ignore[untyped-decorator]
     def execute(task: Task, scope: str, idempotency_key: str, attempt: int) -> str:
         worker_id = default_worker_id(task.request.hostname or "")
         outcome = runtime(settings).executor(worker_id).execute(scope, idempotency_key, attempt)
@@ -43,7 +43,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             )
         return outcome.state
 
-    @app.task(name=SWEEP)  # type: ignore[untyped-decorator]
+    @app.task(name=SWEEP, shared=False)  # type: ignore[untyped-decorator]
     def sweep() -> dict[str, Any]:
         from recovery.sweep import sweep as run_sweep
 

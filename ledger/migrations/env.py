@@ -1,9 +1,16 @@
-"""Alembic environment: run against the engine toolledger hands over (``db upgrade``)."""
+"""Alembic environment: run against the engine toolledger hands over (``db upgrade``).
+
+Two processes may migrate at once (workers starting together on a fresh embedded ledger):
+the migration takes the database's write lock first — BEGIN IMMEDIATE on SQLite, an advisory
+lock on Postgres — so the second waits, then finds the schema already at head.
+"""
 
 from alembic import context
 
-from ledger.db import create_engine
+from ledger.db import WRITE, create_engine
 from ledger.models import Base
+
+MIGRATION_LOCK = 0x746C6D67  # "tlmg"
 
 config = context.config
 engine = config.attributes.get("engine") or create_engine(
@@ -11,6 +18,9 @@ engine = config.attributes.get("engine") or create_engine(
 )
 
 with engine.connect() as connection:
+    connection = connection.execution_options(**{WRITE: True})
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,

@@ -1,0 +1,62 @@
+"""docker-compose.yml, validated by Debian's docker-compose (no Docker engine runs here)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import missing_service
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    if not shutil.which("docker-compose"):
+        missing_service("docker-compose", "apt-get install docker-compose")
+    proc = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def test_compose__validates_with_the_services_of_the_stack(compose):
+    assert set(compose["services"]) == {"postgres", "redis", "migrate", "worker", "beat"}
+
+
+def test_compose__images_pinned_and_health_checked(compose):
+    services = compose["services"]
+    for name in ("postgres", "redis"):
+        image = services[name]["image"]
+        assert ":" in image and not image.endswith(":latest"), image
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis_cmd and "--maxmemory-policy noeviction" in redis_cmd
+
+
+def test_compose__migration_first_workers_scalable_one_beat(compose):
+    services = compose["services"]
+    assert services["migrate"]["command"] == ["db", "upgrade"]
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("worker", "beat"):
+        assert (
+            services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        )
+    assert "container_name" not in services["worker"]  # --scale worker=N must work
+    assert services["beat"]["command"] == ["beat"] and "deploy" not in services["beat"]
+
+
+def test_compose__configured_only_through_toolledger_variables(compose):
+    for name in ("migrate", "worker", "beat"):
+        env = compose["services"][name]["environment"]
+        assert env and all(k.startswith("TOOLLEDGER_") for k in env), env
+        assert env["TOOLLEDGER_DB"].startswith("postgresql://")
+        assert env["TOOLLEDGER_BROKER"].startswith("redis://")
