@@ -14,7 +14,6 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger.errors import StaleFence
-from ledger.identity import new_execution_id, new_lease_token
 from ledger.models import executions, operations
 from ledger.records import Claim, ExecutionRecord
 from ledger.transitions import Status
@@ -81,9 +80,15 @@ class PostgresFastPath:
             return conn.execute(statement, params).first()
 
     def claim(
-        self, scope: str, key: str, attempt: int, worker_id: str, lease_seconds: float
+        self,
+        scope: str,
+        key: str,
+        attempt: int,
+        worker_id: str,
+        lease_seconds: float,
+        execution_id: str,
+        token: str,
     ) -> Claim | None:
-        execution_id, token = new_execution_id(), new_lease_token()
         row = self._one(
             _CLAIM,
             {

@@ -332,15 +332,22 @@ class Ledger(LedgerReads):
         *,
         worker_id: str,
         lease_seconds: float = LEASE_SECONDS,
+        execution_id: str | None = None,
+        lease_token: str | None = None,
     ) -> Claim | None:
         """Win the right to run ``attempt``, or None: not approved, not authorised, or lost.
 
         ``running`` and its event are committed before this returns (invariant 1): a crash
-        after it leaves evidence that the effect may have started.
+        after it leaves evidence that the effect may have started. A caller that picks the
+        ``execution_id`` and ``lease_token`` itself can, after an error around the commit,
+        find out with ``claimed()`` whether the claim is its own.
         """
+        execution_id = execution_id or new_execution_id()
+        token = lease_token or new_lease_token()
         if self._fast is not None:
-            return self._fast.claim(scope, key, attempt, worker_id, lease_seconds)  # type: ignore[no-any-return]
-        execution_id, token = new_execution_id(), new_lease_token()
+            return self._fast.claim(  # type: ignore[no-any-return]
+                scope, key, attempt, worker_id, lease_seconds, execution_id, token
+            )
         with self._write() as conn:
             op = conn.execute(
                 sa.select(operations.c.tool, operations.c.args).where(
@@ -384,6 +391,38 @@ class Ledger(LedgerReads):
             worker_id=worker_id,
             tool=op.tool,
             args=op.args,
+        )
+
+    def claimed(self, execution_id: str, lease_token: str) -> Claim | None:
+        """The claim ``execution_id`` if it exists under ``lease_token`` (after an ambiguous
+        commit: the server may have committed what the client saw fail)."""
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(executions, operations.c.tool, operations.c.args)
+                .join(
+                    operations,
+                    sa.and_(
+                        operations.c.scope == executions.c.scope,
+                        operations.c.idempotency_key == executions.c.idempotency_key,
+                    ),
+                )
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.lease_token == lease_token,
+                )
+            ).first()
+        if row is None:
+            return None
+        return Claim(
+            execution_id=execution_id,
+            scope=row.scope,
+            idempotency_key=row.idempotency_key,
+            attempt=row.attempt,
+            lease_token=lease_token,
+            lease_expires_at=row.lease_expires_at,
+            worker_id=row.worker_id,
+            tool=row.tool,
+            args=row.args,
         )
 
     def renew_lease(

@@ -40,6 +40,7 @@ class Settings:
     tools               module with user tools to import (TOOLLEDGER_TOOLS, none)
     queue               the queue tool jobs travel on (TOOLLEDGER_QUEUE, "toolledger")
     failpoints          crash windows to open, DESIGN §5 (TOOLLEDGER_FAILPOINTS, none)
+    failpoint_log       where each firing is logged, JSON lines (TOOLLEDGER_FAILPOINT_LOG, none)
     """
 
     home: Path = DEFAULT_HOME
@@ -59,6 +60,7 @@ class Settings:
     tools: str = ""
     queue: str = "toolledger"
     failpoints: str = ""
+    failpoint_log: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

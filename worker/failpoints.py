@@ -3,14 +3,17 @@
 ``TOOLLEDGER_FAILPOINTS="after_effect=exit(23)"`` — points are separated by ``;``, each
 ``point=[P%][N*]action``, as in fail-rs: ``5%exit(23)`` fires with probability 5 %,
 ``2*raise`` fires the first two times only. Actions: ``exit(N)`` (os._exit: no cleanup, no
-finally blocks, like a kill), ``raise``, ``sleep(S)``, ``stop`` (SIGSTOP to self: a zombie
-until someone sends SIGCONT), ``off``.
+finally blocks), ``kill`` (SIGKILL to self), ``raise``, ``sleep(S)``, ``stop`` (SIGSTOP to
+self: a zombie until someone sends SIGCONT), ``off``.
 
-Zero cost when unset: ``hit`` is then a function that returns at once.
+Zero cost when unset: ``hit`` is then a function that returns at once. With a log path,
+each firing is appended there (JSON: point, action, pid, ref, t) before it acts, so a chaos
+run can line every ``unknown`` up with the fault that caused it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -23,7 +26,7 @@ POINTS = ("after_claim", "before_effect", "after_effect", "after_terminal")
 ENV = "TOOLLEDGER_FAILPOINTS"
 
 _SPEC = re.compile(
-    r"^(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|raise|sleep|stop|off)"
+    r"^(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|kill|raise|sleep|stop|off)"
     r"(?:\((?P<arg>[^)]*)\))?$"
 )
 
@@ -50,6 +53,28 @@ class Action:
             self.remaining -= 1
         return self.probability >= 1.0 or random.random() < self.probability
 
+    def record(self, point: str, ref: str | None) -> None:
+        if not _log_path:
+            return
+        line = (
+            json.dumps(
+                {
+                    "point": point,
+                    "action": self.kind,
+                    "pid": os.getpid(),
+                    "ref": ref,
+                    "t": time.time(),
+                }
+            )
+            + "\n"
+        )
+        fd = os.open(_log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def perform(self, point: str) -> None:
         if self.kind == "exit":
             os._exit(int(self.arg))
@@ -57,6 +82,8 @@ class Action:
             raise FailpointError(f"failpoint {point} fired")
         elif self.kind == "sleep":
             time.sleep(self.arg)
+        elif self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -86,19 +113,21 @@ def parse(spec: str) -> dict[str, Action]:
 
 _lock = threading.Lock()
 _active: dict[str, Action] = {}
+_log_path = ""
 
 
-def _off(point: str) -> None:
+def _off(point: str, ref: str | None = None) -> None:
     """What ``hit`` is when no failpoint is configured."""
 
 
-def _on(point: str) -> None:
+def _on(point: str, ref: str | None = None) -> None:
     action = _active.get(point)
     if action is None or action.kind == "off":
         return
     with _lock:  # counters are shared by the threads of one process
         fire = action.should_fire()
     if fire:
+        action.record(point, ref)
         action.perform(point)
 
 
@@ -106,10 +135,11 @@ def _on(point: str) -> None:
 hit = _off
 
 
-def configure(spec: str | None) -> None:
+def configure(spec: str | None, log_path: str = "") -> None:
     """Activate the failpoints of ``spec`` (empty or None: all off, at zero cost)."""
-    global hit
+    global hit, _log_path
     actions = parse(spec) if spec else {}
+    _log_path = log_path
     _active.clear()
     _active.update(actions)
     hit = _on if actions else _off

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 
 from ledger.errors import NotFound, StaleFence
+from ledger.identity import new_execution_id, new_lease_token
 from ledger.ledger import Ledger
 from ledger.records import Claim
 from ledger.transitions import Status
@@ -112,22 +113,50 @@ class Executor:
     def execute(self, scope: str, key: str, attempt: int) -> Outcome:
         # 1+2. The claim reads the operation and inserts the execution row in one commit:
         # not approved, not this attempt, or someone else's → nothing runs.
-        claim = self.ledger.claim(
-            scope, key, attempt, worker_id=self.worker_id, lease_seconds=self.lease_seconds
-        )
+        claim = self._claim(scope, key, attempt)
         if claim is None:
             return Outcome("lost")
         # running is durable now: a crash from here on leaves evidence the effect may have begun.
-        failpoints.hit("after_claim")
+        failpoints.hit("after_claim", claim.execution_id)
         with Heartbeat(self.ledger, claim, self.lease_seconds) as heartbeat:
             ctx = ToolContext(scope, self.sandbox, claim.execution_id, key, attempt, heartbeat.lost)
-            failpoints.hit("before_effect")
+            failpoints.hit("before_effect", claim.execution_id)
             status, result, error = self._run_tool(claim, ctx)
             # The effect happened (or not) and nothing records it yet: the widest crash window.
-            failpoints.hit("after_effect")
+            failpoints.hit("after_effect", claim.execution_id)
         outcome = self._record(claim, status, result, error)
-        failpoints.hit("after_terminal")
+        failpoints.hit("after_terminal", claim.execution_id)
         return outcome
+
+    def _claim(self, scope: str, key: str, attempt: int) -> Claim | None:
+        """The claim, robust to an error around its commit: the id and token are ours, so
+        after a database error the row is re-read to learn whether the claim is ours."""
+        execution_id, token = new_execution_id(), new_lease_token()
+        pause = TERMINAL_BACKOFF_SECONDS
+        for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
+            try:
+                return self.ledger.claim(
+                    scope,
+                    key,
+                    attempt,
+                    worker_id=self.worker_id,
+                    lease_seconds=self.lease_seconds,
+                    execution_id=execution_id,
+                    lease_token=token,
+                )
+            except sa.exc.SQLAlchemyError as exc:
+                if not tries_left:
+                    raise
+                log.warning("claim of %s/%s#%s failed: %s; re-reading", scope, key, attempt, exc)
+                time.sleep(pause)
+                pause *= 2
+                try:
+                    mine = self.ledger.claimed(execution_id, token)
+                except sa.exc.SQLAlchemyError:
+                    continue
+                if mine is not None:
+                    return mine
+        return None
 
     def _run_tool(
         self, claim: Claim, ctx: ToolContext

@@ -27,7 +27,7 @@ class Runtime:
 
     @classmethod
     def build(cls, settings: Settings) -> Runtime:
-        failpoints.configure(settings.failpoints)
+        failpoints.configure(settings.failpoints, settings.failpoint_log)
         return cls(
             settings=settings,
             ledger=Ledger(settings.db, max_args_bytes=settings.max_args_bytes),

@@ -219,3 +219,21 @@ def test_pipeline__lost_claim_runs_nothing(ledger, scope, tmp_path):
     assert ex.execute(scope, "ok:c1", 1).state == "lost"
     assert ex.execute(scope, "ok:c1", 2).state == "lost"  # not authorised
     assert len(ledger.get(scope, "c1").executions) == 1
+
+
+class ClaimThenFail(Ledger):
+    """The claim's COMMIT succeeds, the client sees the connection die."""
+
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        super().claim(*args, **kwargs)
+        raise sa.exc.OperationalError("COMMIT", {}, Exception("terminating connection"))
+
+
+def test_pipeline__ambiguous_claim_commit_is_recognised_as_ours(run, ledger, db_url, monkeypatch):
+    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    flaky = ClaimThenFail(db_url)
+    outcome, view = run("ok", executor_ledger=flaky)
+    assert outcome.state == "finished"
+    (ex,) = view.executions  # one claim, ours, carried through to the end
+    assert ex.status is Status.SUCCEEDED
+    flaky.close()

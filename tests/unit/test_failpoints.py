@@ -82,3 +82,24 @@ def test_failpoints__exit_is_immediate_with_the_code():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 23 and "survived" not in proc.stdout
+
+
+def test_failpoints__each_firing_is_logged_with_what_it_hit(tmp_path):
+    import json
+
+    log = tmp_path / "fp.log"
+    failpoints.configure("after_claim=1*raise", str(log))
+    with pytest.raises(FailpointError):
+        failpoints.hit("after_claim", "exec-1")
+    failpoints.hit("after_claim", "exec-2")  # spent: neither fires nor logs
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert (line["point"], line["action"], line["ref"]) == ("after_claim", "raise", "exec-1")
+
+
+def test_failpoints__kill_is_a_real_sigkill():
+    code = (
+        "from worker import failpoints; failpoints.configure('before_effect=kill');"
+        "failpoints.hit('before_effect')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+    assert proc.returncode == -9
