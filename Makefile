@@ -10,8 +10,8 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check --quiet
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-	$(PIP) install -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
-	$(BIN)/python -c "import ledger, worker, recovery, celery, sqlalchemy, psycopg"
+	$(PIP) install -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(BIN)/python -c "import ledger, worker, recovery, bench, celery, sqlalchemy, psycopg"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,7 +32,6 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(PIP) install -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
 	$(BIN)/toolledger bench
 
 chaos: $(STAMP)

@@ -8,6 +8,7 @@ written. The claim is an ``INSERT … ON CONFLICT DO NOTHING RETURNING`` on the 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -39,7 +40,7 @@ from ledger.records import (
     Submitted,
 )
 from ledger.transitions import RETRYABLE, TERMINAL, EventKind, Status, check_transition
-from ledger.types import db_now, db_now_plus
+from ledger.types import db_now, db_now_plus, dumps
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
 LEASE_SECONDS = 30.0
@@ -84,6 +85,8 @@ class Ledger(LedgerReads):
             self._fast = PostgresFastPath(self.engine)
 
     def close(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
         self.engine.dispose()
 
     def upgrade(self) -> None:
@@ -134,15 +137,49 @@ class Ledger(LedgerReads):
         approved_by: str | None = None,
         reason: str | None = None,
         actor: str = "agent",
+        stamp_enqueued: bool = False,
     ) -> Submitted:
-        """Record a call. Same key and arguments again returns the existing record."""
+        """Record a call. Same key and arguments again returns the existing record.
+
+        ``stamp_enqueued``: the caller will publish the job right after this commits, so the
+        outbox stamp is written now, in the same transaction (clear_enqueued if it fails).
+        """
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.max_args_bytes)
         if approved_by is not None:
             check_text_id(approved_by, "approver", 256)
         status = Status.APPROVED if approved_by else Status.PENDING_APPROVAL
         check_transition(None, status)
+        stamp = stamp_enqueued and status is Status.APPROVED
+        submitted = {"tool_call_id": tool_call_id, "tool": tool, "args": args}
+        decision = {"attempt": 1, "reason": reason} if approved_by else {}
+        if self._fast is not None:
+            with contextlib.suppress(sa.exc.IntegrityError):  # the generic path will explain
+                created = self._fast.submit(
+                    {
+                        "scope": scope,
+                        "key": key,
+                        "tool": tool,
+                        "args": dumps(args),
+                        "sha": sha,
+                        "status": status.value,
+                        "attempts": 1 if approved_by else 0,
+                        "decided_by": approved_by,
+                        "approved": approved_by is not None,
+                        "reason": reason if approved_by else None,
+                        "stamp": stamp,
+                        "tool_call_id": tool_call_id,
+                        "actor": actor,
+                        "submitted": dumps(submitted),
+                        "decider": approved_by or actor,
+                        "decision": dumps(decision),
+                    }
+                )
+                if created is not None:
+                    return Submitted(created, tool_call_id, "created")
         with self._write() as conn:
-            created = self._insert_operation(conn, scope, key, tool, args, sha, status, approved_by)
+            created = self._insert_operation(
+                conn, scope, key, tool, args, sha, status, approved_by, reason, stamp
+            )
             if created is None:
                 op = self._operation(conn, scope, key)
                 if op.args_sha256 != sha or op.tool != tool:
@@ -163,8 +200,6 @@ class Ledger(LedgerReads):
                     _event(EventKind.LINKED, scope, key, actor, {"tool_call_id": tool_call_id}),
                 )
                 return Submitted(op, tool_call_id, "linked")
-            submitted = {"tool_call_id": tool_call_id, "tool": tool, "args": args}
-            decision = {"attempt": 1, "reason": reason} if approved_by else {}
             self._append(
                 conn,
                 _event(EventKind.SUBMITTED, scope, key, actor, submitted),
@@ -182,6 +217,8 @@ class Ledger(LedgerReads):
         sha: str,
         status: Status,
         approved_by: str | None,
+        reason: str | None,
+        stamp: bool,
     ) -> OperationRecord | None:
         row = conn.execute(
             self._insert(operations)
@@ -195,7 +232,9 @@ class Ledger(LedgerReads):
                 authorized_attempts=1 if approved_by else 0,
                 decided_by=approved_by,
                 decided_at=db_now() if approved_by else None,
+                reason=reason if approved_by else None,
                 created_at=db_now(),
+                enqueued_at=db_now() if stamp else None,
             )
             .on_conflict_do_nothing(index_elements=["scope", "idempotency_key"])
             .returning(*operations.c)
@@ -236,10 +275,16 @@ class Ledger(LedgerReads):
         return False
 
     def approve(
-        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+        self,
+        scope: str,
+        tool_call_id: str,
+        *,
+        by: str,
+        reason: str | None = None,
+        stamp_enqueued: bool = False,
     ) -> OperationRecord:
-        """pending_approval -> approved: attempt 1 may now run."""
-        return self._decide(scope, tool_call_id, Status.APPROVED, by, reason)
+        """pending_approval -> approved: attempt 1 may now run (see submit's stamp_enqueued)."""
+        return self._decide(scope, tool_call_id, Status.APPROVED, by, reason, stamp_enqueued)
 
     def reject(
         self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
@@ -248,7 +293,13 @@ class Ledger(LedgerReads):
         return self._decide(scope, tool_call_id, Status.REJECTED, by, reason)
 
     def _decide(
-        self, scope: str, tool_call_id: str, new: Status, by: str, reason: str | None
+        self,
+        scope: str,
+        tool_call_id: str,
+        new: Status,
+        by: str,
+        reason: str | None,
+        stamp_enqueued: bool = False,
     ) -> OperationRecord:
         check_transition(Status.PENDING_APPROVAL, new)
         check_text_id(by, "decider", 256)
@@ -262,6 +313,8 @@ class Ledger(LedgerReads):
         if new is Status.APPROVED:
             values["authorized_attempts"] = 1
             detail["attempt"] = 1
+            if stamp_enqueued:
+                values["enqueued_at"] = db_now()
         with self._write() as conn:
             key = self._key_for(conn, scope, tool_call_id)
             row = conn.execute(
@@ -666,6 +719,19 @@ class Ledger(LedgerReads):
                 .returning(operations.c.scope)
             ).first()
         return row is not None
+
+    def clear_enqueued(self, scope: str, key: str, attempt: int) -> None:
+        """The publish stamped at commit failed: leave it visibly unpublished."""
+        with self._write() as conn:
+            conn.execute(
+                operations.update()
+                .where(
+                    op_key(scope, key),
+                    operations.c.status == Status.APPROVED,
+                    operations.c.authorized_attempts == attempt,
+                )
+                .values(enqueued_at=None)
+            )
 
     def take_due_for_enqueue(
         self, *, older_than_seconds: float, limit: int = 1000

@@ -395,8 +395,9 @@ def _load_commands() -> None:
     """The commands that live with their parts register themselves on ``cli``."""
     import worker.cli_run  # noqa: F401
 
-    with contextlib.suppress(ModuleNotFoundError):
-        importlib.import_module("recovery.cli")
+    for module in ("recovery.cli", "bench.cli"):
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(module)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

@@ -50,40 +50,67 @@ class Outcome:
     result: dict[str, Any] | None = None
 
 
-class Heartbeat:
-    """Renews the lease every lease/3 while the tool runs, by the database clock.
+class LeaseKeeper:
+    """Renews the leases of every claim running in this process, each every lease/3, by the
+    database clock — one long-lived thread, not one per job (profiling showed starting and
+    joining a thread per job costing more than a round trip).
 
-    If a renewal finds the row no longer ours (a sweep declared it unknown), ``lost`` is set:
-    the tool is told through ``ctx.lease_lost`` to start nothing new.
+    If a renewal finds the row no longer ours (a sweep declared it unknown), that claim's
+    ``lost`` event is set: the tool is told through ``ctx.lease_lost`` to start nothing new.
     """
 
-    def __init__(self, ledger: Ledger, claim: Claim, lease_seconds: float) -> None:
-        self.ledger, self.claim, self.lease_seconds = ledger, claim, lease_seconds
-        self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="toolledger-heartbeat", daemon=True)
+    def __init__(self, ledger: Ledger, lease_seconds: float) -> None:
+        self.ledger, self.lease_seconds = ledger, lease_seconds
+        self.interval = lease_seconds / 3
+        self._cv = threading.Condition()
+        self._due: dict[str, tuple[Claim, float, threading.Event]] = {}
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
+    def track(self, claim: Claim) -> threading.Event:
+        lost = threading.Event()
+        with self._cv:
+            self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, lost)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="toolledger-leases", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+        return lost
 
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.lease_seconds)
+    def untrack(self, claim: Claim) -> None:
+        with self._cv:
+            self._due.pop(claim.execution_id, None)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.lease_seconds / 3):
-            try:
-                ours = self.ledger.renew_lease(
-                    self.claim.execution_id, self.claim.lease_token, self.lease_seconds
-                )
-            except sa.exc.SQLAlchemyError as exc:  # keep trying until the lease runs out
-                log.warning("heartbeat for %s failed: %s", self.claim.execution_id, exc)
-                continue
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                due = [entry for entry in self._due.values() if entry[1] <= now]
+                if not due:
+                    wake = min((entry[1] for entry in self._due.values()), default=now + 60)
+                    self._cv.wait(timeout=wake - now)
+                    continue
+            for claim, _, lost in due:
+                self._renew(claim, lost)
+
+    def _renew(self, claim: Claim, lost: threading.Event) -> None:
+        try:
+            ours = self.ledger.renew_lease(
+                claim.execution_id, claim.lease_token, self.lease_seconds
+            )
+        except sa.exc.SQLAlchemyError as exc:  # keep trying until the lease runs out
+            log.warning("lease renewal of %s failed: %s", claim.execution_id, exc)
+            ours = True
+        with self._cv:
+            if claim.execution_id not in self._due:
+                return  # finished meanwhile
             if not ours:
-                log.warning("lease of %s lost: the row is no longer ours", self.claim.execution_id)
-                self.lost.set()
-                return
+                log.warning("lease of %s lost: the row is no longer ours", claim.execution_id)
+                lost.set()
+                del self._due[claim.execution_id]
+            else:
+                self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, lost)
 
 
 def _json_safe(result: Any) -> dict[str, Any]:
@@ -106,9 +133,11 @@ class Executor:
         *,
         worker_id: str,
         lease_seconds: float,
+        leases: LeaseKeeper | None = None,
     ) -> None:
         self.ledger, self.registry, self.sandbox = ledger, registry, sandbox
         self.worker_id, self.lease_seconds = worker_id, lease_seconds
+        self.leases = leases or LeaseKeeper(ledger, lease_seconds)
 
     def execute(self, scope: str, key: str, attempt: int) -> Outcome:
         # 1+2. The claim reads the operation and inserts the execution row in one commit:
@@ -118,12 +147,15 @@ class Executor:
             return Outcome("lost")
         # running is durable now: a crash from here on leaves evidence the effect may have begun.
         failpoints.hit("after_claim", claim.execution_id)
-        with Heartbeat(self.ledger, claim, self.lease_seconds) as heartbeat:
-            ctx = ToolContext(scope, self.sandbox, claim.execution_id, key, attempt, heartbeat.lost)
+        lost = self.leases.track(claim)
+        try:
+            ctx = ToolContext(scope, self.sandbox, claim.execution_id, key, attempt, lost)
             failpoints.hit("before_effect", claim.execution_id)
             status, result, error = self._run_tool(claim, ctx)
             # The effect happened (or not) and nothing records it yet: the widest crash window.
             failpoints.hit("after_effect", claim.execution_id)
+        finally:
+            self.leases.untrack(claim)
         outcome = self._record(claim, status, result, error)
         failpoints.hit("after_terminal", claim.execution_id)
         return outcome

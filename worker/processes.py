@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY_MARKERS = {"worker": " ready.", "beat": "beat: Starting..."}
+READY_MARKERS = {"worker": " ready.", "beat": "beat: Starting...", "peer": "bench-peer ready"}
 
 
 def toolledger_argv() -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ledger.ledger import Ledger
 from worker import failpoints
 from worker.config import Settings
-from worker.pipeline import Executor
+from worker.pipeline import Executor, LeaseKeeper
 from worker.sandbox import Sandbox
 from worker.tools import Registry, load_registry
 
@@ -24,6 +24,7 @@ class Runtime:
     ledger: Ledger
     registry: Registry
     sandbox: Sandbox
+    leases: LeaseKeeper | None = None
 
     @classmethod
     def build(cls, settings: Settings) -> Runtime:
@@ -36,12 +37,15 @@ class Runtime:
         )
 
     def executor(self, worker_id: str | None = None) -> Executor:
+        if self.leases is None:  # one renewal thread per process, shared by its executions
+            self.leases = LeaseKeeper(self.ledger, self.settings.lease_seconds)
         return Executor(
             self.ledger,
             self.registry,
             self.sandbox,
             worker_id=worker_id or default_worker_id(),
             lease_seconds=self.settings.lease_seconds,
+            leases=self.leases,
         )
 
     def close(self) -> None:

@@ -116,13 +116,15 @@ class Sandbox:
         check_scope(scope)
         fds: list[int] = []
         try:
-            if create:
-                self.root.mkdir(parents=True, exist_ok=True)
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
             try:
-                fds.append(os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+                fds.append(os.open(self.root, flags))
             except FileNotFoundError:
-                yield None, parts[-1]
-                return
+                if not create:
+                    yield None, parts[-1]
+                    return
+                self.root.mkdir(parents=True, exist_ok=True)
+                fds.append(os.open(self.root, flags))
             for name in [scope, *parts[:-1]]:
                 fd = self._open_dir(fds[-1], name, path, create=create)
                 if fd is None:

@@ -1,9 +1,11 @@
 """Submitting and deciding calls from the edge (CLI, Python API): validate, record, enqueue.
 
 Order matters: every check that needs no database runs before anything is recorded (refused
-input leaves no trace); the call is committed before its message is published (outbox); a
-publish that fails leaves the operation approved with ``enqueued_at`` unset, which the sweep
-re-publishes.
+input leaves no trace); the call is committed before its message is published (outbox). The
+commit also stamps ``enqueued_at`` (saving a second commit per call); a publish that fails
+clears it again, so the operation is visibly approved and unpublished, and the sweep
+re-publishes it. A crash between the commit and the publish leaves the stamp: the sweep
+re-publishes that one too, once the stamp is older than TOOLLEDGER_REQUEUE_AFTER.
 """
 
 from __future__ import annotations
@@ -116,11 +118,16 @@ class Submitter:
             key=call.key,
             approved_by=approved_by,
             reason=reason,
+            stamp_enqueued=True,
         )
         op = submitted.operation
         out = _summary(op, call.scope, call.tool_call_id)
         out["outcome"] = submitted.outcome
-        if op.status is Status.APPROVED and (submitted.outcome == "created" or not op.enqueued_at):
+        if op.status is Status.APPROVED and submitted.outcome == "created":
+            out.update(
+                self.enqueue(op.scope, op.idempotency_key, op.authorized_attempts, stamped=True)
+            )
+        elif op.status is Status.APPROVED and not op.enqueued_at:
             out.update(self.enqueue(op.scope, op.idempotency_key, op.authorized_attempts))
         return out
 
@@ -152,23 +159,35 @@ class Submitter:
         self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool
     ) -> dict[str, Any]:
         """Approve (and enqueue) or reject a pending call."""
-        decide = self.ledger.approve if approve else self.ledger.reject
-        op = decide(scope, tool_call_id, by=by, reason=reason)
+        if approve:
+            op = self.ledger.approve(scope, tool_call_id, by=by, reason=reason, stamp_enqueued=True)
+        else:
+            op = self.ledger.reject(scope, tool_call_id, by=by, reason=reason)
         out = _summary(op, scope, tool_call_id)
         if op.status is Status.APPROVED:
-            out.update(self.enqueue(scope, op.idempotency_key, op.authorized_attempts))
+            out.update(
+                self.enqueue(scope, op.idempotency_key, op.authorized_attempts, stamped=True)
+            )
         return out
 
-    def enqueue(self, scope: str, key: str, attempt: int) -> dict[str, Any]:
-        """Publish the job, then record that it was; a failure is reported, not raised."""
+    def enqueue(
+        self, scope: str, key: str, attempt: int, *, stamped: bool = False
+    ) -> dict[str, Any]:
+        """Publish the job and keep the outbox stamp true; a failure is reported, not raised.
+
+        ``stamped``: the commit that made it approved already stamped enqueued_at."""
         from worker.tasks import publish
 
         try:
-            publish(self.app, self.settings, scope, key, attempt)
+            with self.app.producer_or_acquire() as producer:  # pooled: no client per call
+                publish(self.app, self.settings, scope, key, attempt, producer=producer)
         except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry
             log.warning("enqueue of %s/%s failed: %s", scope, key, exc)
+            if stamped:
+                self.ledger.clear_enqueued(scope, key, attempt)
             return {"enqueued": False, "enqueue_error": f"{type(exc).__name__}: {exc}"}
-        self.ledger.mark_enqueued(scope, key, attempt)
+        if not stamped:
+            self.ledger.mark_enqueued(scope, key, attempt)
         return {"enqueued": True}
 
     def close(self) -> None:

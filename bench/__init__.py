@@ -1,0 +1,1 @@
+"""``toolledger bench``: what the guarantee costs, against the limit and the peers."""

@@ -1,0 +1,145 @@
+"""The benchmark's report: bench.json, bench.md and bench.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+HEADLINES = (
+    "ledger_vs_handwritten",
+    "celery_vs_noop",
+    "vs_procrastinate",
+    "vs_dbos",
+    "sweep_1m_vs_10k",
+)
+
+
+def _fmt(summary: dict[str, Any] | None, unit: str = "") -> str:
+    if not summary or summary.get("median") is None:
+        return "-"
+    return f"{summary['median']}{unit} ({summary['min']}-{summary['max']})"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    raw = r["raw"]
+    lines = ["| ratio (median of rounds, min-max) | value | goal | met |", "|---|---|---|---|"]
+    for name in HEADLINES:
+        h = r[name]
+        met = {True: "yes", False: "**no**", None: "-"}[h["met"]]
+        note = f" {h['why']}" if h.get("why") else ""
+        label = f"{name} ({h['processes']} processes)" if name == "ledger_vs_handwritten" else name
+        lines.append(f"| {label} | {_fmt(h)}{note} | {h['goal']} | {met} |")
+    lines += [
+        "",
+        "Ledger protocol, jobs/s (claim + running, atomic file write, terminal + result):",
+        "",
+        "| backend | processes | toolledger | hand-written | bare INSERT |",
+        "|---|---|---|---|---|",
+    ]
+    proto = raw["protocol_jobs_per_s"]
+    for dialect in ("postgres", "sqlite"):
+        for p in proto[f"{dialect}/toolledger"]:
+            lines.append(
+                f"| {dialect} | {p} | "
+                + " | ".join(
+                    _fmt(proto[f"{dialect}/{impl}"][p])
+                    for impl in ("toolledger", "handwritten", "insert")
+                )
+                + " |"
+            )
+    lines += [
+        "",
+        "End to end, 2 workers x concurrency 2, same file write:",
+        "",
+        "| system | calls/s | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+    ]
+    for name, e in raw["e2e"].items():
+        lines.append(
+            f"| {name} | {_fmt(e['throughput'])} | {_fmt(e['p50_ms'])} | {_fmt(e['p99_ms'])} |"
+        )
+    for name, why in raw["e2e_not_run"].items():
+        lines.append(f"| {name} | {why} | | |")
+    lines += [
+        "",
+        f"Sweep of {r['sweep_1m_vs_10k']['stale_rows']} stale rows:",
+        "",
+        "| ledger size | seconds | mark rows/s | reconcile rows/s |",
+        "|---|---|---|---|",
+    ]
+    for size, s in raw["sweep"].items():
+        lines.append(
+            f"| {size} | {_fmt(s['seconds'])} | {_fmt(s['mark_rows_per_s'])} | "
+            f"{_fmt(s['reconcile_rows_per_s'])} |"
+        )
+    c = raw["claim_contention"]
+    lines += [
+        "",
+        f"Claim contention: {c['processes']} processes over the same {c['keys']} keys: "
+        f"{_fmt(c['attempts_per_s'])} attempts/s, exactly {c['keys']} wins.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    raw = r["raw"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), dpi=110)
+    ax = axes[0]
+    for dialect, style in (("postgres", "-"), ("sqlite", "--")):
+        for impl, colour in (
+            ("toolledger", "tab:green"),
+            ("handwritten", "tab:blue"),
+            ("insert", "tab:gray"),
+        ):
+            series = raw["protocol_jobs_per_s"][f"{dialect}/{impl}"]
+            xs = [int(p) for p in series]
+            ax.plot(
+                xs,
+                [series[p]["median"] for p in series],
+                style,
+                color=colour,
+                marker="o",
+                ms=3,
+                label=f"{impl} ({dialect})",
+            )
+    ax.set_xlabel("processes")
+    ax.set_ylabel("jobs/s")
+    ax.set_yscale("log")
+    ax.set_title("ledger protocol")
+    ax.legend(fontsize=6)
+    ax = axes[1]
+    names = list(raw["e2e"])
+    medians = [raw["e2e"][n]["throughput"]["median"] for n in names]
+    errs = [
+        [m - raw["e2e"][n]["throughput"]["min"] for n, m in zip(names, medians, strict=True)],
+        [raw["e2e"][n]["throughput"]["max"] - m for n, m in zip(names, medians, strict=True)],
+    ]
+    colours = ["tab:green" if n == "toolledger" else "tab:gray" for n in names]
+    ax.bar(names, medians, yerr=errs, color=colours, capsize=3)
+    ax.set_ylabel("calls/s")
+    ax.set_title("end to end, 2 workers x 2")
+    ax.tick_params(axis="x", labelrotation=25, labelsize=7)
+    ax = axes[2]
+    sizes = list(raw["sweep"])
+    secs = [raw["sweep"][s]["seconds"]["median"] for s in sizes]
+    ax.bar([f"ledger of {s}" for s in sizes], secs, color="tab:cyan")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"sweep of {r['sweep_1m_vs_10k']['stale_rows']} stale rows")
+    fig.suptitle("toolledger bench" + (" (quick)" if r["quick"] else ""))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_all(r: dict[str, Any], out: Path) -> dict[str, str]:
+    files = {"json": out / "bench.json", "markdown": out / "bench.md", "png": out / "bench.png"}
+    files["json"].write_text(json.dumps(r, indent=2, default=str) + "\n")
+    files["markdown"].write_text(markdown(r))
+    plot(r, files["png"])
+    return {k: str(v) for k, v in files.items()}
