@@ -92,7 +92,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             e2e.round(figures, e2e_dbs)
             cfg.progress(f"round {r + 1}/{cfg.rounds}: sweep and claim contention")
             run_sweep_round(figures, sweep_urls, sandboxes, cfg.stale, cfg.progress)
-            run_contention(group, figures, pg, cfg.contention_keys)
+            # Its own database: the claims it leaves running must not weigh on the protocol's.
+            with scratch_postgres(cfg.pg, "race") as race_db:
+                run_contention(group, figures, race_db, cfg.contention_keys)
         version = _pg_version(pg)
     report = summarise(cfg, figures, e2e.missing)
     report["machine"] = {

@@ -49,7 +49,15 @@ def create_engine(url: str, **kwargs: Any) -> sa.Engine:
         return _sqlite_engine(parsed, **kwargs)
     kwargs.setdefault("pool_size", 4)
     kwargs.setdefault("max_overflow", 8)
-    return sa.create_engine(parsed, json_serializer=dumps, **kwargs)
+    # Plan every statement with its values. psycopg prepares statements after a few uses,
+    # and Postgres may then cache a generic plan chosen while, say, no row was running: a
+    # plan that finds one execution through the partial "running" index instead of its
+    # primary key is cheap then, and scans every running row once 10,000 are in flight
+    # (measured: 629 -> 169 jobs/s). With values, the unique index always wins.
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    options = connect_args.get("options", "")
+    connect_args["options"] = f"{options} -c plan_cache_mode=force_custom_plan".strip()
+    return sa.create_engine(parsed, json_serializer=dumps, connect_args=connect_args, **kwargs)
 
 
 def _sqlite_engine(url: sa.URL, **kwargs: Any) -> sa.Engine:

@@ -9,14 +9,12 @@ written. The claim is an ``INSERT … ON CONFLICT DO NOTHING RETURNING`` on the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from ledger import db
+from ledger.base import event
 from ledger.errors import (
     ConflictError,
     InvalidArguments,
@@ -32,40 +30,23 @@ from ledger.identity import (
     new_lease_token,
 )
 from ledger.models import execution_events, executions, operations, tool_calls
-from ledger.reads import LedgerReads, op_key
+from ledger.outbox import LedgerOutbox
+from ledger.reads import op_key
 from ledger.records import (
     Claim,
     ExecutionRecord,
     OperationRecord,
     Submitted,
 )
+from ledger.resolution import LedgerResolution
 from ledger.transitions import RETRYABLE, TERMINAL, EventKind, Status, check_transition
 from ledger.types import db_now, db_now_plus, dumps
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
 LEASE_SECONDS = 30.0
-Event = dict[str, Any]
 
 
-def _event(
-    kind: EventKind | Status,
-    scope: str,
-    key: str,
-    actor: str,
-    detail: dict[str, Any],
-    execution_id: str | None = None,
-) -> Event:
-    return {
-        "scope": scope,
-        "idempotency_key": key,
-        "execution_id": execution_id,
-        "kind": str(kind),
-        "actor": actor,
-        "detail": detail,
-    }
-
-
-class Ledger(LedgerReads):
+class Ledger(LedgerResolution, LedgerOutbox):
     """The execution layer's own record of every side-effecting tool call."""
 
     def __init__(
@@ -93,36 +74,6 @@ class Ledger(LedgerReads):
         db.upgrade(self.engine)
 
     # ---------------------------------------------------------------- plumbing
-
-    @contextmanager
-    def _write(self) -> Iterator[sa.Connection]:
-        with db.write_transaction(self.engine) as conn:
-            yield conn
-
-    def _insert(self, table: sa.Table) -> Any:
-        dialect = postgresql if self.dialect == "postgresql" else sqlite
-        return dialect.insert(table)
-
-    @staticmethod
-    def _append(conn: sa.Connection, *events: Event) -> None:
-        conn.execute(execution_events.insert().values(at=db_now()), list(events))
-
-    @staticmethod
-    def _move_operation(
-        conn: sa.Connection, scope: str, key: str, attempt: int, old: Status, new: Status
-    ) -> bool:
-        """Follow an execution's change on its operation, if it is the current attempt."""
-        moved = conn.execute(
-            operations.update()
-            .where(
-                op_key(scope, key),
-                operations.c.status == old,
-                operations.c.authorized_attempts == attempt,
-            )
-            .values(status=new)
-            .returning(operations.c.status)
-        ).first()
-        return moved is not None
 
     # ---------------------------------------------------------------- submit / decide
 
@@ -197,13 +148,13 @@ class Ledger(LedgerReads):
             if created is None:
                 self._append(
                     conn,
-                    _event(EventKind.LINKED, scope, key, actor, {"tool_call_id": tool_call_id}),
+                    event(EventKind.LINKED, scope, key, actor, {"tool_call_id": tool_call_id}),
                 )
                 return Submitted(op, tool_call_id, "linked")
             self._append(
                 conn,
-                _event(EventKind.SUBMITTED, scope, key, actor, submitted),
-                _event(status, scope, key, approved_by or actor, decision),
+                event(EventKind.SUBMITTED, scope, key, actor, submitted),
+                event(status, scope, key, approved_by or actor, decision),
             )
         return Submitted(op, tool_call_id, "created")
 
@@ -326,7 +277,7 @@ class Ledger(LedgerReads):
             if row is None:
                 current = self._operation(conn, scope, key).status
                 raise InvalidTransition(current, new, f"call {tool_call_id!r}")
-            self._append(conn, _event(new, scope, key, by, detail))
+            self._append(conn, event(new, scope, key, by, detail))
         return OperationRecord.from_row(row)
 
     def authorize_retry(
@@ -372,7 +323,7 @@ class Ledger(LedgerReads):
                 "accept_duplicate": accept_duplicate,
                 "reason": reason,
             }
-            self._append(conn, _event(Status.APPROVED, scope, key, by, detail))
+            self._append(conn, event(Status.APPROVED, scope, key, by, detail))
         return OperationRecord.from_row(row)
 
     # ---------------------------------------------------------------- the executor's path
@@ -433,7 +384,7 @@ class Ledger(LedgerReads):
                 return None
             self._move_operation(conn, scope, key, attempt, Status.APPROVED, Status.RUNNING)
             detail = {"attempt": attempt, "worker_id": worker_id}
-            self._append(conn, _event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
+            self._append(conn, event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
         return Claim(
             execution_id=execution_id,
             scope=scope,
@@ -535,7 +486,7 @@ class Ledger(LedgerReads):
             detail = {"result": result, "error": error, "reconciled": False}
             self._append(
                 conn,
-                _event(
+                event(
                     status,
                     done.scope,
                     done.idempotency_key,
@@ -568,201 +519,6 @@ class Ledger(LedgerReads):
         if seq is None:
             raise NotFound(f"no execution {execution_id!r}")
         return int(seq)
-
-    # ---------------------------------------------------------------- recovery transitions
-
-    def mark_unknown(
-        self,
-        execution_id: str,
-        *,
-        reason: str,
-        actor: str,
-        lease_token: str | None = None,
-    ) -> ExecutionRecord:
-        """running -> unknown, for an executor known to be gone. The row is kept."""
-        where = [executions.c.execution_id == execution_id, executions.c.status == Status.RUNNING]
-        if lease_token is not None:
-            where.append(executions.c.lease_token == lease_token)
-        with self._write() as conn:
-            marked = self._mark_unknown(conn, where, reason, actor)
-        if not marked:
-            raise StaleFence(execution_id, f"execution {execution_id} is not running: unchanged")
-        return marked[0]
-
-    def mark_expired(
-        self, *, grace_seconds: float = 0.0, limit: int = 1000, actor: str = "sweep"
-    ) -> list[ExecutionRecord]:
-        """Every ``running`` whose lease expired more than ``grace_seconds`` ago -> unknown.
-
-        The UPDATE re-checks status and lease in its own WHERE, so an executor that renewed
-        or finished meanwhile wins; concurrent sweeps skip each other's locked rows and each
-        row changes (and gets its event) once.
-        """
-        deadline = db_now_plus(-grace_seconds)
-        expired = (
-            sa.select(executions.c.execution_id)
-            .where(executions.c.status == Status.RUNNING, executions.c.lease_expires_at < deadline)
-            .order_by(executions.c.lease_expires_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
-        where = [
-            executions.c.execution_id.in_(expired),
-            executions.c.status == Status.RUNNING,
-            executions.c.lease_expires_at < deadline,
-        ]
-        with self._write() as conn:
-            return self._mark_unknown(conn, where, "lease expired", actor)
-
-    def _mark_unknown(
-        self,
-        conn: sa.Connection,
-        where: Sequence[sa.ColumnElement[bool]],
-        reason: str,
-        actor: str,
-    ) -> list[ExecutionRecord]:
-        # RETURNING gives the new row; the heartbeat and lease columns are not changed by
-        # this UPDATE, so they are the last ones the executor wrote.
-        rows = conn.execute(
-            executions.update().where(*where).values(status=Status.UNKNOWN).returning(*executions.c)
-        ).all()
-        marked = [ExecutionRecord.from_row(r) for r in rows]
-        events = []
-        for ex in marked:
-            self._move_operation(
-                conn, ex.scope, ex.idempotency_key, ex.attempt, Status.RUNNING, Status.UNKNOWN
-            )
-            detail = {
-                "reason": reason,
-                "worker_id": ex.worker_id,
-                "last_heartbeat_at": ex.heartbeat_at.isoformat() if ex.heartbeat_at else None,
-                "lease_expired_at": ex.lease_expires_at.isoformat()
-                if ex.lease_expires_at
-                else None,
-            }
-            events.append(
-                _event(Status.UNKNOWN, ex.scope, ex.idempotency_key, actor, detail, ex.execution_id)
-            )
-        if events:
-            self._append(conn, *events)
-        return marked
-
-    def reconcile(
-        self,
-        execution_id: str,
-        status: Status,
-        result: dict[str, Any],
-        *,
-        evidence: dict[str, Any],
-        actor: str,
-    ) -> ExecutionRecord:
-        """unknown -> succeeded/failed on the same execution, ``reconciled: true``, with the
-        evidence that justified it. Zero rows (already resolved) raises StaleFence."""
-        if status not in TERMINAL:
-            raise InvalidTransition(Status.UNKNOWN, status, "a reconciliation")
-        if not isinstance(result, dict):
-            raise InvalidArguments("a result must be a JSON object")
-        with self._write() as conn:
-            row = conn.execute(
-                executions.update()
-                .where(
-                    executions.c.execution_id == execution_id,
-                    executions.c.status == Status.UNKNOWN,
-                )
-                .values(status=status, result=result, reconciled=True, finished_at=db_now())
-                .returning(*executions.c)
-            ).first()
-            if row is None:
-                self._require_execution(conn, execution_id)
-                raise StaleFence(execution_id, f"execution {execution_id} is not unknown")
-            done = ExecutionRecord.from_row(row)
-            self._move_operation(
-                conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
-            )
-            detail = {"result": result, "reconciled": True, "evidence": evidence}
-            self._append(
-                conn, _event(status, done.scope, done.idempotency_key, actor, detail, execution_id)
-            )
-        return done
-
-    def resolve(
-        self, execution_id: str, status: Status, *, by: str, evidence: str
-    ) -> ExecutionRecord:
-        """A human's resolution of an unknown: who decided, and on what evidence."""
-        if status not in TERMINAL:
-            raise InvalidTransition(Status.UNKNOWN, status, "a human resolution")
-        check_text_id(by, "resolver", 256)
-        check_text_id(evidence, "evidence", 10_000)
-        result = {"status": status.value, "resolved_by": by, "evidence": evidence}
-        return self.reconcile(
-            execution_id,
-            status,
-            result,
-            evidence={"kind": "human", "by": by, "text": evidence},
-            actor=by,
-        )
-
-    # ---------------------------------------------------------------- outbox
-
-    def mark_enqueued(self, scope: str, key: str, attempt: int) -> bool:
-        """Record that a message for ``attempt`` was published (after it was)."""
-        with self._write() as conn:
-            row = conn.execute(
-                operations.update()
-                .where(
-                    op_key(scope, key),
-                    operations.c.status == Status.APPROVED,
-                    operations.c.authorized_attempts == attempt,
-                )
-                .values(enqueued_at=db_now())
-                .returning(operations.c.scope)
-            ).first()
-        return row is not None
-
-    def clear_enqueued(self, scope: str, key: str, attempt: int) -> None:
-        """The publish stamped at commit failed: leave it visibly unpublished."""
-        with self._write() as conn:
-            conn.execute(
-                operations.update()
-                .where(
-                    op_key(scope, key),
-                    operations.c.status == Status.APPROVED,
-                    operations.c.authorized_attempts == attempt,
-                )
-                .values(enqueued_at=None)
-            )
-
-    def take_due_for_enqueue(
-        self, *, older_than_seconds: float, limit: int = 1000
-    ) -> list[tuple[str, str, int]]:
-        """Approved, unclaimed work whose last publication is older than the threshold (or
-        never happened). Stamps each as enqueued now, so concurrent sweeps take it once."""
-        deadline = db_now_plus(-older_than_seconds)
-        last = sa.func.coalesce(operations.c.enqueued_at, operations.c.decided_at)
-        due = (
-            sa.select(operations.c.scope, operations.c.idempotency_key)
-            .where(operations.c.status == Status.APPROVED, last < deadline)
-            .order_by(operations.c.enqueued_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        )
-        with self._write() as conn:
-            rows = conn.execute(
-                operations.update()
-                .where(
-                    sa.tuple_(operations.c.scope, operations.c.idempotency_key).in_(due),
-                    operations.c.status == Status.APPROVED,
-                    last < deadline,
-                )
-                .values(enqueued_at=db_now())
-                .returning(
-                    operations.c.scope,
-                    operations.c.idempotency_key,
-                    operations.c.authorized_attempts,
-                )
-            ).all()
-        return [(r.scope, r.idempotency_key, r.authorized_attempts) for r in rows]
 
     def verify(self, page_size: int = 1000) -> Any:
         """Rebuild current state from the events alone and report every difference."""

@@ -12,12 +12,21 @@ import sqlalchemy as sa
 
 from ledger.transitions import Status
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:  # dataclasses.fields() on every row showed up in profiles
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
 
 class _FromRow:
     @classmethod
     def from_row(cls, row: sa.Row[Any] | Mapping[str, Any]) -> Self:
         mapping = row._mapping if isinstance(row, sa.Row) else row
-        values = {f.name: mapping[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        values = {name: mapping[name] for name in _field_names(cls)}
         if "status" in values:
             values["status"] = Status(values["status"])
         return cls(**values)

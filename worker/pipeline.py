@@ -69,13 +69,18 @@ class LeaseKeeper:
     def track(self, claim: Claim) -> threading.Event:
         lost = threading.Event()
         with self._cv:
+            idle = not self._due
             self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, lost)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="toolledger-leases", daemon=True
                 )
                 self._thread.start()
-            self._cv.notify()
+            elif idle:
+                # Only an idle keeper sleeps past this claim's first renewal (a new claim is
+                # never due before the ones already tracked); waking it for every claim would
+                # cost a thread switch per job.
+                self._cv.notify()
         return lost
 
     def untrack(self, claim: Claim) -> None:

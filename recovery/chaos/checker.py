@@ -8,6 +8,7 @@ Each invariant is reported with its count; any non-zero count of a violation fai
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -45,6 +46,18 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+_DEATH = re.compile(r"Process '[^']+' pid:(\d+) exited with '([^']+)'")
+
+
+def child_deaths(logs: Path) -> dict[int, str]:
+    """Pool children that died, as the workers themselves logged it: pid -> how."""
+    deaths: dict[int, str] = {}
+    for log in logs.glob("*.log") if logs.exists() else []:
+        for match in _DEATH.finditer(log.read_text(errors="replace")):
+            deaths[int(match[1])] = match[2]
+    return deaths
+
+
 def _pid(worker_id: str | None) -> int | None:
     try:
         return int((worker_id or "").rsplit(":", 1)[1])
@@ -71,6 +84,7 @@ class Checker:
         self.faults, self.sandbox_root, self.lease = faults, sandbox_root, lease_seconds
         self.effects = [e for e in read_lines(out / "effects.log") if e["scope"] == scope]
         self.firings = read_lines(out / "failpoints.log")
+        self.deaths = child_deaths(out / "logs")
         with ledger.engine.connect() as conn:
             self.ops = {
                 r.idempotency_key: r
@@ -211,6 +225,8 @@ class Checker:
             window = began + self.lease * 3 + 15  # the terminal write's retries outlast a lease
             if f["kind"] == "pg_terminate" and f["t"] <= window:
                 return "pg_terminate"
+        if pid in self.deaths:  # e.g. killed by Celery's hard time limit after a stalled fsync
+            return f"worker process died ({self.deaths[pid]})"
         return None
 
     # ------------------------------------------------------------------ all

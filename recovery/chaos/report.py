@@ -98,7 +98,8 @@ def timeline(
         second = int(at.timestamp() - began)
         if kind in ("succeeded", "failed"):
             (reconciled if detail.get("reconciled") else done)[second] += 1
-    end = max([*done, *reconciled, 1]) + 1
+    last_fault = max([f["t"] - began for f in faults] + [0.0])
+    end = int(max([*done, *reconciled, last_fault, 1])) + 2
     xs = list(range(end))
     fig, ax = plt.subplots(figsize=(11, 4.2), dpi=110)
     ax.plot(xs, [done[x] for x in xs], color="tab:green", lw=1.2, label="finished by a worker")

@@ -120,8 +120,8 @@ def test_workers__rejected_never_runs_pending_runs_after_approval_conflict_refus
 
 
 def test_workers__zombie_past_its_lease_cannot_overwrite_late_result_is_evidence(stack, scope):
-    # Given a worker whose child stops itself (SIGSTOP) right after the effect, lease 4 s
-    w = stack.worker("w1", failpoints="after_effect=stop", lease_seconds="4")
+    # Given a worker whose child stops itself (SIGSTOP) right after the effect, lease 8 s
+    w = stack.worker("w1", failpoints="after_effect=stop", lease_seconds="8")
     sub = stack.submitter()
     sub.submit(sub.prepare(scope, "c1", "probe_write", probe_args(1)), approved_by="alice")
     effect = wait_until(lambda: stack.effects(), 60, "the effect")[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import sqlalchemy as sa
@@ -66,3 +67,21 @@ def test_fastpath__same_rows_and_events_as_the_generic_path(pg_url):
     assert fast.verify().ok
     fast.close()
     generic.close()
+
+
+def test_fastpath__plans_cannot_flip_to_a_partial_index(pg_url):
+    """Engine connections plan every statement with its values; the fast path keeps generic
+    plans, safe because its statuses are bound parameters (a partial index can only serve a
+    predicate proven at plan time)."""
+    from ledger.fastpath import _CLAIM, _FINISH, _psycopg_sql
+
+    ledger = Ledger(pg_url)
+    with ledger.engine.connect() as conn:
+        assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "force_custom_plan"
+    fast = ledger._fast._connection().dbapi_connection
+    assert fast.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
+    for statement in (_CLAIM, _FINISH):
+        sql = _psycopg_sql(statement)
+        assert not re.search(r"(WHERE|AND)\s+(\w+\.)?status = '", sql)  # no literal predicate
+        assert re.search(r"(WHERE|AND)\s+(\w+\.)?status = %\(", sql)
+    ledger.close()

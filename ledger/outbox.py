@@ -1,0 +1,72 @@
+"""The outbox: when a job's message was last published, and what is due to publish again."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from ledger.base import LedgerBase
+from ledger.models import operations
+from ledger.reads import op_key
+from ledger.transitions import Status
+from ledger.types import db_now, db_now_plus
+
+
+class LedgerOutbox(LedgerBase):
+    def mark_enqueued(self, scope: str, key: str, attempt: int) -> bool:
+        """Record that a message for ``attempt`` was published (after it was)."""
+        with self._write() as conn:
+            row = conn.execute(
+                operations.update()
+                .where(
+                    op_key(scope, key),
+                    operations.c.status == Status.APPROVED,
+                    operations.c.authorized_attempts == attempt,
+                )
+                .values(enqueued_at=db_now())
+                .returning(operations.c.scope)
+            ).first()
+        return row is not None
+
+    def clear_enqueued(self, scope: str, key: str, attempt: int) -> None:
+        """The publish stamped at commit failed: leave it visibly unpublished."""
+        with self._write() as conn:
+            conn.execute(
+                operations.update()
+                .where(
+                    op_key(scope, key),
+                    operations.c.status == Status.APPROVED,
+                    operations.c.authorized_attempts == attempt,
+                )
+                .values(enqueued_at=None)
+            )
+
+    def take_due_for_enqueue(
+        self, *, older_than_seconds: float, limit: int = 1000
+    ) -> list[tuple[str, str, int]]:
+        """Approved, unclaimed work whose last publication is older than the threshold (or
+        never happened). Stamps each as enqueued now, so concurrent sweeps take it once."""
+        deadline = db_now_plus(-older_than_seconds)
+        last = sa.func.coalesce(operations.c.enqueued_at, operations.c.decided_at)
+        due = (
+            sa.select(operations.c.scope, operations.c.idempotency_key)
+            .where(operations.c.status == Status.APPROVED, last < deadline)
+            .order_by(operations.c.enqueued_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        with self._write() as conn:
+            rows = conn.execute(
+                operations.update()
+                .where(
+                    sa.tuple_(operations.c.scope, operations.c.idempotency_key).in_(due),
+                    operations.c.status == Status.APPROVED,
+                    last < deadline,
+                )
+                .values(enqueued_at=db_now())
+                .returning(
+                    operations.c.scope,
+                    operations.c.idempotency_key,
+                    operations.c.authorized_attempts,
+                )
+            ).all()
+        return [(r.scope, r.idempotency_key, r.authorized_attempts) for r in rows]
