@@ -1,4 +1,4 @@
-"""Commands that run things: execute, worker, tools (and the showcase, demo)."""
+"""Commands that run things in this process or as workers: execute, worker, tools."""
 
 from __future__ import annotations
 
