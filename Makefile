@@ -5,6 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PIP    := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
+# Chaos and the benchmarks need real services; override for yours.
+PG_URL    ?= postgresql://postgres@127.0.0.1:5432/postgres
+REDIS_URL ?= redis://127.0.0.1:6379/0
+
 .PHONY: demo test lint typecheck bench chaos clean install
 
 $(STAMP): pyproject.toml
@@ -32,10 +36,10 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/toolledger bench
+	$(BIN)/toolledger bench --pg $(PG_URL) --redis $(REDIS_URL)
 
 chaos: $(STAMP)
-	$(BIN)/toolledger chaos --jobs 10000 --duration 600
+	$(BIN)/toolledger --db $(PG_URL) --broker $(REDIS_URL) chaos --jobs 10000 --duration 600 --baseline
 
 clean:
 	rm -rf $(VENV) .toolledger .pytest_cache .mypy_cache .ruff_cache build *.egg-info
