@@ -153,13 +153,7 @@ class BaselineRun(ChaosRun):
 
     def teardown(self) -> None:
         self.app.close()
-        import redis
-
-        client = redis.Redis.from_url(self.cfg.broker)
-        keys = list(client.scan_iter(match=f"{self.prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        self.forget_broker_keys()
 
     def results(self) -> dict[str, Any]:
         per_key = Counter(e["key"] for e in _effects(self.out))

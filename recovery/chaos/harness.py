@@ -362,6 +362,10 @@ class ChaosRun:
             with self.admin.connect() as conn:
                 conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {self.db_name} WITH (FORCE)")
         self.admin.dispose()
+        self.forget_broker_keys()
+
+    def forget_broker_keys(self) -> None:
+        """Delete every Redis key under this run's prefix."""
         import redis
 
         client = redis.Redis.from_url(self.cfg.broker)
