@@ -22,6 +22,7 @@ from ledger.errors import (
     NotFound,
     StaleFence,
 )
+from ledger.events import VerifyReport, verify
 from ledger.identity import (
     MAX_ARGS_BYTES,
     check_call,
@@ -520,8 +521,6 @@ class Ledger(LedgerResolution, LedgerOutbox):
             raise NotFound(f"no execution {execution_id!r}")
         return int(seq)
 
-    def verify(self, page_size: int = 1000) -> Any:
+    def verify(self, page_size: int = 1000) -> VerifyReport:
         """Rebuild current state from the events alone and report every difference."""
-        from ledger.events import verify
-
         return verify(self.engine, page_size)
