@@ -49,7 +49,9 @@ def populate(url: str, finished: int, stale: int, sandbox: Sandbox) -> None:
         args = {"path": f"s{i}.txt", "content": f"stale {i}"}
         ledger.submit(STALE_SCOPE, f"c{i}", "write_file", args, approved_by="bench")
         ledger.claim(STALE_SCOPE, f"write_file:c{i}", 1, worker_id="gone", lease_seconds=1)
-        sandbox.write_atomic(STALE_SCOPE, args["path"], args["content"].encode())
+        target = sandbox.scope_dir(STALE_SCOPE) / args["path"]  # as if it had landed
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(args["content"].encode())
     with ledger.engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE")
     ledger.close()
@@ -147,4 +149,4 @@ def run_contention(
 
 
 def sandboxes_for(root: Path, sizes: list[str]) -> dict[str, Sandbox]:
-    return {size: Sandbox(root / f"sweep-{size}") for size in sizes}
+    return {size: Sandbox(root / f"sweep-{size}").prepare() for size in sizes}

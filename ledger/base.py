@@ -12,7 +12,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from ledger import db
 from ledger.models import execution_events, operations
 from ledger.reads import LedgerReads, op_key
-from ledger.transitions import EventKind, Status
+from ledger.records import ExecutionRecord, OperationRecord
+from ledger.transitions import EventKind, Review, Status
 from ledger.types import db_now
 
 Event = dict[str, Any]
@@ -71,3 +72,52 @@ class LedgerBase(LedgerReads):
             .returning(operations.c.status)
         ).first()
         return moved is not None
+
+    def _authorize_next(
+        self, conn: sa.Connection, op: OperationRecord, by: str, detail: dict[str, Any]
+    ) -> OperationRecord | None:
+        """unknown/failed -> approved with the next attempt, a compare-and-set on the status
+        and attempt the caller read; None if either changed meanwhile."""
+        attempt = op.authorized_attempts + 1
+        row = conn.execute(
+            operations.update()
+            .where(
+                op_key(op.scope, op.idempotency_key),
+                operations.c.status == op.status,
+                operations.c.authorized_attempts == op.authorized_attempts,
+            )
+            .values(status=Status.APPROVED, authorized_attempts=attempt, enqueued_at=None)
+            .returning(*operations.c)
+        ).first()
+        if row is None:
+            return None
+        ev = event(
+            Status.APPROVED, op.scope, op.idempotency_key, by, {"attempt": attempt, **detail}
+        )
+        self._append(conn, ev)
+        return OperationRecord.from_row(row)
+
+    def _flag(
+        self,
+        conn: sa.Connection,
+        ex: ExecutionRecord,
+        reason: Review,
+        detail: dict[str, Any],
+        actor: str,
+    ) -> None:
+        """Put the call back in the humans' inbox: ``review`` set, both versions in the event.
+        A call already flagged keeps its first reason; the new facts are still recorded."""
+        conn.execute(
+            operations.update()
+            .where(op_key(ex.scope, ex.idempotency_key), operations.c.review.is_(None))
+            .values(review=reason.value)
+        )
+        ev = event(
+            EventKind.FLAGGED,
+            ex.scope,
+            ex.idempotency_key,
+            actor,
+            {"reason": reason.value, **detail},
+            ex.execution_id,
+        )
+        self._append(conn, ev)

@@ -28,6 +28,8 @@ class RebuiltExecution:
     status: Status
     result: dict[str, Any] | None = None
     reconciled: bool = False
+    fenced: bool = False
+    effects: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -37,6 +39,7 @@ class RebuiltOperation:
     status: Status | None = None
     authorized_attempts: int = 0
     decided_by: str | None = None
+    review: str | None = None
     tool_calls: dict[str, str] = field(default_factory=dict)  # tool_call_id -> args_sha256
     executions: dict[str, RebuiltExecution] = field(default_factory=dict)
 
@@ -68,6 +71,7 @@ class VerifyReport:
     operations: int = 0
     executions: int = 0
     events: int = 0
+    flagged: int = 0  # calls waiting for a human's review (operations.review set)
     differences: list[Difference] = field(default_factory=list)
 
     @property
@@ -80,6 +84,7 @@ class VerifyReport:
             "operations": self.operations,
             "executions": self.executions,
             "events": self.events,
+            "flagged": self.flagged,
             "differences": [d.to_json() for d in self.differences],
         }
 
@@ -116,6 +121,17 @@ class _Replay:
             op.tool_calls[detail["tool_call_id"]] = args_sha256(op.args)
         elif kind is EventKind.EVIDENCE:
             _ = op.executions[ev.execution_id]  # evidence must name a known execution
+        elif kind is EventKind.FLAGGED:
+            _ = op.executions[ev.execution_id]
+            op.review = op.review or detail["reason"]
+        elif kind is EventKind.REVIEWED:
+            _ = op.executions[ev.execution_id]
+            op.review = None
+        elif kind is EventKind.WITHDRAWN:
+            proven = op.executions[ev.execution_id]
+            new = Status(detail["status"])
+            check_transition(op.status, new)
+            op.status, op.authorized_attempts = new, proven.attempt
         elif kind in (EventKind.PENDING_APPROVAL, EventKind.APPROVED, EventKind.REJECTED):
             new = Status(kind.value)
             check_transition(op.status, new)
@@ -126,7 +142,9 @@ class _Replay:
                 op.decided_by = ev.actor
         elif kind is EventKind.RUNNING:
             check_transition(op.status, Status.RUNNING)
-            op.executions[ev.execution_id] = RebuiltExecution(detail["attempt"], Status.RUNNING)
+            op.executions[ev.execution_id] = RebuiltExecution(
+                detail["attempt"], Status.RUNNING, fenced=bool(detail.get("fenced"))
+            )
             op.status = Status.RUNNING
         else:
             new = Status(kind.value)
@@ -135,6 +153,8 @@ class _Replay:
             ex.status = new
             ex.result = detail.get("result")
             ex.reconciled = bool(detail.get("reconciled", False))
+            if not ex.reconciled:
+                ex.effects = detail.get("effects")
             if ex.attempt == op.authorized_attempts:
                 op.status = new
 
@@ -175,8 +195,10 @@ def _check_operation(
             ("status", op_row.status, status),
             ("authorized_attempts", op_row.authorized_attempts, rebuilt.authorized_attempts),
             ("decided_by", op_row.decided_by, rebuilt.decided_by),
+            ("review", op_row.review, rebuilt.review),
         ],
     )
+    report.flagged += op_row.review is not None
     stored_calls = {c.tool_call_id: c.args_sha256 for c in calls}
     _compare(report, "tool_calls", scope, key, [("calls", stored_calls, rebuilt.tool_calls)])
     stored_execs = {e.execution_id: e for e in execs}
@@ -197,6 +219,8 @@ def _check_operation(
                 (f"{eid}.status", row.status, ex.status.value),
                 (f"{eid}.result", row.result, ex.result),
                 (f"{eid}.reconciled", row.reconciled, ex.reconciled),
+                (f"{eid}.fenced", row.fenced, ex.fenced),
+                (f"{eid}.effects", row.effects, ex.effects),
             ],
         )
 

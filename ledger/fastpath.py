@@ -25,14 +25,15 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import weakref
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 
 from ledger.errors import StaleFence
-from ledger.models import executions, operations
-from ledger.records import Claim, ExecutionRecord, OperationRecord
+from ledger.models import execution_events, executions, operations
+from ledger.records import Claim, ExecutionRecord, Finished, OperationRecord
 from ledger.transitions import Status
 from ledger.types import dumps
 
@@ -42,11 +43,13 @@ WITH op AS (
     SELECT tool, args FROM operations
     WHERE scope = :scope AND idempotency_key = :key
       AND status = :approved AND authorized_attempts = :attempt
+    FOR UPDATE
 ), claimed AS (
     INSERT INTO executions (execution_id, scope, idempotency_key, attempt, status, worker_id,
-                            lease_token, lease_expires_at, heartbeat_at, started_at, reconciled)
+                            lease_token, lease_expires_at, heartbeat_at, started_at, reconciled,
+                            fenced)
     SELECT :execution_id, :scope, :key, :attempt, 'running', :worker_id, :lease_token,
-           now() + make_interval(secs => :lease_seconds), now(), now(), false
+           now() + make_interval(secs => :lease_seconds), now(), now(), false, true
     FROM op
     ON CONFLICT (scope, idempotency_key, attempt) DO NOTHING
     RETURNING lease_expires_at
@@ -67,7 +70,8 @@ _FINISH = sa.text(
     """
 WITH done AS (
     UPDATE executions
-    SET status = :status, result = CAST(:result AS json), error = :error, finished_at = now()
+    SET status = :status, result = CAST(:result AS json), error = :error, finished_at = now(),
+        effects = CAST(:effects AS json)
     WHERE execution_id = :execution_id AND status = :running AND lease_token = :lease_token
     RETURNING *
 ), moved AS (
@@ -80,10 +84,11 @@ WITH done AS (
     SELECT scope, idempotency_key, execution_id, :status, coalesce(worker_id, 'worker'), now(),
            CAST(:detail AS json)
     FROM done
+    RETURNING seq
 )
-SELECT * FROM done
+SELECT done.*, logged.seq FROM done, logged
 """
-).columns(*executions.c)
+).columns(*executions.c, execution_events.c.seq)
 
 
 #: The statuses the statements compare with, always bound (see the module docstring).
@@ -144,7 +149,18 @@ class PostgresFastPath:
             self._local.pooled = pooled
             with self._lock:
                 self._held.append(pooled)
+            # A thread that ends gives its connection back (threads that come and go, e.g.
+            # one per request, would otherwise exhaust the pool).
+            weakref.finalize(threading.current_thread(), self._give_back, pooled)
         return pooled
+
+    def _give_back(self, pooled: Any) -> None:
+        with self._lock:
+            if pooled not in self._held:
+                return
+            self._held.remove(pooled)
+        with contextlib.suppress(Exception):
+            pooled.close()
 
     def _drop(self, pooled: Any) -> None:
         """Forget a broken connection (the next call opens another)."""
@@ -174,7 +190,10 @@ class PostgresFastPath:
         except psycopg.Error as exc:
             if pooled.dbapi_connection.closed or isinstance(exc, psycopg.OperationalError):
                 self._drop(pooled)
-            raise sa.exc.DBAPIError.instance(sql, params, exc, psycopg.Error) from exc
+            # hide_parameters: a lease token never reaches a log line through an error message
+            raise sa.exc.DBAPIError.instance(
+                sql, params, exc, psycopg.Error, hide_parameters=True
+            ) from exc
         if row is None:
             return None
         return dict(zip(self._columns[id(statement)], row, strict=True))
@@ -199,7 +218,7 @@ class PostgresFastPath:
                 "worker_id": worker_id,
                 "lease_token": token,
                 "lease_seconds": float(lease_seconds),
-                "detail": dumps({"attempt": attempt, "worker_id": worker_id}),
+                "detail": dumps({"attempt": attempt, "worker_id": worker_id, "fenced": True}),
             },
         )
         if row is None:
@@ -234,7 +253,11 @@ class PostgresFastPath:
         status: Status,
         result: dict[str, Any],
         error: str | None,
-    ) -> ExecutionRecord:
+        effects: list[dict[str, Any]] | None,
+    ) -> Finished:
+        detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
+        if effects is not None:
+            detail["effects"] = effects
         row = self._one(
             _FINISH,
             {
@@ -243,14 +266,15 @@ class PostgresFastPath:
                 "status": status.value,
                 "result": dumps(result),
                 "error": error,
-                "detail": dumps({"result": result, "error": error, "reconciled": False}),
+                "effects": None if effects is None else dumps(effects),
+                "detail": dumps(detail),
             },
         )
         if row is None:
             raise StaleFence(execution_id)
         for name in ("lease_expires_at", "heartbeat_at", "started_at", "finished_at"):
             row[name] = _utc(row[name])
-        return ExecutionRecord.from_row(row)
+        return Finished(ExecutionRecord.from_row(row), int(row["seq"]))
 
 
 def _utc(value: datetime | None) -> datetime | None:

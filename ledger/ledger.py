@@ -1,9 +1,11 @@
 """The Ledger facade: every state change is a compare-and-set plus its event, one transaction.
 
-Each transition below is an ``UPDATE … WHERE <key> AND status = <expected> [AND lease_token
+Each transition is an ``UPDATE … WHERE <key> AND status = <expected> [AND lease_token
 = <fence>] RETURNING …``; zero rows means the caller's view is stale and nothing was
 written. The claim is an ``INSERT … ON CONFLICT DO NOTHING RETURNING`` on the unique
 (scope, idempotency_key, attempt): the database decides who runs, never a prior read.
+This module holds submission and the humans' decisions; the executor's path is in
+``ledger.execution``, recovery's transitions in ``ledger.resolution``.
 """
 
 from __future__ import annotations
@@ -15,40 +17,28 @@ import sqlalchemy as sa
 
 from ledger import db
 from ledger.base import event
-from ledger.errors import (
-    ConflictError,
-    InvalidArguments,
-    InvalidTransition,
-    NotFound,
-    StaleFence,
-)
+from ledger.errors import ConflictError, InvalidTransition
 from ledger.events import VerifyReport, verify
-from ledger.identity import (
-    MAX_ARGS_BYTES,
-    check_call,
-    check_text_id,
-    new_execution_id,
-    new_lease_token,
-)
-from ledger.models import execution_events, executions, operations, tool_calls
+from ledger.execution import LEASE_SECONDS, LedgerExecution
+from ledger.identity import MAX_ARGS_BYTES, check_call, check_text_id
+from ledger.models import operations, tool_calls
 from ledger.outbox import LedgerOutbox
 from ledger.reads import op_key
-from ledger.records import (
-    Claim,
-    ExecutionRecord,
-    OperationRecord,
-    Submitted,
-)
+from ledger.records import OperationRecord, Submitted
 from ledger.resolution import LedgerResolution
-from ledger.transitions import RETRYABLE, TERMINAL, EventKind, Status, check_transition
-from ledger.types import db_now, db_now_plus, dumps
+from ledger.transitions import RETRYABLE, EventKind, Status, check_transition
+from ledger.types import db_now, dumps
 
-#: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
-LEASE_SECONDS = 30.0
+__all__ = ["LEASE_SECONDS", "Ledger"]
 
 
-class Ledger(LedgerResolution, LedgerOutbox):
-    """The execution layer's own record of every side-effecting tool call."""
+class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
+    """The execution layer's own record of every side-effecting tool call.
+
+    ``timeout``: seconds any statement, connect or lock wait may take before it fails
+    (None: the driver's defaults). Workers set it, so a hung connection cannot stall a lease
+    renewal or a terminal write past the lease.
+    """
 
     def __init__(
         self,
@@ -56,8 +46,9 @@ class Ledger(LedgerResolution, LedgerOutbox):
         *,
         max_args_bytes: int = MAX_ARGS_BYTES,
         fast_path: bool = True,
+        timeout: float | None = None,
     ) -> None:
-        self.engine = url if isinstance(url, sa.Engine) else db.create_engine(url)
+        self.engine = url if isinstance(url, sa.Engine) else db.create_engine(url, timeout=timeout)
         self.dialect = self.engine.dialect.name
         self.max_args_bytes = max_args_bytes
         self._fast: Any = None
@@ -305,221 +296,11 @@ class Ledger(LedgerResolution, LedgerOutbox):
                     Status.APPROVED,
                     f"a retry of {tool_call_id!r} (only unknown or failed)",
                 )
-            attempt = op.authorized_attempts + 1
-            row = conn.execute(
-                operations.update()
-                .where(
-                    op_key(scope, key),
-                    operations.c.status == op.status,
-                    operations.c.authorized_attempts == op.authorized_attempts,
-                )
-                .values(status=Status.APPROVED, authorized_attempts=attempt, enqueued_at=None)
-                .returning(*operations.c)
-            ).first()
-            if row is None:
+            detail = {"retry": True, "accept_duplicate": accept_duplicate, "reason": reason}
+            retried = self._authorize_next(conn, op, by, detail)
+            if retried is None:
                 raise InvalidTransition(op.status, Status.APPROVED, "a concurrent change")
-            detail = {
-                "attempt": attempt,
-                "retry": True,
-                "accept_duplicate": accept_duplicate,
-                "reason": reason,
-            }
-            self._append(conn, event(Status.APPROVED, scope, key, by, detail))
-        return OperationRecord.from_row(row)
-
-    # ---------------------------------------------------------------- the executor's path
-
-    def claim(
-        self,
-        scope: str,
-        key: str,
-        attempt: int,
-        *,
-        worker_id: str,
-        lease_seconds: float = LEASE_SECONDS,
-        execution_id: str | None = None,
-        lease_token: str | None = None,
-    ) -> Claim | None:
-        """Win the right to run ``attempt``, or None: not approved, not authorised, or lost.
-
-        ``running`` and its event are committed before this returns (invariant 1): a crash
-        after it leaves evidence that the effect may have started. A caller that picks the
-        ``execution_id`` and ``lease_token`` itself can, after an error around the commit,
-        find out with ``claimed()`` whether the claim is its own.
-        """
-        execution_id = execution_id or new_execution_id()
-        token = lease_token or new_lease_token()
-        if self._fast is not None:
-            return self._fast.claim(  # type: ignore[no-any-return]
-                scope, key, attempt, worker_id, lease_seconds, execution_id, token
-            )
-        with self._write() as conn:
-            op = conn.execute(
-                sa.select(operations.c.tool, operations.c.args).where(
-                    op_key(scope, key),
-                    operations.c.status == Status.APPROVED,
-                    operations.c.authorized_attempts == attempt,
-                )
-            ).first()
-            if op is None:
-                return None
-            won = conn.execute(
-                self._insert(executions)
-                .values(
-                    execution_id=execution_id,
-                    scope=scope,
-                    idempotency_key=key,
-                    attempt=attempt,
-                    status=Status.RUNNING,
-                    worker_id=worker_id,
-                    lease_token=token,
-                    lease_expires_at=db_now_plus(lease_seconds),
-                    heartbeat_at=db_now(),
-                    started_at=db_now(),
-                    reconciled=False,
-                )
-                .on_conflict_do_nothing(index_elements=["scope", "idempotency_key", "attempt"])
-                .returning(executions.c.lease_expires_at)
-            ).first()
-            if won is None:
-                return None
-            self._move_operation(conn, scope, key, attempt, Status.APPROVED, Status.RUNNING)
-            detail = {"attempt": attempt, "worker_id": worker_id}
-            self._append(conn, event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
-        return Claim(
-            execution_id=execution_id,
-            scope=scope,
-            idempotency_key=key,
-            attempt=attempt,
-            lease_token=token,
-            lease_expires_at=won.lease_expires_at,
-            worker_id=worker_id,
-            tool=op.tool,
-            args=op.args,
-        )
-
-    def claimed(self, execution_id: str, lease_token: str) -> Claim | None:
-        """The claim ``execution_id`` if it exists under ``lease_token`` (after an ambiguous
-        commit: the server may have committed what the client saw fail)."""
-        with self._read() as conn:
-            row = conn.execute(
-                sa.select(executions, operations.c.tool, operations.c.args)
-                .join(
-                    operations,
-                    sa.and_(
-                        operations.c.scope == executions.c.scope,
-                        operations.c.idempotency_key == executions.c.idempotency_key,
-                    ),
-                )
-                .where(
-                    executions.c.execution_id == execution_id,
-                    executions.c.lease_token == lease_token,
-                )
-            ).first()
-        if row is None:
-            return None
-        return Claim(
-            execution_id=execution_id,
-            scope=row.scope,
-            idempotency_key=row.idempotency_key,
-            attempt=row.attempt,
-            lease_token=lease_token,
-            lease_expires_at=row.lease_expires_at,
-            worker_id=row.worker_id,
-            tool=row.tool,
-            args=row.args,
-        )
-
-    def renew_lease(
-        self, execution_id: str, lease_token: str, lease_seconds: float = LEASE_SECONDS
-    ) -> bool:
-        """Extend the lease by the database clock; False when the row is no longer ours."""
-        with self._write() as conn:
-            renewed = conn.execute(
-                executions.update()
-                .where(
-                    executions.c.execution_id == execution_id,
-                    executions.c.status == Status.RUNNING,
-                    executions.c.lease_token == lease_token,
-                )
-                .values(lease_expires_at=db_now_plus(lease_seconds), heartbeat_at=db_now())
-                .returning(executions.c.execution_id)
-            ).first()
-        return renewed is not None
-
-    def finish(
-        self,
-        execution_id: str,
-        lease_token: str,
-        status: Status,
-        result: dict[str, Any],
-        *,
-        error: str | None = None,
-    ) -> ExecutionRecord:
-        """running -> succeeded/failed with its result, one transaction (invariant 2).
-
-        Raises StaleFence when the row is no longer running under this token: a sweep
-        declared it unknown, and the caller should record its result as evidence instead.
-        """
-        if status not in TERMINAL:
-            raise InvalidTransition(Status.RUNNING, status, "a terminal write")
-        if not isinstance(result, dict):
-            raise InvalidArguments("a result must be a JSON object")
-        if self._fast is not None:
-            return self._fast.finish(execution_id, lease_token, status, result, error)  # type: ignore[no-any-return]
-        with self._write() as conn:
-            row = conn.execute(
-                executions.update()
-                .where(
-                    executions.c.execution_id == execution_id,
-                    executions.c.status == Status.RUNNING,
-                    executions.c.lease_token == lease_token,
-                )
-                .values(status=status, result=result, error=error, finished_at=db_now())
-                .returning(*executions.c)
-            ).first()
-            if row is None:
-                raise StaleFence(execution_id)
-            done = ExecutionRecord.from_row(row)
-            self._move_operation(
-                conn, done.scope, done.idempotency_key, done.attempt, Status.RUNNING, status
-            )
-            detail = {"result": result, "error": error, "reconciled": False}
-            self._append(
-                conn,
-                event(
-                    status,
-                    done.scope,
-                    done.idempotency_key,
-                    done.worker_id or "worker",
-                    detail,
-                    execution_id,
-                ),
-            )
-        return done
-
-    def record_evidence(self, execution_id: str, detail: dict[str, Any], *, actor: str) -> int:
-        """Append a fact about an execution that changes no state (e.g. a late result)."""
-        with self._write() as conn:
-            seq = conn.execute(
-                execution_events.insert()
-                .from_select(
-                    ["scope", "idempotency_key", "execution_id", "kind", "actor", "at", "detail"],
-                    sa.select(
-                        executions.c.scope,
-                        executions.c.idempotency_key,
-                        executions.c.execution_id,
-                        sa.literal(EventKind.EVIDENCE.value),
-                        sa.literal(actor),
-                        db_now(),
-                        sa.literal(detail, execution_events.c.detail.type),
-                    ).where(executions.c.execution_id == execution_id),
-                )
-                .returning(execution_events.c.seq)
-            ).scalar_one_or_none()
-        if seq is None:
-            raise NotFound(f"no execution {execution_id!r}")
-        return int(seq)
+        return retried
 
     def verify(self, page_size: int = 1000) -> VerifyReport:
         """Rebuild current state from the events alone and report every difference."""

@@ -47,6 +47,7 @@ class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         datetime: UTCDateTime(),
         dict[str, Any]: JSONType,
+        list[dict[str, Any]]: JSONType,
     }
 
 
@@ -70,6 +71,8 @@ class Operation(Base):
     created_at: Mapped[datetime]
     # Outbox: when a message for the authorised attempt was last published; NULL = never.
     enqueued_at: Mapped[datetime | None]
+    # Why the call waits for a human although it has a status (ledger.transitions.Review).
+    review: Mapped[str | None] = mapped_column(sa.String(32))
 
     __table_args__ = (
         sa.CheckConstraint(_in("status", Status), name="status"),
@@ -77,6 +80,7 @@ class Operation(Base):
         _partial("ix_operations_approved_unclaimed", "enqueued_at", where="status = 'approved'"),
         # What waits on someone (a human, a worker, evidence); approved has its own index.
         _partial("ix_operations_waiting", "status", "scope", where=_in("status", WAITING)),
+        _partial("ix_operations_review", "scope", where="review IS NOT NULL"),
     )
 
 
@@ -120,6 +124,11 @@ class Execution(Base):
     result: Mapped[dict[str, Any] | None]
     reconciled: Mapped[bool] = mapped_column(sa.Boolean)
     error: Mapped[str | None] = mapped_column(sa.Text)
+    # Ran under the staged-effect protocol: its sandbox effects land only after its own
+    # terminal commit, so a revoked execution provably left none (older rows: false).
+    fenced: Mapped[bool] = mapped_column(sa.Boolean, server_default=sa.false())
+    # The sandbox effects its own commit made official: [{n, kind, path, size, sha256}].
+    effects: Mapped[list[dict[str, Any]] | None]
 
     __table_args__ = (
         sa.UniqueConstraint("scope", "idempotency_key", "attempt", name="uq_executions_attempt"),

@@ -114,8 +114,12 @@ class LedgerReads:
         status: Status | None = None,
         scope: str | None = None,
         limit: int = LIST_LIMIT,
+        review: bool = False,
     ) -> list[ListedCall]:
-        """Calls from current state (never from the history), oldest first."""
+        """Calls from current state (never from the history), oldest first.
+
+        ``review``: only calls flagged for a human (``operations.review``), whatever their
+        status; with ``status=unknown`` as well, this is the humans' whole inbox."""
         first_call = (
             sa.select(sa.func.min(tool_calls.c.tool_call_id))
             .where(
@@ -136,12 +140,15 @@ class LedgerReads:
             operations.c.status,
             operations.c.authorized_attempts,
             operations.c.created_at,
+            operations.c.review,
             executions.c.execution_id,
             executions.c.reconciled,
             first_call.label("tool_call_id"),
         ).select_from(operations.outerjoin(executions, current))
         if status is not None:
             query = query.where(operations.c.status == status)
+        if review:
+            query = query.where(operations.c.review.is_not(None))
         if scope is not None:
             query = query.where(operations.c.scope == scope)
         query = query.order_by(
@@ -182,6 +189,10 @@ class LedgerReads:
             op = {c.name: m[f"op_{c.name}"] for c in operations.c}
             out.append((ExecutionRecord.from_row(row), OperationRecord.from_row(op)))
         return out
+
+    def evidence_of(self, execution_id: str) -> list[EventRecord]:
+        """The evidence events of one execution, oldest first."""
+        return self.evidence_for([self.execution(execution_id)]).get(execution_id, [])
 
     def evidence_for(self, keyed: Sequence[ExecutionRecord]) -> dict[str, list[EventRecord]]:
         """Evidence events of these executions by execution id, oldest first: one query,

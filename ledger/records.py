@@ -48,6 +48,7 @@ class OperationRecord(_FromRow):
     reason: str | None
     created_at: datetime
     enqueued_at: datetime | None
+    review: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,13 @@ class ExecutionRecord(_FromRow):
     result: dict[str, Any] | None
     reconciled: bool
     error: str | None
+    fenced: bool = False
+    effects: list[dict[str, Any]] | None = None
+
+    @property
+    def own_success(self) -> bool:
+        """Succeeded by its executor's own fenced commit (not by a reconciler or a human)."""
+        return self.status is Status.SUCCEEDED and not self.reconciled
 
     def to_json(self) -> dict[str, Any]:
         """The public view: everything but the lease token, which is the executor's fence."""
@@ -79,6 +87,8 @@ class ExecutionRecord(_FromRow):
             "reconciled": self.reconciled,
             "worker_id": self.worker_id,
             "error": self.error,
+            "fenced": self.fenced,
+            "effects": self.effects,
             "started_at": _iso(self.started_at),
             "finished_at": _iso(self.finished_at),
             "lease_expires_at": _iso(self.lease_expires_at),
@@ -107,6 +117,34 @@ class EventRecord(_FromRow):
             "at": _iso(self.at),
             "detail": self.detail,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """An executor's own terminal commit and the sequence number of its event: the order in
+    which the sandbox publishes effects on one path (a later commit's bytes win)."""
+
+    execution: ExecutionRecord
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class EffectState:
+    """What the ledger says about an execution whose staged effects wait in a sandbox."""
+
+    execution_id: str
+    scope: str
+    idempotency_key: str
+    attempt: int
+    status: Status
+    reconciled: bool
+    lease_token: str | None
+    effects: tuple[dict[str, Any], ...]
+    seq: int  # its own succeeded event; 0 unless ``own_success``
+
+    @property
+    def own_success(self) -> bool:
+        return self.status is Status.SUCCEEDED and not self.reconciled and self.seq > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +208,7 @@ class CallView:
             "idempotency_key": op.idempotency_key,
             "args_sha256": op.args_sha256,
             "status": op.status.value,
+            "review": op.review,
             "args": op.args,
             "authorized_attempts": op.authorized_attempts,
             "decided_by": op.decided_by,
@@ -194,6 +233,7 @@ class ListedCall:
     execution_id: str | None
     reconciled: bool | None
     created_at: datetime
+    review: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> ListedCall:
@@ -208,6 +248,7 @@ class ListedCall:
             execution_id=m["execution_id"],
             reconciled=m["reconciled"],
             created_at=m["created_at"],
+            review=m["review"],
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -220,6 +261,7 @@ class ListedCall:
             "attempt": self.attempt,
             "execution_id": self.execution_id,
             "reconciled": self.reconciled,
+            "review": self.review,
             "created_at": _iso(self.created_at),
         }
 

@@ -1,5 +1,6 @@
-"""The transitions recovery drives: running -> unknown (one, or every expired lease), and
-unknown -> succeeded/failed on evidence (a reconciler, a late result, a human)."""
+"""The transitions recovery drives: running -> unknown (one, or every expired lease),
+unknown -> succeeded/failed on evidence (a reconciler, a late result, the fence, a human),
+what that proof does to a later attempt, and a human's review of a flagged call."""
 
 from __future__ import annotations
 
@@ -9,19 +10,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger.base import LedgerBase, event
-from ledger.errors import (
-    InvalidArguments,
-    InvalidTransition,
-    StaleFence,
-)
-from ledger.identity import (
-    check_text_id,
-)
-from ledger.models import executions
-from ledger.records import (
-    ExecutionRecord,
-)
-from ledger.transitions import TERMINAL, Status
+from ledger.errors import InvalidArguments, InvalidTransition, StaleFence
+from ledger.identity import check_text_id
+from ledger.models import executions, operations
+from ledger.reads import op_key
+from ledger.records import ExecutionRecord, OperationRecord
+from ledger.transitions import TERMINAL, EventKind, Review, Status, check_transition
 from ledger.types import db_now, db_now_plus
 
 
@@ -111,9 +105,20 @@ class LedgerResolution(LedgerBase):
         *,
         evidence: dict[str, Any],
         actor: str,
+        retry: bool = False,
     ) -> ExecutionRecord:
         """unknown -> succeeded/failed on the same execution, ``reconciled: true``, with the
-        evidence that justified it. Zero rows (already resolved) raises StaleFence."""
+        evidence that justified it. Zero rows (already resolved) raises StaleFence.
+
+        Proof beats permission: when this proves an earlier attempt succeeded while a later
+        one is authorised, the later one is withdrawn if nobody claimed it yet (the call ends
+        succeeded with the proven result), or, if it was claimed, both stay and the call is
+        flagged ``both_ran`` for a human.
+
+        ``retry``: the evidence proves the effect absent and the tool's contract allows an
+        automatic retry: the next attempt is authorised in the same transaction (only if
+        this is the call's current attempt).
+        """
         if status not in TERMINAL:
             raise InvalidTransition(Status.UNKNOWN, status, "a reconciliation")
         if not isinstance(result, dict):
@@ -132,28 +137,158 @@ class LedgerResolution(LedgerBase):
                 self._require_execution(conn, execution_id)
                 raise StaleFence(execution_id, f"execution {execution_id} is not unknown")
             done = ExecutionRecord.from_row(row)
-            self._move_operation(
-                conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
-            )
             detail = {"result": result, "reconciled": True, "evidence": evidence}
             self._append(
                 conn, event(status, done.scope, done.idempotency_key, actor, detail, execution_id)
             )
+            op = self._locked_operation(conn, done.scope, done.idempotency_key)
+            if op.authorized_attempts == done.attempt:
+                self._move_operation(
+                    conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
+                )
+                if retry and status is Status.FAILED:
+                    failed = self._operation(conn, done.scope, done.idempotency_key)
+                    auto = {"retry": True, "automatic": True, "after": execution_id}
+                    self._authorize_next(conn, failed, actor, {**auto, "evidence": evidence})
+            elif status is Status.SUCCEEDED:
+                self._proof_beats_permission(conn, op, done, evidence, actor)
         return done
+
+    def _locked_operation(self, conn: sa.Connection, scope: str, key: str) -> OperationRecord:
+        """The operation, its row locked until commit (a concurrent claim waits for us)."""
+        row = conn.execute(sa.select(operations).where(op_key(scope, key)).with_for_update()).one()
+        return OperationRecord.from_row(row)
+
+    def _proof_beats_permission(
+        self,
+        conn: sa.Connection,
+        op: OperationRecord,
+        proven: ExecutionRecord,
+        evidence: dict[str, Any],
+        actor: str,
+    ) -> None:
+        later = conn.execute(
+            sa.select(executions).where(
+                executions.c.scope == op.scope,
+                executions.c.idempotency_key == op.idempotency_key,
+                executions.c.attempt == op.authorized_attempts,
+            )
+        ).first()
+        if later is not None:
+            other = ExecutionRecord.from_row(later)
+            both = {
+                "proven": {"execution_id": proven.execution_id, "attempt": proven.attempt},
+                "later": {
+                    "execution_id": other.execution_id,
+                    "attempt": other.attempt,
+                    "status": other.status.value,
+                },
+                "evidence": evidence,
+            }
+            self._flag(conn, proven, Review.BOTH_RAN, both, actor)
+            return
+        if op.status is not Status.APPROVED:
+            return
+        check_transition(Status.APPROVED, Status.SUCCEEDED)
+        withdrawn = conn.execute(
+            operations.update()
+            .where(
+                op_key(op.scope, op.idempotency_key),
+                operations.c.status == Status.APPROVED,
+                operations.c.authorized_attempts == op.authorized_attempts,
+            )
+            .values(status=Status.SUCCEEDED, authorized_attempts=proven.attempt, enqueued_at=None)
+            .returning(operations.c.scope)
+        ).first()
+        if withdrawn is None:
+            return
+        detail = {
+            "attempt": op.authorized_attempts,
+            "proven_attempt": proven.attempt,
+            "status": Status.SUCCEEDED.value,
+            "evidence": evidence,
+        }
+        ev = event(
+            EventKind.WITHDRAWN, op.scope, op.idempotency_key, actor, detail, proven.execution_id
+        )
+        self._append(conn, ev)
 
     def resolve(
         self, execution_id: str, status: Status, *, by: str, evidence: str
     ) -> ExecutionRecord:
-        """A human's resolution of an unknown: who decided, and on what evidence."""
+        """A human's resolution of an unknown, or their review of a flagged call: who
+        decided, and on what evidence."""
         if status not in TERMINAL:
             raise InvalidTransition(Status.UNKNOWN, status, "a human resolution")
         check_text_id(by, "resolver", 256)
         check_text_id(evidence, "evidence", 10_000)
         result = {"status": status.value, "resolved_by": by, "evidence": evidence}
-        return self.reconcile(
-            execution_id,
-            status,
-            result,
-            evidence={"kind": "human", "by": by, "text": evidence},
-            actor=by,
-        )
+        try:
+            return self.reconcile(
+                execution_id,
+                status,
+                result,
+                evidence={"kind": "human", "by": by, "text": evidence},
+                actor=by,
+            )
+        except StaleFence:
+            return self.review(execution_id, status, by=by, evidence=evidence)
+
+    def review(
+        self, execution_id: str, status: Status, *, by: str, evidence: str
+    ) -> ExecutionRecord:
+        """A human settles a flagged call: confirms ``status`` or corrects a decision that a
+        human or a reconciler made (an executor's own result is a fact and stands); clears
+        the flag. StaleFence unless the call is flagged and the execution so decided."""
+        if status not in TERMINAL:
+            raise InvalidTransition(None, status, "a review")
+        check_text_id(by, "reviewer", 256)
+        check_text_id(evidence, "evidence", 10_000)
+        with self._write() as conn:
+            ex = self._require_execution(conn, execution_id)
+            op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
+            if op.review is None or ex.status not in TERMINAL:
+                raise StaleFence(
+                    execution_id,
+                    f"execution {execution_id} is {ex.status}, not unknown, and its call is "
+                    "not flagged for review: nothing to resolve",
+                )
+            if not ex.reconciled:
+                raise StaleFence(
+                    execution_id,
+                    f"execution {execution_id} is its executor's own {ex.status}: that stands; "
+                    "a review corrects only what a human or a reconciler decided",
+                )
+            if status is not ex.status:
+                self._correct(conn, ex, status, by, evidence)
+            conn.execute(
+                operations.update().where(op_key(ex.scope, ex.idempotency_key)).values(review=None)
+            )
+            detail = {"reason": op.review, "status": status.value, "by": by, "text": evidence}
+            self._append(
+                conn,
+                event(EventKind.REVIEWED, ex.scope, ex.idempotency_key, by, detail, execution_id),
+            )
+            return self._require_execution(conn, execution_id)
+
+    def _correct(
+        self, conn: sa.Connection, ex: ExecutionRecord, status: Status, by: str, evidence: str
+    ) -> None:
+        check_transition(ex.status, status)
+        result: dict[str, Any] = {"status": status.value, "resolved_by": by, "evidence": evidence}
+        result["corrects"] = ex.result
+        changed = conn.execute(
+            executions.update()
+            .where(executions.c.execution_id == ex.execution_id, executions.c.status == ex.status)
+            .values(status=status, result=result, finished_at=db_now())
+            .returning(executions.c.execution_id)
+        ).first()
+        if changed is None:
+            raise StaleFence(ex.execution_id)
+        self._move_operation(conn, ex.scope, ex.idempotency_key, ex.attempt, ex.status, status)
+        detail = {
+            "result": result,
+            "reconciled": True,
+            "evidence": {"kind": "human", "by": by, "text": evidence, "review": True},
+        }
+        self._append(conn, event(status, ex.scope, ex.idempotency_key, by, detail, ex.execution_id))

@@ -32,6 +32,16 @@ class EventKind(StrEnum):
     FAILED = "failed"
     UNKNOWN = "unknown"
     EVIDENCE = "evidence"  # a fact about an execution that changed no state (late result)
+    WITHDRAWN = "withdrawn"  # an authorised, unclaimed attempt withdrawn: an earlier one proved
+    FLAGGED = "flagged"  # the call needs a human: evidence contradicts a decision, or both ran
+    REVIEWED = "reviewed"  # a human settled a flagged call
+
+
+class Review(StrEnum):
+    """Why a call waits for a human although it has a status (``operations.review``)."""
+
+    CONTRADICTED = "contradicted"  # a late result contradicts a human's resolution
+    BOTH_RAN = "both_ran"  # an earlier attempt proved succeeded after a later one was claimed
 
 
 #: Statuses an execution row (one real attempt) can have.
@@ -55,10 +65,18 @@ TRANSITIONS: frozenset[tuple[Status | None, Status]] = frozenset(
         (Status.RUNNING, Status.UNKNOWN),  # lease expired: the executor is gone
         (Status.UNKNOWN, Status.SUCCEEDED),  # reconciled with evidence, or resolved by a human
         (Status.UNKNOWN, Status.FAILED),
-        (Status.UNKNOWN, Status.APPROVED),  # a human authorised a new attempt
-        (Status.FAILED, Status.APPROVED),
+        (Status.UNKNOWN, Status.APPROVED),  # a new attempt: a human, or the sweep on proof
+        (Status.FAILED, Status.APPROVED),  # of absence (a tool contract option)
+        (Status.APPROVED, Status.SUCCEEDED),  # withdrawn: proof that an earlier attempt succeeded
+        # A human's review of a flagged call may correct a decision made by a human or a
+        # reconciler (never an executor's own result): see REVIEW.
+        (Status.SUCCEEDED, Status.FAILED),
+        (Status.FAILED, Status.SUCCEEDED),
     }
 )
+
+#: The pairs only a human's review of a flagged call may take.
+REVIEW = frozenset({(Status.SUCCEEDED, Status.FAILED), (Status.FAILED, Status.SUCCEEDED)})
 
 
 def parse_status(value: str) -> Status:

@@ -50,6 +50,7 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
         grace_seconds=settings.sweep_grace if grace is None else grace,
         requeue_after=settings.requeue_after if requeue_after is None else requeue_after,
         publish=publish,
+        max_auto_retries=settings.max_auto_retries,
     )
     c.emit(
         summary.to_json(),
@@ -57,7 +58,17 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
             ", ".join(
                 f"{k} {v}"
                 for k, v in d.items()
-                if k in ("marked_unknown", "reconciled", "still_unknown", "requeued", "duration_s")
+                if k
+                in (
+                    "marked_unknown",
+                    "reconciled",
+                    "not_applied",
+                    "auto_retried",
+                    "still_unknown",
+                    "landed",
+                    "requeued",
+                    "duration_s",
+                )
             )
             + "".join(f"\nwarning: {e}" for e in d["errors"])
         ),

@@ -29,9 +29,12 @@ def retry(
     that they accept it.
     """
     ledger = submitter.ledger
-    op = ledger.get(scope, tool_call_id).operation
+    view = ledger.get(scope, tool_call_id)
+    op = view.operation
     tool = submitter.registry.get(op.tool)
-    if not tool.idempotent and not accept_duplicate:
+    # A sandboxed tool's attempts that did not succeed left nothing (the fence): no duplicate.
+    nothing_landed = tool.sandboxed and all(e.fenced and not e.own_success for e in view.executions)
+    if not (tool.idempotent or nothing_landed or accept_duplicate):
         raise DuplicateNotAccepted(
             f"{op.tool} is not idempotent: the {op.status} attempt may already have taken "
             "effect, so a retry may apply it a second time; pass --accept-duplicate to accept "
@@ -50,7 +53,7 @@ def retry(
         "authorized_by": by,
         "duplicate_effect_accepted": accept_duplicate,
     }
-    if not tool.idempotent:
+    if not (tool.idempotent or nothing_landed):
         out["warning"] = f"{by} accepted that {op.tool} may take effect twice"
     out.update(submitter.enqueue(scope, retried.idempotency_key, retried.authorized_attempts))
     return out
@@ -59,7 +62,8 @@ def retry(
 def resolve(
     submitter: Submitter, execution_id: str, status: Status, *, by: str, evidence: str
 ) -> dict[str, Any]:
-    """unknown -> succeeded/failed on a human's word, with the evidence they give."""
+    """unknown -> succeeded/failed on a human's word, with the evidence they give; or the
+    review of a call flagged for a human (which clears the flag)."""
     done = submitter.ledger.resolve(execution_id, status, by=by, evidence=evidence)
     return {
         "execution_id": execution_id,

@@ -1,17 +1,25 @@
 """Reconciliation: move ``unknown`` to what the evidence proves — never by running the tool.
 
-Two kinds of evidence, in this order:
+Evidence, in this order:
 1. the original executor's late result (an ``evidence`` event its fenced-out terminal write
-   left): the tool did finish, and this is what it reported;
-2. the tool's reconciler, which looks at the world and says whether the requested effect
-   holds (write_file compares the file's bytes; a tool calling a downstream service asks it
-   for its receipt under the idempotency key). It must only read.
-No evidence: the row stays ``unknown`` for a human. A reconciled result proves the target
-state holds, not who produced it or how often.
+   left): what the tool reported — unless its sandbox effects were refused by the fence, in
+   which case the report describes bytes that never landed and proves nothing; or the
+   executor's record that it never started the tool (a claim whose commit it could not
+   confirm), which proves the effect absent;
+2. the tool's reconciler, which looks at the world: the requested effect holds (Evidence),
+   provably does not (Absent), or it cannot tell (write_file compares the file's bytes; a
+   tool calling a downstream service asks it for its receipt under the idempotency key);
+3. the fence: an execution that ran under the staged-effect protocol and was revoked before
+   its commit left nothing in the sandbox, so for a ``sandboxed`` tool its effect is absent.
+Absent → ``failed`` (``not_applied``), and if the tool's contract allows it and its
+reconciler proved the absence, the next attempt is authorised in the same transaction. No
+evidence: the row stays ``unknown`` for a human. A reconciled result proves the target state
+holds, not who produced it or how often.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +29,22 @@ from ledger.ledger import Ledger
 from ledger.records import EventRecord, ExecutionRecord, OperationRecord
 from ledger.transitions import TERMINAL, Status
 from worker.sandbox import Sandbox
-from worker.tools import Evidence, Registry, ToolContext, UnknownTool
+from worker.tools import Absent, Evidence, Finding, Registry, Tool, ToolContext, UnknownTool
 
 log = logging.getLogger("toolledger.recovery")
+
+#: Automatic retries of one call at most (a tool that crashes its worker every time must not
+#: be retried forever): attempt N is retried automatically only while N <= this.
+MAX_AUTO_RETRIES = 3
+
+#: The receipt of an execution proven never to have taken effect.
+NOT_APPLIED = {
+    "error": "not_applied",
+    "message": (
+        "This tool call did not take effect: its execution was stopped before it committed, "
+        "and nothing of it was applied. It was not run again."
+    ),
+}
 
 
 @dataclass
@@ -31,36 +52,46 @@ class ReconcileTally:
     reconciled: int = 0
     from_late_result: int = 0
     from_reconciler: int = 0
+    not_applied: int = 0
+    auto_retried: int = 0
     still_unknown: int = 0
     errors: list[str] = field(default_factory=list)
+    to_publish: list[tuple[str, str, int]] = field(default_factory=list)
 
 
-def late_result(events: list[EventRecord]) -> Evidence | None:
-    """The executor's own terminal result, recorded after it was fenced out."""
+def late_result(events: list[EventRecord]) -> Finding:
+    """What the executor itself left after it was fenced out (the newest fact first)."""
     for ev in reversed(events):
-        status, result = ev.detail.get("status"), ev.detail.get("late_result")
-        if status in {s.value for s in TERMINAL} and isinstance(result, dict):
+        d = ev.detail
+        if d.get("absent"):
+            return Absent({"kind": "not_started", "event_seq": ev.seq, "worker_id": ev.actor})
+        proves = d["proves"] if "proves" in d else d.get("status")  # older events: status
+        result = d.get("late_result")
+        if proves in {s.value for s in TERMINAL} and isinstance(result, dict):
             detail = {"kind": "late_result", "event_seq": ev.seq, "worker_id": ev.actor}
-            return Evidence(Status(status), result, detail)
+            return Evidence(Status(proves), result, detail)
     return None
 
 
 def ask_reconciler(
-    registry: Registry, sandbox: Sandbox, ex: ExecutionRecord, op: OperationRecord
-) -> Evidence | None:
-    try:
-        tool = registry.get(op.tool)
-    except UnknownTool:
-        return None
-    if tool.reconcile is None:
+    tool: Tool | None, sandbox: Sandbox, ex: ExecutionRecord, op: OperationRecord
+) -> Finding:
+    if tool is None or tool.reconcile is None:
         return None
     ctx = ToolContext(op.scope, sandbox, ex.execution_id, op.idempotency_key, ex.attempt)
     found = tool.reconcile(tool.parse(op.args), ctx)
-    if found is None:
-        return None
-    return Evidence(
-        found.status, found.result, {"kind": "reconciler", "tool": tool.name, **found.detail}
-    )
+    extra = {"kind": "reconciler", "tool": tool.name}
+    if isinstance(found, Evidence):
+        return Evidence(found.status, found.result, {**extra, **found.detail})
+    if isinstance(found, Absent):
+        return Absent({**extra, **found.detail})
+    return None
+
+
+def _fence(tool: Tool | None, ex: ExecutionRecord) -> Absent | None:
+    if tool is not None and tool.sandboxed and ex.fenced:
+        return Absent({"kind": "fence", "method": "revoked before its commit: nothing landed"})
+    return None
 
 
 def reconcile_unknown(
@@ -70,6 +101,7 @@ def reconcile_unknown(
     *,
     page_size: int = 500,
     actor: str = "sweep",
+    max_auto_retries: int = MAX_AUTO_RETRIES,
 ) -> ReconcileTally:
     """One pass over every execution that is unknown now (page by page)."""
     tally = ReconcileTally()
@@ -77,43 +109,79 @@ def reconcile_unknown(
     while page := ledger.unknown_executions(page_size, after):
         evidence = ledger.evidence_for([ex for ex, _ in page])
         for ex, op in page:
-            _reconcile_one(
-                ledger, registry, sandbox, ex, op, evidence.get(ex.execution_id, []), actor, tally
-            )
+            events = evidence.get(ex.execution_id, [])
+            found = _findings(registry, sandbox, ex, op, events, tally)
+            # StaleFence: another sweep (or a human) resolved it first; each row changes once
+            with contextlib.suppress(StaleFence):
+                if found is not None:
+                    retry = ex.attempt <= max_auto_retries
+                    _decide(ledger, ex, *found, actor, tally, retry)
         last = page[-1][0]
         after = (last.scope, last.idempotency_key, last.execution_id)
     return tally
 
 
-def _reconcile_one(
-    ledger: Ledger,
+def _findings(
     registry: Registry,
     sandbox: Sandbox,
     ex: ExecutionRecord,
     op: OperationRecord,
     events: list[EventRecord],
-    actor: str,
     tally: ReconcileTally,
-) -> None:
+) -> tuple[Tool | None, Finding, Finding] | None:
+    """(the tool, what its executor left, what its reconciler sees); None if that failed."""
     try:
-        found = late_result(events) or ask_reconciler(registry, sandbox, ex, op)
+        tool: Tool | None = registry.get(op.tool)
+    except UnknownTool:
+        tool = None
+    try:
+        own = late_result(events)
+        world = None if isinstance(own, Evidence) else ask_reconciler(tool, sandbox, ex, op)
     except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
         tally.still_unknown += 1
         tally.errors.append(f"reconciler for {ex.execution_id} failed: {exc}")
         log.warning("reconciler for %s failed: %s", ex.execution_id, exc)
+        return None
+    return tool, own, world
+
+
+def _decide(
+    ledger: Ledger,
+    ex: ExecutionRecord,
+    tool: Tool | None,
+    own: Finding,
+    world: Finding,
+    actor: str,
+    tally: ReconcileTally,
+    retry_allowed: bool,
+) -> None:
+    proof = own if isinstance(own, Evidence) else world
+    if isinstance(proof, Evidence):
+        ledger.reconcile(
+            ex.execution_id, proof.status, proof.result, evidence=proof.detail, actor=actor
+        )
+        tally.reconciled += 1
+        if proof.detail.get("kind") == "late_result":
+            tally.from_late_result += 1
+        else:
+            tally.from_reconciler += 1
         return
-    if found is None:
+    absent = own if isinstance(own, Absent) else _fence(tool, ex)
+    if absent is None:
         tally.still_unknown += 1
         return
-    try:
-        ledger.reconcile(
-            ex.execution_id, found.status, found.result, evidence=found.detail, actor=actor
-        )
-    except StaleFence:
-        return  # another sweep (or a human) resolved it first: each row changes once
+    # Automatic retry only on the reconciler's word that applying it now is right.
+    retry = retry_allowed and tool is not None and tool.auto_retry and isinstance(world, Absent)
+    evidence: dict[str, Any] = {**absent.detail}
+    if isinstance(world, Absent):
+        evidence["reconciler"] = world.detail
+    ledger.reconcile(
+        ex.execution_id, Status.FAILED, NOT_APPLIED, evidence=evidence, actor=actor, retry=retry
+    )
     tally.reconciled += 1
-    kind: Any = found.detail.get("kind")
-    if kind == "late_result":
-        tally.from_late_result += 1
-    else:
-        tally.from_reconciler += 1
+    tally.not_applied += 1
+    if retry:
+        op = ledger.operation(ex.scope, ex.idempotency_key)
+        if op.status is Status.APPROVED and op.authorized_attempts == ex.attempt + 1:
+            tally.auto_retried += 1
+            tally.to_publish.append((op.scope, op.idempotency_key, op.authorized_attempts))

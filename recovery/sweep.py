@@ -1,8 +1,12 @@
 """The sweep: one recovery pass, run by the beat on its own queue (or ``toolledger sweep``).
 
 1. ``running`` whose lease expired by the database clock (plus a grace) -> ``unknown``;
-2. every ``unknown`` with evidence -> ``succeeded``/``failed``, ``reconciled: true``;
-3. approved work whose message was lost (unclaimed, last published long ago) -> published again.
+2. the sandbox settled (if this process can see it): results that executors spooled are
+   recorded, effects committed but not landed land, staged effects of revoked executions
+   are dropped (``worker.effects``);
+3. every ``unknown`` with evidence -> ``succeeded``/``failed``, ``reconciled: true``; a call
+   whose effect is proven absent, of a tool that allows it, gets its next attempt (published);
+4. approved work whose message was lost (unclaimed, last published long ago) -> published again.
 
 Each step reads through a partial index, so a pass costs what it touches, not the ledger's
 size. Two sweeps at once are safe: step 1 skips rows the other holds and re-checks status
@@ -18,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ledger.ledger import Ledger
-from recovery.reconcile import reconcile_unknown
+from recovery.reconcile import MAX_AUTO_RETRIES, reconcile_unknown
 from worker.sandbox import Sandbox
 from worker.tools import Registry
 
@@ -38,6 +42,11 @@ class SweepSummary:
     requeued: int = 0
     from_late_result: int = 0
     from_reconciler: int = 0
+    not_applied: int = 0
+    auto_retried: int = 0
+    landed: int = 0
+    dropped: int = 0
+    spooled_results: int = 0
     duration_s: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -55,6 +64,7 @@ def sweep(
     publish: Publish | None,
     batch: int = BATCH,
     actor: str = "sweep",
+    max_auto_retries: int = MAX_AUTO_RETRIES,
 ) -> SweepSummary:
     """One recovery pass. Never executes a tool."""
     began = time.perf_counter()
@@ -63,17 +73,39 @@ def sweep(
         summary.marked_unknown += len(marked)
         if len(marked) < batch:
             break
-    tally = reconcile_unknown(ledger, registry, sandbox, page_size=batch, actor=actor)
+    try:
+        landing = sandbox.effects.settle(ledger, actor=actor)
+        summary.landed, summary.dropped = landing.landed, landing.discarded
+        summary.spooled_results = landing.recorded + landing.evidence
+    except OSError as exc:
+        summary.errors.append(f"settling the sandbox failed: {exc}")
+        log.warning("settling the sandbox failed: %s", exc)
+    tally = reconcile_unknown(
+        ledger, registry, sandbox, page_size=batch, actor=actor, max_auto_retries=max_auto_retries
+    )
     summary.reconciled, summary.still_unknown = tally.reconciled, tally.still_unknown
     summary.from_late_result, summary.from_reconciler = (
         tally.from_late_result,
         tally.from_reconciler,
     )
+    summary.not_applied, summary.auto_retried = tally.not_applied, tally.auto_retried
     summary.errors.extend(tally.errors)
     if publish is not None:
+        for scope, key, attempt in tally.to_publish:
+            if _publish_one(publish, scope, key, attempt, summary.errors):
+                ledger.mark_enqueued(scope, key, attempt)
         summary.requeued = requeue_lost(ledger, publish, requeue_after, batch, summary.errors)
     summary.duration_s = round(time.perf_counter() - began, 4)
     return summary
+
+
+def _publish_one(publish: Publish, scope: str, key: str, attempt: int, errors: list[str]) -> bool:
+    try:
+        publish(scope, key, attempt)
+    except Exception as exc:  # noqa: BLE001 - the broker is down: the outbox retries
+        errors.append(f"publish of {scope}/{key}#{attempt} failed: {exc}")
+        return False
+    return True
 
 
 def requeue_lost(

@@ -25,3 +25,23 @@ def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
         main(list(argv))
     out, err = capsys.readouterr()
     return int(exit_.value.code or 0), out, err
+
+
+def land(sandbox: Any, scope: str, path: str, data: bytes, kind: str = "write") -> Any:
+    """Stage and land one effect with no ledger behind it (tests of the sandbox alone): what
+    an execution's own commit does, as if every other staged effect had been revoked."""
+    from ledger.identity import new_execution_id
+    from worker.effects import Commit
+
+    eid = new_execution_id()
+    staging = sandbox.staging(scope, eid, None)
+    write = staging.write_atomic if kind == "write" else staging.append
+    staged = [write(scope, path, data)]
+    staging.seal()
+    return sandbox.effects.publish(Commit(eid, 1, scope, "k", 1), staged, lambda ids: {})
+
+
+def pending_files(sandbox: Any) -> list[str]:
+    """What waits in the sandbox's pending area (staged bytes, spooled results)."""
+    pending = sandbox.effects.pending_dir
+    return sorted(p.name for p in pending.iterdir()) if pending.is_dir() else []

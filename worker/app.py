@@ -106,7 +106,29 @@ def create_app(settings: Settings | None = None) -> Celery:
             log.critical("toolledger worker cannot start: %s", exc)
             raise SystemExit(2) from exc
 
+    @signals.worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _settle(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            settle_at_start(settings)
+
     return app
+
+
+def settle_at_start(settings: Settings) -> None:
+    """What a crash of this host left in the sandbox: spooled results recorded, committed
+    effects landed, revoked ones dropped (the sweep does it too, every interval)."""
+    from ledger.ledger import Ledger
+    from worker.sandbox import Sandbox
+
+    ledger = Ledger(settings.db, timeout=settings.db_timeout)
+    try:
+        landing = Sandbox.configured(settings).effects.settle(ledger, actor="worker-start")
+        if any(landing.to_json().values()):
+            log.info("settled the sandbox at start: %s", landing.to_json())
+    except Exception as exc:  # noqa: BLE001 - the sweep settles later; the worker still starts
+        log.warning("could not settle the sandbox at start: %s", exc)
+    finally:
+        ledger.close()
 
 
 app = create_app()

@@ -1,4 +1,9 @@
-"""The built-in tools: write_file (idempotent, reconcilable), append_file, read_file."""
+"""The built-in tools: write_file (idempotent, reconcilable), append_file, read_file.
+
+All of their effects go through the sandbox, so all are ``sandboxed``: a revoked execution
+of any of them provably left nothing. write_file also retries itself (``auto_retry``) when
+its target is missing: applying it then overwrites nobody's bytes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ledger.transitions import Status
-from worker.tools import Evidence, Tool, ToolContext, ToolError, make_tool
+from worker.tools import Absent, Evidence, Finding, Tool, ToolContext, ToolError, make_tool
 
 
 class FileArgs(BaseModel):
@@ -36,15 +41,20 @@ def write_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
     return {"path": args.path, "bytes_written": facts.size, "sha256": facts.sha256}
 
 
-def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Evidence | None:
-    """Satisfied iff the file's bytes equal the request's (SHA-256). Reads only: a different
-    or missing file stays unknown and is not touched — someone may have changed it since."""
+def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
+    """The file's bytes equal the request's (SHA-256): succeeded. The file is missing: the
+    effect is absent, and writing it now overwrites nothing. Different bytes: cannot tell
+    what is right (someone may have written them since): a human decides. Reads only."""
     data = args.content.encode("utf-8")
     wanted = hashlib.sha256(data).hexdigest()
+    if not ctx.sandbox.attached:
+        return None  # a sandbox this process cannot see proves nothing
     try:
         found = ctx.sandbox.sha256(ctx.scope, args.path)
     except OSError:
         return None
+    if found is None:
+        return Absent({"method": "target file is missing", "path": args.path})
     if found != wanted:
         return None
     return Evidence(
@@ -56,13 +66,9 @@ def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Evidence | None
 
 def append_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
     """Append text to a file. Not idempotent (twice is two lines) and not reconcilable by
-    content: an interrupted append needs a human."""
+    content; but an append whose execution was revoked provably never landed."""
     facts = ctx.sandbox.append(ctx.scope, args.path, args.content.encode("utf-8"))
-    return {
-        "path": args.path,
-        "bytes_appended": len(args.content.encode("utf-8")),
-        "size_after": facts.size,
-    }
+    return {"path": args.path, "bytes_appended": facts.size, "sha256": facts.sha256}
 
 
 def read_file(args: FileArgs, ctx: ToolContext) -> dict[str, Any]:
@@ -83,7 +89,14 @@ def read_file(args: FileArgs, ctx: ToolContext) -> dict[str, Any]:
 
 
 BUILTINS: list[Tool] = [
-    make_tool(write_file, idempotent=True, reconcile=reconcile_write_file, check=check_file),
-    make_tool(append_file, idempotent=False, check=check_file),
+    make_tool(
+        write_file,
+        idempotent=True,
+        reconcile=reconcile_write_file,
+        check=check_file,
+        sandboxed=True,
+        auto_retry=True,
+    ),
+    make_tool(append_file, idempotent=False, check=check_file, sandboxed=True),
     make_tool(read_file, read_only=True, check=check_file),
 ]

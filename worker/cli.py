@@ -275,12 +275,17 @@ def show(c: Context, scope: str, tool_call_id: str) -> None:
         receipt = c.ledger.receipt(scope, tool_call_id)
     except StateError:
         receipt = None
-    c.emit(view.to_json(receipt), _human_show)
+    data = view.to_json(receipt)
+    if view.operation.review:  # both versions, side by side, from the flag's event
+        flags = [e for e in c.ledger.events(scope, tool_call_id) if e.kind == "flagged"]
+        data["review_detail"] = flags[-1].detail if flags else None
+    c.emit(data, _human_show)
 
 
 def _human_show(d: dict[str, Any]) -> str:
+    flag = f"  REVIEW: {d['review']}" if d.get("review") else ""
     lines = [
-        f"{d['scope']}/{d['tool_call_id']}  {d['tool']}  [{d['status']}]",
+        f"{d['scope']}/{d['tool_call_id']}  {d['tool']}  [{d['status']}]{flag}",
         f"  key     {d['idempotency_key']}",
         f"  sha256  {d['args_sha256']}",
         f"  args    {json.dumps(d['args'], ensure_ascii=False)[:200]}",
@@ -292,6 +297,8 @@ def _human_show(d: dict[str, Any]) -> str:
             lines.append(f"    result {json.dumps(e['result'], ensure_ascii=False)[:200]}")
     if d["receipt"] is not None:
         lines.append(f"  receipt {json.dumps(d['receipt'], ensure_ascii=False)[:300]}")
+    if d.get("review_detail"):
+        lines.append(f"  review  {json.dumps(d['review_detail'], ensure_ascii=False)[:600]}")
     return "\n".join(lines)
 
 
@@ -320,6 +327,11 @@ def events(c: Context, scope: str, tool_call_id: str) -> None:
 
 @cli.command("list")
 @click.option("--status", help="Only calls in this status (e.g. unknown: the humans' inbox).")
+@click.option(
+    "--review",
+    is_flag=True,
+    help="Only calls flagged for a human's review (a contradiction, or two attempts ran).",
+)
 @click.option("--scope", callback=_check_scope, help="Only this scope.")
 @click.option(
     "--limit",
@@ -330,10 +342,10 @@ def events(c: Context, scope: str, tool_call_id: str) -> None:
 )
 @json_option
 @pass_ctx
-def list_(c: Context, status: str | None, scope: str | None, limit: int) -> None:
+def list_(c: Context, status: str | None, review: bool, scope: str | None, limit: int) -> None:
     """Calls from current state (never from the history)."""
     wanted = parse_status(status) if status else None
-    rows = c.ledger.list_calls(status=wanted, scope=scope, limit=limit)
+    rows = c.ledger.list_calls(status=wanted, scope=scope, limit=limit, review=review)
     c.emit({"count": len(rows), "calls": [r.to_json() for r in rows]}, _human_list)
 
 
@@ -347,6 +359,8 @@ def _human_list(d: dict[str, Any]) -> str:
     ]
     for r in calls:
         mark = " (reconciled)" if r["reconciled"] else ""
+        if r.get("review"):
+            mark += f" [review: {r['review']}]"
         lines.append(
             f"{r['scope']:<{w_scope}} {r['tool_call_id']!s:<{w_call}} {r['tool']:<14} "
             f"{r['status']:<17} {r['attempt']:>7} {r['execution_id'] or '-'}{mark}"
@@ -364,7 +378,8 @@ def verify(c: Context) -> int:
         report.to_json(),
         lambda d: (
             f"verify: {'ok' if d['ok'] else 'DIFFERENCES'} — {d['operations']} operations, "
-            f"{d['executions']} executions, {d['events']} events"
+            f"{d['executions']} executions, {d['events']} events, "
+            f"{d['flagged']} flagged for review"
             + "".join(
                 f"\n  {x['table']} {x['scope']}/{x['idempotency_key']} {x['field']}: "
                 f"stored {x['stored']!r}, rebuilt {x['rebuilt']!r}"

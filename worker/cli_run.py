@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import click
@@ -25,11 +26,16 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
         raise StateError(
             f"call {tool_call_id!r} is {op.status}: only an approved, unclaimed call can run"
         )
-    submitter = c.submitter
-    rt = Runtime(c.settings, ledger, submitter.registry, submitter.sandbox)
-    outcome = rt.executor(default_worker_id("cli")).execute(
-        scope, op.idempotency_key, op.authorized_attempts
-    )
+    # Like a worker: failpoints armed (TOOLLEDGER_FAILPOINTS, _FAILPOINT_LOG), bounded
+    # database waits, the fenced sandbox, warnings on stderr.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    rt = Runtime.build(c.settings)
+    try:
+        outcome = rt.executor(default_worker_id("cli")).execute(
+            scope, op.idempotency_key, op.authorized_attempts
+        )
+    finally:
+        rt.close()
     if outcome.state == "lost":
         raise StateError(f"call {tool_call_id!r} was claimed by someone else first")
     view = ledger.get(scope, tool_call_id)
@@ -39,6 +45,8 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
         receipt = None
     data = view.to_json(receipt)
     data["outcome"] = outcome.state
+    if outcome.landing is not None:
+        data["landing"] = outcome.landing.to_json()
     c.emit(
         data,
         lambda d: (

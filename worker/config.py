@@ -41,6 +41,14 @@ class Settings:
     queue               the queue tool jobs travel on (TOOLLEDGER_QUEUE, "toolledger")
     failpoints          crash windows to open, DESIGN §5 (TOOLLEDGER_FAILPOINTS, none)
     failpoint_log       where each firing is logged, JSON lines (TOOLLEDGER_FAILPOINT_LOG, none)
+    db_timeout          seconds a worker's database statement, connect or lock wait may take
+                        (TOOLLEDGER_DB_TIMEOUT, lease/4): a hung connection cannot stall a
+                        lease renewal past the lease
+    lock_wait           seconds a landing waits for a path's lock before leaving it to the next
+                        settle (TOOLLEDGER_LOCK_WAIT, 2)
+    effects_log         tests and chaos: one JSON line per effect landed (TOOLLEDGER_EFFECTS_LOG)
+    max_auto_retries    automatic retries of one call at most, for tools whose contract allows
+                        them (TOOLLEDGER_MAX_AUTO_RETRIES, 3; 0 turns them off)
     """
 
     home: Path = DEFAULT_HOME
@@ -61,6 +69,10 @@ class Settings:
     queue: str = "toolledger"
     failpoints: str = ""
     failpoint_log: str = ""
+    db_timeout: float = 0.0
+    lock_wait: float = 2.0
+    effects_log: str = ""
+    max_auto_retries: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,6 +89,8 @@ class Settings:
             set_(self, "soft_time_limit", round(self.lease_seconds * 2 / 3, 3))
         if not self.time_limit:
             set_(self, "time_limit", round(self.lease_seconds * 5 / 6, 3))
+        if not self.db_timeout:
+            set_(self, "db_timeout", round(max(1.0, self.lease_seconds / 4), 3))
 
     @property
     def sweep_queue(self) -> str:
@@ -98,6 +112,11 @@ class Settings:
                 f"visibility_timeout ({self.visibility_timeout}) must exceed lease_seconds + "
                 f"time_limit ({self.lease_seconds + self.time_limit}): Redis would redeliver "
                 "a task that is still running"
+            )
+        if self.db_timeout * 2 > self.lease_seconds:
+            raise ConfigError(
+                f"db_timeout ({self.db_timeout}) must be at most half of lease_seconds "
+                f"({self.lease_seconds}): a hung renewal must leave time for another"
             )
 
     def with_(self, **changes: Any) -> Settings:
@@ -129,6 +148,6 @@ def _parse(name: str, raw: str, kind: Any) -> Any:
             return raw
     except ValueError:
         raise ConfigError(f"{PREFIX}{name.upper()}={raw!r} is not a number") from None
-    if value <= 0 and name not in ("sweep_grace",):
+    if value < 0 or (value == 0 and name not in ("sweep_grace", "max_auto_retries")):
         raise ConfigError(f"{PREFIX}{name.upper()} must be positive, not {raw!r}")
     return value

@@ -22,7 +22,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-POINTS = ("after_claim", "before_effect", "after_effect", "after_terminal")
+#: In the order an execution meets them (DESIGN §5, worker.pipeline): after_stage fires inside
+#: the effect (its bytes staged, the commit not yet made); before_publish / after_publish
+#: around each landing, under the path's lock.
+POINTS = (
+    "after_claim",
+    "before_effect",
+    "after_stage",
+    "after_effect",
+    "after_terminal",
+    "before_publish",
+    "after_publish",
+)
 ENV = "TOOLLEDGER_FAILPOINTS"
 
 _SPEC = re.compile(

@@ -1,11 +1,18 @@
-"""The execute pipeline (DESIGN §5): claim → running → effect → terminal, step by step.
+"""The execute pipeline (DESIGN §5): claim → running → staged effect → terminal → landing.
 
-Used by the Celery task and by ``toolledger execute`` alike. Crash windows are marked with
-failpoints; what recovery does after a crash in each one is tested.
+Used by the Celery task and by ``toolledger execute`` alike. A tool's sandbox writes are
+staged while it runs and land only after the execution's own terminal commit, so a revoked
+execution never reaches the sandbox (``worker.effects`` has the argument). Crash windows are
+marked with failpoints; what recovery does after a crash in each one is tested:
+
+    after_claim → before_effect → [after_stage, per staged write] → after_effect
+    → (terminal commit) → after_terminal → [before_publish → after_publish, per landing]
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -16,12 +23,13 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 
-from ledger.errors import NotFound, StaleFence
+from ledger.errors import StaleFence
 from ledger.identity import new_execution_id, new_lease_token
 from ledger.ledger import Ledger
 from ledger.records import Claim
 from ledger.transitions import Status
 from worker import failpoints
+from worker.effects import Commit, Landing, LeaseLost, LeaseWatch, Staged
 from worker.sandbox import Sandbox, SandboxError
 from worker.tools import (
     InvalidToolArguments,
@@ -35,19 +43,42 @@ from worker.tools import (
 
 log = logging.getLogger("toolledger.worker")
 
-#: How many times a terminal write is retried after a database error, and the first pause.
+#: How many times a claim or a terminal write is retried after a database error, and the
+#: first pause (doubling): 0.2 + 0.4 + … ≈ 6 s in all.
 TERMINAL_RETRIES = 6
 TERMINAL_BACKOFF_SECONDS = 0.2
+#: A worker that has not renewed a lease for lease * (1 - SELF_FENCE_MARGIN) on its own
+#: clock treats the claim as lost (its tool is told, its sandbox refuses) — before the lease
+#: could have expired at the database, whatever the clocks' rates.
+SELF_FENCE_MARGIN = 0.2
+
+State = Literal["finished", "lost", "unknown", "stale", "unrecorded", "unsure"]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one delivery of a job did."""
+    """What one delivery of a job did.
 
-    state: Literal["finished", "lost", "unknown", "stale", "unrecorded"]
+    lost: not claimed, nothing ran · unsure: whether the claim committed could not be
+    learned; the tool did not run (spooled, the sweep settles it) · finished: the terminal
+    write is recorded · unknown: the executor declared it unknown · stale: revoked before
+    its commit, the late result is evidence and nothing of it landed · unrecorded: the
+    terminal write could not be made; the result is spooled on disk for the next settle.
+    """
+
+    state: State
     execution_id: str | None = None
     status: Status | None = None
     result: dict[str, Any] | None = None
+    seq: int = 0
+    landing: Landing | None = None
+
+
+def _brief(exc: BaseException) -> str:
+    """An error for a log line: its class and first line, never SQL parameters."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()
+    return f"{type(orig).__name__}: {text[0] if text else ''}"
 
 
 class LeaseKeeper:
@@ -55,22 +86,27 @@ class LeaseKeeper:
     database clock — one long-lived thread, not one per job (profiling showed starting and
     joining a thread per job costing more than a round trip).
 
-    If a renewal finds the row no longer ours (a sweep declared it unknown), that claim's
-    ``lost`` event is set: the tool is told through ``ctx.lease_lost`` to start nothing new.
+    Each claim has a ``LeaseWatch``: its deadline moves forward after each successful
+    renewal (measured from when the renewal was sent), and ``lost`` is set when a renewal
+    finds the row no longer ours or the deadline passes without one — a worker cut off from
+    the database stops itself before the sweep could revoke it. Renewals run with the
+    ledger's statement and connect timeouts, so a hung connection cannot stall this thread.
     """
 
     def __init__(self, ledger: Ledger, lease_seconds: float) -> None:
         self.ledger, self.lease_seconds = ledger, lease_seconds
         self.interval = lease_seconds / 3
+        self.keep = lease_seconds * (1 - SELF_FENCE_MARGIN)
         self._cv = threading.Condition()
-        self._due: dict[str, tuple[Claim, float, threading.Event]] = {}
+        self._due: dict[str, tuple[Claim, float, LeaseWatch]] = {}
         self._thread: threading.Thread | None = None
 
-    def track(self, claim: Claim) -> threading.Event:
-        lost = threading.Event()
+    def track(self, claim: Claim, sent_at: float) -> LeaseWatch:
+        """Watch ``claim``, whose claim statement was sent at ``sent_at`` (monotonic)."""
+        watch = LeaseWatch(claim.execution_id, sent_at + self.keep)
         with self._cv:
             idle = not self._due
-            self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, lost)
+            self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, watch)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="toolledger-leases", daemon=True
@@ -81,7 +117,7 @@ class LeaseKeeper:
                 # never due before the ones already tracked); waking it for every claim would
                 # cost a thread switch per job.
                 self._cv.notify()
-        return lost
+        return watch
 
     def untrack(self, claim: Claim) -> None:
         with self._cv:
@@ -91,31 +127,42 @@ class LeaseKeeper:
         while True:
             with self._cv:
                 now = time.monotonic()
+                for eid, (_, _, watch) in list(self._due.items()):
+                    if not watch.valid():
+                        log.warning("lease of %s not renewed in time: claim treated as lost", eid)
+                        del self._due[eid]
                 due = [entry for entry in self._due.values() if entry[1] <= now]
                 if not due:
-                    wake = min((entry[1] for entry in self._due.values()), default=now + 60)
-                    self._cv.wait(timeout=wake - now)
+                    wake = min(
+                        (min(e[1], e[2].deadline) for e in self._due.values()), default=now + 60
+                    )
+                    self._cv.wait(timeout=max(0.0, wake - now))
                     continue
-            for claim, _, lost in due:
-                self._renew(claim, lost)
+            for claim, _, watch in due:
+                self._renew(claim, watch)
 
-    def _renew(self, claim: Claim, lost: threading.Event) -> None:
+    def _renew(self, claim: Claim, watch: LeaseWatch) -> None:
+        sent = time.monotonic()
+        ours: bool | None
         try:
             ours = self.ledger.renew_lease(
                 claim.execution_id, claim.lease_token, self.lease_seconds
             )
-        except sa.exc.SQLAlchemyError as exc:  # keep trying until the lease runs out
-            log.warning("lease renewal of %s failed: %s", claim.execution_id, exc)
-            ours = True
+        except sa.exc.SQLAlchemyError as exc:  # keep trying until the deadline
+            log.warning("lease renewal of %s failed: %s", claim.execution_id, _brief(exc))
+            ours = None
         with self._cv:
             if claim.execution_id not in self._due:
-                return  # finished meanwhile
-            if not ours:
+                return  # finished (or given up) meanwhile
+            if ours is False:
                 log.warning("lease of %s lost: the row is no longer ours", claim.execution_id)
-                lost.set()
+                watch.lost.set()
                 del self._due[claim.execution_id]
-            else:
-                self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, lost)
+                return
+            if ours:
+                watch.deadline = max(watch.deadline, sent + self.keep)
+            retry_in = self.interval if ours else min(self.interval, 1.0)
+            self._due[claim.execution_id] = (claim, time.monotonic() + retry_in, watch)
 
 
 def _json_safe(result: Any) -> dict[str, Any]:
@@ -147,53 +194,76 @@ class Executor:
     def execute(self, scope: str, key: str, attempt: int) -> Outcome:
         # 1+2. The claim reads the operation and inserts the execution row in one commit:
         # not approved, not this attempt, or someone else's → nothing runs.
-        claim = self._claim(scope, key, attempt)
-        if claim is None:
-            return Outcome("lost")
+        claimed = self._claim(scope, key, attempt)
+        if isinstance(claimed, Outcome):
+            return claimed
+        claim, sent_at = claimed
+        eid = claim.execution_id
         # running is durable now: a crash from here on leaves evidence the effect may have begun.
-        failpoints.hit("after_claim", claim.execution_id)
-        lost = self.leases.track(claim)
+        failpoints.hit("after_claim", eid)
+        watch = self.leases.track(claim, sent_at)
+        staging = self.sandbox.effects.staging(claim.scope, eid, watch)
         try:
-            ctx = ToolContext(scope, self.sandbox, claim.execution_id, key, attempt, lost)
-            failpoints.hit("before_effect", claim.execution_id)
+            ctx = ToolContext(claim.scope, staging, eid, key, attempt, watch.lost, watch)
+            failpoints.hit("before_effect", eid)
             status, result, error = self._run_tool(claim, ctx)
-            # The effect happened (or not) and nothing records it yet: the widest crash window.
-            failpoints.hit("after_effect", claim.execution_id)
+            staged = staging.seal()
+            # The tool ran; its sandbox effects are staged, nothing of them has landed, and
+            # nothing records the outcome yet: a crash here leaves the call to the sweep.
+            failpoints.hit("after_effect", eid)
         finally:
             self.leases.untrack(claim)
-        outcome = self._record(claim, status, result, error)
-        failpoints.hit("after_terminal", claim.execution_id)
-        return outcome
+        outcome = self._record(claim, status, result, error, staged)
+        # Committed (or not): a crash here leaves staged effects that settle lands (or drops).
+        failpoints.hit("after_terminal", eid)
+        return self._land(claim, outcome, staged)
 
-    def _claim(self, scope: str, key: str, attempt: int) -> Claim | None:
+    # ------------------------------------------------------------------ claim
+
+    def _claim(self, scope: str, key: str, attempt: int) -> tuple[Claim, float] | Outcome:
         """The claim, robust to an error around its commit: the id and token are ours, so
-        after a database error the row is re-read to learn whether the claim is ours."""
-        execution_id, token = new_execution_id(), new_lease_token()
-        pause = TERMINAL_BACKOFF_SECONDS
+        after a database error the claim is only called lost once the database said so —
+        a claim committed by an earlier try is found by its (execution_id, token)."""
+        eid, token = new_execution_id(), new_lease_token()
+        sent_at, ambiguous, pause = time.monotonic(), False, TERMINAL_BACKOFF_SECONDS
         for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
             try:
-                return self.ledger.claim(
+                claim = self.ledger.claim(
                     scope,
                     key,
                     attempt,
                     worker_id=self.worker_id,
                     lease_seconds=self.lease_seconds,
-                    execution_id=execution_id,
+                    execution_id=eid,
                     lease_token=token,
                 )
+                if claim is None and ambiguous:
+                    # Refused now; an earlier try of ours may be why (this claim waited for it).
+                    claim = self.ledger.claimed(eid, token)
+                return (claim, sent_at) if claim is not None else Outcome("lost")
             except sa.exc.SQLAlchemyError as exc:
-                if not tries_left:
-                    raise
-                log.warning("claim of %s/%s#%s failed: %s; re-reading", scope, key, attempt, exc)
-                time.sleep(pause)
-                pause *= 2
-                try:
-                    mine = self.ledger.claimed(execution_id, token)
-                except sa.exc.SQLAlchemyError:
-                    continue
-                if mine is not None:
-                    return mine
-        return None
+                ambiguous = True
+                log.warning("claim of %s/%s#%s failed: %s", scope, key, attempt, _brief(exc))
+            if not tries_left:
+                break
+            time.sleep(pause)
+            pause *= 2
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                if (mine := self.ledger.claimed(eid, token)) is not None:
+                    return mine, sent_at
+        log.error(
+            "claim %s of %s/%s#%s: cannot learn whether it committed; the tool did not run. "
+            "If it committed, the sweep declares it unknown and this is on record.",
+            eid,
+            scope,
+            key,
+            attempt,
+        )
+        late = {"not_started": True, "absent": True, "worker_id": self.worker_id}
+        self._spool(eid, token, {"status": "not_started", "reason": "claim commit unknown"}, late)
+        return Outcome("unsure", eid)
+
+    # ------------------------------------------------------------------ the tool
 
     def _run_tool(
         self, claim: Claim, ctx: ToolContext
@@ -205,39 +275,49 @@ class Executor:
             return Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc)
         return run_tool(tool, claim.args, ctx)
 
+    # ------------------------------------------------------------------ the terminal write
+
     def _record(
-        self, claim: Claim, status: Status, result: dict[str, Any] | None, error: str | None
+        self,
+        claim: Claim,
+        status: Status,
+        result: dict[str, Any] | None,
+        error: str | None,
+        staged: list[Staged],
     ) -> Outcome:
         """5. The terminal write, a compare-and-set on status and lease token.
 
         A COMMIT can succeed on the server while the client sees an error (celery#10271), so
-        after any database error the row is re-read before trying again.
+        after any database error the row is re-read before trying again. A result that can
+        still not be recorded (retries exhausted, the soft time limit) is spooled on disk.
         """
         pause = TERMINAL_BACKOFF_SECONDS
-        for _ in range(TERMINAL_RETRIES):
-            try:
-                return self._write_terminal(claim, status, result, error)
-            except StaleFence:
-                return self._late(claim, status, result, error)
-            except sa.exc.SQLAlchemyError as exc:
-                log.warning("terminal write of %s failed: %s; re-reading", claim.execution_id, exc)
+        try:
+            for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
+                try:
+                    return self._write_terminal(claim, status, result, error, staged)
+                except StaleFence:
+                    return self._late(claim, status, result, error, staged)
+                except sa.exc.SQLAlchemyError as exc:
+                    log.warning("terminal write of %s failed: %s", claim.execution_id, _brief(exc))
+                if not tries_left:
+                    break
                 time.sleep(pause)
                 pause *= 2
-                written = self._already_written(claim, status, result)
+                written = self._already_written(claim, status, result, error, staged)
                 if written is not None:
                     return written
-        log.error(
-            "could not record %s of %s (%s); it stays running until its lease expires and the "
-            "sweep declares it unknown. Result was: %r",
-            status,
-            claim.execution_id,
-            error,
-            result,
-        )
-        return Outcome("unrecorded", claim.execution_id, status, result)
+        except SoftTimeLimitExceeded:
+            log.warning("soft time limit while recording %s", claim.execution_id)
+        return self._unrecorded(claim, status, result, error, staged)
 
     def _write_terminal(
-        self, claim: Claim, status: Status, result: dict[str, Any] | None, error: str | None
+        self,
+        claim: Claim,
+        status: Status,
+        result: dict[str, Any] | None,
+        error: str | None,
+        staged: list[Staged],
     ) -> Outcome:
         if status is Status.UNKNOWN:
             self.ledger.mark_unknown(
@@ -248,39 +328,144 @@ class Executor:
             )
             return Outcome("unknown", claim.execution_id, status, None)
         assert result is not None
-        self.ledger.finish(claim.execution_id, claim.lease_token, status, result, error=error)
-        return Outcome("finished", claim.execution_id, status, result)
+        effects = [s.to_json() for s in staged] or None
+        done = self.ledger.finish(
+            claim.execution_id, claim.lease_token, status, result, error=error, effects=effects
+        )
+        return Outcome("finished", claim.execution_id, status, result, done.seq)
 
     def _already_written(
-        self, claim: Claim, status: Status, result: dict[str, Any] | None
+        self,
+        claim: Claim,
+        status: Status,
+        result: dict[str, Any] | None,
+        error: str | None,
+        staged: list[Staged],
     ) -> Outcome | None:
         try:
-            row = self.ledger.execution(claim.execution_id)
-        except (sa.exc.SQLAlchemyError, NotFound):
+            state = self.ledger.effect_states([claim.execution_id]).get(claim.execution_id)
+        except sa.exc.SQLAlchemyError:
             return None
-        if row.status is status and row.result == result:
-            return Outcome("finished", claim.execution_id, status, result)
-        if row.status is not Status.RUNNING or row.lease_token != claim.lease_token:
-            return self._late(claim, status, result, None)
-        return None
+        if state is None or state.status is Status.RUNNING:
+            return None  # not written yet: try again
+        if state.status is status and not state.reconciled:
+            return Outcome("finished", claim.execution_id, status, result, state.seq)
+        return self._late(claim, status, result, error, staged)
 
     def _late(
-        self, claim: Claim, status: Status, result: dict[str, Any] | None, error: str | None
+        self,
+        claim: Claim,
+        status: Status,
+        result: dict[str, Any] | None,
+        error: str | None,
+        staged: list[Staged],
     ) -> Outcome:
-        """The row is no longer ours: keep the late result as evidence for recovery."""
-        detail = {
+        """The row is no longer ours: the execution was revoked. Its staged effects will be
+        dropped, never landed; its result is kept as evidence for recovery."""
+        detail = self._late_detail(claim, status, result, error, staged)
+        try:
+            self.ledger.record_late_result(
+                claim.execution_id,
+                detail,
+                actor=self.worker_id,
+                outcome=self._proves(status, staged),
+            )
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("late result of %s not recorded: %s", claim.execution_id, _brief(exc))
+            self._spool(claim.execution_id, claim.lease_token, {"status": "revoked"}, detail)
+        log.warning(
+            "%s was revoked: its late result is evidence, its effects never land",
+            claim.execution_id,
+        )
+        return Outcome("stale", claim.execution_id, status, result)
+
+    @staticmethod
+    def _proves(status: Status, staged: list[Staged]) -> Status | None:
+        """What a late result says about the world: nothing if its sandbox effects were
+        refused (the report describes bytes that never landed), else the tool's own word."""
+        if status is Status.UNKNOWN or staged:
+            return None
+        return status
+
+    def _late_detail(
+        self,
+        claim: Claim,
+        status: Status,
+        result: dict[str, Any] | None,
+        error: str | None,
+        staged: list[Staged],
+    ) -> dict[str, Any]:
+        proves = self._proves(status, staged)
+        return {
             "late_result": result,
             "status": status.value,
             "error": error,
             "worker_id": self.worker_id,
             "attempt": claim.attempt,
+            "staged": [s.to_json() for s in staged],
+            "landed": False,
+            "proves": proves.value if proves else None,
+        }
+
+    def _unrecorded(
+        self,
+        claim: Claim,
+        status: Status,
+        result: dict[str, Any] | None,
+        error: str | None,
+        staged: list[Staged],
+    ) -> Outcome:
+        record = {
+            "status": status.value,
+            "result": result,
+            "error": error,
+            "reason": error,
+            "effects": [s.to_json() for s in staged] or None,
+            "proves": (p.value if (p := self._proves(status, staged)) else None),
+        }
+        late = self._late_detail(claim, status, result, error, staged)
+        self._spool(claim.execution_id, claim.lease_token, record, late)
+        log.error(
+            "could not record %s of %s: spooled; the worker's next start or the next sweep "
+            "records it (under its lease if still running, else as evidence)",
+            status.value,
+            claim.execution_id,
+        )
+        return Outcome("unrecorded", claim.execution_id, status, result)
+
+    def _spool(self, eid: str, token: str, record: dict[str, Any], late: dict[str, Any]) -> None:
+        marker = f"{eid}:{time.time_ns()}"
+        full = {
+            "execution_id": eid,
+            "lease_token": token,
+            **record,
+            "late": {**late, "spool": marker},
         }
         try:
-            self.ledger.record_evidence(claim.execution_id, detail, actor=self.worker_id)
-        except sa.exc.SQLAlchemyError as exc:
-            log.error("could not record the late result of %s: %s", claim.execution_id, exc)
-        log.warning("%s was no longer ours; its late result is evidence", claim.execution_id)
-        return Outcome("stale", claim.execution_id, status, result)
+            self.sandbox.effects.spool(eid, full)
+        except OSError as exc:
+            log.error("could not spool the outcome of %s either: %s", eid, exc)
+
+    # ------------------------------------------------------------------ landing
+
+    def _land(self, claim: Claim, outcome: Outcome, staged: list[Staged]) -> Outcome:
+        """6. After the commit: land the effects (own success), or drop them (anything
+        else). An unrecorded outcome keeps them: settle decides once the ledger answers."""
+        if not staged or outcome.state == "unrecorded":
+            return outcome
+        effects, eid = self.sandbox.effects, claim.execution_id
+        if outcome.state == "finished" and outcome.status is Status.SUCCEEDED:
+            commit = Commit(eid, outcome.seq, claim.scope, claim.idempotency_key, claim.attempt)
+            try:
+                landing = effects.publish(commit, staged, self.ledger.effect_states)
+            except OSError as exc:
+                log.error(
+                    "effects of %s not landed yet (%s): settle lands them", claim.execution_id, exc
+                )
+                return outcome
+            return dataclasses.replace(outcome, landing=landing)
+        effects.discard(claim.execution_id)
+        return outcome
 
     def run_read_only(
         self, scope: str, tool: Tool, args: dict[str, Any]
@@ -299,12 +484,12 @@ def run_tool(
     try:
         result = _json_safe(tool.run(tool.parse(raw_args), ctx))
     except (InvalidToolArguments, SandboxError) as exc:
-        # Refused before any byte was written: a clean failure.
+        # Refused before any byte was staged: a clean failure.
         return Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc)
     except ToolError as exc:
         detail = {"error": "tool_error", "message": exc.message, **exc.detail}
         return Status.FAILED, detail, exc.message
-    except (OutcomeUnknown, SoftTimeLimitExceeded) as exc:
+    except (OutcomeUnknown, SoftTimeLimitExceeded, LeaseLost) as exc:
         return Status.UNKNOWN, None, f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001 - any other error is the tool reporting failure
         message = f"{type(exc).__name__}: {exc}"

@@ -27,13 +27,18 @@ class Runtime:
     leases: LeaseKeeper | None = None
 
     @classmethod
-    def build(cls, settings: Settings) -> Runtime:
+    def build(cls, settings: Settings, *, ledger: Ledger | None = None) -> Runtime:
+        """What a worker process (or ``toolledger execute``) runs calls with: its failpoints
+        armed, a ledger whose every wait is bounded by ``db_timeout``, the fenced sandbox."""
         failpoints.configure(settings.failpoints, settings.failpoint_log)
         return cls(
             settings=settings,
-            ledger=Ledger(settings.db, max_args_bytes=settings.max_args_bytes),
+            ledger=ledger
+            or Ledger(
+                settings.db, max_args_bytes=settings.max_args_bytes, timeout=settings.db_timeout
+            ),
             registry=load_registry(settings.tools),
-            sandbox=Sandbox(settings.sandbox, settings.max_content_bytes),
+            sandbox=Sandbox.configured(settings).prepare(),
         )
 
     def executor(self, worker_id: str | None = None) -> Executor:

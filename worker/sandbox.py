@@ -4,9 +4,12 @@ Every path is checked lexically (relative, no NUL, no ``.``/``..``, no empty or 
 component), then walked one component at a time with ``openat(dir_fd, …, O_NOFOLLOW)``, so a
 symlink anywhere on the path is refused and a directory swapped for a symlink after the check
 cannot redirect a write: the write happens through the file descriptors the walk opened.
-Targets must be regular files or absent. Writes are atomic: a temp file in the same directory,
-write, fsync, rename over the target (rename replaces a link, never follows it), fsync the
-directory — so a crash cannot lose the rename after the ledger recorded it.
+Targets must be regular files or absent.
+
+This class reads and checks. Writes belong to running executions only, and are fenced by
+the ledger (DESIGN invariant 10): a tool's ``ctx.sandbox`` stages its bytes, and they land —
+atomically, durably — only after the execution's own terminal commit (``worker.effects``).
+Outside a running execution (submit-time checks, reconcilers) every write is refused.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import contextlib
 import errno
 import hashlib
 import os
-import secrets
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ledger.errors import InputError
 from ledger.identity import check_scope
+
+if TYPE_CHECKING:
+    from worker.config import Settings
+    from worker.effects import Effects, LeaseWatch, Staged
 
 #: Limits on a path inside a scope.
 MAX_COMPONENT_BYTES = 255
@@ -42,16 +48,6 @@ class PathRefused(SandboxError):
 
 class ContentTooLarge(SandboxError):
     """The content is over the configured cap."""
-
-
-@dataclass(frozen=True)
-class FileFacts:
-    """What a write left on disk."""
-
-    size: int
-    sha256: str
-    inode: int
-    mtime_ns: int
 
 
 def split_path(path: str) -> list[str]:
@@ -77,7 +73,7 @@ def split_path(path: str) -> list[str]:
     return parts
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISLNK, "a symlink"),
@@ -94,9 +90,40 @@ def _kind(mode: int) -> str:
 class Sandbox:
     """Files of each scope under ``root/<scope>/``, reached only through safe paths."""
 
-    def __init__(self, root: Path, max_content_bytes: int = 512 * 1024) -> None:
+    def __init__(
+        self,
+        root: Path,
+        max_content_bytes: int = 512 * 1024,
+        *,
+        effects_log: str = "",
+        lock_wait: float = 2.0,
+    ) -> None:
         self.root = Path(root)
         self.max_content_bytes = max_content_bytes
+        self.effects_log = effects_log  # tests and chaos: one JSON line per effect landed
+        self.lock_wait = lock_wait  # seconds a publisher waits for a path's lock
+        self._effects: Effects | None = None
+
+    @classmethod
+    def configured(cls, settings: Settings) -> Sandbox:
+        """The sandbox as ``settings`` describe it (root, content cap, lock wait, effects log)."""
+        return cls(
+            settings.sandbox,
+            settings.max_content_bytes,
+            effects_log=settings.effects_log,
+            lock_wait=settings.lock_wait,
+        )
+
+    def prepare(self) -> Sandbox:
+        """Create the root and its state directory (a worker does, at start)."""
+        (self.root / ".toolledger").mkdir(parents=True, exist_ok=True)
+        return self
+
+    @property
+    def attached(self) -> bool:
+        """This process sees the sandbox the workers write (not an empty or absent directory
+        on another machine): only then can a look at its files prove anything."""
+        return (self.root / ".toolledger").is_dir()
 
     def scope_dir(self, scope: str) -> Path:
         return self.root / check_scope(scope)
@@ -110,7 +137,9 @@ class Sandbox:
     # -------------------------------------------------------------------- walking
 
     @contextlib.contextmanager
-    def _parent(self, scope: str, path: str, *, create: bool) -> Iterator[tuple[int | None, str]]:
+    def open_parent(
+        self, scope: str, path: str, *, create: bool
+    ) -> Iterator[tuple[int | None, str]]:
         """The directory fd holding the path's last component (None if a parent is absent)."""
         parts = split_path(path)
         check_scope(scope)
@@ -148,34 +177,34 @@ class Sandbox:
             return Sandbox._open_dir(parent, name, path, create=False)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                found = _kind(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+                found = kind_of(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
                 raise PathRefused(f"path {path!r} goes through {name!r}, {found}") from None
             raise
 
     @staticmethod
-    def _target(parent: int, name: str, path: str) -> os.stat_result | None:
+    def target_stat(parent: int, name: str, path: str) -> os.stat_result | None:
         """The target's lstat, None if absent; PathRefused unless it is a regular file."""
         try:
             st = os.stat(name, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
             return None
         if not stat.S_ISREG(st.st_mode):
-            raise PathRefused(f"path {path!r} is {_kind(st.st_mode)}, not a regular file")
+            raise PathRefused(f"path {path!r} is {kind_of(st.st_mode)}, not a regular file")
         return st
 
     # -------------------------------------------------------------------- checks and reads
 
     def check(self, scope: str, path: str) -> None:
         """Refuse a path that is unsafe now (submit time); absent targets are fine."""
-        with self._parent(scope, path, create=False) as (parent, name):
+        with self.open_parent(scope, path, create=False) as (parent, name):
             if parent is not None:
-                self._target(parent, name, path)
+                self.target_stat(parent, name, path)
 
     @contextlib.contextmanager
     def _open_regular(self, scope: str, path: str) -> Iterator[int | None]:
         """An fd of the regular file at ``path`` for reading, None if absent."""
-        with self._parent(scope, path, create=False) as (parent, name):
-            if parent is None or self._target(parent, name, path) is None:
+        with self.open_parent(scope, path, create=False) as (parent, name):
+            if parent is None or self.target_stat(parent, name, path) is None:
                 yield None
                 return
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -187,7 +216,7 @@ class Sandbox:
             try:
                 mode = os.fstat(fd).st_mode
                 if not stat.S_ISREG(mode):  # swapped since the lstat
-                    raise PathRefused(f"path {path!r} is {_kind(mode)}")
+                    raise PathRefused(f"path {path!r} is {kind_of(mode)}")
                 yield fd
             finally:
                 os.close(fd)
@@ -216,57 +245,29 @@ class Sandbox:
             return digest.hexdigest()
 
     def stat(self, scope: str, path: str) -> os.stat_result | None:
-        with self._parent(scope, path, create=False) as (parent, name):
-            return None if parent is None else self._target(parent, name, path)
+        with self.open_parent(scope, path, create=False) as (parent, name):
+            return None if parent is None else self.target_stat(parent, name, path)
 
-    # -------------------------------------------------------------------- writes
+    # -------------------------------------------------------------------- effects
 
-    def write_atomic(self, scope: str, path: str, data: bytes) -> FileFacts:
-        """Set the file's content to ``data``: all of it or none of it, durably."""
-        self.check_content(data)
-        with self._parent(scope, path, create=True) as (parent, name):
-            assert parent is not None
-            self._target(parent, name, path)
-            tmp = f".tl-{secrets.token_hex(8)}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o644, dir_fd=parent)
-            try:
-                with os.fdopen(fd, "wb", closefd=False) as f:
-                    f.write(data)
-                    f.flush()
-                os.fsync(fd)
-                st = os.fstat(fd)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=parent)
-                raise
-            os.close(fd)
-            # rename never follows a symlink at the target: a link swapped in meanwhile is
-            # replaced, its target untouched. The directory fsync makes the rename durable.
-            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            os.fsync(parent)
-        return FileFacts(len(data), hashlib.sha256(data).hexdigest(), st.st_ino, st.st_mtime_ns)
+    @property
+    def effects(self) -> Effects:
+        """Where executions stage their writes and the ledger's commits publish them."""
+        from worker.effects import Effects
 
-    def append(self, scope: str, path: str, data: bytes) -> FileFacts:
-        """Append ``data`` (O_APPEND, fsync). Not idempotent: twice is two appends."""
-        self.check_content(data)
-        with self._parent(scope, path, create=True) as (parent, name):
-            assert parent is not None
-            existed = self._target(parent, name, path) is not None
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-            fd = os.open(name, flags | os.O_CLOEXEC, 0o644, dir_fd=parent)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise PathRefused(f"path {path!r} is {_kind(st.st_mode)}")
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            if not existed:
-                os.fsync(parent)
-        return FileFacts(st.st_size, "", st.st_ino, st.st_mtime_ns)
+        if self._effects is None:
+            self._effects = Effects(self)
+        return self._effects
+
+    def staging(self, scope: str, execution_id: str, lease: LeaseWatch | None) -> Sandbox:
+        """The sandbox as one execution's tool sees it: reads of what is published, writes
+        staged for that execution only, refused once its lease is lost."""
+        return self.effects.staging(scope, execution_id, lease)
+
+    def write_atomic(self, scope: str, path: str, data: bytes) -> Staged:
+        """Only a running execution writes: through ``staging()``, fenced by the ledger."""
+        raise SandboxError("the sandbox is written only by a running execution (ctx.sandbox)")
+
+    def append(self, scope: str, path: str, data: bytes) -> Staged:
+        """Only a running execution appends: through ``staging()``, fenced by the ledger."""
+        raise SandboxError("the sandbox is written only by a running execution (ctx.sandbox)")

@@ -68,7 +68,7 @@ class Submitter:
         self._ledger_factory = ledger if callable(ledger) else None
         self._ledger = None if callable(ledger) else ledger
         self.registry = registry or load_registry(settings.tools)
-        self.sandbox = Sandbox(settings.sandbox, settings.max_content_bytes)
+        self.sandbox = Sandbox.configured(settings)
         self._app = app
 
     @property

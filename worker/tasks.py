@@ -55,6 +55,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             grace_seconds=settings.sweep_grace,
             requeue_after=settings.requeue_after,
             publish=lambda s, k, a: publish(app, settings, s, k, a),
+            max_auto_retries=settings.max_auto_retries,
         )
         log.info("%s: %s", SWEEP, json.dumps(summary.to_json()))
         return summary.to_json()

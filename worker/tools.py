@@ -6,11 +6,23 @@ what recovery needs to know about it:
 - ``idempotent``: running it twice has the effect of running it once (a human retry of an
   idempotent tool needs no explicit acceptance of a duplicate effect);
 - ``read_only``: it changes nothing, so it needs no approval and takes no claim;
-- ``reconcile(args, ctx) -> Evidence | None``: after a crash, look at the world (never change
-  it) and say whether the requested effect holds; None means "cannot tell" and the call stays
-  ``unknown`` for a human. A tool that calls a downstream service reconciles by asking that
+- ``sandboxed``: every side effect it has goes through ``ctx.sandbox``. The sandbox is fenced
+  by the ledger (``worker.effects``): an execution that was revoked before its commit left
+  nothing there, so recovery knows its effect is absent without asking anyone. A tool that
+  also talks to the outside world is not sandboxed;
+- ``reconcile(args, ctx) -> Evidence | Absent | None``: after a crash, look at the world
+  (never change it: the sandbox refuses writes here) and say whether the requested effect
+  holds (Evidence), provably does not (Absent), or cannot tell (None: the call stays
+  ``unknown`` for a human). A tool that calls a downstream service reconciles by asking that
   service for its receipt under ``ctx.idempotency_key`` — the key it sent with the request;
+- ``auto_retry``: when an execution was revoked and the reconciler proves its effect absent,
+  the sweep authorises the next attempt by itself (an event records the evidence). Needs a
+  reconciler; off unless the author is sure a late retry is what a user wants;
 - ``check(args, ctx)``: refuse unsafe arguments at submit time, before anything is recorded.
+
+What is fenced: the sandbox. What is not: anything else a tool touches. A downstream service
+is protected only if it checks ``ctx.idempotency_key`` itself (and refuses a key it has seen);
+a tool may also check ``ctx.lease_lost`` before starting something that cannot be undone.
 
 Register with ``@tool`` (the default registry), in a module named by ``TOOLLEDGER_TOOLS`` or an
 entry point in the ``toolledger.tools`` group.
@@ -30,6 +42,7 @@ import pydantic
 
 from ledger.errors import InvalidArguments, NotFound
 from ledger.transitions import Status
+from worker.effects import LeaseWatch
 from worker.sandbox import Sandbox
 
 ENTRY_POINT_GROUP = "toolledger.tools"
@@ -66,6 +79,7 @@ class ToolContext:
     idempotency_key: str | None = None
     attempt: int = 0
     lease_lost: threading.Event = field(default_factory=threading.Event)
+    lease: LeaseWatch | None = None
 
 
 @dataclass(frozen=True)
@@ -77,9 +91,19 @@ class Evidence:
     detail: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Absent:
+    """A reconciler's finding: the requested effect provably does not hold."""
+
+    detail: dict[str, Any]
+
+
+Finding = Evidence | Absent | None
+
+
 A = TypeVar("A", bound=pydantic.BaseModel)
 RunFn = Callable[[Any, ToolContext], dict[str, Any]]
-ReconcileFn = Callable[[Any, ToolContext], Evidence | None]
+ReconcileFn = Callable[[Any, ToolContext], Finding]
 CheckFn = Callable[[Any, ToolContext], None]
 
 
@@ -93,6 +117,12 @@ class Tool:
     read_only: bool = False
     reconcile: ReconcileFn | None = None
     check: CheckFn | None = None
+    sandboxed: bool = False
+    auto_retry: bool = False
+
+    def __post_init__(self) -> None:
+        if self.auto_retry and self.reconcile is None:
+            raise TypeError(f"{self.name}: auto_retry needs a reconciler to prove absence")
 
     def parse(self, args: dict[str, Any]) -> pydantic.BaseModel:
         """Validate ``args`` against the schema; InvalidToolArguments in one line if not."""
@@ -118,6 +148,8 @@ class Tool:
             "idempotent": self.idempotent,
             "read_only": self.read_only,
             "reconcilable": self.reconcile is not None,
+            "sandboxed": self.sandboxed,
+            "auto_retry": self.auto_retry,
             "openai": {
                 "type": "function",
                 "function": {
@@ -141,8 +173,10 @@ def make_tool(
     description: str | None = None,
     idempotent: bool = False,
     read_only: bool = False,
-    reconcile: Callable[[A, ToolContext], Evidence | None] | None = None,
+    reconcile: Callable[[A, ToolContext], Finding] | None = None,
     check: Callable[[A, ToolContext], None] | None = None,
+    sandboxed: bool = False,
+    auto_retry: bool = False,
 ) -> Tool:
     """A Tool from a function whose first parameter is annotated with its args model."""
     params = list(inspect.signature(fn).parameters)
@@ -158,6 +192,8 @@ def make_tool(
         read_only=read_only,
         reconcile=reconcile,
         check=check,
+        sandboxed=sandboxed,
+        auto_retry=auto_retry,
     )
 
 

@@ -2,7 +2,9 @@
 
 Two processes may migrate at once (workers starting together on a fresh embedded ledger):
 the migration takes the database's write lock first — BEGIN IMMEDIATE on SQLite, an advisory
-lock on Postgres — so the second waits, then finds the schema already at head.
+lock on Postgres — so the second waits, then finds the schema already at head. Every
+revision runs in that one transaction (SQLite's DDL is transactional, though Alembic does not
+assume it): nobody ever sees the schema half-way between two revisions.
 """
 
 from alembic import context
@@ -26,6 +28,8 @@ with engine.connect() as connection:
         target_metadata=Base.metadata,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        transactional_ddl=True,
+        transaction_per_migration=False,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -25,72 +25,97 @@ def args(i):
     return {"path": f"out/{i}.txt", "content": f"report {i}"}
 
 
-def test_recovery__crash_after_effect_then_sweep_reconciles_same_execution(stack, scope):
-    # Given a worker child that dies between the file write and the terminal record
-    w = stack.worker("w1", failpoints="after_effect=exit(23)", **FAST)
+def crash_before_commit(stack, scope, **env):
+    """c1 submitted to a worker whose child dies after staging, before the commit; that
+    worker then stopped and a healthy one started."""
+    w1 = stack.worker("w1", failpoints="after_effect=exit(23)", **env)
     sub = stack.submitter()
     sub.submit(sub.prepare(scope, "c1", "probe_write", args(1)), approved_by="alice")
-    wait_until(lambda: "not claimed" in w.log_text(), 60, "the redelivery")
-    path = stack.sandbox / scope / "out/1.txt"
-    before = (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns)
+    wait_until(lambda: "not claimed" in w1.log_text(), 60, "the redelivery")
+    w1.stop()
+    stack.worker("w2", **env)
+    return sub
+
+
+def assert_retried_once(stack, scope):
+    """Attempt 1 failed "not applied", attempt 2 landed: one effect, the events say why."""
     ledger = stack.ledger()
-    (running,) = ledger.get(scope, "c1").executions
-    # When its lease has expired and the sweep runs (the real CLI)
-    marked = reconciled = 0
+    view = ledger.get(scope, "c1")
+    first, second = view.executions
+    assert (first.status, first.reconciled, first.result["error"]) == (
+        Status.FAILED,
+        True,
+        "not_applied",
+    )
+    assert (second.attempt, second.status, second.reconciled) == (2, Status.SUCCEEDED, False)
+    assert ledger.receipt(scope, "c1").content == second.result
+    assert (stack.sandbox / scope / "out/1.txt").read_text() == "report 1"
+    (effect,) = stack.effects()
+    assert effect["execution_id"] == second.execution_id and effect["attempt"] == 2
+    assert [e.kind for e in ledger.events(scope, "c1")] == [
+        "submitted",
+        "approved",
+        "running",
+        "unknown",
+        "failed",
+        "approved",
+        "running",
+        "succeeded",
+    ]
+    retry = [e for e in ledger.events(scope, "c1") if e.kind == "approved"][-1]
+    assert retry.detail["automatic"] and retry.detail["evidence"]["kind"] == "fence"
+    assert ledger.verify().ok
+
+
+def test_recovery__crash_before_commit_sweep_retries_provably_unapplied_write_once(stack, scope):
+    crash_before_commit(stack, scope, **FAST)
+    ledger = stack.ledger()
 
     def swept() -> bool:
-        nonlocal marked, reconciled
-        code, out, err = toolledger(stack, "sweep", "--grace", "0", "--json", **FAST)
+        code, _out, err = toolledger(stack, "sweep", "--grace", "0", "--json", **FAST)
         assert code == 0, err
-        summary = json.loads(out)
-        marked += summary["marked_unknown"]
-        reconciled += summary["reconciled"]
-        return reconciled >= 1
+        return ledger.get(scope, "c1").operation.status is Status.SUCCEEDED
 
-    wait_until(swept, 30, "the sweep to reconcile")
-    assert (marked, reconciled) == (1, 1)
-    # Then the same execution is succeeded, reconciled, and the file was never touched
-    view = ledger.get(scope, "c1")
-    (ex,) = view.executions
-    assert (ex.execution_id, ex.status, ex.reconciled) == (
-        running.execution_id,
-        Status.SUCCEEDED,
-        True,
-    )
-    kinds = [e.kind for e in ledger.events(scope, "c1") if e.execution_id == ex.execution_id]
-    assert kinds == ["running", "unknown", "succeeded"]
-    assert (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns) == before
-    assert len(stack.effects()) == 1
+    wait_until(swept, 60, "the sweep to retry and the retry to succeed")
+    assert_retried_once(stack, scope)
 
 
-def test_recovery__zombie_resumed_late_result_resolves_unknown(stack, scope):
-    w = stack.worker("w1", failpoints="after_effect=stop", **FAST)
+def test_recovery__zombie_append_lands_nothing_human_retry_lands_exactly_one_line(stack, scope):
+    # Given append_file whose executor froze before its effect (the whole worker, as a VM)
+    w = stack.worker("w1", failpoints="before_effect=stop", **FAST)
     sub = stack.submitter()
-    sub.submit(
-        sub.prepare(scope, "c1", "append_file", {"path": "log.txt", "content": "x\n"}),
-        approved_by="alice",
-    )
+    line = {"path": "ledger.txt", "content": "charge $10\n"}
+    sub.submit(sub.prepare(scope, "c1", "append_file", line), approved_by="alice")
     ledger = stack.ledger()
-    wait_until(lambda: ledger.get(scope, "c1").executions, 30)
-    child = wait_until(
-        lambda: next((p for p in w.children() if process_state(p) == "T"), None),
-        30,
-        "the stopped child",
-    )
+    (ex,) = wait_until(lambda: ledger.get(scope, "c1").executions, 30, "the claim")
+    child = int(ex.worker_id.rsplit(":", 1)[1])
+    wait_until(lambda: process_state(child) == "T", 30, "the stopped child")
     os.kill(w.pid, signal.SIGSTOP)
     try:
+        # When the sweep revokes it and a human retries (accepting a duplicate, as the old
+        # rules asked), and a healthy worker runs attempt 2
         wait_until(lambda: ledger.mark_expired(grace_seconds=0), 30, "lease expiry")
+        code, _, err = toolledger(
+            stack, "retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol",
+            "--accept-duplicate",
+        )  # fmt: skip
+        assert code == 0, err
+        stack.worker("w2", **FAST)
+        wait_until(lambda: ledger.get(scope, "c1").operation.status is Status.SUCCEEDED, 60)
+        # and then the zombie wakes and appends
         os.kill(child, signal.SIGCONT)
-        wait_until(lambda: ledger.events(scope, "c1")[-1].kind == "evidence", 30)
+        wait_until(lambda: ledger.events(scope, "c1")[-1].kind == "evidence", 30, "evidence")
     finally:
         os.kill(w.pid, signal.SIGCONT)
-    # append_file has no reconciler: only the executor's late result can resolve it
-    code, out, _ = toolledger(stack, "sweep", "--grace", "0", "--json")
-    assert code == 0 and json.loads(out)["from_late_result"] == 1
-    ex = ledger.get(scope, "c1").current
-    assert (ex.status, ex.reconciled) == (Status.SUCCEEDED, True)
-    assert ex.result["bytes_appended"] == 2
-    assert (stack.sandbox / scope / "log.txt").read_text() == "x\n"
+    code, _out, err = toolledger(stack, "sweep", "--grace", "0", "--json")
+    assert code == 0, err
+    # Then exactly one line: the zombie's append was refused, never landed
+    assert (stack.sandbox / scope / "ledger.txt").read_text() == "charge $10\n"
+    first, second = ledger.get(scope, "c1").executions
+    assert (first.status, first.result["error"]) == (Status.FAILED, "not_applied")
+    assert second.status is Status.SUCCEEDED
+    assert [e["execution_id"] for e in stack.effects()] == [second.execution_id]
+    assert ledger.get(scope, "c1").operation.review is None
 
 
 def test_recovery__lost_broker_messages_are_requeued_and_run_once(stack, scope):
@@ -120,20 +145,17 @@ def test_recovery__lost_broker_messages_are_requeued_and_run_once(stack, scope):
 
 def test_recovery__beat_schedules_sweeps_that_recover_a_crash(stack, scope):
     env = {"sweep_interval": "1", "sweep_grace": "0", **FAST}
-    stack.worker("w1", failpoints="after_effect=exit(23)", **env)
     beat = beat_process(
         "beat", stack.env(home=str(stack.root / "beat"), **env), stack.root / "logs"
     ).start()
     stack.workers.append(beat)
     beat.wait_ready()
-    sub = stack.submitter()
-    sub.submit(sub.prepare(scope, "c1", "probe_write", args(1)), approved_by="alice")
+    crash_before_commit(stack, scope, **env)
     ledger = stack.ledger()
     wait_until(
         lambda: ledger.get(scope, "c1").operation.status is Status.SUCCEEDED,
         60,
-        "the beat's sweep to reconcile",
+        "the beat's sweep to retry it",
     )
-    assert ledger.get(scope, "c1").current.reconciled
     assert "Sending due task toolledger-sweep" in beat.log_text()
-    assert len(stack.effects()) == 1
+    assert_retried_once(stack, scope)

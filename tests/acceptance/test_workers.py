@@ -12,7 +12,9 @@ import pytest
 from ledger.errors import ConflictError
 from ledger.transitions import Status
 from tests.acceptance.conftest import wait_until
+from tests.helpers import pending_files
 from worker.processes import process_state
+from worker.sandbox import Sandbox
 from worker.tasks import publish
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
@@ -78,16 +80,17 @@ def test_workers__same_message_thrice_and_same_call_thrice_one_effect(stack, sco
     sub.close()
 
 
-def test_workers__exit_after_effect_stays_running_and_is_not_reexecuted(stack, scope):
-    # Given a worker whose pool children die right after the effect, before the terminal write
+def test_workers__exit_before_commit_stays_running_nothing_lands_not_reexecuted(stack, scope):
+    # Given a worker whose pool children die after the tool staged its bytes, before the commit
     w = stack.worker("w1", failpoints="after_effect=exit(23)")
     sub = stack.submitter()
     sub.submit(sub.prepare(scope, "c1", "probe_write", probe_args(1)), approved_by="alice")
     # When the child dies, reject_on_worker_lost requeues the message and it is redelivered
     wait_until(lambda: "not claimed" in w.log_text(), 60, "the redelivered message")
-    # Then the file is written once, the execution stays running with no result
-    assert (stack.sandbox / scope / "out/1.txt").read_text() == probe_args(1)["content"]
-    assert len([e for e in stack.effects() if e["scope"] == scope]) == 1
+    # Then nothing landed: the bytes wait in the pending area, the execution stays running
+    assert not (stack.sandbox / scope / "out/1.txt").exists()
+    assert stack.effects() == []
+    assert [f for f in pending_files(Sandbox(stack.sandbox)) if f.endswith(".write")]
     ledger = stack.ledger()
     view = ledger.get(scope, "c1")
     (ex,) = view.executions
@@ -119,32 +122,37 @@ def test_workers__rejected_never_runs_pending_runs_after_approval_conflict_refus
     sub.close()
 
 
-def test_workers__zombie_past_its_lease_cannot_overwrite_late_result_is_evidence(stack, scope):
-    # Given a worker whose child stops itself (SIGSTOP) right after the effect, lease 8 s
+def test_workers__zombie_past_its_lease_lands_nothing_late_result_is_evidence(stack, scope):
+    # Given a worker whose child stops itself (SIGSTOP) after its tool ran, before the commit
     w = stack.worker("w1", failpoints="after_effect=stop", lease_seconds="8")
     sub = stack.submitter()
     sub.submit(sub.prepare(scope, "c1", "probe_write", probe_args(1)), approved_by="alice")
-    effect = wait_until(lambda: stack.effects(), 60, "the effect")[0]
-    child = effect["pid"]
+    ledger = stack.ledger()
+    (ex,) = wait_until(lambda: ledger.get(scope, "c1").executions, 60, "the claim")
+    child = int(ex.worker_id.rsplit(":", 1)[1])
     wait_until(lambda: process_state(child) == "T", 30, "the child to stop")
     # ... and the whole worker frozen (a VM pause): the main process too
     os.kill(w.pid, signal.SIGSTOP)
-    ledger = stack.ledger()
     try:
         # When its lease expires by the database clock and the ledger marks it unknown
         marked = wait_until(lambda: ledger.mark_expired(grace_seconds=0), 30, "lease expiry")
-        assert [m.execution_id for m in marked] == [effect["execution_id"]]
-        # and the zombie child wakes up and writes its result with its old fence
+        assert [m.execution_id for m in marked] == [ex.execution_id]
+        # and the zombie child wakes up and tries to commit with its old fence
         os.kill(child, signal.SIGCONT)
         wait_until(lambda: ledger.events(scope, "c1")[-1].kind == "evidence", 30, "evidence")
     finally:
         os.kill(w.pid, signal.SIGCONT)
-    # Then its terminal write changed nothing, and an evidence event holds its late result
-    ex = ledger.execution(effect["execution_id"])
-    assert (ex.status, ex.result) == (Status.UNKNOWN, None)
-    evidence = ledger.events(scope, "c1")[-1]
-    assert evidence.detail["status"] == "succeeded"
-    assert evidence.detail["late_result"]["sha256"] == effect["sha256"]
+    # Then its terminal write changed nothing, its bytes never landed, its late result is
+    # evidence that says so
+    row = ledger.execution(ex.execution_id)
+    assert (row.status, row.result) == (Status.UNKNOWN, None)
+    evidence = ledger.events(scope, "c1")[-1].detail
+    assert (evidence["status"], evidence["landed"], evidence["proves"]) == (
+        "succeeded",
+        False,
+        None,
+    )
+    assert evidence["staged"][0]["path"] == "out/1.txt"
     assert [e.kind for e in ledger.events(scope, "c1")] == [
         "submitted",
         "approved",
@@ -152,7 +160,8 @@ def test_workers__zombie_past_its_lease_cannot_overwrite_late_result_is_evidence
         "unknown",
         "evidence",
     ]
-    assert len(stack.effects()) == 1
+    wait_until(lambda: not pending_files(Sandbox(stack.sandbox)), 30, "its stage dropped")
+    assert not (stack.sandbox / scope / "out/1.txt").exists() and stack.effects() == []
     sub.close()
 
 

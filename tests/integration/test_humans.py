@@ -15,11 +15,13 @@ from tests.helpers import row_counts, run_cli
 def cli(db_url, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("TOOLLEDGER_BROKER", "redis://127.0.0.1:1/0")  # enqueue fails visibly
     monkeypatch.setenv("TOOLLEDGER_SANDBOX", str(tmp_path / "sandbox"))
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "tests.external_tools")
     return lambda *argv: run_cli(capsys, "--db", db_url, *argv)
 
 
 def unknown_call(ledger: Ledger, scope: str, tool: str = "append_file") -> str:
-    ledger.submit(scope, "c1", tool, {"path": "a.txt", "content": "x"}, approved_by="al")
+    args = {"to": "ops"} if tool == "notify" else {"path": "a.txt", "content": "x"}
+    ledger.submit(scope, "c1", tool, args, approved_by="al")
     claim = ledger.claim(scope, f"{tool}:c1", 1, worker_id="w")
     ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
     return claim.execution_id
@@ -73,7 +75,7 @@ def test_resolve__refuses_a_status_outside_succeeded_failed(cli, ledger, scope):
 
 
 def test_retry__not_idempotent_needs_explicit_acceptance(cli, ledger, scope):
-    unknown_call(ledger, scope, "append_file")
+    unknown_call(ledger, scope, "notify")  # its effect is outside the sandbox: unfenced
     before = row_counts(ledger.engine)
     code, _, err = cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol")
     assert code == 5 and "not idempotent" in err and "--accept-duplicate" in err
@@ -96,6 +98,18 @@ def test_retry__not_idempotent_needs_explicit_acceptance(cli, ledger, scope):
     assert (retry_event.kind, retry_event.actor) == ("approved", "carol")
     assert retry_event.detail["accept_duplicate"] is True
     assert ledger.get(scope, "c1").operation.status is Status.APPROVED
+
+
+def test_retry__sandboxed_tool_whose_attempts_left_nothing_needs_no_acceptance(cli, ledger, scope):
+    # append_file is not idempotent, but its revoked attempt provably left nothing (the fence)
+    unknown_call(ledger, scope, "append_file")
+    code, out, err = cli(
+        "retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol", "--json"
+    )
+    data = json.loads(out)
+    assert code == 0, err
+    assert data["attempt"] == 2 and "warning" not in data
+    assert data["duplicate_effect_accepted"] is False
 
 
 def test_retry__idempotent_tool_needs_no_acceptance(cli, ledger, scope):

@@ -1,4 +1,5 @@
-"""Sandbox attacks, refused at submit and again at execution, nothing written outside."""
+"""Sandbox attacks, refused at submit and again at execution, nothing written outside; and
+the staged-effect protocol seen from the sandbox alone (the ledger's side: test_fencing)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from ledger.errors import InputError
+from ledger.identity import new_execution_id
 from ledger.ledger import Ledger
 from ledger.transitions import Status
-from tests.helpers import row_counts
+from tests.helpers import land, pending_files, row_counts
 from worker.config import Settings
+from worker.effects import Commit, LeaseLost, LeaseWatch
 from worker.pipeline import Executor
-from worker.sandbox import ContentTooLarge, PathRefused, Sandbox
+from worker.sandbox import ContentTooLarge, PathRefused, Sandbox, SandboxError
 from worker.submit import Submitter
 from worker.tools import load_registry
 
@@ -45,9 +48,11 @@ def world(tmp_path):
     (outside / "secret.txt").write_text("do not touch")
     root = tmp_path / "sandbox"
     sb = Sandbox(root, max_content_bytes=64)
-    sb.write_atomic("other", "theirs.txt", b"theirs")
-    sb.write_atomic("me", "ok/inside.txt", b"mine")
+    (root / "other").mkdir(parents=True)
+    (root / "other" / "theirs.txt").write_bytes(b"theirs")
     mine = root / "me"
+    (mine / "ok").mkdir(parents=True)
+    (mine / "ok" / "inside.txt").write_bytes(b"mine")
     os.symlink(outside / "secret.txt", mine / "file_link")
     os.symlink(outside, mine / "dir_link")
     os.symlink(root / "other", mine / "to_other")
@@ -82,16 +87,18 @@ def test_sandbox__attack_refused_nothing_written_outside(world, name, path, op):
     sb, tmp_path, mine = world
     before = tree(tmp_path, exclude=mine)
     inside_before = tree(mine)
+    staging = sb.staging("me", new_execution_id(), None)
     action = {
         "check": lambda: sb.check("me", path),
-        "write": lambda: sb.write_atomic("me", path, b"pwned"),
-        "append": lambda: sb.append("me", path, b"pwned"),
+        "write": lambda: staging.write_atomic("me", path, b"pwned"),
+        "append": lambda: staging.append("me", path, b"pwned"),
         "read": lambda: sb.read("me", path),
     }[op]
     with pytest.raises(PathRefused):
         action()
     assert tree(tmp_path, exclude=mine) == before
     assert tree(mine) == inside_before  # not even a temp file left behind
+    assert pending_files(sb) == []  # nothing staged either
 
 
 @pytest.mark.parametrize("scope", ["a/b", "..", "../other", ".", "other/../me", ""])
@@ -99,7 +106,7 @@ def test_sandbox__scope_name_with_slash_or_dotdot_refused(world, scope):
     sb, tmp_path, _ = world
     before = tree(tmp_path)
     with pytest.raises(InputError):
-        sb.write_atomic(scope, "x.txt", b"pwned")
+        land(sb, scope, "x.txt", b"pwned")
     assert tree(tmp_path) == before
 
 
@@ -107,26 +114,59 @@ def test_sandbox__content_over_the_cap_refused(world):
     sb, tmp_path, _ = world
     before = tree(tmp_path)
     with pytest.raises(ContentTooLarge):
-        sb.write_atomic("me", "big.txt", b"x" * 65)
+        land(sb, "me", "big.txt", b"x" * 65)
     with pytest.raises(ContentTooLarge):
-        sb.append("me", "ok/inside.txt", b"x" * 65)
+        land(sb, "me", "ok/inside.txt", b"x" * 65, kind="append")
     assert tree(tmp_path) == before
-    sb.write_atomic("me", "big.txt", b"x" * 64)  # at the cap: fine
+    land(sb, "me", "big.txt", b"x" * 64)  # at the cap: fine
 
 
-def test_sandbox__atomic_write_replaces_and_leaves_no_temp_files(world):
+def test_sandbox__atomic_write_replaces_and_leaves_nothing_pending(world):
     sb, _, mine = world
-    facts = sb.write_atomic("me", "ok/inside.txt", b"new content")
+    staging = sb.staging("me", new_execution_id(), None)
+    staged = staging.write_atomic("me", "ok/inside.txt", b"new content")
+    assert staged.sha256 == hashlib.sha256(b"new content").hexdigest()
+    assert (mine / "ok/inside.txt").read_bytes() == b"mine"  # staged: nothing changed yet
+    commit = Commit(staging.execution_id, 1, "me", "k", 1)
+    landing = sb.effects.publish(commit, staging.seal(), lambda _: {})
+    assert landing.landed == 1
     assert (mine / "ok/inside.txt").read_bytes() == b"new content"
-    assert facts.sha256 == hashlib.sha256(b"new content").hexdigest()
-    assert not [p for p in mine.rglob(".tl-*")]
+    assert pending_files(sb) == []
 
 
 def test_sandbox__append_appends(world):
     sb, _, mine = world
-    sb.append("me", "log/a.txt", b"one\n")
-    sb.append("me", "log/a.txt", b"two\n")
+    land(sb, "me", "log/a.txt", b"one\n", kind="append")
+    land(sb, "me", "log/a.txt", b"two\n", kind="append")
     assert (mine / "log/a.txt").read_bytes() == b"one\ntwo\n"
+    assert pending_files(sb) == []
+
+
+def test_sandbox__discarded_stages_never_land(world):
+    sb, _, mine = world
+    before = tree(mine)
+    staging = sb.staging("me", new_execution_id(), None)
+    staging.write_atomic("me", "ok/inside.txt", b"revoked")
+    staging.append("me", "log/b.txt", b"revoked\n")
+    staging.seal()
+    assert len(pending_files(sb)) == 2
+    assert sb.effects.discard(staging.execution_id) == 2
+    assert pending_files(sb) == [] and tree(mine) == before
+
+
+def test_sandbox__writes_only_by_a_running_execution_in_its_own_scope(world):
+    sb, tmp_path, _ = world
+    before = tree(tmp_path)
+    with pytest.raises(SandboxError, match="only by a running execution"):
+        sb.write_atomic("me", "x.txt", b"direct")  # a reconciler's or a check's sandbox
+    with pytest.raises(SandboxError, match="only by a running execution"):
+        sb.append("me", "x.txt", b"direct")
+    with pytest.raises(PathRefused, match="cannot write in 'other'"):
+        sb.staging("me", new_execution_id(), None).write_atomic("other", "x.txt", b"x")
+    lost = LeaseWatch("e", deadline=0.0)  # this process no longer holds the lease
+    with pytest.raises(LeaseLost):
+        sb.staging("me", "e", lost).write_atomic("me", "x.txt", b"late")
+    assert tree(tmp_path) == before
 
 
 # ---------------------------------------------------------------------------- through submit
@@ -200,4 +240,4 @@ def test_execution__symlink_swapped_in_after_submit_fails_before_any_byte(submit
     assert outcome.result["error"] == "refused" and "symlink" in outcome.result["message"]
     assert tree(tmp_path, exclude=mine) == before
     assert (tmp_path / "outside" / "secret.txt").read_text() == "do not touch"
-    assert not [p for p in mine.rglob(".tl-*")]
+    assert pending_files(sb) == []

@@ -11,10 +11,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from ledger.identity import new_execution_id
 from ledger.ledger import Ledger
+from ledger.models import execution_events, executions, operations
 from ledger.transitions import Status
+from ledger.types import db_now, db_now_plus
 from recovery.sweep import sweep
-from tests.helpers import TABLES
+from tests.helpers import TABLES, land, pending_files
 from worker.builtin_tools import ContentArgs
 from worker.sandbox import Sandbox
 from worker.tools import Registry, load_registry, make_tool
@@ -22,7 +25,7 @@ from worker.tools import Registry, load_registry, make_tool
 
 @pytest.fixture
 def sandbox(tmp_path):
-    return Sandbox(tmp_path / "sandbox")
+    return Sandbox(tmp_path / "sandbox").prepare()  # as a worker finds it
 
 
 def crashed(
@@ -32,19 +35,71 @@ def crashed(
     cid: str,
     tool: str = "write_file",
     content: str = "done",
-    effect: bool = True,
+    effect: str = "staged",
 ) -> str:
-    """A call whose executor died after (or before) its effect: running, lease expired."""
+    """A call whose executor died: running, its lease (50 ms) expired.
+
+    effect: "staged" — it ran its tool, the bytes wait in the pending area, no commit;
+    "none" — it died before its tool ran; "legacy" — an execution from before the
+    staged-effect protocol (fenced = false) that wrote its file directly before dying.
+    """
     args = {"path": f"{cid}.txt", "content": content}
     ledger.submit(scope, cid, tool, args, approved_by="alice")
-    claim = ledger.claim(scope, f"{tool}:{cid}", 1, worker_id="dead", lease_seconds=0.05)
-    if effect:
-        data = content.encode()
-        if tool == "append_file":
-            sandbox.append(scope, args["path"], data)
-        else:
-            sandbox.write_atomic(scope, args["path"], data)
+    key, data = f"{tool}:{cid}", content.encode()
+    if effect == "legacy":
+        return legacy_claim(ledger, sandbox, scope, key, args["path"], data, tool)
+    claim = ledger.claim(scope, key, 1, worker_id="dead", lease_seconds=0.05)
+    if effect == "staged":
+        staging = sandbox.staging(scope, claim.execution_id, None)
+        write = staging.append if tool == "append_file" else staging.write_atomic
+        write(scope, args["path"], data)
+        staging.seal()
     return claim.execution_id
+
+
+def legacy_claim(
+    ledger: Ledger, sandbox: Sandbox, scope: str, key: str, path: str, data: bytes, tool: str
+) -> str:
+    """A claim as the code before the staged-effect protocol made it (no ``fenced`` in its
+    row or event), whose executor then wrote its file directly and died."""
+    eid = new_execution_id()
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            executions.insert().values(
+                execution_id=eid,
+                scope=scope,
+                idempotency_key=key,
+                attempt=1,
+                status="running",
+                worker_id="dead",
+                lease_token="0" * 32,
+                lease_expires_at=db_now_plus(0.05),
+                heartbeat_at=db_now(),
+                started_at=db_now(),
+                reconciled=False,
+            )
+        )
+        conn.execute(
+            operations.update()
+            .where(operations.c.scope == scope, operations.c.idempotency_key == key)
+            .values(status="running")
+        )
+        conn.execute(
+            execution_events.insert().values(
+                scope=scope,
+                idempotency_key=key,
+                execution_id=eid,
+                kind="running",
+                actor="dead",
+                at=db_now(),
+                detail={"attempt": 1, "worker_id": "dead"},
+            )
+        )
+    target = sandbox.scope_dir(scope) / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("ab" if tool == "append_file" else "wb") as f:
+        f.write(data)
+    return eid
 
 
 def run_sweep(ledger: Ledger, sandbox: Sandbox, registry: Registry | None = None, **kw: Any):
@@ -68,74 +123,122 @@ def dump(ledger: Ledger) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
-def test_sweep__crash_after_effect_reconciled_same_execution_file_untouched(ledger, scope, sandbox):
+def _kinds(ledger: Ledger, scope: str, cid: str) -> list[str]:
+    return [e.kind for e in ledger.events(scope, cid)]
+
+
+def test_sweep__crash_before_commit_nothing_landed_write_file_retried_by_itself(
+    ledger, scope, sandbox
+):
+    # Given write_file whose executor died after staging its bytes, before its commit
     eid = crashed(ledger, sandbox, scope, "c1")
+    published: list[tuple[str, str, int]] = []
+    # When the sweep runs
+    summary = run_sweep(ledger, sandbox, publish=lambda *a: published.append(a))
+    # Then nothing of it ever landed (its stage was dropped), it is failed "not applied",
+    # and — the file being missing — the next attempt is authorised and published at once
+    assert (summary.marked_unknown, summary.not_applied, summary.auto_retried) == (1, 1, 1)
+    assert summary.dropped == 1 and pending_files(sandbox) == []
+    assert not (sandbox.scope_dir(scope) / "c1.txt").exists()
+    view = ledger.get(scope, "c1")
+    (ex,) = view.executions
+    assert (ex.execution_id, ex.status, ex.reconciled) == (eid, Status.FAILED, True)
+    assert ex.result["error"] == "not_applied"
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.APPROVED, 2)
+    assert published == [(scope, "write_file:c1", 2)]
+    assert view.operation.enqueued_at is not None  # published: the outbox knows
+    events = ledger.events(scope, "c1")
+    assert [e.kind for e in events] == [
+        "submitted",
+        "approved",
+        "running",
+        "unknown",
+        "failed",
+        "approved",
+    ]
+    retry = events[-1]
+    assert (retry.actor, retry.detail["automatic"], retry.detail["attempt"]) == ("sweep", True, 2)
+    assert retry.detail["evidence"]["kind"] == "fence"
+    assert retry.detail["evidence"]["reconciler"]["method"] == "target file is missing"
+    assert ledger.verify().ok
+
+
+def test_sweep__target_already_holds_the_bytes_reconciled_file_untouched(ledger, scope, sandbox):
+    eid = crashed(ledger, sandbox, scope, "c1")
+    land(sandbox, scope, "c1.txt", b"done")  # someone else wrote exactly these bytes
     path = sandbox.scope_dir(scope) / "c1.txt"
     before = (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns)
     summary = run_sweep(ledger, sandbox)
-    assert summary.marked_unknown >= 1 and summary.reconciled >= 1
-    view = ledger.get(scope, "c1")
-    (ex,) = view.executions
+    assert summary.marked_unknown >= 1 and summary.from_reconciler >= 1
+    (ex,) = ledger.get(scope, "c1").executions
     assert (ex.execution_id, ex.status, ex.reconciled) == (eid, Status.SUCCEEDED, True)
     assert ex.result == {
         "path": "c1.txt",
         "bytes_written": 4,
         "sha256": hashlib.sha256(b"done").hexdigest(),
     }
-    kinds = [e.kind for e in ledger.events(scope, "c1") if e.execution_id == eid]
-    assert kinds == ["running", "unknown", "succeeded"]
-    evidence = ledger.events(scope, "c1")[-1].detail["evidence"]
-    assert evidence["kind"] == "reconciler" and evidence["sha256"] == ex.result["sha256"]
+    assert _kinds(ledger, scope, "c1")[-3:] == ["running", "unknown", "succeeded"]
     assert (path.read_bytes(), path.stat().st_ino, path.stat().st_mtime_ns) == before
 
 
-def test_sweep__file_changed_by_someone_else_stays_unknown_content_kept(ledger, scope, sandbox):
+def test_sweep__file_changed_by_someone_else_not_applied_never_retried_content_kept(
+    ledger, scope, sandbox
+):
     crashed(ledger, sandbox, scope, "c1")
     path = sandbox.scope_dir(scope) / "c1.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("edited by a human")
     run_sweep(ledger, sandbox)
-    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, len(view.executions)) == (Status.FAILED, 1)
+    assert view.current.result["error"] == "not_applied"
     assert path.read_text() == "edited by a human"
 
 
-def test_sweep__file_deleted_stays_unknown_nothing_recreated(ledger, scope, sandbox):
-    crashed(ledger, sandbox, scope, "c1")
-    path = sandbox.scope_dir(scope) / "c1.txt"
-    path.unlink()
+def test_sweep__crash_before_the_tool_ran_not_applied_and_retried(ledger, scope, sandbox):
+    crashed(ledger, sandbox, scope, "c1", effect="none")
     run_sweep(ledger, sandbox)
-    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
-    assert not path.exists()
-
-
-def test_sweep__crash_before_effect_stays_unknown(ledger, scope, sandbox):
-    crashed(ledger, sandbox, scope, "c1", effect=False)
-    run_sweep(ledger, sandbox)
-    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.APPROVED, 2)
     assert not (sandbox.scope_dir(scope) / "c1.txt").exists()
 
 
-def test_sweep__append_file_becomes_unknown_never_rerun(ledger, scope, sandbox):
+def test_sweep__append_file_not_applied_never_rerun(ledger, scope, sandbox):
     crashed(ledger, sandbox, scope, "c1", tool="append_file", content="one line\n")
-    path = sandbox.scope_dir(scope) / "c1.txt"
-    before = path.read_bytes()
     run_sweep(ledger, sandbox)
     run_sweep(ledger, sandbox)
     view = ledger.get(scope, "c1")
-    assert view.operation.status is Status.UNKNOWN and len(view.executions) == 1
-    assert path.read_bytes() == before == b"one line\n"
+    assert view.operation.status is Status.FAILED and len(view.executions) == 1
+    assert view.current.result["error"] == "not_applied"
+    assert not (sandbox.scope_dir(scope) / "c1.txt").exists()
+    assert ledger.receipt(scope, "c1").is_error
+
+
+def test_sweep__legacy_execution_reconciled_by_bytes_or_left_unknown(ledger, scope, sandbox):
+    # Executions from before the staged-effect protocol may have written directly: for them
+    # the fence proves nothing, and the old rules hold.
+    crashed(ledger, sandbox, scope, "same", effect="legacy")
+    crashed(ledger, sandbox, scope, "app", tool="append_file", effect="legacy")
+    crashed(ledger, sandbox, scope, "gone", effect="legacy")
+    (sandbox.scope_dir(scope) / "gone.txt").unlink()
+    run_sweep(ledger, sandbox)
+    assert ledger.get(scope, "same").current.status is Status.SUCCEEDED
+    assert ledger.get(scope, "app").operation.status is Status.UNKNOWN
+    gone = ledger.get(scope, "gone")
+    assert gone.operation.status is Status.UNKNOWN and len(gone.executions) == 1
 
 
 def test_sweep__second_sweep_changes_nothing(fresh_db_url, scope, sandbox):
     ledger = Ledger(fresh_db_url)
-    crashed(ledger, sandbox, scope, "ok")
-    crashed(ledger, sandbox, scope, "gone")
+    crashed(ledger, sandbox, scope, "ok", effect="legacy")
+    crashed(ledger, sandbox, scope, "gone", effect="legacy")
     (sandbox.scope_dir(scope) / "gone.txt").unlink()
     crashed(ledger, sandbox, scope, "app", tool="append_file")
     first = run_sweep(ledger, sandbox)
-    assert (first.marked_unknown, first.reconciled, first.still_unknown) == (3, 1, 2)
+    assert (first.marked_unknown, first.reconciled, first.still_unknown) == (3, 2, 1)
     rows, files = dump(ledger), sorted(p.read_bytes() for p in sandbox.root.rglob("*.txt"))
     second = run_sweep(ledger, sandbox)
-    assert (second.marked_unknown, second.reconciled, second.still_unknown) == (0, 0, 2)
+    assert (second.marked_unknown, second.reconciled, second.still_unknown) == (0, 0, 1)
     assert dump(ledger) == rows
     assert sorted(p.read_bytes() for p in sandbox.root.rglob("*.txt")) == files
     assert ledger.verify().ok
@@ -173,7 +276,7 @@ def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(ledger, s
             make_tool(_bomb_write, name="append_file"),
         ]
     )
-    crashed(ledger, sandbox, scope, "c1")
+    crashed(ledger, sandbox, scope, "c1", effect="legacy")
     summary = run_sweep(ledger, sandbox, registry)
     assert summary.still_unknown >= 1 and any("disk on fire" in e for e in summary.errors)
     assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN

@@ -1,7 +1,7 @@
 import pytest
 
 from ledger.errors import InvalidStatus, InvalidTransition
-from ledger.transitions import TRANSITIONS, Status, check_transition, parse_status
+from ledger.transitions import REVIEW, TRANSITIONS, Status, check_transition, parse_status
 
 # The spec's state machine, written out as a matrix independent of ledger.transitions:
 # row = from (None = not recorded), columns in this order, 1 = allowed.
@@ -10,11 +10,11 @@ COLUMNS = ["pending_approval", "approved", "rejected", "running", "succeeded", "
 MATRIX = {
     None:               "1 1 0 0 0 0 0",
     "pending_approval": "0 1 1 0 0 0 0",
-    "approved":         "0 0 0 1 0 0 0",
+    "approved":         "0 0 0 1 1 0 0",
     "rejected":         "0 0 0 0 0 0 0",
     "running":          "0 0 0 0 1 1 1",
-    "succeeded":        "0 0 0 0 0 0 0",
-    "failed":           "0 1 0 0 0 0 0",
+    "succeeded":        "0 0 0 0 0 1 0",
+    "failed":           "0 1 0 0 1 0 0",
     "unknown":          "0 1 0 0 1 1 0",
 }
 # fmt: on
@@ -38,9 +38,11 @@ def test_transition__table_is_exactly_the_spec():
     assert {pair for pair, ok in EXPECTED.items() if ok} == set(TRANSITIONS)
 
 
-def test_transition__nothing_leaves_a_final_state():
-    for final in (Status.REJECTED, Status.SUCCEEDED):
-        assert not [new for (old, new) in TRANSITIONS if old is final]
+def test_transition__nothing_leaves_a_final_state_but_a_review():
+    assert not [new for (old, new) in TRANSITIONS if old is Status.REJECTED]
+    # succeeded is left only by a human's review of a flagged call, and only to failed
+    assert {(o, n) for (o, n) in TRANSITIONS if o is Status.SUCCEEDED} <= REVIEW
+    assert {(Status.SUCCEEDED, Status.FAILED), (Status.FAILED, Status.SUCCEEDED)} == REVIEW
 
 
 def test_transition__only_approved_can_start_running():

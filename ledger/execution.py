@@ -1,0 +1,315 @@
+"""The executor's path through the ledger: claim, renew, finish, and late results.
+
+Each write is a compare-and-set. The claim is an ``INSERT … ON CONFLICT DO NOTHING
+RETURNING`` on the unique (scope, idempotency_key, attempt), taken while the operation row
+is locked (``FOR UPDATE`` on Postgres; SQLite's BEGIN IMMEDIATE serialises every writer), so
+that a withdrawal of the attempt and its claim can never both happen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from ledger.base import LedgerBase, event
+from ledger.errors import InvalidArguments, InvalidTransition, NotFound, StaleFence
+from ledger.identity import new_execution_id, new_lease_token
+from ledger.models import execution_events, executions, operations
+from ledger.reads import op_key
+from ledger.records import Claim, EffectState, ExecutionRecord, Finished
+from ledger.transitions import TERMINAL, EventKind, Review, Status
+from ledger.types import db_now, db_now_plus
+
+#: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
+LEASE_SECONDS = 30.0
+
+
+class LedgerExecution(LedgerBase):
+    _fast: Any
+
+    def claim(
+        self,
+        scope: str,
+        key: str,
+        attempt: int,
+        *,
+        worker_id: str,
+        lease_seconds: float = LEASE_SECONDS,
+        execution_id: str | None = None,
+        lease_token: str | None = None,
+    ) -> Claim | None:
+        """Win the right to run ``attempt``, or None: not approved, not authorised, or lost.
+
+        ``running`` and its event are committed before this returns (invariant 1): a crash
+        after it leaves evidence that the effect may have started. A caller that picks the
+        ``execution_id`` and ``lease_token`` itself can, after an error around the commit,
+        find out with ``claimed()`` whether the claim is its own.
+        """
+        execution_id = execution_id or new_execution_id()
+        token = lease_token or new_lease_token()
+        if self._fast is not None:
+            return self._fast.claim(  # type: ignore[no-any-return]
+                scope, key, attempt, worker_id, lease_seconds, execution_id, token
+            )
+        with self._write() as conn:
+            op = conn.execute(
+                sa.select(operations.c.tool, operations.c.args)
+                .where(
+                    op_key(scope, key),
+                    operations.c.status == Status.APPROVED,
+                    operations.c.authorized_attempts == attempt,
+                )
+                .with_for_update()
+            ).first()
+            if op is None:
+                return None
+            won = conn.execute(
+                self._insert(executions)
+                .values(
+                    execution_id=execution_id,
+                    scope=scope,
+                    idempotency_key=key,
+                    attempt=attempt,
+                    status=Status.RUNNING,
+                    worker_id=worker_id,
+                    lease_token=token,
+                    lease_expires_at=db_now_plus(lease_seconds),
+                    heartbeat_at=db_now(),
+                    started_at=db_now(),
+                    reconciled=False,
+                    fenced=True,
+                )
+                .on_conflict_do_nothing(index_elements=["scope", "idempotency_key", "attempt"])
+                .returning(executions.c.lease_expires_at)
+            ).first()
+            if won is None:
+                return None
+            self._move_operation(conn, scope, key, attempt, Status.APPROVED, Status.RUNNING)
+            detail = {"attempt": attempt, "worker_id": worker_id, "fenced": True}
+            self._append(conn, event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
+        return Claim(
+            execution_id=execution_id,
+            scope=scope,
+            idempotency_key=key,
+            attempt=attempt,
+            lease_token=token,
+            lease_expires_at=won.lease_expires_at,
+            worker_id=worker_id,
+            tool=op.tool,
+            args=op.args,
+        )
+
+    def claimed(self, execution_id: str, lease_token: str) -> Claim | None:
+        """The claim ``execution_id`` if it exists under ``lease_token`` (after an ambiguous
+        commit: the server may have committed what the client saw fail)."""
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(executions, operations.c.tool, operations.c.args)
+                .join(
+                    operations,
+                    sa.and_(
+                        operations.c.scope == executions.c.scope,
+                        operations.c.idempotency_key == executions.c.idempotency_key,
+                    ),
+                )
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.lease_token == lease_token,
+                )
+            ).first()
+        if row is None:
+            return None
+        return Claim(
+            execution_id=execution_id,
+            scope=row.scope,
+            idempotency_key=row.idempotency_key,
+            attempt=row.attempt,
+            lease_token=lease_token,
+            lease_expires_at=row.lease_expires_at,
+            worker_id=row.worker_id,
+            tool=row.tool,
+            args=row.args,
+        )
+
+    def renew_lease(
+        self, execution_id: str, lease_token: str, lease_seconds: float = LEASE_SECONDS
+    ) -> bool:
+        """Extend the lease by the database clock; False when the row is no longer ours."""
+        with self._write() as conn:
+            renewed = conn.execute(
+                executions.update()
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.status == Status.RUNNING,
+                    executions.c.lease_token == lease_token,
+                )
+                .values(lease_expires_at=db_now_plus(lease_seconds), heartbeat_at=db_now())
+                .returning(executions.c.execution_id)
+            ).first()
+        return renewed is not None
+
+    def finish(
+        self,
+        execution_id: str,
+        lease_token: str,
+        status: Status,
+        result: dict[str, Any],
+        *,
+        error: str | None = None,
+        effects: list[dict[str, Any]] | None = None,
+    ) -> Finished:
+        """running -> succeeded/failed with its result, one transaction (invariant 2).
+
+        ``effects``: the sandbox effects this commit makes official (published after it, in
+        the order of the returned ``seq``). Raises StaleFence when the row is no longer
+        running under this token: the execution was revoked, its effects must never land,
+        and the caller records its result as evidence instead.
+        """
+        if status not in TERMINAL:
+            raise InvalidTransition(Status.RUNNING, status, "a terminal write")
+        if not isinstance(result, dict):
+            raise InvalidArguments("a result must be a JSON object")
+        if status is not Status.SUCCEEDED:
+            effects = None  # a failed execution's staged effects are discarded, never published
+        if self._fast is not None:
+            return self._fast.finish(  # type: ignore[no-any-return]
+                execution_id, lease_token, status, result, error, effects
+            )
+        with self._write() as conn:
+            row = conn.execute(
+                executions.update()
+                .where(
+                    executions.c.execution_id == execution_id,
+                    executions.c.status == Status.RUNNING,
+                    executions.c.lease_token == lease_token,
+                )
+                .values(
+                    status=status,
+                    result=result,
+                    error=error,
+                    effects=effects,
+                    finished_at=db_now(),
+                )
+                .returning(*executions.c)
+            ).first()
+            if row is None:
+                raise StaleFence(execution_id)
+            done = ExecutionRecord.from_row(row)
+            self._move_operation(
+                conn, done.scope, done.idempotency_key, done.attempt, Status.RUNNING, status
+            )
+            detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
+            if effects is not None:
+                detail["effects"] = effects
+            ev = event(
+                status,
+                done.scope,
+                done.idempotency_key,
+                done.worker_id or "worker",
+                detail,
+                execution_id,
+            )
+            seq = conn.execute(
+                execution_events.insert()
+                .values(at=db_now(), **ev)
+                .returning(execution_events.c.seq)
+            ).scalar_one()
+        return Finished(done, int(seq))
+
+    def record_evidence(self, execution_id: str, detail: dict[str, Any], *, actor: str) -> int:
+        """Append a fact about an execution that changes no state (e.g. a late result)."""
+        with self._write() as conn:
+            return self._evidence(conn, execution_id, detail, actor)
+
+    def record_late_result(
+        self,
+        execution_id: str,
+        detail: dict[str, Any],
+        *,
+        actor: str,
+        outcome: Status | None,
+    ) -> int:
+        """The result a fenced-out executor still holds, kept as evidence.
+
+        ``outcome``: what the late result proves happened in the world (None: nothing, e.g.
+        every effect was refused by the sandbox fence). If a human already resolved the
+        execution the other way, the call goes back to the humans' inbox, flagged
+        ``contradicted``, with both versions in the flag's event.
+        """
+        with self._write() as conn:
+            seq = self._evidence(conn, execution_id, detail, actor)
+            ex = self._require_execution(conn, execution_id)
+            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
+            if outcome is not None and human and ex.status in TERMINAL and ex.status != outcome:
+                versions = {
+                    "human": {"status": ex.status.value, "result": ex.result, "by": human},
+                    "late": {"status": outcome.value, "result": detail.get("late_result")},
+                    "evidence_seq": seq,
+                }
+                self._flag(conn, ex, Review.CONTRADICTED, versions, actor)
+        return seq
+
+    def _evidence(
+        self, conn: sa.Connection, execution_id: str, detail: dict[str, Any], actor: str
+    ) -> int:
+        seq = conn.execute(
+            execution_events.insert()
+            .from_select(
+                ["scope", "idempotency_key", "execution_id", "kind", "actor", "at", "detail"],
+                sa.select(
+                    executions.c.scope,
+                    executions.c.idempotency_key,
+                    executions.c.execution_id,
+                    sa.literal(EventKind.EVIDENCE.value),
+                    sa.literal(actor),
+                    db_now(),
+                    sa.literal(detail, execution_events.c.detail.type),
+                ).where(executions.c.execution_id == execution_id),
+            )
+            .returning(execution_events.c.seq)
+        ).scalar_one_or_none()
+        if seq is None:
+            raise NotFound(f"no execution {execution_id!r}")
+        return int(seq)
+
+    def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]:
+        """What the ledger says about executions whose staged effects wait in a sandbox: one
+        query for the rows, one for the sequence numbers of their own successes."""
+        if not execution_ids:
+            return {}
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(executions).where(executions.c.execution_id.in_(execution_ids))
+            ).all()
+            done = [r for r in rows if r.status == Status.SUCCEEDED and not r.reconciled]
+            seqs: dict[str, int] = {}
+            if done:
+                pair = sa.tuple_(execution_events.c.scope, execution_events.c.idempotency_key)
+                seqs = dict(
+                    conn.execute(
+                        sa.select(
+                            execution_events.c.execution_id, sa.func.min(execution_events.c.seq)
+                        )
+                        .where(
+                            pair.in_(sorted({(r.scope, r.idempotency_key) for r in done})),
+                            execution_events.c.execution_id.in_([r.execution_id for r in done]),
+                            execution_events.c.kind == EventKind.SUCCEEDED,
+                        )
+                        .group_by(execution_events.c.execution_id)
+                    ).all()
+                )
+        return {
+            r.execution_id: EffectState(
+                execution_id=r.execution_id,
+                scope=r.scope,
+                idempotency_key=r.idempotency_key,
+                attempt=r.attempt,
+                status=Status(r.status),
+                reconciled=r.reconciled,
+                lease_token=r.lease_token,
+                effects=tuple(r.effects or ()),
+                seq=int(seqs.get(r.execution_id, 0)),
+            )
+            for r in rows
+        }

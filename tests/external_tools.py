@@ -1,0 +1,22 @@
+"""Tools whose effects reach outside the sandbox: what the fence does not cover.
+
+Load with ``TOOLLEDGER_TOOLS=tests.external_tools`` (or ``load_registry("tests.external_tools")``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from worker.tools import ToolContext, tool
+
+
+class NotifyArgs(BaseModel):
+    to: str
+
+
+@tool(idempotent=False)
+def notify(args: NotifyArgs, ctx: ToolContext) -> dict[str, Any]:
+    """Send a notification: an effect outside the sandbox, not idempotent, not reconcilable."""
+    return {"notified": args.to, "key": ctx.idempotency_key}
