@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from billiard.exceptions import SoftTimeLimitExceeded
 from pydantic import BaseModel
 
 from ledger.ledger import Ledger
 from ledger.transitions import Status
+from recovery.sweep import sweep
+from tests.helpers import pending_files
 from worker import failpoints
+from worker.builtin_tools import BUILTINS
 from worker.pipeline import Executor
 from worker.sandbox import Sandbox
 from worker.tools import OutcomeUnknown, Registry, ToolContext, ToolError, make_tool
@@ -52,10 +57,21 @@ def waits_for_lease_loss(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
     return {"noticed_lease_loss": lost}
 
 
+def writes_after_lease_loss(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
+    """Waits (at most ``seconds``) for this process to lose its lease, then tries to write."""
+    noticed = ctx.lease_lost.wait(args.seconds)
+    ctx.sandbox.write_atomic(ctx.scope, "late.txt", b"late")
+    return {"noticed_lease_loss": noticed}
+
+
 REGISTRY = Registry(
     [
-        make_tool(f)
-        for f in (ok, reports_failure, crashes, cannot_tell, sleeps, waits_for_lease_loss)
+        *(
+            make_tool(f)
+            for f in (ok, reports_failure, crashes, cannot_tell, sleeps, waits_for_lease_loss)
+        ),
+        make_tool(writes_after_lease_loss, sandboxed=True),
+        *(t for t in BUILTINS if t.name in ("write_file", "append_file")),
     ]
 )
 
@@ -237,3 +253,164 @@ def test_pipeline__ambiguous_claim_commit_is_recognised_as_ours(run, ledger, db_
     (ex,) = view.executions  # one claim, ours, carried through to the end
     assert ex.status is Status.SUCCEEDED
     flaky.close()
+
+
+class ClaimCommitsThenRereadFails(Ledger):
+    """The claim's COMMIT succeeds but the client sees an error, and so does the first
+    re-read; the next claim finds the call no longer approved (it is running: ours)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.claims = self.rereads = 0
+
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        self.claims += 1
+        found = super().claim(*args, **kwargs)
+        if self.claims == 1:
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("terminating connection"))
+        return found
+
+    def claimed(self, *args: Any, **kwargs: Any) -> Any:
+        self.rereads += 1
+        if self.rereads == 1:
+            raise sa.exc.OperationalError("SELECT", {}, Exception("server closed"))
+        return super().claimed(*args, **kwargs)
+
+
+def test_pipeline__claim_is_never_abandoned_by_its_own_executor(run, db_url, monkeypatch):
+    # Before: the re-read failed, the loop claimed again, found the call running (its own
+    # claim) and reported "lost": nothing ran and the call ended unknown for a human.
+    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    flaky = ClaimCommitsThenRereadFails(db_url)
+    outcome, view = run("ok", executor_ledger=flaky)
+    assert (outcome.state, flaky.claims) == ("finished", 2)
+    (ex,) = view.executions
+    assert (ex.status, ex.execution_id) == (Status.SUCCEEDED, outcome.execution_id)
+    flaky.close()
+
+
+class ClaimCommitUnknowable(Ledger):
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        super().claim(*args, **kwargs)
+        raise sa.exc.OperationalError("COMMIT", {}, Exception("terminating connection"))
+
+    def claimed(self, *args: Any, **kwargs: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("server closed"))
+
+
+def test_pipeline__claim_commit_that_cannot_be_learned_is_spooled_not_lost(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    flaky = ClaimCommitUnknowable(db_url)
+    outcome, view = run("ok", executor_ledger=flaky, lease=0.3)
+    flaky.close()
+    # The executor says it does not know, never "lost"; the row is running under its token
+    assert outcome.state == "unsure"
+    (ex,) = view.executions
+    assert (ex.status, ex.execution_id) == (Status.RUNNING, outcome.execution_id)
+    assert pending_files(Sandbox(tmp_path)) == [f"{ex.execution_id}.spool"]
+    # When the database answers again, its word "I never started the tool" is recorded and
+    # the sweep proves the effect absent: not applied (a human need not guess)
+    time.sleep(0.35)
+    summary = sweep(
+        ledger, REGISTRY, Sandbox(tmp_path), grace_seconds=0, requeue_after=60, publish=None
+    )
+    assert summary.spooled_results == 1 and summary.not_applied == 1
+    done = ledger.get(view.scope, view.tool_call_id).current
+    assert (done.status, done.result["error"]) == (Status.FAILED, "not_applied")
+    absent = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "evidence"]
+    assert absent[-1].detail["not_started"] is True
+    assert pending_files(Sandbox(tmp_path)) == []
+
+
+class FinishUnreachable(Ledger):
+    """The database is unreachable for terminal writes (and their re-reads)."""
+
+    def finish(self, *args: Any, **kwargs: Any) -> Any:
+        raise sa.exc.OperationalError("UPDATE", {}, Exception("database is gone"))
+
+    def effect_states(self, *args: Any, **kwargs: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("database is gone"))
+
+
+class SoftLimitDuringFinish(Ledger):
+    def finish(self, *args: Any, **kwargs: Any) -> Any:
+        raise SoftTimeLimitExceeded()
+
+
+@pytest.mark.parametrize("cause", [FinishUnreachable, SoftLimitDuringFinish])
+def test_pipeline__a_result_the_ledger_cannot_take_is_spooled_then_recorded(
+    run, ledger, db_url, tmp_path, monkeypatch, caplog, cause
+):
+    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = cause(db_url)
+    content = "secret report 4711"
+    with caplog.at_level(logging.WARNING):
+        outcome, view = run(
+            "write_file", {"path": "r.txt", "content": content}, executor_ledger=broken
+        )
+    broken.close()
+    assert outcome.state == "unrecorded"
+    assert view.current.status is Status.RUNNING and not (tmp_path / view.scope / "r.txt").exists()
+    # the log says what happened, never the result's contents or the lease token
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "spooled" in logged and content not in logged and "4711" not in logged
+    assert view.current.lease_token not in logged
+    # When the database answers (the worker's next start, or the next sweep)
+    sandbox = Sandbox(tmp_path)
+    landing = sandbox.effects.settle(ledger)
+    # Then the result is recorded under the executor's own lease, and its bytes land
+    assert landing.recorded == 1 and landing.landed == 1
+    done = ledger.get(view.scope, view.tool_call_id).current
+    assert (done.status, done.reconciled, done.result["path"]) == (Status.SUCCEEDED, False, "r.txt")
+    assert (tmp_path / view.scope / "r.txt").read_text() == content
+    assert pending_files(sandbox) == [] and ledger.verify().ok
+
+
+def test_pipeline__a_spooled_result_after_revocation_becomes_evidence_lands_nothing(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    outcome, view = run(
+        "write_file", {"path": "r.txt", "content": "v1"}, executor_ledger=broken, lease=0.2
+    )
+    broken.close()
+    time.sleep(0.25)
+    ledger.mark_expired(grace_seconds=0)  # the sweep revoked it while the database was away
+    landing = Sandbox(tmp_path).effects.settle(ledger)
+    assert (landing.recorded, landing.evidence, landing.landed, landing.discarded) == (0, 1, 0, 1)
+    late = ledger.evidence_of(outcome.execution_id)[-1].detail
+    assert late["late_result"]["path"] == "r.txt" and late["landed"] is False
+    assert not (tmp_path / view.scope / "r.txt").exists()
+    Sandbox(tmp_path).effects.settle(ledger)  # again: nothing recorded twice
+    assert len(ledger.evidence_of(outcome.execution_id)) == 1
+
+
+class RenewalsFail(Ledger):
+    """A worker cut off from the database: every renewal fails (the sweep still works)."""
+
+    def renew_lease(self, *args: Any, **kwargs: Any) -> bool:
+        raise sa.exc.OperationalError("UPDATE", {}, Exception("no route to host"))
+
+
+def test_pipeline__a_worker_that_cannot_renew_stops_itself_before_its_lease_expires(
+    run, ledger, db_url, tmp_path
+):
+    # Before: renewal errors counted as "still ours"; the sweep revoked the call at +0.8 s and
+    # the effect landed at +1.8 s, even for a tool that honoured ctx.lease_lost.
+    partitioned = RenewalsFail(db_url)
+    outcome, view = run(
+        "writes_after_lease_loss", {"seconds": 10}, lease=1.0, executor_ledger=partitioned
+    )
+    partitioned.close()
+    # The tool was told, its write refused, and the executor itself declared the call unknown
+    # while its lease was still valid by the database clock: before any sweep could revoke it
+    assert (outcome.state, outcome.status) == ("unknown", Status.UNKNOWN)
+    ex = ledger.execution(outcome.execution_id)
+    unknown = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "unknown"]
+    assert unknown[-1].actor == "w" and "LeaseLost" in unknown[-1].detail["reason"]
+    assert unknown[-1].at < ex.lease_expires_at
+    assert not (tmp_path / view.scope / "late.txt").exists()
+    assert pending_files(Sandbox(tmp_path)) == []

@@ -1,0 +1,280 @@
+"""Proof beats permission, contradictions go back to a human, and a human's review — on both
+backends, through the ledger's API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from ledger.errors import StaleFence
+from ledger.ledger import Ledger
+from ledger.transitions import Review, Status
+from recovery.sweep import sweep
+from tests.helpers import run_cli
+from worker.sandbox import Sandbox
+from worker.tools import load_registry
+
+NOTIFY = {"to": "ops"}
+
+
+def unknown_attempt(ledger: Ledger, scope: str, cid: str = "c1", tool: str = "notify") -> str:
+    """Attempt 1 of a call, claimed, then declared unknown (its executor presumed gone)."""
+    args = NOTIFY if tool == "notify" else {"path": f"{cid}.txt", "content": "x"}
+    ledger.submit(scope, cid, tool, args, approved_by="al")
+    claim = ledger.claim(scope, f"{tool}:{cid}", 1, worker_id="zombie")
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    return claim.execution_id
+
+
+def kinds(ledger: Ledger, scope: str, cid: str = "c1") -> list[str]:
+    return [e.kind for e in ledger.events(scope, cid)]
+
+
+# ---------------------------------------------------------------------------- withdrawal
+
+
+def test_withdrawal__proof_that_attempt_1_succeeded_withdraws_unclaimed_attempt_2(ledger, scope):
+    # Given attempt 1 unknown and attempt 2 authorised by a human, not claimed yet
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    # When evidence proves attempt 1 succeeded
+    proven = {"notified": "ops", "receipt": "r-1"}
+    ledger.reconcile(first, Status.SUCCEEDED, proven, evidence={"kind": "t"}, actor="sweep")
+    # Then attempt 2 is withdrawn: the call ends succeeded with the proven receipt
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
+    assert view.current.execution_id == first
+    assert ledger.receipt(scope, "c1").content == proven
+    withdrawn = ledger.events(scope, "c1")[-1]
+    assert withdrawn.kind == "withdrawn" and withdrawn.execution_id == first
+    assert (withdrawn.detail["attempt"], withdrawn.detail["proven_attempt"]) == (2, 1)
+    # and a message for attempt 2 still in the broker finds nothing to claim
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w") is None
+    assert len(ledger.get(scope, "c1").executions) == 1
+    assert ledger.verify().ok
+
+
+def test_withdrawal__attempt_2_already_claimed_both_stay_and_a_human_is_asked(ledger, scope):
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    ledger.finish(second.execution_id, second.lease_token, Status.SUCCEEDED, {"notified": 2})
+    ledger.reconcile(first, Status.SUCCEEDED, {"notified": 1}, evidence={"k": 1}, actor="sweep")
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, "both_ran")
+    assert [e.status for e in view.executions] == [Status.SUCCEEDED, Status.SUCCEEDED]
+    flag = ledger.events(scope, "c1")[-1]
+    assert flag.kind == "flagged" and flag.detail["reason"] == Review.BOTH_RAN
+    assert flag.detail["later"]["execution_id"] == second.execution_id
+    assert [c.tool_call_id for c in ledger.list_calls(scope=scope, review=True)] == ["c1"]
+    report = ledger.verify()
+    assert report.ok and report.flagged >= 1
+
+
+def test_withdrawal__a_failed_proof_withdraws_nothing(ledger, scope):
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    ledger.reconcile(first, Status.FAILED, {"error": "x"}, evidence={}, actor="sweep")
+    op = ledger.get(scope, "c1").operation
+    assert (op.status, op.authorized_attempts, op.review) == (Status.APPROVED, 2, None)
+
+
+@pytest.mark.parametrize("rounds", [30])
+def test_withdrawal__racing_a_claim_never_lets_both_happen(ledger, scope, rounds):
+    """A withdrawal and the claim of the attempt it withdraws, at the same instant, many
+    times: either the claim won (both results stay, flagged) or the withdrawal did (no claim)."""
+    outcomes = []
+    for i in range(rounds):
+        cid = f"r{i}"
+        first = unknown_attempt(ledger, scope, cid)
+        ledger.authorize_retry(scope, cid, by="carol", accept_duplicate=True)
+        go = threading.Barrier(2)
+        claimed: list[Any] = []
+
+        def claim(cid: str, go: threading.Barrier, claimed: list[Any]) -> None:
+            go.wait()
+            claimed.append(ledger.claim(scope, f"notify:{cid}", 2, worker_id="w"))
+
+        def prove(first: str, go: threading.Barrier) -> None:
+            go.wait()
+            ledger.reconcile(first, Status.SUCCEEDED, {"ok": 1}, evidence={}, actor="sweep")
+
+        threads = [
+            threading.Thread(target=claim, args=(cid, go, claimed)),
+            threading.Thread(target=prove, args=(first, go)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        view = ledger.get(scope, cid)
+        if claimed[0] is None:
+            assert len(view.executions) == 1 and view.operation.status is Status.SUCCEEDED
+            outcomes.append("withdrawn")
+        else:
+            assert len(view.executions) == 2 and view.operation.review == "both_ran"
+            assert view.operation.status is Status.RUNNING  # attempt 2 runs on; a human looks
+            outcomes.append("both")
+    assert ledger.verify().ok
+    print(
+        f"\nwithdrawal vs claim: {outcomes.count('withdrawn')} withdrawn, {outcomes.count('both')} both"
+    )
+
+
+# ---------------------------------------------------------------------------- contradictions
+
+
+@pytest.mark.parametrize(
+    ("human", "late"),
+    [(Status.FAILED, Status.SUCCEEDED), (Status.SUCCEEDED, Status.FAILED)],
+    ids=["human-failed-late-succeeded", "human-succeeded-late-failed"],
+)
+def test_contradiction__late_result_against_a_human_goes_back_to_the_inbox(
+    ledger, scope, human, late
+):
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, human, by="dana", evidence="nothing in the outbox")
+    late_result = {"notified": "ops"} if late is Status.SUCCEEDED else {"error": "smtp 550"}
+    detail = {"late_result": late_result, "status": late.value, "proves": late.value}
+    ledger.record_late_result(eid, detail, actor="zombie", outcome=late)
+    view = ledger.get(scope, "c1")
+    assert view.operation.review == Review.CONTRADICTED
+    assert view.current.status is human  # nothing overwritten: a human decides again
+    flag = ledger.events(scope, "c1")[-1]
+    assert flag.kind == "flagged"
+    assert flag.detail["human"] == {
+        "status": human.value,
+        "result": view.current.result,
+        "by": "dana",
+    }
+    assert flag.detail["late"] == {"status": late.value, "result": late_result}
+    assert ledger.verify().flagged >= 1
+
+
+def test_contradiction__agreeing_or_refused_late_results_flag_nothing(ledger, scope):
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, Status.FAILED, by="dana", evidence="checked")
+    ledger.record_late_result(eid, {"status": "failed"}, actor="z", outcome=Status.FAILED)
+    # a late "succeeded" whose sandbox effects the fence refused proves nothing about the world
+    refused = {"status": "succeeded", "staged": [{"n": 0}], "proves": None}
+    ledger.record_late_result(eid, refused, actor="z", outcome=None)
+    assert ledger.get(scope, "c1").operation.review is None
+    assert kinds(ledger, scope)[-2:] == ["evidence", "evidence"]
+
+
+def test_contradiction__reconciler_decisions_are_not_contradicted(ledger, scope):
+    eid = unknown_attempt(ledger, scope)
+    ledger.reconcile(eid, Status.SUCCEEDED, {"ok": 1}, evidence={"kind": "reconciler"}, actor="s")
+    ledger.record_late_result(eid, {"status": "failed"}, actor="z", outcome=Status.FAILED)
+    assert ledger.get(scope, "c1").operation.review is None
+
+
+# ---------------------------------------------------------------------------- review
+
+
+@pytest.fixture
+def cli(db_url, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TOOLLEDGER_BROKER", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("TOOLLEDGER_SANDBOX", str(tmp_path / "sandbox"))
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "tests.external_tools")
+    return lambda *argv: run_cli(capsys, "--db", db_url, *argv)
+
+
+def contradicted(ledger: Ledger, scope: str) -> str:
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, Status.FAILED, by="dana", evidence="nothing sent")
+    detail = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(eid, detail, actor="zombie", outcome=Status.SUCCEEDED)
+    return eid
+
+
+def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decision(
+    cli, ledger, scope
+):
+    eid = contradicted(ledger, scope)
+    # The inbox: list --review, and show with both versions side by side
+    code, out, _ = cli("list", "--review", "--scope", scope, "--json")
+    (row,) = json.loads(out)["calls"]
+    assert code == 0 and (row["tool_call_id"], row["review"]) == ("c1", "contradicted")
+    code, out, _ = cli("show", "--scope", scope, "--tool-call-id", "c1", "--json")
+    shown = json.loads(out)
+    assert shown["review"] == "contradicted"
+    assert shown["review_detail"]["human"]["status"] == "failed"
+    assert shown["review_detail"]["late"]["status"] == "succeeded"
+    code, out, _ = cli("show", "--scope", scope, "--tool-call-id", "c1")
+    assert "REVIEW: contradicted" in out
+    # When the human looks again and finds the notification was sent after all
+    code, out, err = cli(
+        "resolve", "--execution-id", eid, "--as", "succeeded", "--by", "erin",
+        "--evidence", "the ops channel has it at 10:02", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    # Then the decision is corrected, the flag cleared, the history tells it all
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    assert view.current.result["corrects"]["resolved_by"] == "dana"
+    assert kinds(ledger, scope)[-3:] == ["flagged", "succeeded", "reviewed"]
+    assert ledger.receipt(scope, "c1").content["resolved_by"] == "erin"
+    code, out, _ = cli("list", "--review", "--scope", scope, "--json")
+    assert json.loads(out)["count"] == 0
+    code, out, _ = cli("verify", "--json")
+    assert code == 0 and json.loads(out)["ok"]
+
+
+def test_review__confirming_keeps_the_status_and_clears_the_flag(ledger, scope):
+    eid = contradicted(ledger, scope)
+    ledger.resolve(eid, Status.FAILED, by="erin", evidence="really not sent: smtp log")
+    view = ledger.get(scope, "c1")
+    assert (view.current.status, view.operation.review) == (Status.FAILED, None)
+    assert kinds(ledger, scope)[-2:] == ["flagged", "reviewed"]
+    assert ledger.verify().ok
+
+
+def test_review__an_executors_own_result_stands_and_unflagged_calls_are_refused(ledger, scope):
+    ledger.submit(scope, "own", "notify", NOTIFY, approved_by="al")
+    claim = ledger.claim(scope, "notify:own", 1, worker_id="w")
+    ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": 1})
+    with pytest.raises(StaleFence, match="not flagged"):
+        ledger.resolve(claim.execution_id, Status.FAILED, by="x", evidence="e")
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    ledger.finish(second.execution_id, second.lease_token, Status.SUCCEEDED, {"n": 2})
+    ledger.reconcile(first, Status.SUCCEEDED, {"n": 1}, evidence={}, actor="sweep")  # both_ran
+    with pytest.raises(StaleFence, match="own succeeded"):
+        ledger.resolve(second.execution_id, Status.FAILED, by="x", evidence="e")
+    ledger.resolve(first, Status.SUCCEEDED, by="erin", evidence="both charged; refunded one")
+    assert ledger.get(scope, "c1").operation.review is None
+    assert ledger.verify().ok
+
+
+# ---------------------------------------------------------------------------- through the sweep
+
+
+def test_sweep__late_result_proves_success_and_withdraws_the_human_retry(ledger, scope, tmp_path):
+    # Given an unfenced tool's attempt 1 unknown, a retry authorised, and then the zombie's
+    # late result (nothing staged: its report stands for its effect outside the sandbox)
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    time.sleep(0.01)
+    # When the sweep runs
+    summary = sweep(
+        ledger,
+        load_registry("tests.external_tools"),
+        Sandbox(tmp_path / "sandbox").prepare(),
+        grace_seconds=0,
+        requeue_after=3600,
+        publish=None,
+    )
+    # Then attempt 1 is succeeded from its late result, and attempt 2 is withdrawn
+    assert summary.from_late_result >= 1
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
+    assert kinds(ledger, scope)[-2:] == ["succeeded", "withdrawn"]
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w") is None
