@@ -143,9 +143,13 @@ class PostgresFastPath:
         if pooled is None:
             pooled = self.engine.raw_connection()
             dbapi = pooled.dbapi_connection
-            dbapi.autocommit = True  # type: ignore[union-attr]
-            # Cached generic plans are safe here (see above) and save planning each call.
-            dbapi.execute("SET plan_cache_mode = auto")  # type: ignore[union-attr]
+            try:
+                dbapi.autocommit = True  # type: ignore[union-attr]
+                # Cached generic plans are safe here (see above) and save planning each call.
+                dbapi.execute("SET plan_cache_mode = auto")  # type: ignore[union-attr]
+            except Exception:
+                pooled.invalidate()
+                raise
             self._local.pooled = pooled
             with self._lock:
                 self._held.append(pooled)
@@ -182,9 +186,14 @@ class PostgresFastPath:
     def _one(self, statement: sa.TextualSelect, params: dict[str, Any]) -> dict[str, Any] | None:
         import psycopg
 
-        pooled = self._connection()
         sql = self._sql[id(statement)]
         params = {**_STATUSES, **params}
+        try:
+            pooled = self._connection()
+        except psycopg.Error as exc:  # raw_connection() does not translate driver errors
+            raise sa.exc.DBAPIError.instance(
+                sql, params, exc, psycopg.Error, hide_parameters=True
+            ) from exc
         try:
             row = pooled.dbapi_connection.execute(sql, params).fetchone()
         except psycopg.Error as exc:

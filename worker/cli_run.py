@@ -7,8 +7,10 @@ import logging
 from typing import Any
 
 import click
+import sqlalchemy as sa
 
 from ledger.errors import StateError
+from ledger.ledger import Ledger
 from ledger.transitions import Status
 from worker.cli import Context, call_options, cli, json_option, pass_ctx
 from worker.runtime import Runtime, default_worker_id
@@ -34,26 +36,36 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
         outcome = rt.executor(default_worker_id("cli")).execute(
             scope, op.idempotency_key, op.authorized_attempts
         )
+        if outcome.state == "lost":
+            raise StateError(f"call {tool_call_id!r} was claimed by someone else first")
+        data = _after(rt.ledger, scope, tool_call_id)
     finally:
         rt.close()
-    if outcome.state == "lost":
-        raise StateError(f"call {tool_call_id!r} was claimed by someone else first")
-    view = ledger.get(scope, tool_call_id)
-    try:
-        receipt = ledger.receipt(scope, tool_call_id)
-    except StateError:
-        receipt = None
-    data = view.to_json(receipt)
     data["outcome"] = outcome.state
     if outcome.landing is not None:
         data["landing"] = outcome.landing.to_json()
     c.emit(
         data,
         lambda d: (
-            f"{d['outcome']}: {scope}/{tool_call_id} [{d['status']}]\n"
-            + json.dumps(d["receipt"], ensure_ascii=False, indent=2)
+            f"{d['outcome']}: {scope}/{tool_call_id} [{d.get('status', 'not known')}]\n"
+            + json.dumps(d.get("receipt"), ensure_ascii=False, indent=2)
         ),
     )
+
+
+def _after(ledger: Ledger, scope: str, tool_call_id: str) -> dict[str, Any]:
+    """The call as the ledger now has it; {} if the ledger cannot be reached (the outcome
+    is still reported: it is on disk, spooled, if the ledger did not take it)."""
+    try:
+        view = ledger.get(scope, tool_call_id)
+        try:
+            receipt = ledger.receipt(scope, tool_call_id)
+        except StateError:
+            receipt = None
+    except sa.exc.SQLAlchemyError as exc:
+        logging.getLogger("toolledger.worker").warning("cannot read the call back: %s", exc)
+        return {}
+    return view.to_json(receipt)
 
 
 def _given(args: tuple[str, ...], *names: str) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from ledger.ledger import Ledger
 from ledger.transitions import Status
@@ -356,3 +357,63 @@ def test_execute__honours_failpoints_and_logs_them(world, scope):
     fired = [json.loads(line) for line in (world.root / "failpoints.log").read_text().splitlines()]
     assert [(f["point"], f["action"]) for f in fired] == [("after_effect", "exit")]
     assert world.file(scope, "a.txt") is None  # staged, never committed: nothing landed
+
+
+# ---------------------------------------------------------------------------- partitions
+
+
+@pytest.fixture
+def partition(pg_url: str) -> Iterator[Any]:
+    from recovery.chaos.partition import Partition, unavailable
+    from tests.conftest import missing_service
+
+    reason = unavailable()
+    if reason:
+        missing_service("a network namespace for the partition", reason)
+    with Ledger(pg_url).engine.connect() as conn:
+        socket_dir = conn.exec_driver_sql("SHOW unix_socket_directories").scalar_one()
+        port = conn.exec_driver_sql("SHOW port").scalar_one()
+    part = Partition(f"{socket_dir.split(',')[0].strip()}/.s.PGSQL.{port}")
+    address = part.start()
+    part.url = str(
+        sa.make_url(pg_url)
+        .set(host=address.split(":")[0], port=int(address.split(":")[1]))
+        .render_as_string(False)
+    )
+    yield part
+    part.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("point", ["before_effect", "after_stage"])
+def test_fence__partitioned_worker_lands_nothing_after_the_database_revoked_it(
+    pg_url, tmp_path, partition, scope, point
+):
+    # Given an executor that reaches Postgres only through a path the test can cut, paused
+    # (failpoint sleep) before its tool writes, or after it staged its bytes
+    world = World(pg_url, tmp_path, Ledger(pg_url))
+    world.submit(scope, "c1", "write_file", write("notes.txt", "v1"))
+    proc = world.execute(
+        scope, "c1", db=partition.url, failpoints=f"{point}=sleep(4)", lease_seconds="2"
+    )
+    fired = world.root / "failpoints.log"
+    wait_until(lambda: fired.exists() and point in fired.read_text(), 60, "the failpoint")
+    # When its network path to the database is cut (no RST: packets vanish) while the sweep
+    # still reaches the database and revokes it once its lease expired
+    partition.cut()
+    world.revoke()
+    out, err = proc.communicate(timeout=120)
+    partition.heal()
+    # Then the executor gave up on its own (self-fenced, or its commit never got through),
+    # kept its outcome on disk, and nothing of it landed
+    assert proc.returncode == 0, err
+    assert json.loads(out)["outcome"] == "unrecorded"
+    assert world.file(scope, "notes.txt") is None and world.effects() == []
+    # and once the path is back, the next sweep records its result as evidence, drops its
+    # staged bytes, and proves the effect absent
+    summary = world.sweep()
+    assert summary.spooled_results == 1 and summary.not_applied == 1
+    late = world.ledger.evidence_of(execution_of(world.ledger, scope, "c1").execution_id)
+    assert late and late[-1].detail["landed"] is False
+    assert world.file(scope, "notes.txt") is None and world.pending() == []
+    world.ledger.close()
