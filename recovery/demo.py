@@ -3,9 +3,10 @@
 Two real workers and the beat run on SQLite (ledger and broker, under .toolledger/). A scripted
 agent submits its tool calls turn by turn and writes their results into an OpenAI-style
 transcript; then it crashes before recording its last turn's results, while one of those calls
-is executed by a worker whose pool child dies between the file write and the terminal record.
-The beat's sweep finds the stale execution and reconciles it from the file's bytes; repair
-gives the transcript its missing results, without running anything again.
+is executed by a worker whose pool child dies after the tool ran, before the terminal record.
+Nothing of it had landed (a tool's writes land only after its commit); the beat's sweep finds
+the stale execution, proves it not applied, and — the target file missing — retries it once
+by itself. Repair gives the transcript its missing results, without running anything again.
 """
 
 from __future__ import annotations
@@ -197,9 +198,9 @@ def _expectations() -> list[Expect]:
         ),
         Expect(
             "call_report",
-            "succeeded (reconciled)",
-            "its worker died after writing the "
-            "file, before recording it; the sweep found the file's bytes as requested",
+            "succeeded (attempt 2)",
+            "its worker died before its commit: nothing landed; the sweep proved it "
+            "and retried it by itself, once",
         ),
         Expect("call_summary", "succeeded", "ran normally while the agent was down"),
     ]
@@ -270,7 +271,7 @@ def _script(demo: Demo, sub: Submitter) -> None:
         ("call_summary", "write_file", {"path": "summary.txt", "content": "flaky test"}),
     ]
     demo.assistant(turn3)
-    demo.step("turn 3: the report is routed to a worker whose child dies after the write")
+    demo.step("turn 3: the report is routed to a worker whose child dies before its commit")
     report = sub.prepare(s, "call_report", *turn3[0][1:])
     sub.ledger.submit(s, "call_report", report.tool, report.args, approved_by="policy:auto")
     publish(sub.app, sub.settings.with_(queue=CRASH_QUEUE), s, report.key, 1)
@@ -281,13 +282,12 @@ def _script(demo: Demo, sub: Submitter) -> None:
     path.write_text("".join(json.dumps(m, ensure_ascii=False) + "\n" for m in demo.transcript))
     demo.step(f"  the agent crashes before recording turn 3's results ({path})")
     demo.wait_status(sub, "call_report", Status.RUNNING)
-    demo.step("  call_report: file written, worker child died: the ledger says running")
+    demo.step("  call_report: tool ran, worker child died: running, and nothing has landed")
     demo.wait_done(sub, ["call_report", "call_summary"])
-    ex = sub.ledger.get(s, "call_report").current
-    assert ex is not None
+    first, *_ = sub.ledger.get(s, "call_report").executions
     demo.step(
-        f"  the beat's sweep: lease expired -> unknown -> reconciled from the file's bytes "
-        f"(same execution {ex.execution_id[:13]}…)"
+        f"  the beat's sweep: lease expired -> unknown -> not applied ({first.execution_id[:13]}…)"
+        " -> retried once, by itself: attempt 2 wrote diagnosis.txt"
     )
     repaired = repair_file(path, sub.ledger, s)
     demo.step(
@@ -305,9 +305,11 @@ def _report(demo: Demo, sub: Submitter) -> dict[str, Any]:
             continue
         view = ledger.get(demo.scope, cid)
         current = view.current
-        exp.got = view.operation.status.value + (
-            " (reconciled)" if current is not None and current.reconciled else ""
-        )
+        exp.got = view.operation.status.value
+        if current is not None and current.reconciled:
+            exp.got += " (reconciled)"
+        elif current is not None and current.attempt > 1:
+            exp.got += f" (attempt {current.attempt})"
     called = [c.tool_call_id for c in ledger.list_calls(scope=demo.scope) if c.tool_call_id]
     executions = {cid: len(ledger.get(demo.scope, cid).executions) for cid in called}
     plan_ran_once = executions.get("call_plan") == 1

@@ -19,7 +19,7 @@ EXPECTED = {
     "call_deploy": "rejected",
     "call_notify": "succeeded",
     "call_overwrite": "refused",
-    "call_report": "succeeded (reconciled)",
+    "call_report": "succeeded (attempt 2)",
     "call_summary": "succeeded",
 }
 
