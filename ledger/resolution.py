@@ -106,14 +106,16 @@ class LedgerResolution(LedgerBase):
         evidence: dict[str, Any],
         actor: str,
         retry: bool = False,
+        flag_both_ran: bool = True,
     ) -> ExecutionRecord:
         """unknown -> succeeded/failed on the same execution, ``reconciled: true``, with the
         evidence that justified it. Zero rows (already resolved) raises StaleFence.
 
         Proof beats permission: when this proves an earlier attempt succeeded while a later
         one is authorised, the later one is withdrawn if nobody claimed it yet (the call ends
-        succeeded with the proven result), or, if it was claimed, both stay and the call is
-        flagged ``both_ran`` for a human.
+        succeeded with the proven result), or, if it was claimed, both stay and — unless the
+        caller knows the tool is idempotent (``flag_both_ran=False``: twice is once) — the
+        call is flagged ``both_ran`` for a human.
 
         ``retry``: the evidence proves the effect absent and the tool's contract allows an
         automatic retry: the next attempt is authorised in the same transaction (only if
@@ -151,7 +153,7 @@ class LedgerResolution(LedgerBase):
                     auto = {"retry": True, "automatic": True, "after": execution_id}
                     self._authorize_next(conn, failed, actor, {**auto, "evidence": evidence})
             elif status is Status.SUCCEEDED:
-                self._proof_beats_permission(conn, op, done, evidence, actor)
+                self._proof_beats_permission(conn, op, done, evidence, actor, flag_both_ran)
         return done
 
     def _locked_operation(self, conn: sa.Connection, scope: str, key: str) -> OperationRecord:
@@ -166,6 +168,7 @@ class LedgerResolution(LedgerBase):
         proven: ExecutionRecord,
         evidence: dict[str, Any],
         actor: str,
+        flag_both_ran: bool,
     ) -> None:
         later = conn.execute(
             sa.select(executions).where(
@@ -175,6 +178,8 @@ class LedgerResolution(LedgerBase):
             )
         ).first()
         if later is not None:
+            if not flag_both_ran:
+                return
             other = ExecutionRecord.from_row(later)
             both = {
                 "proven": {"execution_id": proven.execution_id, "attempt": proven.attempt},

@@ -157,8 +157,14 @@ def _decide(
 ) -> None:
     proof = own if isinstance(own, Evidence) else world
     if isinstance(proof, Evidence):
+        idempotent = tool is not None and tool.idempotent  # both ran: twice is once
         ledger.reconcile(
-            ex.execution_id, proof.status, proof.result, evidence=proof.detail, actor=actor
+            ex.execution_id,
+            proof.status,
+            proof.result,
+            evidence=proof.detail,
+            actor=actor,
+            flag_both_ran=not idempotent,
         )
         tally.reconciled += 1
         if proof.detail.get("kind") == "late_result":

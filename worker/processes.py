@@ -55,6 +55,7 @@ class ManagedProcess:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    cwd: Path | None = None  # where to run it (a checkout of another version, in chaos)
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     _log_offset: int = field(default=0, repr=False)
@@ -71,6 +72,7 @@ class ManagedProcess:
         self.proc = subprocess.Popen(
             self.argv,
             env=self.env,
+            cwd=self.cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

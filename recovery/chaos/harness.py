@@ -1,10 +1,14 @@
-"""The chaos harness: real workers on Postgres + Redis, killed and frozen on a seeded schedule.
+"""The chaos harness: real workers, an agent and an operator on a Postgres and a Redis prefix of
+the run's own, faults on a seeded schedule, and everything logged for the checker.
 
-A run gets a database of its own (created on the configured server, dropped afterwards) and a
-Redis key prefix of its own, so faults such as ``pg_terminate_backend`` or flushing the queues
-touch nothing else. Jobs are ``probe_write`` calls that log every physical effect (before the
-write) to an effects log; faults are logged as they are injected; failpoints that fire in the
-workers log themselves too. The checker then judges the ledger against those logs.
+The run owns its world: a Postgres cluster of its own (initdb, its own port; so that it can
+crash it and start it again), a Redis key prefix, a sandbox, a downstream payments service,
+and — where the machine allows it — one network namespace per worker through which that
+worker alone reaches Postgres (so that it alone can be partitioned). The version of
+toolledger under test runs every process that touches the ledger (workers, the beat, the
+agent, the operator, the final sweep): today's by default, or an older checkout (``code``),
+to show what this harness finds there. The harness itself only schedules, injects and
+records; the checker reads the ledger afterwards.
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -24,36 +32,46 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.db import create_engine, upgrade
-from ledger.transitions import Status
-from recovery.sweep import sweep
-from worker.config import Settings
-from worker.failpoints import POINTS
-from worker.processes import ManagedProcess, beat_process, service_env, stop_all, worker_process
-from worker.submit import Submitter
-from worker.tasks import publish
+from ledger.db import create_engine
+from recovery.chaos import partition as partitions
+from recovery.chaos.pgcluster import PgCluster, find_bin, free_port
+from recovery.chaos.workload import Workload, make_workload
+from worker.processes import ManagedProcess, beat_process, stop_all, worker_process
 
+PLUGIN = Path(__file__).parent / "plugin"
+ROLES = PLUGIN / "toolledger_chaos_roles.py"
 #: Jobs are submitted over this share of the fault window, so faults keep meeting work.
-SUBMIT_SHARE = 0.9
+SUBMIT_SHARE = 0.85
 #: External faults, injected on the seeded schedule (failpoints fire inside the workers).
-EXTERNAL = ("kill_main", "kill_child", "zombie", "redis_flush", "pg_terminate", "duplicate")
+EXTERNAL = (
+    "kill_main",
+    "kill_child",
+    "zombie",
+    "redis_flush",
+    "pg_terminate",
+    "duplicate",
+    "partition",
+    "pg_crash",
+)
 
 
 @dataclass
 class ChaosConfig:
     out: Path
-    db: str  # a Postgres URL: the run creates its own database on that server
+    db: str  # a Postgres server URL: used only if the run cannot have a cluster of its own
     broker: str  # a Redis URL: the run uses its own key prefix
     workers: int = 2
     concurrency: int = 2
     jobs: int = 300
-    duration: float = 60.0  # seconds during which faults are injected (jobs: over 90% of it)
+    duration: float = 60.0  # seconds during which faults are injected
     faults: int = 0  # external faults to inject (0: one every ~duration/24 s, at least 24)
     seed: int = 1
-    lease_seconds: float = 8.0  # shorter leases let a slow fsync trip the time limits
+    lease_seconds: float = 8.0
     hold_ms: int = 0  # 0: chosen so the workers are about half busy
     failpoint_percent: float = 0.0  # 0: about 8 firings per point (min 0.5 %)
     keep_db: bool = False
+    code: Path | None = None  # the toolledger checkout under test (None: this one)
+    kinds: tuple[str, ...] = EXTERNAL
     progress: Callable[[str], None] = print
 
     def __post_init__(self) -> None:
@@ -85,6 +103,33 @@ class Fault:
         }
 
 
+class Code:
+    """How to run a version of toolledger: ``python -m worker`` with its tree first on the path."""
+
+    def __init__(self, tree: Path | None) -> None:
+        self.tree = tree
+
+    def env(self) -> dict[str, str]:
+        paths = [str(self.tree)] if self.tree else []
+        paths += [str(PLUGIN), os.environ.get("PYTHONPATH", "")]
+        return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+    def cli(self) -> list[str]:
+        return [sys.executable, "-m", "worker"]
+
+    def failpoints(self) -> list[str]:
+        probe = "from worker.failpoints import POINTS; print(','.join(POINTS))"
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            env={**os.environ, **self.env()},
+            cwd=self.tree or None,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip().split(",")
+
+
 class ChaosRun:
     """One run: set up, inject, recover, then hand everything to the checker."""
 
@@ -95,135 +140,202 @@ class ChaosRun:
         self.scope = f"chaos-{self.run_id}"
         self.prefix = f"chaos-{self.run_id}:"
         self.out = config.out
+        self.code = Code(config.code)
         self.faults: list[Fault] = []
         self.workers: list[ManagedProcess] = []
+        self.partitions: dict[str, partitions.Partition] = {}
+        self.roles: dict[str, subprocess.Popen[bytes]] = {}
         self.beat: ManagedProcess | None = None
-        self.submitted: list[tuple[str, str, dict[str, Any]]] = []
+        self.cluster: PgCluster | None = None
+        self.downstream: subprocess.Popen[bytes] | None = None
+        self.workload = Workload()
         self.began = 0.0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._paused: set[str] = set()
+        self.kinds = list(config.kinds)
 
     # ------------------------------------------------------------------ setup
 
-    def _database(self) -> str:
-        server = sa.make_url(
-            self.cfg.db
-            if "+" in self.cfg.db.split(":")[0]
-            else self.cfg.db.replace("postgresql://", "postgresql+psycopg://", 1)
-        )
-        if server.get_backend_name() != "postgresql":
+    def progress(self, text: str) -> None:
+        self.cfg.progress(f"[{time.time() - self.began:6.1f}s] {text}" if self.began else text)
+
+    def _postgres(self) -> str:
+        """The run's own cluster if this machine can make one, else a database on ``db``."""
+        pg_bin = find_bin()
+        if pg_bin is not None:
+            # Its own directory under the system's temp: Postgres's user must reach it, and
+            # the run's directory may sit below others it cannot enter (pytest's tmp_path).
+            where = Path(tempfile.mkdtemp(prefix="toolledger-chaos-pg-"))
+            self.cluster = PgCluster(where, pg_bin).init()
+            self.cluster.start()
+            server = self.cluster.url
+        else:
+            server = self.cfg.db
+            self.kinds = [k for k in self.kinds if k != "pg_crash"]
+            self.progress("no initdb here: no cluster of the run's own, no Postgres crashes")
+        url = sa.make_url(server.replace("postgresql://", "postgresql+psycopg://", 1))
+        if url.get_backend_name() != "postgresql":
             raise ValueError("chaos needs Postgres (TOOLLEDGER_DB) and Redis (TOOLLEDGER_BROKER)")
         self.db_name = f"toolledger_chaos_{self.run_id}"
         self.admin = create_engine(
-            server.render_as_string(False),
-            isolation_level="AUTOCOMMIT",
-            pool_size=1,
-            max_overflow=1,
+            url.render_as_string(False), isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=1
         )
         with self.admin.connect() as conn:
             conn.exec_driver_sql(f"CREATE DATABASE {self.db_name}")
-        url = server.set(database=self.db_name).render_as_string(False)
-        engine = create_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        return url
+        return str(url.set(database=self.db_name).render_as_string(False))
 
-    def settings_env(self) -> dict[str, str]:
-        return {
+    def settings_env(self, **extra: str) -> dict[str, str]:
+        env = {
             "db": self.db_url,
             "broker": self.cfg.broker,
             "broker_prefix": self.prefix,
             "home": str(self.out / "home"),
             "sandbox": str(self.out / "sandbox"),
-            "tools": "worker.probe",
+            "tools": "toolledger_chaos_tools",
             "effects_log": str(self.out / "effects.log"),
             "failpoint_log": str(self.out / "failpoints.log"),
             "lease_seconds": str(self.cfg.lease_seconds),
-            "visibility_timeout": "20",
+            "visibility_timeout": "30",
             "sweep_interval": "1",
             "sweep_grace": "0",
             "requeue_after": "6",
+            "chaos_downstream": self.downstream_url,
+            **extra,
         }
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
+        base.update({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
+        base.update(self.code.env())
+        base.setdefault("PYTHONUNBUFFERED", "1")
+        return base
 
     def _failpoints(self) -> str:
         pct = self.cfg.failpoint_percent
-        return ";".join(f"{point}={pct}%kill" for point in POINTS)
+        return ";".join(f"{point}={pct}%kill" for point in self.code.failpoints())
+
+    def _partitions(self) -> None:
+        why = partitions.unavailable() if "partition" in self.kinds else "not asked for"
+        if why or self.cluster is None:
+            self.kinds = [k for k in self.kinds if k != "partition"]
+            self.progress(f"no partitions in this run: {why or 'no cluster of its own'}")
+            return
+        for i in range(self.cfg.workers):
+            part = partitions.Partition(self.cluster.unix_socket)
+            address = part.start()
+            self.partitions[f"chaos-w{i + 1}"] = part
+            part.url = str(  # type: ignore[attr-defined]
+                sa.make_url(self.db_url)
+                .set(host=address.split(":")[0], port=int(address.split(":")[1]))
+                .render_as_string(False)
+            )
+
+    def _start_downstream(self) -> None:
+        port = free_port()
+        self.downstream_url = f"http://127.0.0.1:{port}"
+        self.downstream = subprocess.Popen(
+            [sys.executable, "-m", "recovery.chaos.downstream", "--port", str(port),
+             "--log", str(self.out / "charges.log")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        assert self.downstream.stdout is not None
+        if b"downstream ready" not in self.downstream.stdout.readline():
+            raise RuntimeError("the downstream service did not start")
 
     def setup(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        for name in ("effects.log", "failpoints.log", "faults.log"):
+        for name in ("effects.log", "failpoints.log", "faults.log", "charges.log",
+                     "operator.log", "submitted.log", "finish", "operator.done"):  # fmt: skip
             (self.out / name).unlink(missing_ok=True)
-        self.db_url = self._database()
-        env = service_env(None, **self.settings_env())
-        self.settings = Settings.from_env(
-            {f"TOOLLEDGER_{k.upper()}": v for k, v in self.settings_env().items()}
-        )
-        worker_env = {**env, "TOOLLEDGER_FAILPOINTS": self._failpoints()}
+        self.db_url = self._postgres()
+        self._start_downstream()
+        self._cli("db", "upgrade")  # by the version under test
+        self._partitions()
+        self.workload = make_workload(self.cfg.jobs, self.cfg.seed, self.run_id, self.cfg.hold_ms)
         logs = self.out / "logs"
-        self.workers = [
-            worker_process(f"chaos-w{i + 1}", worker_env, logs, concurrency=self.cfg.concurrency)
-            for i in range(self.cfg.workers)
-        ]
-        self.beat = beat_process("chaos-beat", env, logs)
+        self.workers = []
+        for i in range(self.cfg.workers):
+            name = f"chaos-w{i + 1}"
+            part = self.partitions.get(name)
+            extra = {"db": part.url} if part else {}  # type: ignore[attr-defined]
+            env = self.settings_env(failpoints=self._failpoints(), **extra)
+            self.workers.append(worker_process(name, env, logs, concurrency=self.cfg.concurrency))
+        self.beat = beat_process("chaos-beat", self.settings_env(), logs)
         for p in [*self.workers, self.beat]:
+            p.cwd = self.code.tree
             p.start()
         for p in [*self.workers, self.beat]:
             p.wait_ready(90)
-        self.submitter = Submitter(self.settings)
+
+    def _cli(self, *argv: str) -> str:
+        proc = subprocess.run(
+            [*self.code.cli(), *argv],
+            env=self.settings_env(),
+            cwd=self.code.tree or None,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"toolledger {' '.join(argv)} failed: {proc.stderr[-2000:]}")
+        return proc.stdout
+
+    def _plan(self) -> Path:
+        plan = {
+            "scope": self.scope,
+            "jobs": [j.to_json() for j in self.workload.jobs],
+            "began": self.began,
+            "window": self.cfg.duration * SUBMIT_SHARE,
+            "chain_wait": self.cfg.lease_seconds * 3,
+            "sandbox": str(self.out / "sandbox"),
+            "downstream": self.downstream_url,
+            "submitted_log": str(self.out / "submitted.log"),
+            "operator_log": str(self.out / "operator.log"),
+            "operator_every": 2.0,
+            "finish_file": str(self.out / "finish"),
+            "operator_done": str(self.out / "operator.done"),
+        }
+        path = self.out / "plan.json"
+        path.write_text(json.dumps(plan))
+        return path
+
+    def _role(self, role: str, plan: Path) -> subprocess.Popen[bytes]:
+        log = (self.out / "logs" / f"{role}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, str(ROLES), role, str(plan)],
+            env=self.settings_env(),
+            cwd=self.code.tree or None,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.roles[role] = proc
+        return proc
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict[str, Any]:
         self.setup()
         self.began = time.time()
-        threads = [
-            threading.Thread(target=self._submit_jobs, name="submit"),
-            threading.Thread(target=self._supervise, name="supervise", daemon=True),
-        ]
-        for t in threads:
-            t.start()
+        plan = self._plan()
+        self._role("submit", plan)
+        self._role("operate", plan)
+        supervisor = threading.Thread(target=self._supervise, name="supervise", daemon=True)
+        supervisor.start()
         try:
             self._inject()
-            threads[0].join()
-            faults_end = time.time()
-            self.progress(f"faults done ({len(self.faults)}); waiting for recovery")
-            recovered = self._wait_quiet(timeout=120)
+            self._heal_all()
+            self.progress(f"faults done ({len(self.faults)}); waiting for the agent")
+            self.roles["submit"].wait(timeout=max(60.0, self.cfg.duration))
+            recovered = self._wait_quiet(timeout=180)
             final = self._final_sweep()
-            return {"faults_end": faults_end, "recovered_s": recovered, "final_sweep": final}
+            return {"recovered_s": recovered, "final_sweep": final}
         finally:
             self._stopping.set()
+            for proc in self.roles.values():
+                if proc.poll() is None:
+                    proc.kill()
+            self._heal_all()
             stop_all([*self.workers, *([self.beat] if self.beat else [])])
-
-    def progress(self, text: str) -> None:
-        self.cfg.progress(f"[{time.time() - self.began:6.1f}s] {text}")
-
-    def _submit_jobs(self) -> None:
-        window = self.cfg.duration * SUBMIT_SHARE
-        for i in range(self.cfg.jobs):
-            due = self.began + window * i / self.cfg.jobs
-            time.sleep(max(0.0, due - time.time()))
-            cid = f"job-{i:06d}"
-            args = {
-                "path": f"out/{i % 97:02d}/{cid}.txt",
-                "content": f"{cid} {self.run_id}",
-                "hold_ms": self.cfg.hold_ms,
-            }
-            self._submit_with_retry(cid, args)
-            with self._lock:
-                self.submitted.append((cid, f"probe_write:{cid}", args))
-            if i and i % max(1, self.cfg.jobs // 10) == 0:
-                self.progress(f"submitted {i}/{self.cfg.jobs} jobs, {len(self.faults)} faults")
-
-    def _submit_with_retry(self, cid: str, args: dict[str, Any]) -> None:
-        for tries in range(30):  # pg_terminate may cut the submitter's connection too
-            try:
-                call = self.submitter.prepare(self.scope, cid, "probe_write", args)
-                self.submitter.submit(call, approved_by="chaos")
-                return
-            except sa.exc.SQLAlchemyError:
-                time.sleep(0.1 * (tries + 1))
-        raise RuntimeError(f"could not submit {cid}")
 
     def _supervise(self) -> None:
         """Restart killed workers, as systemd or Kubernetes would."""
@@ -235,7 +347,7 @@ class ChaosRun:
     # ------------------------------------------------------------------ faults
 
     def _schedule(self) -> list[tuple[float, str]]:
-        kinds = [EXTERNAL[i % len(EXTERNAL)] for i in range(self.cfg.faults)]
+        kinds = [self.kinds[i % len(self.kinds)] for i in range(self.cfg.faults)]
         self.rng.shuffle(kinds)
         gaps = [self.rng.expovariate(1.0) for _ in kinds]
         scale = self.cfg.duration * 0.95 / sum(gaps)
@@ -246,14 +358,22 @@ class ChaosRun:
         return plan
 
     def _inject(self) -> None:
-        for at, kind in self._schedule():
+        for n, (at, kind) in enumerate(self._schedule()):
             time.sleep(max(0.0, self.began + at - time.time()))
             fault = getattr(self, f"_fault_{kind}")()
+            for _ in range(20):  # no target right now (every worker restarting): soon
+                if fault is not None:
+                    break
+                time.sleep(0.25)
+                fault = getattr(self, f"_fault_{kind}")()
             if fault is not None:
-                fault.t = time.time()
+                fault.t = fault.t or time.time()
                 self.faults.append(fault)
                 with (self.out / "faults.log").open("a") as f:
                     f.write(json.dumps(fault.to_json()) + "\n")
+            if n and n % max(1, self.cfg.faults // 10) == 0:
+                done = len(self._lines("submitted.log"))
+                self.progress(f"{len(self.faults)} faults, {done}/{self.cfg.jobs} jobs submitted")
 
     def _pick(self) -> ManagedProcess | None:
         alive = [w for w in self.workers if w.alive() and w.name not in self._paused]
@@ -293,6 +413,37 @@ class ChaosRun:
         threading.Timer(frozen, wake).start()
         return Fault(0, "zombie", w.name, pids, {"frozen_s": frozen})
 
+    def _fault_partition(self) -> Fault | None:
+        """One worker cut off from Postgres (packets vanish) past its lease, then healed."""
+        cut = [n for n, p in self.partitions.items() if getattr(p, "is_cut", False)]
+        candidates = [w for w in self.workers if w.alive() and w.name not in cut]
+        if not candidates:
+            return None
+        w = self.rng.choice(candidates)
+        part = self.partitions[w.name]
+        part.cut()
+        part.is_cut = True  # type: ignore[attr-defined]
+        held = self.cfg.lease_seconds + 3.0
+
+        def heal() -> None:
+            with contextlib.suppress(Exception):
+                part.heal()
+            part.is_cut = False  # type: ignore[attr-defined]
+
+        threading.Timer(held, heal).start()
+        return Fault(0, "partition", w.name, [w.pid, *w.children()], {"cut_s": held})
+
+    def _fault_pg_crash(self) -> Fault | None:
+        """SIGKILL the postmaster; start it again (crash recovery) a few seconds later."""
+        if self.cluster is None:
+            return None
+        t = time.time()
+        pid = self.cluster.crash()
+        down = self.rng.uniform(1.0, 3.0)
+        time.sleep(down)
+        self.cluster.start()
+        return Fault(t, "pg_crash", "postgres", [pid] if pid else [], {"down_s": round(down, 2)})
+
     def _fault_redis_flush(self) -> Fault | None:
         import redis
 
@@ -307,61 +458,100 @@ class ChaosRun:
         return Fault(0, "redis_flush", "redis", [], {"keys_deleted": deleted})
 
     def _fault_pg_terminate(self) -> Fault | None:
-        with self.admin.connect() as conn:
-            n = conn.execute(
-                sa.text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE datname = :db AND pid <> pg_backend_pid()"
-                ),
-                {"db": self.db_name},
-            ).scalar_one()
+        try:
+            with self.admin.connect() as conn:
+                n = conn.execute(
+                    sa.text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = :db AND pid <> pg_backend_pid()"
+                    ),
+                    {"db": self.db_name},
+                ).scalar_one()
+        except sa.exc.SQLAlchemyError:
+            return None  # the server is down (a crash in progress)
         return Fault(0, "pg_terminate", "postgres", [], {"backends": n})
 
     def _fault_duplicate(self) -> Fault | None:
-        with self._lock:
-            if not self.submitted:
-                return None
-            picked = self.rng.sample(self.submitted, min(5, len(self.submitted)))
-        for _cid, key, _args in picked:
-            try:
-                publish(self.submitter.app, self.settings, self.scope, key, 1)
-            except Exception as exc:  # noqa: BLE001 - the broker may be mid-flush
-                self.progress(f"duplicate publish of {key} failed: {exc}")
-        return Fault(0, "duplicate", "broker", [], {"keys": [k for _, k, _ in picked]})
+        """Five messages published again, as a duplicating broker or a retrying producer."""
+        from celery import Celery
+
+        picked = self.rng.sample(self.workload.jobs, min(5, len(self.workload.jobs)))
+        app = Celery("chaos", broker=self.cfg.broker, set_as_current=False)
+        app.conf.broker_transport_options = {"global_keyprefix": self.prefix}
+        try:
+            for job in picked:
+                with contextlib.suppress(Exception):  # the broker may be mid-flush
+                    app.send_task("toolledger.execute", args=(self.scope, job.key, 1),
+                                  queue="toolledger")  # fmt: skip
+        finally:
+            app.close()
+        return Fault(0, "duplicate", "broker", [], {"keys": [j.key for j in picked]})
+
+    def _heal_all(self) -> None:
+        for part in self.partitions.values():
+            with contextlib.suppress(Exception):
+                part.heal()
+        for w in self.workers:
+            w.signal(signal.SIGCONT, group=True)
+        self._paused.clear()
+        if self.cluster is not None and self.cluster.postmaster_pid() is None:
+            self.cluster.start()
 
     # ------------------------------------------------------------------ the end
 
+    def _lines(self, name: str) -> list[dict[str, Any]]:
+        path = self.out / name
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
     def _open_calls(self) -> int:
-        ledger = self.submitter.ledger
-        return sum(
-            len(ledger.list_calls(scope=self.scope, status=s, limit=0))
-            for s in (Status.APPROVED, Status.RUNNING, Status.PENDING_APPROVAL)
-        )
+        """Calls not ended (approved, running, pending): read with plain SQL, which works on
+        the schema of any version under test."""
+        with create_engine(self.db_url, pool_size=1).connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM operations WHERE scope = :s AND status IN "
+                        "('approved', 'running', 'pending_approval')"
+                    ),
+                    {"s": self.scope},
+                ).scalar_one()
+            )
 
     def _wait_quiet(self, timeout: float) -> float:
+        """Until every call ended and the operator found nothing more to do."""
+        (self.out / "finish").write_text("finish")
         started = time.time()
         while time.time() - started < timeout:
-            try:
-                if len(self.submitted) == self.cfg.jobs and self._open_calls() == 0:
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                done = (self.out / "operator.done").exists()
+                if done and self._open_calls() == 0:
                     return round(time.time() - started, 1)
-            except sa.exc.SQLAlchemyError:
-                pass
             time.sleep(0.5)
         return -1.0
 
     def _final_sweep(self) -> dict[str, Any]:
-        sub = self.submitter
-        summary = sweep(
-            sub.ledger, sub.registry, sub.sandbox, grace_seconds=0, requeue_after=3600, publish=None
-        )
-        return summary.to_json()
+        out = self._cli("sweep", "--grace", "0", "--requeue-after", "3600", "--json")
+        return json.loads(out)  # type: ignore[no-any-return]
 
     def teardown(self) -> None:
-        self.submitter.close()
-        if not self.cfg.keep_db:
-            with self.admin.connect() as conn:
-                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {self.db_name} WITH (FORCE)")
-        self.admin.dispose()
+        for part in self.partitions.values():
+            part.close()
+        if self.downstream is not None:
+            self.downstream.kill()
+            self.downstream.wait(10)
+        with contextlib.suppress(Exception):
+            if not self.cfg.keep_db:
+                with self.admin.connect() as conn:
+                    conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {self.db_name} WITH (FORCE)")
+            self.admin.dispose()
+        if self.cluster is not None:
+            with contextlib.suppress(OSError):
+                shutil.copy(self.cluster.root / "postgres.log", self.out / "logs")
+            if not self.cfg.keep_db:
+                self.cluster.destroy()
+                shutil.rmtree(self.cluster.root, ignore_errors=True)
         self.forget_broker_keys()
 
     def forget_broker_keys(self) -> None:

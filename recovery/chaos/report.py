@@ -19,33 +19,45 @@ FAULT_COLOURS = {
     "redis_flush": "tab:brown",
     "pg_terminate": "tab:blue",
     "duplicate": "tab:gray",
+    "partition": "tab:pink",
+    "pg_crash": "black",
     "failpoint": "tab:olive",
 }
 
 
 def markdown(report: dict[str, Any]) -> str:
+    inbox = report["inbox"]
     lines = [
         f"# Chaos run {report['scope']}",
         "",
-        f"{report['jobs']} jobs, {report['workers']} workers x {report['concurrency']}, "
+        f"{report['jobs']} jobs ({_counts(report['mix'])}), "
+        f"{report['workers']} workers x {report['concurrency']}, "
         f"{sum(report['faults'].values())} faults over {report['fault_window_s']} s "
-        f"(seed {report['seed']}); recovered {report['recovered_s']} s after the last fault; "
+        f"(seed {report['seed']}, lease {report['lease_s']} s); code under test: "
+        f"{report['code']}; recovered {report['recovered_s']} s after the last fault; "
         f"{report['duration_s']} s in all.",
         "",
         "| result | count |",
         "|---|---|",
-        f"| duplicates (a second physical effect) | {report['duplicates']} |",
+        f"| duplicates (a second line, a second charge) | {report['duplicates']} |",
+        f"| effects of revoked executions that landed | {report['effects_after_revocation']} |",
+        f"| shared paths not holding their last succeeded write | "
+        f"{report['shared_path_mismatches']} |",
+        f"| effects hidden behind failed/rejected/pending | {report['hidden_effects']} |",
         f"| lost (never ran, never ended) | {report['lost']} |",
         f"| stuck (running after the final sweep) | {report['stuck']} |",
-        f"| unknown (left for a human) | {report['unknown']['count']} |",
+        f"| left in the humans' inbox (unknown or flagged) | {inbox['count']} "
+        f"({100 * inbox['share']:.2f} %) |",
+        f"| automatic retries (each after proof of absence) | {report['auto_retries']} |",
         f"| reconciled after a crash | {report['reconciled']} |",
+        f"| operator actions | {_counts(report['operator']) or 0} |",
         f"| verify | {'ok' if report['verify_ok'] else 'DIFFERENCES'} |",
         "",
         "| fault | injected |",
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in sorted(report["faults"].items())],
         "",
-        "| unknown, because of | calls |",
+        "| went unknown, because of | executions |",
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in sorted(report["unknown"]["reasons"].items())],
         "",
@@ -56,17 +68,25 @@ def markdown(report: dict[str, Any]) -> str:
             for i in report["invariants"]
         ],
     ]
+    broken = [i for i in report["invariants"] if not i["ok"]]
+    for inv in broken:
+        lines += ["", f"**{inv['name']}** — examples:", *[f"- {x}" for x in inv["examples"]]]
     base = report.get("baseline")
     if base:
         lines += [
             "",
-            "| same jobs and faults | duplicates | lost |",
-            "|---|---|---|",
-            f"| toolledger | {report['duplicates']} | {report['lost']} |",
-            f"| plain Celery task, acks_late, no ledger | {base['duplicates']} "
-            f"({base['duplicate_effects']} extra effects) | {base['lost']} |",
+            "| same workload and faults | duplicates | shared paths wrong | lost |",
+            "|---|---|---|---|",
+            f"| toolledger | {report['duplicates']} | {report['shared_path_mismatches']} | "
+            f"{report['lost']} |",
+            f"| plain Celery tasks, acks_late, no ledger | {base['duplicates']} | "
+            f"{base['shared_path_mismatches']} | {base['lost']} |",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in counts.items())
 
 
 def timeline(
