@@ -10,7 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ledger import db
-from ledger.models import execution_events, operations
+from ledger.errors import NotFound
+from ledger.models import execution_events, executions, operations
 from ledger.reads import LedgerReads, op_key
 from ledger.records import ExecutionRecord, OperationRecord
 from ledger.transitions import EventKind, Review, Status
@@ -121,3 +122,26 @@ class LedgerBase(LedgerReads):
             ex.execution_id,
         )
         self._append(conn, ev)
+
+    def _evidence(
+        self, conn: sa.Connection, execution_id: str, detail: dict[str, Any], actor: str
+    ) -> int:
+        seq = conn.execute(
+            execution_events.insert()
+            .from_select(
+                ["scope", "idempotency_key", "execution_id", "kind", "actor", "at", "detail"],
+                sa.select(
+                    executions.c.scope,
+                    executions.c.idempotency_key,
+                    executions.c.execution_id,
+                    sa.literal(EventKind.EVIDENCE.value),
+                    sa.literal(actor),
+                    db_now(),
+                    sa.literal(detail, execution_events.c.detail.type),
+                ).where(executions.c.execution_id == execution_id),
+            )
+            .returning(execution_events.c.seq)
+        ).scalar_one_or_none()
+        if seq is None:
+            raise NotFound(f"no execution {execution_id!r}")
+        return int(seq)

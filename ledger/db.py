@@ -42,13 +42,17 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def create_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> sa.Engine:
+def create_engine(
+    url: str, *, timeout: float | None = None, statement_timeout: bool = True, **kwargs: Any
+) -> sa.Engine:
     """An engine configured for the ledger on either dialect.
 
     ``timeout`` (seconds) bounds every wait on the database: on Postgres the connect, each
-    statement and lock wait (server side) and an unanswered socket (client side:
-    ``tcp_user_timeout`` and keepalives, since a black-holed connection never hears the
-    server's timeout); on SQLite the wait for the write lock. Error messages never carry
+    statement (unless ``statement_timeout=False``: a human's long read), each lock wait and
+    each idle moment inside a transaction (server side: a frozen client cannot hold its
+    locks longer), and an unanswered socket (client side: ``tcp_user_timeout`` and
+    keepalives, since a black-holed connection never hears the server's timeout); on SQLite
+    the wait for the write lock. Error messages never carry
     SQL parameters (lease tokens, arguments): ``hide_parameters``.
     """
     url = normalize_url(url)
@@ -70,7 +74,8 @@ def create_engine(url: str, *, timeout: float | None = None, **kwargs: Any) -> s
     options = [connect_args.get("options", ""), "-c plan_cache_mode=force_custom_plan"]
     if timeout is not None:
         ms = max(1, int(timeout * 1000))
-        options += [f"-c statement_timeout={ms}", f"-c lock_timeout={ms}"]
+        options += [f"-c statement_timeout={ms}"] if statement_timeout else []
+        options += [f"-c lock_timeout={ms}"]
         options += [f"-c idle_in_transaction_session_timeout={ms}"]
         connect_args.setdefault("connect_timeout", max(1, math.ceil(timeout)))
         connect_args.setdefault("tcp_user_timeout", ms)

@@ -13,12 +13,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger.base import LedgerBase, event
-from ledger.errors import InvalidArguments, InvalidTransition, NotFound, StaleFence
+from ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from ledger.identity import new_execution_id, new_lease_token
 from ledger.models import execution_events, executions, operations
 from ledger.reads import op_key
 from ledger.records import Claim, EffectState, ExecutionRecord, Finished
-from ledger.transitions import TERMINAL, EventKind, Review, Status
+from ledger.transitions import TERMINAL, EventKind, Status
 from ledger.types import db_now, db_now_plus
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
@@ -59,6 +59,7 @@ class LedgerExecution(LedgerBase):
                     op_key(scope, key),
                     operations.c.status == Status.APPROVED,
                     operations.c.authorized_attempts == attempt,
+                    operations.c.review.is_(None),  # a flagged call waits for its human
                 )
                 .with_for_update()
             ).first()
@@ -158,13 +159,19 @@ class LedgerExecution(LedgerBase):
         *,
         error: str | None = None,
         effects: list[dict[str, Any]] | None = None,
+        lock_keys: list[int] | None = None,
     ) -> Finished:
         """running -> succeeded/failed with its result, one transaction (invariant 2).
 
         ``effects``: the sandbox effects this commit makes official (published after it, in
-        the order of the returned ``seq``). Raises StaleFence when the row is no longer
-        running under this token: the execution was revoked, its effects must never land,
-        and the caller records its result as evidence instead.
+        the order of the returned ``seq``). ``lock_keys``: one per path they touch; the
+        commit takes them (Postgres advisory locks, to its end) before its event draws its
+        ``seq``, so two commits on one path get their seqs in the order they commit — the
+        order their bytes land in. (SQLite serialises every commit anyway.)
+
+        Raises StaleFence when the row is no longer running under this token: the execution
+        was revoked, its effects must never land, and the caller records its result as
+        evidence instead.
         """
         if status not in TERMINAL:
             raise InvalidTransition(Status.RUNNING, status, "a terminal write")
@@ -172,9 +179,10 @@ class LedgerExecution(LedgerBase):
             raise InvalidArguments("a result must be a JSON object")
         if status is not Status.SUCCEEDED:
             effects = None  # a failed execution's staged effects are discarded, never published
+        keys = sorted(set(lock_keys or ())) if effects else []
         if self._fast is not None:
             return self._fast.finish(  # type: ignore[no-any-return]
-                execution_id, lease_token, status, result, error, effects
+                execution_id, lease_token, status, result, error, effects, keys
             )
         with self._write() as conn:
             row = conn.execute(
@@ -196,6 +204,9 @@ class LedgerExecution(LedgerBase):
             if row is None:
                 raise StaleFence(execution_id)
             done = ExecutionRecord.from_row(row)
+            if self.dialect == "postgresql":
+                for key in keys:
+                    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(key)))
             self._move_operation(
                 conn, done.scope, done.idempotency_key, done.attempt, Status.RUNNING, status
             )
@@ -221,57 +232,6 @@ class LedgerExecution(LedgerBase):
         """Append a fact about an execution that changes no state (e.g. a late result)."""
         with self._write() as conn:
             return self._evidence(conn, execution_id, detail, actor)
-
-    def record_late_result(
-        self,
-        execution_id: str,
-        detail: dict[str, Any],
-        *,
-        actor: str,
-        outcome: Status | None,
-    ) -> int:
-        """The result a fenced-out executor still holds, kept as evidence.
-
-        ``outcome``: what the late result proves happened in the world (None: nothing, e.g.
-        every effect was refused by the sandbox fence). If a human already resolved the
-        execution the other way, the call goes back to the humans' inbox, flagged
-        ``contradicted``, with both versions in the flag's event.
-        """
-        with self._write() as conn:
-            seq = self._evidence(conn, execution_id, detail, actor)
-            ex = self._require_execution(conn, execution_id)
-            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
-            if outcome is not None and human and ex.status in TERMINAL and ex.status != outcome:
-                versions = {
-                    "human": {"status": ex.status.value, "result": ex.result, "by": human},
-                    "late": {"status": outcome.value, "result": detail.get("late_result")},
-                    "evidence_seq": seq,
-                }
-                self._flag(conn, ex, Review.CONTRADICTED, versions, actor)
-        return seq
-
-    def _evidence(
-        self, conn: sa.Connection, execution_id: str, detail: dict[str, Any], actor: str
-    ) -> int:
-        seq = conn.execute(
-            execution_events.insert()
-            .from_select(
-                ["scope", "idempotency_key", "execution_id", "kind", "actor", "at", "detail"],
-                sa.select(
-                    executions.c.scope,
-                    executions.c.idempotency_key,
-                    executions.c.execution_id,
-                    sa.literal(EventKind.EVIDENCE.value),
-                    sa.literal(actor),
-                    db_now(),
-                    sa.literal(detail, execution_events.c.detail.type),
-                ).where(executions.c.execution_id == execution_id),
-            )
-            .returning(execution_events.c.seq)
-        ).scalar_one_or_none()
-        if seq is None:
-            raise NotFound(f"no execution {execution_id!r}")
-        return int(seq)
 
     def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]:
         """What the ledger says about executions whose staged effects wait in a sandbox: one

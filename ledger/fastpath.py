@@ -42,7 +42,7 @@ _CLAIM = sa.text(
 WITH op AS (
     SELECT tool, args FROM operations
     WHERE scope = :scope AND idempotency_key = :key
-      AND status = :approved AND authorized_attempts = :attempt
+      AND status = :approved AND authorized_attempts = :attempt AND review IS NULL
     FOR UPDATE
 ), claimed AS (
     INSERT INTO executions (execution_id, scope, idempotency_key, attempt, status, worker_id,
@@ -74,6 +74,10 @@ WITH done AS (
         effects = CAST(:effects AS json)
     WHERE execution_id = :execution_id AND status = :running AND lease_token = :lease_token
     RETURNING *
+), locks AS (
+    SELECT pg_advisory_xact_lock(k)
+    FROM (SELECT DISTINCT unnest(CAST(:lock_keys AS bigint[])) AS k FROM done) AS keys
+    ORDER BY k
 ), moved AS (
     UPDATE operations o SET status = :status
     FROM done
@@ -83,7 +87,7 @@ WITH done AS (
     INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
     SELECT scope, idempotency_key, execution_id, :status, coalesce(worker_id, 'worker'), now(),
            CAST(:detail AS json)
-    FROM done
+    FROM done, (SELECT count(*) FROM locks) AS held
     RETURNING seq
 )
 SELECT done.*, logged.seq FROM done, logged
@@ -263,6 +267,7 @@ class PostgresFastPath:
         result: dict[str, Any],
         error: str | None,
         effects: list[dict[str, Any]] | None,
+        lock_keys: list[int],
     ) -> Finished:
         detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
         if effects is not None:
@@ -276,6 +281,7 @@ class PostgresFastPath:
                 "result": dumps(result),
                 "error": error,
                 "effects": None if effects is None else dumps(effects),
+                "lock_keys": lock_keys,
                 "detail": dumps(detail),
             },
         )

@@ -35,9 +35,10 @@ __all__ = ["LEASE_SECONDS", "Ledger"]
 class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
     """The execution layer's own record of every side-effecting tool call.
 
-    ``timeout``: seconds any statement, connect or lock wait may take before it fails
-    (None: the driver's defaults). Workers set it, so a hung connection cannot stall a lease
-    renewal or a terminal write past the lease.
+    ``timeout``: seconds any statement, connect, lock wait or idle moment in a transaction may
+    take before it fails (None: the driver's defaults). Workers set it, so a hung connection
+    cannot stall a lease renewal or a terminal write past the lease; the CLI sets it without
+    the statement timeout, so a frozen operator holds no lock for long.
     """
 
     def __init__(
@@ -47,8 +48,13 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         max_args_bytes: int = MAX_ARGS_BYTES,
         fast_path: bool = True,
         timeout: float | None = None,
+        statement_timeout: bool = True,
     ) -> None:
-        self.engine = url if isinstance(url, sa.Engine) else db.create_engine(url, timeout=timeout)
+        self.engine = (
+            url
+            if isinstance(url, sa.Engine)
+            else db.create_engine(url, timeout=timeout, statement_timeout=statement_timeout)
+        )
         self.dialect = self.engine.dialect.name
         self.max_args_bytes = max_args_bytes
         self._fast: Any = None

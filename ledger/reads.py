@@ -12,6 +12,7 @@ from ledger.models import execution_events, executions, operations, tool_calls
 from ledger.receipts import receipt_for
 from ledger.records import (
     CallView,
+    Claim,
     EventRecord,
     ExecutionRecord,
     ListedCall,
@@ -189,6 +190,22 @@ class LedgerReads:
             op = {c.name: m[f"op_{c.name}"] for c in operations.c}
             out.append((ExecutionRecord.from_row(row), OperationRecord.from_row(op)))
         return out
+
+    def retried_automatically(self, claim: Claim) -> bool:
+        """Whether ``claim``'s attempt was authorised by the sweep on proof of absence."""
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(execution_events.c.detail)
+                .where(
+                    execution_events.c.scope == claim.scope,
+                    execution_events.c.idempotency_key == claim.idempotency_key,
+                    execution_events.c.kind == EventKind.APPROVED,
+                )
+                .order_by(execution_events.c.seq.desc())
+                .limit(1)
+            ).all()
+        detail = rows[0].detail if rows else {}
+        return bool(detail.get("automatic")) and detail.get("attempt") == claim.attempt
 
     def evidence_of(self, execution_id: str) -> list[EventRecord]:
         """The evidence events of one execution, oldest first."""

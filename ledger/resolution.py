@@ -126,35 +126,100 @@ class LedgerResolution(LedgerBase):
         if not isinstance(result, dict):
             raise InvalidArguments("a result must be a JSON object")
         with self._write() as conn:
-            row = conn.execute(
-                executions.update()
-                .where(
-                    executions.c.execution_id == execution_id,
-                    executions.c.status == Status.UNKNOWN,
-                )
-                .values(status=status, result=result, reconciled=True, finished_at=db_now())
-                .returning(*executions.c)
-            ).first()
-            if row is None:
+            done = self._reconcile_in(
+                conn, execution_id, status, result, evidence, actor, retry, flag_both_ran
+            )
+            if done is None:
                 self._require_execution(conn, execution_id)
                 raise StaleFence(execution_id, f"execution {execution_id} is not unknown")
-            done = ExecutionRecord.from_row(row)
-            detail = {"result": result, "reconciled": True, "evidence": evidence}
-            self._append(
-                conn, event(status, done.scope, done.idempotency_key, actor, detail, execution_id)
-            )
-            op = self._locked_operation(conn, done.scope, done.idempotency_key)
-            if op.authorized_attempts == done.attempt:
-                self._move_operation(
-                    conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
-                )
-                if retry and status is Status.FAILED:
-                    failed = self._operation(conn, done.scope, done.idempotency_key)
-                    auto = {"retry": True, "automatic": True, "after": execution_id}
-                    self._authorize_next(conn, failed, actor, {**auto, "evidence": evidence})
-            elif status is Status.SUCCEEDED:
-                self._proof_beats_permission(conn, op, done, evidence, actor, flag_both_ran)
         return done
+
+    def _reconcile_in(
+        self,
+        conn: sa.Connection,
+        execution_id: str,
+        status: Status,
+        result: dict[str, Any],
+        evidence: dict[str, Any],
+        actor: str,
+        retry: bool,
+        flag_both_ran: bool,
+    ) -> ExecutionRecord | None:
+        row = conn.execute(
+            executions.update()
+            .where(executions.c.execution_id == execution_id, executions.c.status == Status.UNKNOWN)
+            .values(status=status, result=result, reconciled=True, finished_at=db_now())
+            .returning(*executions.c)
+        ).first()
+        if row is None:
+            return None
+        done = ExecutionRecord.from_row(row)
+        detail = {"result": result, "reconciled": True, "evidence": evidence}
+        self._append(
+            conn, event(status, done.scope, done.idempotency_key, actor, detail, execution_id)
+        )
+        op = self._locked_operation(conn, done.scope, done.idempotency_key)
+        if op.authorized_attempts == done.attempt:
+            self._move_operation(
+                conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
+            )
+            if retry and status is Status.FAILED:
+                failed = self._operation(conn, done.scope, done.idempotency_key)
+                auto = {"retry": True, "automatic": True, "after": execution_id}
+                self._authorize_next(conn, failed, actor, {**auto, "evidence": evidence})
+        elif status is Status.SUCCEEDED:
+            self._proof_beats_permission(conn, op, done, evidence, actor, flag_both_ran)
+        return done
+
+    def record_late_result(
+        self,
+        execution_id: str,
+        detail: dict[str, Any],
+        *,
+        actor: str,
+        outcome: Status | None,
+        idempotent: bool = False,
+    ) -> int:
+        """The result a fenced-out executor still holds, kept as evidence.
+
+        ``outcome``: what the late result proves happened in the world (None: nothing, e.g.
+        every effect was refused by the sandbox fence). Proof counts at once, not at the
+        next sweep: an unknown execution is reconciled from it in the same transaction, so a
+        later attempt authorised meanwhile is withdrawn before anyone can claim it. If a
+        human already resolved the execution the other way, the call goes back to the
+        humans' inbox, flagged ``contradicted``, with both versions in the flag's event (a
+        flagged call's next attempt cannot be claimed until a human has reviewed it).
+        """
+        late = detail.get("late_result")
+        with self._write() as conn:
+            seq = self._evidence(conn, execution_id, detail, actor)
+            ex = self._require_execution(conn, execution_id)
+            if outcome is None or outcome not in TERMINAL or not isinstance(late, dict):
+                return seq
+            if ex.status is Status.UNKNOWN:
+                proof = {"kind": "late_result", "event_seq": seq, "worker_id": actor}
+                self._reconcile_in(
+                    conn, execution_id, outcome, late, proof, actor, False, not idempotent
+                )
+                return seq
+            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
+            if human and ex.status in TERMINAL and ex.status != outcome:
+                versions = {
+                    "human": {"status": ex.status.value, "result": ex.result, "by": human},
+                    "late": {"status": outcome.value, "result": late},
+                    "evidence_seq": seq,
+                }
+                self._flag(conn, ex, Review.CONTRADICTED, versions, actor)
+        return seq
+
+    def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None:
+        """A committed effect that cannot land (its target became a directory, or a path
+        through a symlink): on record, and the call flagged for a human."""
+        with self._write() as conn:
+            seq = self._evidence(conn, execution_id, {"not_landed": detail}, "sandbox")
+            ex = self._require_execution(conn, execution_id)
+            flagged = {"effect": detail, "evidence_seq": seq}
+            self._flag(conn, ex, Review.NOT_LANDED, flagged, "sandbox")
 
     def _locked_operation(self, conn: sa.Connection, scope: str, key: str) -> OperationRecord:
         """The operation, its row locked until commit (a concurrent claim waits for us)."""
@@ -291,9 +356,10 @@ class LedgerResolution(LedgerBase):
         if changed is None:
             raise StaleFence(ex.execution_id)
         self._move_operation(conn, ex.scope, ex.idempotency_key, ex.attempt, ex.status, status)
-        detail = {
-            "result": result,
-            "reconciled": True,
-            "evidence": {"kind": "human", "by": by, "text": evidence, "review": True},
-        }
+        proof = {"kind": "human", "by": by, "text": evidence, "review": True}
+        detail = {"result": result, "reconciled": True, "evidence": proof}
         self._append(conn, event(status, ex.scope, ex.idempotency_key, by, detail, ex.execution_id))
+        op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
+        if status is Status.SUCCEEDED and op.authorized_attempts > ex.attempt:
+            corrected = self._require_execution(conn, ex.execution_id)
+            self._proof_beats_permission(conn, op, corrected, proof, by, True)

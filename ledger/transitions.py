@@ -42,6 +42,7 @@ class Review(StrEnum):
 
     CONTRADICTED = "contradicted"  # a late result contradicts a human's resolution
     BOTH_RAN = "both_ran"  # an earlier attempt proved succeeded after a later one was claimed
+    NOT_LANDED = "not_landed"  # committed, but its effect could not land (its target changed)
 
 
 #: Statuses an execution row (one real attempt) can have.

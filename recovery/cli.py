@@ -217,7 +217,7 @@ def demo(c: Context) -> int:
     type=click.FloatRange(5),
     default=60.0,
     show_default=True,
-    help="Seconds of fault injection (jobs are submitted over 70% of it).",
+    help="Seconds of fault injection (jobs are submitted over 85% of it).",
 )
 @click.option(
     "--faults",
@@ -238,6 +238,13 @@ def demo(c: Context) -> int:
     help="Then run the same jobs and faults on a plain Celery task, no ledger.",
 )
 @click.option("--keep-db", is_flag=True, help="Keep the run's database for inspection.")
+@click.option(
+    "--code",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="A checkout of another toolledger version to put under test (e.g. a git worktree); "
+    "its workers, agent, operator and sweep run that code; the harness and checker this one.",
+)
 @json_option
 @pass_ctx
 def chaos(
@@ -251,8 +258,10 @@ def chaos(
     out: Path | None,
     baseline: bool,
     keep_db: bool,
+    code: Path | None,
 ) -> int:
-    """Kill workers mid-task on Postgres + Redis; check nothing was duplicated, lost or stuck."""
+    """Kill, freeze, partition and crash the world mid-task; check nothing was duplicated,
+    lost, stuck, landed after its revocation or hidden from the model."""
     from recovery.chaos import ChaosConfig, markdown, run_chaos
 
     settings = c.settings
@@ -269,6 +278,7 @@ def chaos(
         faults=faults,
         seed=seed,
         keep_db=keep_db,
+        code=code.resolve() if code else None,
         progress=quiet,
     )
     if not settings.broker.startswith(("redis://", "rediss://")):

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
+
 from ledger.ledger import Ledger
 from recovery.reconcile import MAX_AUTO_RETRIES, reconcile_unknown
 from worker.sandbox import Sandbox
@@ -77,7 +79,7 @@ def sweep(
         landing = sandbox.effects.settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
-    except OSError as exc:
+    except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs
         summary.errors.append(f"settling the sandbox failed: {exc}")
         log.warning("settling the sandbox failed: %s", exc)
     tally = reconcile_unknown(

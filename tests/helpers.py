@@ -38,7 +38,20 @@ def land(sandbox: Any, scope: str, path: str, data: bytes, kind: str = "write") 
     write = staging.write_atomic if kind == "write" else staging.append
     staged = [write(scope, path, data)]
     staging.seal()
-    return sandbox.effects.publish(Commit(eid, 1, scope, "k", 1), staged, lambda ids: {})
+    return sandbox.effects.publish(Commit(eid, 1, scope, "k", 1), staged, NO_LEDGER)
+
+
+class NoLedger:
+    """A ledger that knows of no other execution (tests of the sandbox alone)."""
+
+    def effect_states(self, execution_ids: list[str]) -> dict[str, Any]:
+        return {}
+
+    def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None:
+        pass
+
+
+NO_LEDGER = NoLedger()
 
 
 def pending_files(sandbox: Any) -> list[str]:

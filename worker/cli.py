@@ -67,7 +67,14 @@ class Context:
 
     @cached_property
     def unchecked_ledger(self) -> Ledger:
-        return Ledger(self.settings.db, max_args_bytes=self.settings.max_args_bytes)
+        # Lock waits and idle transactions bounded: a human's command frozen mid-transaction
+        # (a laptop put to sleep) must not hold a call's row for longer than a worker would.
+        return Ledger(
+            self.settings.db,
+            max_args_bytes=self.settings.max_args_bytes,
+            timeout=self.settings.db_timeout,
+            statement_timeout=False,
+        )
 
     @cached_property
     def submitter(self) -> Submitter:

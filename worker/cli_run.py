@@ -37,7 +37,10 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
             scope, op.idempotency_key, op.authorized_attempts
         )
         if outcome.state == "lost":
-            raise StateError(f"call {tool_call_id!r} was claimed by someone else first")
+            raise StateError(
+                f"call {tool_call_id!r} was not claimed: another executor has it, it is no "
+                "longer approved, or it is flagged for review (toolledger list --review)"
+            )
         data = _after(rt.ledger, scope, tool_call_id)
     finally:
         rt.close()

@@ -21,13 +21,14 @@ that one path — their calls are recorded, their bytes land when the lock frees
 else. A crash after the commit leaves the staged bytes: whoever comes next lands them
 (``Effects.settle``: the worker at start, every sweep, the next writer of that path).
 
-Order on one path. Effects on a path land in the order of their commits (the ``seq`` of the
-commit's event), under an exclusive ``flock`` of that path's lock file: a lander first
-finishes an append a crash interrupted, then looks at every staged effect on the path. Those
-committed with an older ``seq`` are landed first (appends) or dropped (a write replaced by a
-newer write); those whose execution is still running may commit later with an older ``seq``
-(two statements in flight at once): then a small journal keeps the newest ``seq`` landed, and
-such a late, older write is dropped rather than landed over newer bytes.
+Order on one path. Effects on a path land in the order of their commits: two commits that
+touch one path take that path's advisory lock before their event draws its ``seq`` and keep it
+to their end (``Ledger.finish``), so on one path the seqs follow commit order. A lander holds
+the path's ``flock``, first finishes an append a crash interrupted, then looks at every
+effect staged on the path: those committed (all older than any still running, which will
+commit after them) land in seq order — an older write that a newer one replaces, or an
+append that a newer write replaces, is dropped. If the ledger cannot be asked, nothing lands
+on that path until it can.
 
 Crash safety. A write lands by one ``rename`` (atomic, then the directory is fsynced); an
 append first renames its stage to ``applying-<offset>`` (fsynced) and then writes at that
@@ -53,10 +54,10 @@ import stat
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ledger.records import EffectState
 from ledger.transitions import Status
@@ -74,7 +75,14 @@ STATE_DIR = ".toolledger"
 #: How often a lander retries a busy path lock while it waits.
 LOCK_POLL_SECONDS = 0.01
 
-States = Callable[[list[str]], dict[str, EffectState]]
+
+class Book(Protocol):
+    """What landing asks of the ledger (``ledger.Ledger`` is one)."""
+
+    def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]: ...
+
+    def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None: ...
+
 
 _STAGE = re.compile(
     r"^(?P<eid>[0-9a-f-]{36})\.(?P<n>\d+)\.(?P<h>[0-9a-f]{32})\."
@@ -128,9 +136,16 @@ class Staged:
 
 
 def path_hash(scope: str, path: str) -> str:
-    """The name of a path's lock, journal and stages (the path itself may be long)."""
+    """The name of a path's lock and stages (the path itself may be long)."""
     key = f"{scope}\x00{path}".encode("utf-8", "surrogateescape")
     return hashlib.sha256(key).hexdigest()[:32]
+
+
+def lock_keys(scope: str, staged: list[Staged] | list[dict[str, Any]]) -> list[int]:
+    """The paths' keys for the commit's advisory locks (``Ledger.finish``): 60 bits of the
+    path's hash, so that two commits on one path draw their seqs in commit order."""
+    paths = {s.path if isinstance(s, Staged) else s["path"] for s in staged}
+    return sorted(int(path_hash(scope, p)[:15], 16) for p in paths)
 
 
 @dataclass(frozen=True)
@@ -280,14 +295,14 @@ class Effects:
 
     # ------------------------------------------------------------------ landing
 
-    def publish(self, commit: Commit, staged: list[Staged], states: States) -> Landing:
+    def publish(self, commit: Commit, staged: list[Staged], book: Book) -> Landing:
         """Land the effects of an execution after its own commit, path by path."""
         landing = Landing()
         mine = (commit, {s.n: s for s in staged})
         for h in dict.fromkeys(path_hash(commit.scope, s.path) for s in staged):
             try:
                 with self._path_lock(h):
-                    self._land_path(h, states, mine, landing)
+                    self._land_path(h, book, mine, landing)
             except PathBusy:
                 log.info("path %s busy: %s lands later (settle)", h, commit.execution_id)
                 landing.busy += 1
@@ -317,42 +332,38 @@ class Effects:
     def _land_path(
         self,
         h: str,
-        states: States,
+        book: Book,
         mine: tuple[Commit, dict[int, Staged]] | None,
         landing: Landing,
     ) -> None:
-        """Under the path's lock: land, in commit order, every committed effect staged on it."""
+        """Under the path's lock: land, in commit order, every committed effect staged on it.
+
+        Commits that touch one path take that path's advisory lock before their seq is drawn
+        (``Ledger.finish``), so every commit on it older than ours is visible now, and any
+        still running will commit with a newer seq: what is committed can land in seq order,
+        and nothing older can turn up later."""
         with self._pending() as pfd:
             files = [f for f in self._scan(pfd)[0] if f.h == h and f.kind != "refused"]
             own_id = mine[0].execution_id if mine else None
             foreign = sorted({f.execution_id for f in files} - {own_id})
             try:
-                known = states(foreign) if foreign else {}
-                unsure = False
-            except Exception as exc:  # noqa: BLE001 - the ledger is unreachable: land only ours
+                known = book.effect_states(foreign) if foreign else {}
+            except Exception as exc:
                 log.warning("cannot ask the ledger about %d staged effects: %s", len(foreign), exc)
-                known, unsure = {}, True
-            running = unsure or any(_is_running(known.get(eid)) for eid in foreign)
+                raise PathBusy(h) from exc
             steps = []
             for f in files:
                 if mine is not None and f.execution_id == own_id:
                     st = mine[1].get(f.n)
                     if st is not None:
                         steps.append(_Step(mine[0], f, st.path, st.sha256))
-                elif step := self._foreign_step(pfd, f, known.get(f.execution_id), unsure, landing):
+                elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing):
                     steps.append(step)
-            self._land_in_order(pfd, h, steps, running, landing)
+            self._land_in_order(pfd, steps, book, landing)
 
     def _foreign_step(
-        self,
-        pfd: int,
-        f: StageFile,
-        state: EffectState | None,
-        unsure: bool,
-        landing: Landing,
+        self, pfd: int, f: StageFile, state: EffectState | None, landing: Landing
     ) -> _Step | None:
-        if unsure:
-            return None
         if state is not None and state.own_success:
             effect = state.effects[f.n] if f.n < len(state.effects) else None
             if effect is not None and path_hash(state.scope, effect["path"]) == f.h:
@@ -361,7 +372,7 @@ class Effects:
             self._aside(pfd, f, landing)
             return None
         if state is not None and state.status is Status.RUNNING:
-            landing.left += 1
+            landing.left += 1  # if it commits, its seq will be newer than every one here
             return None
         # revoked, failed, decided by a reconciler or a human, or never claimed: never lands
         with contextlib.suppress(FileNotFoundError):
@@ -369,34 +380,22 @@ class Effects:
             landing.discarded += 1
         return None
 
-    def _land_in_order(
-        self, pfd: int, h: str, steps: list[_Step], running: bool, landing: Landing
-    ) -> None:
-        journal = self._read_journal(h)
+    def _land_in_order(self, pfd: int, steps: list[_Step], book: Book, landing: Landing) -> None:
         redo = [s for s in steps if s.file.kind == "applying"]  # decided before a crash
         rest = sorted((s for s in steps if s.file.kind != "applying"), key=_order)
         newest_write = max((_order(s) for s in rest if s.file.kind == "write"), default=(0, -1))
         todo: list[_Step] = []
         for s in rest:
-            floor = journal["any"] if s.file.kind == "write" else journal["write"]
-            if _order(s) < newest_write or s.seq < floor:
-                with contextlib.suppress(FileNotFoundError):  # superseded by newer bytes
+            if _order(s) < newest_write:  # replaced by a newer write: its bytes never land
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(s.file.name, dir_fd=pfd)
                     landing.discarded += 1
             else:
                 todo.append(s)
-        if running and todo:
-            # An effect still running may commit with an older seq: remember what landed.
-            writes = [s.seq for s in todo if s.file.kind == "write"]
-            journal = {
-                "write": max([journal["write"], *writes]),
-                "any": max([journal["any"], *(s.seq for s in todo)]),
-            }
-            self._write_journal(h, journal)
         for s in [*redo, *todo]:
-            self._land(pfd, s, landing)
+            self._land(pfd, s, book, landing)
 
-    def _land(self, pfd: int, s: _Step, landing: Landing) -> None:
+    def _land(self, pfd: int, s: _Step, book: Book, landing: Landing) -> None:
         try:
             if s.file.kind == "write":
                 self._land_write(pfd, s)
@@ -405,6 +404,9 @@ class Effects:
         except (PathRefused, OSError) as exc:
             log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
             self._aside(pfd, s.file, landing)
+            detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": str(exc)}
+            with contextlib.suppress(Exception):  # the next settle cannot redo it: say so
+                book.record_not_landed(s.file.execution_id, detail)
             return
         landing.landed += 1
 
@@ -415,7 +417,8 @@ class Effects:
         with self.sandbox.open_parent(s.scope, s.path, create=True) as (parent, name):
             assert parent is not None
             self.sandbox.target_stat(parent, name, s.path)
-            # rename replaces a symlink swapped in meanwhile, never follows it
+            # rename replaces a symlink swapped in meanwhile, never follows it; on the
+            # filesystems supported it leaves both directories in one journal transaction
             os.rename(s.file.name, name, src_dir_fd=pfd, dst_dir_fd=parent)
             os.fsync(parent)
         failpoints.hit("after_publish", eid)
@@ -434,6 +437,7 @@ class Effects:
         self._write_at(pfd, f, s.scope, s.path)
         failpoints.hit("after_publish", eid)
         os.unlink(f.name, dir_fd=pfd)
+        os.fsync(pfd)  # an intent that came back after a power loss would rewrite old bytes
 
     def _size(self, scope: str, path: str) -> int:
         st = self.sandbox.stat(scope, path)
@@ -474,22 +478,6 @@ class Effects:
         with contextlib.suppress(FileNotFoundError):
             os.rename(f.name, aside.name, src_dir_fd=pfd, dst_dir_fd=pfd)
         landing.refused += 1
-
-    # ------------------------------------------------------------------ the path journal
-
-    def _journal_path(self, h: str) -> Path:
-        return self.paths_dir / h[:2] / f"{h}.journal"
-
-    def _read_journal(self, h: str) -> dict[str, int]:
-        try:
-            data = json.loads(self._journal_path(h).read_text())
-        except FileNotFoundError:
-            return {"write": 0, "any": 0}
-        return {"write": int(data["write"]), "any": int(data["any"])}
-
-    def _write_journal(self, h: str, journal: dict[str, int]) -> None:
-        path = self._journal_path(h)
-        _replace_durably(path, json.dumps(journal).encode())
 
     # ------------------------------------------------------------------ the effects log
 
@@ -560,7 +548,7 @@ class Effects:
                 continue
             try:
                 with self._path_lock(h):
-                    self._land_path(h, ledger.effect_states, None, summary)
+                    self._land_path(h, ledger, None, summary)
             except PathBusy:
                 summary.busy += 1
         return summary
@@ -576,7 +564,7 @@ class Effects:
             if state.lease_token != record["lease_token"]:
                 return  # not ours to judge (cannot happen: tokens are per execution)
             try:
-                _record_by_lease(ledger, eid, record)
+                _record_by_lease(ledger, eid, record, state.scope)
                 summary.recorded += 1
                 self._drop_spool(eid)
                 return
@@ -586,13 +574,17 @@ class Effects:
             marker = record["late"]["spool"]
             if not any(e.detail.get("spool") == marker for e in ledger.evidence_of(eid)):
                 ledger.record_late_result(
-                    eid, record["late"], actor=actor, outcome=_status(record.get("proves"))
+                    eid,
+                    record["late"],
+                    actor=actor,
+                    outcome=_status(record.get("proves")),
+                    idempotent=bool(record["late"].get("idempotent")),
                 )
             summary.evidence += 1
         self._drop_spool(eid)
 
 
-def _record_by_lease(ledger: Ledger, eid: str, record: dict[str, Any]) -> None:
+def _record_by_lease(ledger: Ledger, eid: str, record: dict[str, Any], scope: str) -> None:
     """The write the executor could not make, made now under its own lease token."""
     from ledger.errors import StaleFence
 
@@ -607,6 +599,7 @@ def _record_by_lease(ledger: Ledger, eid: str, record: dict[str, Any]) -> None:
             record["result"],
             error=record.get("error"),
             effects=record.get("effects"),
+            lock_keys=lock_keys(scope, record.get("effects") or []),
         )
         return
     ledger.mark_unknown(

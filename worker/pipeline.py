@@ -29,9 +29,11 @@ from ledger.ledger import Ledger
 from ledger.records import Claim
 from ledger.transitions import Status
 from worker import failpoints
-from worker.effects import Commit, Landing, LeaseLost, LeaseWatch, Staged
+from worker.effects import Commit, Landing, LeaseLost, LeaseWatch, Staged, lock_keys
 from worker.sandbox import Sandbox, SandboxError
 from worker.tools import (
+    Absent,
+    Evidence,
     InvalidToolArguments,
     OutcomeUnknown,
     Registry,
@@ -273,7 +275,34 @@ class Executor:
             tool = self.registry.get(claim.tool)
         except UnknownTool as exc:
             return Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc)
+        if claim.attempt > 1 and tool.auto_retry and self.ledger.retried_automatically(claim):
+            stale = self._still_absent(tool, claim, ctx)
+            if stale is not None:
+                return stale
         return run_tool(tool, claim.args, ctx)
+
+    def _still_absent(
+        self, tool: Tool, claim: Claim, ctx: ToolContext
+    ) -> tuple[Status, dict[str, Any], str | None] | None:
+        """An automatic retry was authorised on the reconciler's word that the effect is
+        absent: ask again now. If the world moved on meanwhile (another call wrote the path),
+        applying it late would overwrite newer bytes: it ends without running."""
+        assert tool.reconcile is not None
+        try:
+            found = tool.reconcile(tool.parse(claim.args), ctx)
+        except Exception as exc:  # noqa: BLE001 - cannot tell: do not apply it late
+            found = None
+            log.warning("reconciler of %s failed before its retry: %s", claim.execution_id, exc)
+        if isinstance(found, Absent):
+            return None
+        if isinstance(found, Evidence):
+            return found.status, found.result, None  # it holds already: nothing to write
+        superseded = {
+            "error": "superseded",
+            "message": "the target changed after this automatic retry was authorised; "
+            "nothing was written",
+        }
+        return Status.FAILED, superseded, "superseded"
 
     # ------------------------------------------------------------------ the terminal write
 
@@ -330,7 +359,13 @@ class Executor:
         assert result is not None
         effects = [s.to_json() for s in staged] or None
         done = self.ledger.finish(
-            claim.execution_id, claim.lease_token, status, result, error=error, effects=effects
+            claim.execution_id,
+            claim.lease_token,
+            status,
+            result,
+            error=error,
+            effects=effects,
+            lock_keys=lock_keys(claim.scope, staged),
         )
         return Outcome("finished", claim.execution_id, status, result, done.seq)
 
@@ -369,6 +404,7 @@ class Executor:
                 detail,
                 actor=self.worker_id,
                 outcome=self._proves(status, staged),
+                idempotent=detail["idempotent"],
             )
         except sa.exc.SQLAlchemyError as exc:
             log.warning("late result of %s not recorded: %s", claim.execution_id, _brief(exc))
@@ -405,6 +441,7 @@ class Executor:
             "staged": [s.to_json() for s in staged],
             "landed": False,
             "proves": proves.value if proves else None,
+            "idempotent": claim.tool in self.registry and self.registry.get(claim.tool).idempotent,
         }
 
     def _unrecorded(
@@ -457,7 +494,7 @@ class Executor:
         if outcome.state == "finished" and outcome.status is Status.SUCCEEDED:
             commit = Commit(eid, outcome.seq, claim.scope, claim.idempotency_key, claim.attempt)
             try:
-                landing = effects.publish(commit, staged, self.ledger.effect_states)
+                landing = effects.publish(commit, staged, self.ledger)
             except OSError as exc:
                 log.error(
                     "effects of %s not landed yet (%s): settle lands them", claim.execution_id, exc

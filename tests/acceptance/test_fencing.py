@@ -101,9 +101,15 @@ class World:
         assert proc.returncode == 0, err
         return json.loads(out)  # type: ignore[no-any-return]
 
-    def revoke(self) -> None:
-        """The sweep's first step: every expired lease -> unknown (DB clock)."""
-        wait_until(lambda: self.ledger.mark_expired(grace_seconds=0), 30, "lease expiry")
+    def revoke(self, scope: str, cid: str = "c1") -> None:
+        """The sweep's first step (every expired lease -> unknown, by the DB clock), until
+        this call's execution is revoked (the module's database has other tests' calls)."""
+
+        def revoked() -> bool:
+            self.ledger.mark_expired(grace_seconds=0)
+            return execution_of(self.ledger, scope, cid).status is Status.UNKNOWN
+
+        wait_until(revoked, 30, "lease expiry")
 
     def sweep(self, **kw: Any) -> Any:
         return sweep(
@@ -164,7 +170,7 @@ def test_fence__zombie_revoked_then_a_newer_writer_wins_and_its_bytes_never_land
     zombie = world.execute(scope, "c1", failpoints=f"{point}=stop")
     world.frozen(zombie)
     # When its lease expires, the sweep marks it unknown, a human resolves it failed,
-    world.revoke()
+    world.revoke(scope)
     c1 = execution_of(world.ledger, scope, "c1")
     code, _, err = world.cli(
         "resolve", "--execution-id", c1.execution_id, "--as", "failed", "--by", "dana",
@@ -200,7 +206,7 @@ def test_fence__the_sweep_alone_settles_the_zombie_not_applied(world, scope):
     world.submit(scope, "c1", "append_file", write("log.txt", "line 1\n"))
     zombie = world.execute(scope, "c1", failpoints="after_stage=stop")
     world.frozen(zombie)
-    world.revoke()
+    world.revoke(scope)
     summary = world.sweep()
     assert summary.not_applied == 1 and summary.auto_retried == 0  # append: no auto retry
     world.wake(zombie)
@@ -216,7 +222,7 @@ def test_fence__zombie_append_and_a_human_retry_exactly_one_line(world, scope):
     world.submit(scope, "c1", "append_file", write("ledger.txt", "charge $10\n"))
     zombie = world.execute(scope, "c1", failpoints="before_effect=stop")
     world.frozen(zombie)
-    world.revoke()
+    world.revoke(scope)
     code, out, err = world.cli(
         "retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol",
         "--accept-duplicate", "--json",
@@ -306,7 +312,7 @@ def test_proof__late_result_of_an_unfenced_tool_withdraws_the_human_retry(world,
     world.submit(scope, "c1", "notify", {"to": "ops"})
     zombie = world.execute(scope, "c1", failpoints="after_effect=stop")
     world.frozen(zombie)
-    world.revoke()
+    world.revoke(scope)
     code, _, err = world.cli(
         "retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol", "--accept-duplicate"
     )
@@ -327,7 +333,7 @@ def test_proof__late_result_contradicting_a_human_goes_back_to_the_inbox(world, 
     world.submit(scope, "c1", "notify", {"to": "ops"})
     zombie = world.execute(scope, "c1", failpoints="after_effect=stop")
     world.frozen(zombie)
-    world.revoke()
+    world.revoke(scope)
     c1 = execution_of(world.ledger, scope, "c1")
     code, _, err = world.cli(
         "resolve", "--execution-id", c1.execution_id, "--as", "failed", "--by", "dana",
@@ -401,7 +407,7 @@ def test_fence__partitioned_worker_lands_nothing_after_the_database_revoked_it(
     # When its network path to the database is cut (no RST: packets vanish) while the sweep
     # still reaches the database and revokes it once its lease expired
     partition.cut()
-    world.revoke()
+    world.revoke(scope)
     out, err = proc.communicate(timeout=120)
     partition.heal()
     # Then the executor gave up on its own (self-fenced, or its commit never got through),
@@ -419,3 +425,161 @@ def test_fence__partitioned_worker_lands_nothing_after_the_database_revoked_it(
     assert late and late[-1].detail["landed"] is False
     assert world.file(scope, "notes.txt") is None and world.pending() == []
     world.ledger.close()
+
+
+# ---------------------------------------------------------------------------- regressions
+# Found by an adversarial review of the fence (its scripts, rewritten as tests).
+
+
+def _waiting_on_a_lock(pg_url: str, needle: str) -> bool:
+    import psycopg
+
+    with psycopg.connect(pg_url.replace("+psycopg", ""), autocommit=True) as mon:
+        return bool(
+            mon.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE %s",
+                (f"%{needle}%",),
+            ).fetchone()[0]
+        )
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("first", ["write_file", "append_file"])
+def test_order__a_commit_blocked_inside_its_statement_still_lands_in_commit_order(
+    pg_url, tmp_path, scope, first
+):
+    """Before: c1's finish drew its seq, then waited on its operation row (locked by a human's
+    frozen command); c2 committed meanwhile with a newer seq and landed; c1 then committed
+    with the older seq and its write was dropped (or its append landed after c2's)."""
+    import psycopg
+
+    world = World(pg_url, tmp_path, Ledger(pg_url))
+    world.submit(scope, "c1", first, write("notes.txt", "AAAA\n"))
+    world.submit(scope, "c2", "append_file", write("notes.txt", "BBBB\n"))
+    c1 = world.execute(scope, "c1", failpoints="after_effect=stop", lease_seconds="30")
+    world.frozen(c1)
+    key = world.ledger.key_for(scope, "c1")
+    with psycopg.connect(pg_url.replace("+psycopg", "")) as locker:
+        locker.execute(
+            "SELECT 1 FROM operations WHERE scope = %s AND idempotency_key = %s FOR UPDATE",
+            (scope, key),
+        )
+        os.kill(c1.pid, signal.SIGCONT)  # its commit now waits inside its statement
+        wait_until(lambda: _waiting_on_a_lock(pg_url, "WITH done"), 30, "c1 blocked")
+        c2 = world.execute(scope, "c2", lease_seconds="30", db_timeout="5")
+        wait_until(lambda: _waiting_on_a_lock(pg_url, "pg_advisory_xact_lock"), 30, "c2 waits")
+    for proc in (c1, c2):  # the lock released: c1 commits, then c2
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    world.sweep()
+    seqs = [
+        next(e.seq for e in world.ledger.events(scope, cid) if e.kind == "succeeded")
+        for cid in ("c1", "c2")
+    ]
+    assert seqs[0] < seqs[1]  # the ledger's order is the order of the commits
+    assert world.file(scope, "notes.txt") == b"AAAA\nBBBB\n"
+    assert [e["seq"] for e in world.effects()] == seqs
+    world.ledger.close()
+
+
+@pytest.mark.postgres
+def test_order__a_lander_that_cannot_ask_the_ledger_lands_nothing(pg_url, tmp_path, scope):
+    """Before: a lander whose ledger read failed skipped another execution's half-done append
+    and appended at the same offset; the redo later wrote over its bytes."""
+    import psycopg
+
+    world = World(pg_url, tmp_path, Ledger(pg_url))
+    world.submit(scope, "c1", "append_file", write("log.txt", "AAAA\n"))
+    world.submit(scope, "c2", "append_file", write("log.txt", "BBBB\n"))
+    c1 = world.execute(scope, "c1", failpoints="before_publish=exit(9)")
+    c1.communicate(timeout=60)
+    assert c1.returncode == 9 and any("applying-0" in f for f in world.pending())
+    c2 = world.execute(scope, "c2", failpoints="after_terminal=stop", db_timeout="1")
+    world.frozen(c2)
+    with psycopg.connect(pg_url.replace("+psycopg", "")) as locker:
+        locker.execute("LOCK TABLE executions IN ACCESS EXCLUSIVE MODE")
+        code, out, err = world.wake(c2)
+        assert code == 0, err
+        assert json.loads(out)["landing"]["busy"] == 1  # nothing landed, nothing guessed
+    assert world.file(scope, "log.txt") is None
+    world.sweep()
+    assert world.file(scope, "log.txt") == b"AAAA\nBBBB\n" and world.pending() == []
+    world.ledger.close()
+
+
+def test_proof__a_late_result_withdraws_the_retry_before_anyone_claims_it(world, scope):
+    """Before: the withdrawal waited for the next sweep, and only for unknown executions:
+    a worker could claim attempt 2 in between and notify twice."""
+    world.submit(scope, "c1", "notify", {"to": "ops"})
+    zombie = world.execute(scope, "c1", failpoints="after_effect=stop")
+    world.frozen(zombie)
+    world.revoke(scope)
+    code, _, err = world.cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol",
+                             "--accept-duplicate")  # fmt: skip
+    assert code == 0, err
+    world.wake(zombie)  # its late result: the notification was sent — and no sweep runs
+    view = world.ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
+    assert [e.kind for e in world.ledger.events(scope, "c1")][-2:] == ["succeeded", "withdrawn"]
+    code, _, err = world.cli("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 5 and len(world.ledger.get(scope, "c1").executions) == 1
+
+
+def test_proof__a_contradicted_call_runs_no_new_attempt_until_reviewed(world, scope):
+    world.submit(scope, "c1", "notify", {"to": "ops"})
+    zombie = world.execute(scope, "c1", failpoints="after_effect=stop")
+    world.frozen(zombie)
+    world.revoke(scope)
+    first = execution_of(world.ledger, scope, "c1")
+    world.cli("resolve", "--execution-id", first.execution_id, "--as", "failed", "--by", "dana",
+              "--evidence", "nothing in the channel")  # fmt: skip
+    world.cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "dana",
+              "--accept-duplicate")  # fmt: skip
+    world.wake(zombie)  # contradicted: the human said failed, the late result says sent
+    code, _, err = world.cli("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 5 and "review" in err  # attempt 2 is not claimed while the call is flagged
+    code, _, err = world.cli(
+        "resolve", "--execution-id", first.execution_id, "--as", "succeeded", "--by", "erin",
+        "--evidence", "it is in the channel after all",
+    )  # fmt: skip
+    assert code == 0, err
+    view = world.ledger.get(scope, "c1")  # the review proved attempt 1: attempt 2 withdrawn
+    assert (view.operation.status, view.operation.review, len(view.executions)) == (
+        Status.SUCCEEDED,
+        None,
+        1,
+    )
+
+
+def test_order__an_effect_that_cannot_land_after_its_commit_is_flagged(world, scope):
+    """Before: c1's committed write of d/f, crashed before landing, was set aside silently
+    when c2 had made d a file; the ledger said c1 succeeded and nobody was asked."""
+    world.submit(scope, "c1", "write_file", write("d/f", "one"))
+    proc = world.execute(scope, "c1", failpoints="after_terminal=exit(9)")
+    proc.communicate(timeout=60)
+    world.submit(scope, "c2", "write_file", write("d", "two"))
+    assert world.run(scope, "c2")["status"] == "succeeded"
+    world.sweep()
+    assert world.file(scope, "d") == b"two"
+    view = world.ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, "not_landed")
+    _code, out, _ = world.cli("list", "--review", "--scope", scope, "--json")
+    assert [c["tool_call_id"] for c in json.loads(out)["calls"]] == ["c1"]
+
+
+def test_order__an_automatic_retry_never_overwrites_a_newer_write(world, scope):
+    """Before: the sweep saw p.txt missing and authorised attempt 2 of c1; c2 then wrote
+    p.txt; attempt 2 ran later and overwrote c2's bytes with c1's older request."""
+    world.submit(scope, "c1", "write_file", write("p.txt", "OLD (c1)\n"))
+    zombie = world.execute(scope, "c1", failpoints="before_effect=stop")
+    world.frozen(zombie)
+    world.revoke(scope)
+    assert world.sweep().auto_retried == 1  # target missing: attempt 2 authorised
+    world.submit(scope, "c2", "write_file", write("p.txt", "NEW (c2)\n"))
+    assert world.run(scope, "c2")["status"] == "succeeded"
+    late = world.run(scope, "c1")  # attempt 2 runs only now
+    assert (late["status"], late["executions"][-1]["result"]["error"]) == ("failed", "superseded")
+    assert world.file(scope, "p.txt") == b"NEW (c2)\n"
+    world.wake(zombie)
+    assert world.file(scope, "p.txt") == b"NEW (c2)\n"

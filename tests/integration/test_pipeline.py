@@ -181,10 +181,14 @@ def test_pipeline__lease_lost_is_noticed_and_late_result_becomes_evidence(run, l
     t.join()
     assert outcome.state == "stale"
     assert outcome.result == {"noticed_lease_loss": True}
-    assert view.current.status is Status.UNKNOWN and view.current.result is None
-    evidence = ledger.events(scope, view.tool_call_id)[-1]
+    # its late result (no sandbox effect was refused: the report stands) is evidence, and
+    # proof at once: the unknown execution is reconciled from it in the same transaction
+    assert (view.current.status, view.current.reconciled) == (Status.SUCCEEDED, True)
+    assert view.current.result == {"noticed_lease_loss": True}
+    evidence, proven = ledger.events(scope, view.tool_call_id)[-2:]
     assert evidence.kind == "evidence"
     assert evidence.detail["late_result"] == {"noticed_lease_loss": True}
+    assert (proven.kind, proven.detail["evidence"]["kind"]) == ("succeeded", "late_result")
 
 
 class CommitThenFail(Ledger):

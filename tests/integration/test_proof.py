@@ -257,11 +257,13 @@ def test_review__an_executors_own_result_stands_and_unflagged_calls_are_refused(
 
 def test_sweep__late_result_proves_success_and_withdraws_the_human_retry(ledger, scope, tmp_path):
     # Given an unfenced tool's attempt 1 unknown, a retry authorised, and then the zombie's
-    # late result (nothing staged: its report stands for its effect outside the sandbox)
+    # late result (nothing staged: its report stands for its effect outside the sandbox),
+    # kept as plain evidence — as a worker of an older version, or one whose proof could not
+    # be applied at once, leaves it for the sweep
     first = unknown_attempt(ledger, scope)
     ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
     late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
-    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    ledger.record_evidence(first, late, actor="zombie")
     time.sleep(0.01)
     # When the sweep runs
     summary = sweep(
@@ -274,7 +276,25 @@ def test_sweep__late_result_proves_success_and_withdraws_the_human_retry(ledger,
     )
     # Then attempt 1 is succeeded from its late result, and attempt 2 is withdrawn
     assert summary.from_late_result >= 1
+    assert ledger.verify().ok
     view = ledger.get(scope, "c1")
     assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
     assert kinds(ledger, scope)[-2:] == ["succeeded", "withdrawn"]
     assert ledger.claim(scope, "notify:c1", 2, worker_id="w") is None
+
+
+def test_late_result__proof_counts_at_once_not_at_the_next_sweep(ledger, scope):
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
+    assert kinds(ledger, scope)[-3:] == ["evidence", "succeeded", "withdrawn"]
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w") is None
+    # a late result that proves nothing (its sandbox effects refused) changes nothing
+    second = unknown_attempt(ledger, scope, "c2")
+    refused = {"late_result": {"ok": 1}, "status": "succeeded", "proves": None, "staged": [{}]}
+    ledger.record_late_result(second, refused, actor="zombie", outcome=None)
+    assert ledger.get(scope, "c2").operation.status is Status.UNKNOWN
+    assert ledger.verify().ok

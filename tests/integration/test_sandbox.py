@@ -13,7 +13,7 @@ from ledger.errors import InputError
 from ledger.identity import new_execution_id
 from ledger.ledger import Ledger
 from ledger.transitions import Status
-from tests.helpers import land, pending_files, row_counts
+from tests.helpers import NO_LEDGER, land, pending_files, row_counts
 from worker.config import Settings
 from worker.effects import Commit, LeaseLost, LeaseWatch
 from worker.pipeline import Executor
@@ -128,7 +128,7 @@ def test_sandbox__atomic_write_replaces_and_leaves_nothing_pending(world):
     assert staged.sha256 == hashlib.sha256(b"new content").hexdigest()
     assert (mine / "ok/inside.txt").read_bytes() == b"mine"  # staged: nothing changed yet
     commit = Commit(staging.execution_id, 1, "me", "k", 1)
-    landing = sb.effects.publish(commit, staging.seal(), lambda _: {})
+    landing = sb.effects.publish(commit, staging.seal(), NO_LEDGER)
     assert landing.landed == 1
     assert (mine / "ok/inside.txt").read_bytes() == b"new content"
     assert pending_files(sb) == []
