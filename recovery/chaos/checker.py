@@ -102,8 +102,8 @@ def one_effect_per_call(f: Facts) -> Invariant:
 def no_effect_after_revocation(f: Facts) -> Invariant:
     """Every landing is of an execution whose own commit made it official, with that commit's
     seq; and on each path, writes land in commit order (an older one never after a newer)."""
-    if f.landings is None:
-        return Invariant("no effect of a revoked execution lands", True, 0, ["not logged"])
+    if f.landings is None:  # an older version: nothing to judge by (reported as not measured)
+        return Invariant("no effect of a revoked execution lands", True, 0, ["not measured"])
     bad = []
     for landing in f.landings:
         commit = f.own_commit(landing["execution_id"])
@@ -269,7 +269,8 @@ def check(f: Facts) -> dict[str, Any]:
     inbox = [k for k, op in f.ops.items() if op["status"] in INBOX or op.get("review")]
     return {
         "duplicates": dup.count,
-        "effects_after_revocation": after.count,
+        # None: this version logs no landings, so the check could not be made
+        "effects_after_revocation": after.count if f.landings is not None else None,
         "shared_path_mismatches": shared.count,
         "hidden_effects": hidden.count,
         "lost": lost,

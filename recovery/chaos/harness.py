@@ -404,7 +404,9 @@ class ChaosRun:
         pids = [w.pid, *w.children()]
         self._paused.add(w.name)
         w.signal(signal.SIGSTOP, group=True)
-        frozen = self.cfg.lease_seconds + 2.5
+        # past its lease, and long enough for the sweep to revoke it and for the operator
+        # or a later writer to act before it wakes: what a zombie could then land would show
+        frozen = self.cfg.lease_seconds + 6.0
 
         def wake() -> None:
             w.signal(signal.SIGCONT, group=True)
@@ -423,7 +425,7 @@ class ChaosRun:
         part = self.partitions[w.name]
         part.cut()
         part.is_cut = True  # type: ignore[attr-defined]
-        held = self.cfg.lease_seconds + 3.0
+        held = self.cfg.lease_seconds + 6.0
 
         def heal() -> None:
             with contextlib.suppress(Exception):

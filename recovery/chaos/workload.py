@@ -62,13 +62,17 @@ class Workload:
 
 
 def make_workload(jobs: int, seed: int, run_id: str, hold_ms: int) -> Workload:
+    """``hold_ms``: the mean time a job holds (half before its effect, half after); each job
+    draws its own between a quarter and three times that, so faults meet jobs at every stage."""
     rng = random.Random(seed)
     kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=jobs)
     out, chains = Workload(), 0
     last_in_chain: dict[str, tuple[str, int]] = {}  # group -> (cid, writers so far)
+    mean = hold_ms
     for i, kind in enumerate(kinds):
         cid = f"job-{i:06d}"
         stamp = f"{cid} {run_id}"
+        hold_ms = int(mean * rng.uniform(0.25, 3.0))
         if kind == "write":
             args = {"path": f"own/{i % 97:02d}/{cid}.txt", "content": stamp, "hold_ms": hold_ms}
             out.jobs.append(Job(cid, kind, TOOLS[kind], args))

@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 
 from ledger.errors import LedgerError
@@ -43,12 +44,16 @@ def log(path: str, entry: dict[str, Any]) -> None:
         f.write(json.dumps({"t": time.time(), **entry}) + "\n")
 
 
+#: What a database fault looks like (older versions let some raw driver errors through).
+DB_FAULTS = (sa.exc.SQLAlchemyError, psycopg.Error)
+
+
 def retrying(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Through database faults (terminated sessions, a crashed server): a patient client."""
     for tries in range(120):
         try:
             return fn(*args, **kwargs)
-        except sa.exc.SQLAlchemyError as exc:
+        except DB_FAULTS as exc:
             if tries % 10 == 9:
                 print(f"{what}: still failing: {str(exc).splitlines()[0]}", file=sys.stderr)
             time.sleep(min(2.0, 0.1 * (tries + 1)))
@@ -216,7 +221,7 @@ class Operator:
             humans.resolve(
                 self.sub, current.execution_id, status, by="chaos-operator", evidence=why
             )
-        except sa.exc.SQLAlchemyError:
+        except DB_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a sweep got there first, or it is refused
             self.act("gave_up", job["cid"], f"{why}; refused: {exc}")
@@ -238,7 +243,7 @@ class Operator:
                                accept_duplicate=True, reason=why)  # fmt: skip
             accepted = True
         except Exception as exc:
-            if isinstance(exc, sa.exc.SQLAlchemyError):
+            if isinstance(exc, DB_FAULTS):
                 raise
             return 0
         self.retried[job["cid"]] = self.retried.get(job["cid"], 0) + 1
