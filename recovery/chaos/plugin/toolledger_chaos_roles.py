@@ -30,7 +30,6 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from ledger.errors import LedgerError
 from ledger.transitions import Status
 from recovery import humans
 from worker.config import Settings
@@ -69,22 +68,26 @@ def submit(plan: dict[str, Any]) -> None:
     began, window = plan["began"], plan["window"]
     max_wait = plan["chain_wait"]
     waiting: list[tuple[dict[str, Any], float]] = []
-    done_at: dict[str, float] = {}
+    sent: set[str] = set()
+    open_now: set[str] = set()
+    checked = 0.0
 
     def ended(cid: str) -> bool:
-        if cid in done_at:
-            return True
-        try:
-            status = retrying("status", lambda: sub.ledger.get(scope, cid).operation.status.value)
-        except LedgerError:  # not submitted yet: it waits for its own predecessor
-            return False
-        if status not in OPEN:
-            done_at[cid] = time.time()
-        return cid in done_at
+        """Submitted, and no longer approved, running or pending (one query per refresh)."""
+        nonlocal open_now, checked
+        if time.time() - checked > 0.5:
+            open_now = retrying("open calls", lambda: {
+                c.tool_call_id
+                for s in OPEN
+                for c in sub.ledger.list_calls(status=Status(s), scope=scope, limit=0)
+            })  # fmt: skip
+            checked = time.time()
+        return cid in sent and cid not in open_now
 
     def send(job: dict[str, Any], waited: float) -> None:
         call = sub.prepare(scope, job["cid"], job["tool"], job["args"])
         out = retrying("submit", sub.submit, call, approved_by="chaos-agent")
+        sent.add(job["cid"])
         log(plan["submitted_log"], {"cid": job["cid"], "waited_s": round(waited, 2),
                                     "enqueued": out.get("enqueued")})  # fmt: skip
 
