@@ -39,7 +39,7 @@ bench: $(STAMP)
 	$(BIN)/toolledger bench --pg $(PG_URL) --redis $(REDIS_URL)
 
 chaos: $(STAMP)
-	$(BIN)/toolledger --db $(PG_URL) --broker $(REDIS_URL) chaos --jobs 10000 --duration 900 --faults 800 --baseline
+	$(BIN)/toolledger --db $(PG_URL) --broker $(REDIS_URL) chaos --jobs 10000 --duration 1800 --faults 800 --baseline
 
 clean:
 	rm -rf $(VENV) .toolledger .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from celery import Celery, signals
 
 from ledger.db import create_engine, ensure_schema
@@ -73,12 +75,28 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+#: How long a starting worker waits for an unreachable database before it gives up.
+START_WAIT_SECONDS = 120.0
+
+
 def check_worker_start(settings: Settings) -> None:
-    """Refuse to start on inconsistent limits or a schema not at head (created if embedded)."""
+    """Refuse to start on inconsistent limits or a schema not at head (created if embedded).
+    A database that does not answer yet (restarting, a partition healing) is waited for:
+    a supervisor restarting a worker in a loop would only add load."""
     settings.check()
-    engine = create_engine(settings.db)
+    engine = create_engine(settings.db, timeout=settings.db_timeout)
+    deadline, pause = time.monotonic() + START_WAIT_SECONDS, 0.5
     try:
-        ensure_schema(engine)
+        while True:
+            try:
+                ensure_schema(engine)
+                return
+            except sa.exc.OperationalError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("waiting for the database: %s", str(exc.orig).splitlines()[0])
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
     finally:
         engine.dispose()  # no connection may cross the fork into pool children
 

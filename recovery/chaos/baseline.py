@@ -140,7 +140,7 @@ class BaselineRun(ChaosRun):
             self._inject()
             self._heal_all()
             agent.join()
-            return {"recovered_s": self._wait_quiet(timeout=120)}
+            return {"recovered_s": self._wait_quiet(stall=35)}
         finally:
             self._stopping.set()
             from worker.processes import stop_all
@@ -181,16 +181,16 @@ class BaselineRun(ChaosRun):
             self._send(job)
         return Fault(0, "duplicate", "broker", [], {"keys": [j.cid for j in picked]})
 
-    def _wait_quiet(self, timeout: float) -> float:
-        """Until every job is done or nothing changed for longer than a visibility timeout
-        (after which Redis would have redelivered anything it still held)."""
+    def _wait_quiet(self, stall: float) -> float:
+        """Until every job is done or nothing changed for ``stall`` seconds, longer than a
+        visibility timeout (after which Redis would have redelivered anything it held)."""
         started, last, last_change = time.time(), -1, time.time()
-        while time.time() - started < timeout:
+        while time.time() - last_change < stall:
             n = len(self._lines("done.log"))
             if n != last:
                 last, last_change = n, time.time()
             done = {d["cid"] for d in self._lines("done.log")}
-            if len(done) >= len(self.workload.jobs) or time.time() - last_change > 35:
+            if len(done) >= len(self.workload.jobs):
                 break
             time.sleep(0.5)
         return round(time.time() - started, 1)

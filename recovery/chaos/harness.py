@@ -326,7 +326,7 @@ class ChaosRun:
             self._heal_all()
             self.progress(f"faults done ({len(self.faults)}); waiting for the agent")
             self.roles["submit"].wait(timeout=max(60.0, self.cfg.duration))
-            recovered = self._wait_quiet(timeout=180)
+            recovered = self._wait_quiet(stall=120)
             final = self._final_sweep()
             return {"recovered_s": recovered, "final_sweep": final}
         finally:
@@ -521,16 +521,22 @@ class ChaosRun:
                 ).scalar_one()
             )
 
-    def _wait_quiet(self, timeout: float) -> float:
-        """Until every call ended and the operator found nothing more to do."""
+    def _wait_quiet(self, stall: float) -> float:
+        """Until every call ended and the operator found nothing more to do; gives up (-1)
+        only when nothing has moved for ``stall`` seconds — a backlog is worked off, however
+        long it took the faults to build it."""
         (self.out / "finish").write_text("finish")
-        started = time.time()
-        while time.time() - started < timeout:
+        started = last_move = time.time()
+        last_open = -1
+        while time.time() - last_move < stall:
             with contextlib.suppress(sa.exc.SQLAlchemyError):
-                done = (self.out / "operator.done").exists()
-                if done and self._open_calls() == 0:
+                open_calls = self._open_calls()
+                if (self.out / "operator.done").exists() and open_calls == 0:
                     return round(time.time() - started, 1)
-            time.sleep(0.5)
+                if open_calls != last_open:
+                    last_open, last_move = open_calls, time.time()
+                    self.progress(f"{open_calls} calls in flight")
+            time.sleep(2.0)
         return -1.0
 
     def _final_sweep(self) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def test_chaos__large_run_with_baseline(pg_server, redis_server, tmp_path):
         db=pg_server,
         broker=redis_server,
         jobs=10_000,
-        duration=900,
+        duration=1800,
         faults=800,
         progress=print,
     )
