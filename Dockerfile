@@ -7,6 +7,8 @@ COPY pyproject.toml README.md ./
 COPY ledger ./ledger
 COPY worker ./worker
 COPY recovery ./recovery
+# the one import name: toolledger/ holds the API, the CLI, the harnesses and the links to the rooms
+COPY toolledger ./toolledger
 RUN pip install . \
  && useradd --system --create-home --home-dir /home/toolledger toolledger \
  && mkdir -p /data/sandbox \

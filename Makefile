@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 	$(PIP) install -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
-	$(BIN)/python -c "import ledger, worker, recovery, bench, celery, sqlalchemy, psycopg"
+	$(BIN)/python -c "import toolledger.cli, toolledger.harness.bench.runner, celery, sqlalchemy, psycopg"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ledger.transitions import Status
-from worker.tools import Evidence, ToolContext, ToolError, tool
+from toolledger.ledger.transitions import Status
+from toolledger.tools import Evidence, ToolContext, ToolError, tool
 
 
 class Downstream(Protocol):

@@ -1,6 +1,6 @@
 """The ledger: the execution layer's own record of every side-effecting tool call."""
 
-from ledger.errors import (
+from toolledger.ledger.errors import (
     ConflictError,
     CorruptRecord,
     InputError,
@@ -11,10 +11,17 @@ from ledger.errors import (
     StaleFence,
     StateError,
 )
-from ledger.identity import args_sha256, canonical_json, default_key
-from ledger.ledger import Ledger
-from ledger.records import CallView, Claim, EventRecord, ExecutionRecord, OperationRecord, Receipt
-from ledger.transitions import TRANSITIONS, EventKind, Status
+from toolledger.ledger.identity import args_sha256, canonical_json, default_key
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.records import (
+    CallView,
+    Claim,
+    EventRecord,
+    ExecutionRecord,
+    OperationRecord,
+    Receipt,
+)
+from toolledger.ledger.transitions import TRANSITIONS, EventKind, Status
 
 __all__ = [
     "TRANSITIONS",

@@ -9,13 +9,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ledger import db
-from ledger.errors import NotFound
-from ledger.models import execution_events, executions, operations
-from ledger.reads import LedgerReads, op_key
-from ledger.records import ExecutionRecord, OperationRecord
-from ledger.transitions import EventKind, Review, Status
-from ledger.types import db_now
+from toolledger.ledger import db
+from toolledger.ledger.errors import NotFound
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.reads import LedgerReads, op_key
+from toolledger.ledger.records import ExecutionRecord, OperationRecord
+from toolledger.ledger.transitions import EventKind, Review, Status
+from toolledger.ledger.types import db_now
 
 Event = dict[str, Any]
 

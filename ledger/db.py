@@ -20,7 +20,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from ledger.types import dumps
+from toolledger.ledger.types import dumps
 
 #: Where the embedded default keeps its files (the ledger, the broker, the sandbox).
 DEFAULT_HOME = Path(".toolledger")

@@ -14,10 +14,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.errors import InvalidTransition
-from ledger.identity import args_sha256
-from ledger.models import execution_events, executions, operations, tool_calls
-from ledger.transitions import EventKind, Status, check_transition
+from toolledger.ledger.errors import InvalidTransition
+from toolledger.ledger.identity import args_sha256
+from toolledger.ledger.models import execution_events, executions, operations, tool_calls
+from toolledger.ledger.transitions import EventKind, Status, check_transition
 
 OpKey = tuple[str, str]
 

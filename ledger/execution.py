@@ -12,14 +12,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.base import LedgerBase, event
-from ledger.errors import InvalidArguments, InvalidTransition, StaleFence
-from ledger.identity import new_execution_id, new_lease_token
-from ledger.models import execution_events, executions, operations
-from ledger.reads import op_key
-from ledger.records import Claim, EffectState, ExecutionRecord, Finished
-from ledger.transitions import TERMINAL, EventKind, Status
-from ledger.types import db_now, db_now_plus
+from toolledger.ledger.base import LedgerBase, event
+from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
+from toolledger.ledger.identity import new_execution_id, new_lease_token
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.reads import op_key
+from toolledger.ledger.records import Claim, EffectState, ExecutionRecord, Finished
+from toolledger.ledger.transitions import TERMINAL, EventKind, Status
+from toolledger.ledger.types import db_now, db_now_plus
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
 LEASE_SECONDS = 30.0

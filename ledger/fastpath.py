@@ -31,11 +31,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.errors import StaleFence
-from ledger.models import execution_events, executions, operations
-from ledger.records import Claim, ExecutionRecord, Finished, OperationRecord
-from ledger.transitions import Status
-from ledger.types import dumps
+from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.records import Claim, ExecutionRecord, Finished, OperationRecord
+from toolledger.ledger.transitions import Status
+from toolledger.ledger.types import dumps
 
 _CLAIM = sa.text(
     """

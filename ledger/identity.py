@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from ledger.errors import ArgumentsTooLarge, InvalidArguments, InvalidIdentifier
+from toolledger.ledger.errors import ArgumentsTooLarge, InvalidArguments, InvalidIdentifier
 
 #: Default cap on the canonical JSON of one call's arguments.
 MAX_ARGS_BYTES = 1024 * 1024

@@ -15,19 +15,19 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger import db
-from ledger.base import event
-from ledger.errors import ConflictError, InvalidTransition
-from ledger.events import VerifyReport, verify
-from ledger.execution import LEASE_SECONDS, LedgerExecution
-from ledger.identity import MAX_ARGS_BYTES, check_call, check_text_id
-from ledger.models import operations, tool_calls
-from ledger.outbox import LedgerOutbox
-from ledger.reads import op_key
-from ledger.records import OperationRecord, Submitted
-from ledger.resolution import LedgerResolution
-from ledger.transitions import RETRYABLE, EventKind, Status, check_transition
-from ledger.types import db_now, dumps
+from toolledger.ledger import db
+from toolledger.ledger.base import event
+from toolledger.ledger.errors import ConflictError, InvalidTransition
+from toolledger.ledger.events import VerifyReport, verify
+from toolledger.ledger.execution import LEASE_SECONDS, LedgerExecution
+from toolledger.ledger.identity import MAX_ARGS_BYTES, check_call, check_text_id
+from toolledger.ledger.models import operations, tool_calls
+from toolledger.ledger.outbox import LedgerOutbox
+from toolledger.ledger.reads import op_key
+from toolledger.ledger.records import OperationRecord, Submitted
+from toolledger.ledger.resolution import LedgerResolution
+from toolledger.ledger.transitions import RETRYABLE, EventKind, Status, check_transition
+from toolledger.ledger.types import db_now, dumps
 
 __all__ = ["LEASE_SECONDS", "Ledger"]
 
@@ -59,7 +59,7 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         self.max_args_bytes = max_args_bytes
         self._fast: Any = None
         if fast_path and self.dialect == "postgresql":
-            from ledger.fastpath import PostgresFastPath
+            from toolledger.ledger.fastpath import PostgresFastPath
 
             self._fast = PostgresFastPath(self.engine)
 

@@ -16,8 +16,8 @@ from typing import Any, ClassVar, cast
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from ledger.transitions import EXECUTION_STATUSES, EventKind, Status
-from ledger.types import JSONType, UTCDateTime
+from toolledger.ledger.transitions import EXECUTION_STATUSES, EventKind, Status
+from toolledger.ledger.types import JSONType, UTCDateTime
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

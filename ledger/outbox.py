@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from ledger.base import LedgerBase
-from ledger.models import operations
-from ledger.reads import op_key
-from ledger.transitions import Status
-from ledger.types import db_now, db_now_plus
+from toolledger.ledger.base import LedgerBase
+from toolledger.ledger.models import operations
+from toolledger.ledger.reads import op_key
+from toolledger.ledger.transitions import Status
+from toolledger.ledger.types import db_now, db_now_plus
 
 
 class LedgerOutbox(LedgerBase):

@@ -7,10 +7,10 @@ from contextlib import contextmanager
 
 import sqlalchemy as sa
 
-from ledger.errors import NotFound
-from ledger.models import execution_events, executions, operations, tool_calls
-from ledger.receipts import receipt_for
-from ledger.records import (
+from toolledger.ledger.errors import NotFound
+from toolledger.ledger.models import execution_events, executions, operations, tool_calls
+from toolledger.ledger.receipts import receipt_for
+from toolledger.ledger.records import (
     CallView,
     Claim,
     EventRecord,
@@ -19,7 +19,7 @@ from ledger.records import (
     OperationRecord,
     Receipt,
 )
-from ledger.transitions import EventKind, Status
+from toolledger.ledger.transitions import EventKind, Status
 
 #: Rows ``list`` returns unless told otherwise.
 LIST_LIMIT = 1000

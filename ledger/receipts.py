@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ledger.errors import CorruptRecord, NoReceipt
-from ledger.records import ExecutionRecord, OperationRecord, Receipt
-from ledger.transitions import TERMINAL, Status
+from toolledger.ledger.errors import CorruptRecord, NoReceipt
+from toolledger.ledger.records import ExecutionRecord, OperationRecord, Receipt
+from toolledger.ledger.transitions import TERMINAL, Status
 
 UNKNOWN_MESSAGE = (
     "The outcome of this tool call could not be confirmed: its executor stopped before "

@@ -10,7 +10,7 @@ from typing import Any, Literal, Self
 
 import sqlalchemy as sa
 
-from ledger.transitions import Status
+from toolledger.ledger.transitions import Status
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.base import LedgerBase, event
-from ledger.errors import InvalidArguments, InvalidTransition, StaleFence
-from ledger.identity import check_text_id
-from ledger.models import executions, operations
-from ledger.reads import op_key
-from ledger.records import ExecutionRecord, OperationRecord
-from ledger.transitions import TERMINAL, EventKind, Review, Status, check_transition
-from ledger.types import db_now, db_now_plus
+from toolledger.ledger.base import LedgerBase, event
+from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
+from toolledger.ledger.identity import check_text_id
+from toolledger.ledger.models import executions, operations
+from toolledger.ledger.reads import op_key
+from toolledger.ledger.records import ExecutionRecord, OperationRecord
+from toolledger.ledger.transitions import TERMINAL, EventKind, Review, Status, check_transition
+from toolledger.ledger.types import db_now, db_now_plus
 
 
 class LedgerResolution(LedgerBase):

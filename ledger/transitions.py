@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from ledger.errors import InvalidStatus, InvalidTransition
+from toolledger.ledger.errors import InvalidStatus, InvalidTransition
 
 
 class Status(StrEnum):

@@ -1,8 +1,8 @@
 """Everything that runs after something went wrong. Never executes a tool."""
 
-from recovery.reconcile import reconcile_unknown
-from recovery.sweep import SweepSummary, sweep
-from recovery.transcript import RepairReport, repair_file, repair_transcript
+from toolledger.recovery.reconcile import reconcile_unknown
+from toolledger.recovery.sweep import SweepSummary, sweep
+from toolledger.recovery.transcript import RepairReport, repair_file, repair_transcript
 
 __all__ = [
     "RepairReport",

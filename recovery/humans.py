@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from ledger.errors import StateError
-from ledger.transitions import Status
-from worker.submit import Submitter
+from toolledger.ledger.errors import StateError
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.tools import Registry
+
+#: Publishes an authorised attempt: ``(scope, idempotency_key, attempt) -> what happened``
+#: (the worker's ``Submitter.enqueue``; an enqueue error is reported, the sweep re-publishes).
+Enqueue = Callable[[str, str, int], dict[str, Any]]
 
 
 class DuplicateNotAccepted(StateError):
@@ -14,7 +20,9 @@ class DuplicateNotAccepted(StateError):
 
 
 def retry(
-    submitter: Submitter,
+    ledger: Ledger,
+    registry: Registry,
+    enqueue: Enqueue,
     scope: str,
     tool_call_id: str,
     *,
@@ -28,10 +36,9 @@ def retry(
     tool that is not idempotent, a retry can apply the effect twice, and the person must say
     that they accept it.
     """
-    ledger = submitter.ledger
     view = ledger.get(scope, tool_call_id)
     op = view.operation
-    tool = submitter.registry.get(op.tool)
+    tool = registry.get(op.tool)
     # A sandboxed tool's attempts that did not succeed left nothing (the fence): no duplicate.
     nothing_landed = tool.sandboxed and all(e.fenced and not e.own_success for e in view.executions)
     if not (tool.idempotent or nothing_landed or accept_duplicate):
@@ -55,16 +62,16 @@ def retry(
     }
     if not (tool.idempotent or nothing_landed):
         out["warning"] = f"{by} accepted that {op.tool} may take effect twice"
-    out.update(submitter.enqueue(scope, retried.idempotency_key, retried.authorized_attempts))
+    out.update(enqueue(scope, retried.idempotency_key, retried.authorized_attempts))
     return out
 
 
 def resolve(
-    submitter: Submitter, execution_id: str, status: Status, *, by: str, evidence: str
+    ledger: Ledger, execution_id: str, status: Status, *, by: str, evidence: str
 ) -> dict[str, Any]:
     """unknown -> succeeded/failed on a human's word, with the evidence they give; or the
     review of a call flagged for a human (which clears the flag)."""
-    done = submitter.ledger.resolve(execution_id, status, by=by, evidence=evidence)
+    done = ledger.resolve(execution_id, status, by=by, evidence=evidence)
     return {
         "execution_id": execution_id,
         "scope": done.scope,

@@ -24,12 +24,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledger.errors import StaleFence
-from ledger.ledger import Ledger
-from ledger.records import EventRecord, ExecutionRecord, OperationRecord
-from ledger.transitions import TERMINAL, Status
-from worker.sandbox import Sandbox
-from worker.tools import Absent, Evidence, Finding, Registry, Tool, ToolContext, UnknownTool
+from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.records import EventRecord, ExecutionRecord, OperationRecord
+from toolledger.ledger.transitions import TERMINAL, Status
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Absent, Evidence, Finding, Registry, Tool, ToolContext, UnknownTool
 
 log = logging.getLogger("toolledger.recovery")
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ledger.records import Receipt
+from toolledger.ledger.records import Receipt
 
 FORMATS = ("openai", "responses", "anthropic")
 

@@ -23,10 +23,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
-from recovery.reconcile import MAX_AUTO_RETRIES, reconcile_unknown
-from worker.sandbox import Sandbox
-from worker.tools import Registry
+from toolledger.effects import effects_of
+from toolledger.ledger.ledger import Ledger
+from toolledger.recovery.reconcile import MAX_AUTO_RETRIES, reconcile_unknown
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Registry
 
 log = logging.getLogger("toolledger.recovery")
 
@@ -76,7 +77,7 @@ def sweep(
         if len(marked) < batch:
             break
     try:
-        landing = sandbox.effects.settle(ledger, actor=actor)
+        landing = effects_of(sandbox).settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
     except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ledger.errors import ConflictError, InputError, LedgerError, NotFound
-from ledger.identity import args_sha256
-from ledger.ledger import Ledger
-from ledger.receipts import receipt_for
-from ledger.records import Receipt
-from recovery.replay import (
+from toolledger.ledger.errors import ConflictError, InputError, LedgerError, NotFound
+from toolledger.ledger.identity import args_sha256
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.receipts import receipt_for
+from toolledger.ledger.records import Receipt
+from toolledger.recovery.replay import (
     CALLS,
     FORMATS,
     Batch,

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from ledger.db import create_engine, upgrade
-from ledger.ledger import Ledger
+from toolledger.ledger.db import create_engine, upgrade
+from toolledger.ledger.ledger import Ledger
 
 CI = os.environ.get("CI", "").lower() == "true"
 PG_URL = os.environ.get("TOOLLEDGER_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from worker.tools import ToolContext, tool
+from toolledger.tools import ToolContext, tool
 
 
 class NotifyArgs(BaseModel):

@@ -19,7 +19,7 @@ def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
     """Run ``toolledger`` in-process: (exit code, stdout, stderr)."""
     import pytest
 
-    from worker.cli import main
+    from toolledger.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(list(argv))
@@ -30,15 +30,15 @@ def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
 def land(sandbox: Any, scope: str, path: str, data: bytes, kind: str = "write") -> Any:
     """Stage and land one effect with no ledger behind it (tests of the sandbox alone): what
     an execution's own commit does, as if every other staged effect had been revoked."""
-    from ledger.identity import new_execution_id
-    from worker.effects import Commit
+    from toolledger.effects import Commit, effects_of
+    from toolledger.ledger.identity import new_execution_id
 
     eid = new_execution_id()
-    staging = sandbox.staging(scope, eid, None)
+    staging = effects_of(sandbox).staging(scope, eid, None)
     write = staging.write_atomic if kind == "write" else staging.append
     staged = [write(scope, path, data)]
     staging.seal()
-    return sandbox.effects.publish(Commit(eid, 1, scope, "k", 1), staged, NO_LEDGER)
+    return effects_of(sandbox).publish(Commit(eid, 1, scope, "k", 1), staged, NO_LEDGER)
 
 
 class NoLedger:
@@ -56,5 +56,7 @@ NO_LEDGER = NoLedger()
 
 def pending_files(sandbox: Any) -> list[str]:
     """What waits in the sandbox's pending area (staged bytes, spooled results)."""
-    pending = sandbox.effects.pending_dir
+    from toolledger.effects import effects_of
+
+    pending = effects_of(sandbox).pending_dir
     return sorted(p.name for p in pending.iterdir()) if pending.is_dir() else []

@@ -1,4 +1,5 @@
-"""The Celery app: settings per DESIGN §7, from TOOLLEDGER_* (``celery -A worker.app`` works).
+"""The Celery app: settings per DESIGN §7, from TOOLLEDGER_*
+(``celery -A toolledger.worker.app`` works).
 
 - acks_late + reject_on_worker_lost: a message is acked only after the task ran, and requeued
   when its child dies. Redeliveries are harmless because the ledger claim decides who runs.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -18,14 +20,17 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery, signals
 
-from ledger.db import create_engine, ensure_schema
-from worker import broker  # registers the embedded transport
-from worker.config import Settings
+from toolledger.config import Settings
+from toolledger.ledger.db import create_engine, ensure_schema
+from toolledger.worker import broker  # registers the embedded transport
+from toolledger.worker.tasks import publish, register_tasks
 
 log = logging.getLogger("toolledger.worker")
 
-EXECUTE = "toolledger.execute"
-SWEEP = "toolledger.sweep"
+#: Where the worker's tasks live. The sweep registers from recovery (``toolledger.sweep``),
+#: which the worker does not import: Celery imports it in the worker and beat processes.
+INCLUDE = ["toolledger.recovery.tasks"]
+SWEEP = "toolledger.sweep"  # the name recovery.tasks registers; tests check the two agree
 
 
 def transport_options(settings: Settings) -> dict[str, Any]:
@@ -106,12 +111,11 @@ def create_app(settings: Settings | None = None) -> Celery:
     broker.register()
     if settings.broker.startswith(f"{broker.ALIAS}+"):
         Path(settings.broker.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-    app = Celery("toolledger", broker=settings.broker, set_as_current=False)
+    app = Celery("toolledger", broker=settings.broker, include=INCLUDE, set_as_current=False)
     app.conf.update(celery_config(settings))
+    # What a task registered from elsewhere (the sweep) needs from this app.
     app.toolledger_settings = settings
-
-    from worker.tasks import register_tasks
-
+    app.toolledger_publish = functools.partial(publish, app, settings)
     register_tasks(app, settings)
 
     @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
@@ -135,12 +139,13 @@ def create_app(settings: Settings | None = None) -> Celery:
 def settle_at_start(settings: Settings) -> None:
     """What a crash of this host left in the sandbox: spooled results recorded, committed
     effects landed, revoked ones dropped (the sweep does it too, every interval)."""
-    from ledger.ledger import Ledger
-    from worker.sandbox import Sandbox
+    from toolledger.effects import effects_of
+    from toolledger.ledger.ledger import Ledger
+    from toolledger.sandbox import Sandbox
 
     ledger = Ledger(settings.db, timeout=settings.db_timeout)
     try:
-        landing = Sandbox.configured(settings).effects.settle(ledger, actor="worker-start")
+        landing = effects_of(Sandbox.configured(settings)).settle(ledger, actor="worker-start")
         if any(landing.to_json().values()):
             log.info("settled the sandbox at start: %s", landing.to_json())
     except Exception as exc:  # noqa: BLE001 - the sweep settles later; the worker still starts
@@ -149,4 +154,15 @@ def settle_at_start(settings: Settings) -> None:
         ledger.close()
 
 
-app = create_app()
+def __getattr__(name: str) -> Celery:
+    """``celery -A toolledger.worker.app``: the app from the environment, made on first use —
+    importing this module creates nothing and reads no environment."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    global _app
+    if _app is None:
+        _app = create_app()
+    return _app
+
+
+_app: Celery | None = None

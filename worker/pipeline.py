@@ -23,15 +23,23 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 
-from ledger.errors import StaleFence
-from ledger.identity import new_execution_id, new_lease_token
-from ledger.ledger import Ledger
-from ledger.records import Claim
-from ledger.transitions import Status
-from worker import failpoints
-from worker.effects import Commit, Landing, LeaseLost, LeaseWatch, Staged, lock_keys
-from worker.sandbox import Sandbox, SandboxError
-from worker.tools import (
+from toolledger import failpoints
+from toolledger.effects import (
+    Commit,
+    Landing,
+    LeaseLost,
+    LeaseWatch,
+    Staged,
+    effects_of,
+    lock_keys,
+)
+from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.identity import new_execution_id, new_lease_token
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.records import Claim
+from toolledger.ledger.transitions import Status
+from toolledger.sandbox import Sandbox, SandboxError
+from toolledger.tools import (
     Absent,
     Evidence,
     InvalidToolArguments,
@@ -204,7 +212,7 @@ class Executor:
         # running is durable now: a crash from here on leaves evidence the effect may have begun.
         failpoints.hit("after_claim", eid)
         watch = self.leases.track(claim, sent_at)
-        staging = self.sandbox.effects.staging(claim.scope, eid, watch)
+        staging = effects_of(self.sandbox).staging(claim.scope, eid, watch)
         try:
             ctx = ToolContext(claim.scope, staging, eid, key, attempt, watch.lost, watch)
             failpoints.hit("before_effect", eid)
@@ -479,7 +487,7 @@ class Executor:
             "late": {**late, "spool": marker},
         }
         try:
-            self.sandbox.effects.spool(eid, full)
+            effects_of(self.sandbox).spool(eid, full)
         except OSError as exc:
             log.error("could not spool the outcome of %s either: %s", eid, exc)
 
@@ -490,7 +498,7 @@ class Executor:
         else). An unrecorded outcome keeps them: settle decides once the ledger answers."""
         if not staged or outcome.state == "unrecorded":
             return outcome
-        effects, eid = self.sandbox.effects, claim.execution_id
+        effects, eid = effects_of(self.sandbox), claim.execution_id
         if outcome.state == "finished" and outcome.status is Status.SUCCEEDED:
             commit = Commit(eid, outcome.seq, claim.scope, claim.idempotency_key, claim.attempt)
             try:

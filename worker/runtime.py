@@ -10,12 +10,13 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ledger.ledger import Ledger
-from worker import failpoints
-from worker.config import Settings
-from worker.pipeline import Executor, LeaseKeeper
-from worker.sandbox import Sandbox
-from worker.tools import Registry, load_registry
+from toolledger import failpoints
+from toolledger.config import Settings
+from toolledger.ledger.ledger import Ledger
+from toolledger.registry import load_registry
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Registry
+from toolledger.worker.pipeline import Executor, LeaseKeeper
 
 
 @dataclass

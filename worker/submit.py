@@ -18,13 +18,14 @@ from typing import Any
 
 from celery import Celery
 
-from ledger.identity import check_call
-from ledger.ledger import Ledger
-from ledger.records import OperationRecord
-from ledger.transitions import Status
-from worker.config import Settings
-from worker.sandbox import Sandbox
-from worker.tools import Registry, ToolContext, load_registry
+from toolledger.config import Settings
+from toolledger.ledger.identity import check_call
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.records import OperationRecord
+from toolledger.ledger.transitions import Status
+from toolledger.registry import load_registry
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Registry, ToolContext
 
 log = logging.getLogger("toolledger.submit")
 
@@ -84,7 +85,7 @@ class Submitter:
     def app(self) -> Celery:
         if self._app is not None:
             return self._app
-        from worker.app import create_app
+        from toolledger.worker.app import create_app
 
         return create_app(self.settings)
 
@@ -132,7 +133,7 @@ class Submitter:
         return out
 
     def _read_only(self, call: PreparedCall) -> dict[str, Any]:
-        from worker.pipeline import Executor
+        from toolledger.worker.pipeline import Executor
 
         spec = self.registry.get(call.tool)
         executor = Executor(
@@ -176,7 +177,7 @@ class Submitter:
         """Publish the job and keep the outbox stamp true; a failure is reported, not raised.
 
         ``stamped``: the commit that made it approved already stamped enqueued_at."""
-        from worker.tasks import publish
+        from toolledger.worker.tasks import publish
 
         try:
             with self.app.producer_or_acquire() as producer:  # pooled: no client per call

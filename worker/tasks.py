@@ -3,21 +3,21 @@ carries pointers, the ledger carries truth — arguments are read from the ledge
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from celery import Celery, Task
 
-from worker.config import Settings
-from worker.runtime import default_worker_id, runtime
+from toolledger.config import Settings
+from toolledger.worker.runtime import default_worker_id, runtime
 
 log = logging.getLogger("toolledger.worker")
 
+#: The task that runs one call; its messages carry (scope, idempotency_key, attempt).
+EXECUTE = "toolledger.execute"
+
 
 def register_tasks(app: Celery, settings: Settings) -> None:
-    from worker.app import EXECUTE, SWEEP
-
     @app.task(name=EXECUTE, bind=True, shared=False)  # type: ignore[untyped-decorator]
     def execute(task: Task, scope: str, idempotency_key: str, attempt: int) -> str:
         worker_id = default_worker_id(task.request.hostname or "")
@@ -43,32 +43,13 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             )
         return outcome.state
 
-    @app.task(name=SWEEP, shared=False)  # type: ignore[untyped-decorator]
-    def sweep() -> dict[str, Any]:
-        from recovery.sweep import sweep as run_sweep
-
-        rt = runtime(settings)
-        summary = run_sweep(
-            rt.ledger,
-            rt.registry,
-            rt.sandbox,
-            grace_seconds=settings.sweep_grace,
-            requeue_after=settings.requeue_after,
-            publish=lambda s, k, a: publish(app, settings, s, k, a),
-            max_auto_retries=settings.max_auto_retries,
-        )
-        log.info("%s: %s", SWEEP, json.dumps(summary.to_json()))
-        return summary.to_json()
-
-    _ = execute, sweep
+    _ = execute
 
 
 def publish(
     app: Celery, settings: Settings, scope: str, key: str, attempt: int, **options: Any
 ) -> None:
     """Send one job; a few quick retries, then the error goes to the caller (the outbox)."""
-    from worker.app import EXECUTE
-
     app.send_task(
         EXECUTE,
         args=(scope, key, attempt),

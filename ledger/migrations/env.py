@@ -9,8 +9,8 @@ assume it): nobody ever sees the schema half-way between two revisions.
 
 from alembic import context
 
-from ledger.db import WRITE, create_engine
-from ledger.models import Base
+from toolledger.ledger.db import WRITE, create_engine
+from toolledger.ledger.models import Base
 
 MIGRATION_LOCK = 0x746C6D67  # "tlmg"
 

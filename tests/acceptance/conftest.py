@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from ledger.ledger import Ledger
-from worker.config import Settings
-from worker.processes import ManagedProcess, service_env, worker_process
-from worker.submit import Submitter
+from toolledger.config import Settings
+from toolledger.harness.processes import ManagedProcess, service_env, worker_process
+from toolledger.ledger.ledger import Ledger
+from toolledger.worker.submit import Submitter
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
@@ -77,7 +77,7 @@ def stack(pg_url: str, redis_server: str, redis_prefix: str, tmp_path: Path) -> 
         "broker": redis_server,
         "broker_prefix": redis_prefix,
         "sandbox": str(tmp_path / "sandbox"),
-        "tools": "worker.probe",
+        "tools": "toolledger.harness.probe",
         "effects_log": str(tmp_path / "effects.log"),
         "home": str(tmp_path / "home"),
     }
@@ -91,7 +91,7 @@ def toolledger(stack: Stack, *argv: str, **env: str) -> tuple[int, str, str]:
     """The real CLI in a subprocess, against this stack."""
     import subprocess
 
-    from worker.processes import toolledger_argv
+    from toolledger.harness.processes import toolledger_argv
 
     proc = subprocess.run(
         [*toolledger_argv(), *argv],

@@ -8,15 +8,19 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ledger.transitions import Status
-from worker.config import Settings
-from worker.processes import service_env, stop_all, worker_process
-from worker.submit import Submitter
+from toolledger.config import Settings
+from toolledger.harness.processes import service_env, stop_all, worker_process
+from toolledger.ledger.transitions import Status
+from toolledger.worker.submit import Submitter
 
 
 def test_embedded__two_workers_200_jobs_each_effect_once_nothing_lost(tmp_path: Path):
     home = tmp_path / ".toolledger"
-    env = {"home": str(home), "tools": "worker.probe", "effects_log": str(tmp_path / "fx.log")}
+    env = {
+        "home": str(home),
+        "tools": "toolledger.harness.probe",
+        "effects_log": str(tmp_path / "fx.log"),
+    }
     settings = Settings.from_env({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
     assert settings.broker.startswith("embedded+sqlite:///") and settings.db.startswith("sqlite")
     # Given two prefork workers starting together on a fresh home (both create the schemas)

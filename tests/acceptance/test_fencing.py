@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
-from ledger.transitions import Status
-from recovery.sweep import sweep
 from tests.acceptance.conftest import wait_until
-from worker.processes import process_state, service_env, toolledger_argv
-from worker.sandbox import Sandbox
-from worker.tools import load_registry
+from toolledger.harness.processes import process_state, service_env, toolledger_argv
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.recovery.sweep import sweep
+from toolledger.registry import load_registry
+from toolledger.sandbox import Sandbox
 
 LEASE = "2"  # seconds: the tests wait this long for a frozen executor's lease to expire
 
@@ -370,8 +370,8 @@ def test_execute__honours_failpoints_and_logs_them(world, scope):
 
 @pytest.fixture
 def partition(pg_url: str) -> Iterator[Any]:
-    from recovery.chaos.partition import Partition, unavailable
     from tests.conftest import missing_service
+    from toolledger.harness.chaos.partition import Partition, unavailable
 
     reason = unavailable()
     if reason:

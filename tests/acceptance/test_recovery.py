@@ -9,9 +9,9 @@ import signal
 import pytest
 import redis
 
-from ledger.transitions import Status
 from tests.acceptance.conftest import toolledger, wait_until
-from worker.processes import beat_process, process_state
+from toolledger.harness.processes import beat_process, process_state
+from toolledger.ledger.transitions import Status
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 

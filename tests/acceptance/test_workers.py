@@ -9,13 +9,13 @@ from collections import Counter
 
 import pytest
 
-from ledger.errors import ConflictError
-from ledger.transitions import Status
 from tests.acceptance.conftest import wait_until
 from tests.helpers import pending_files
-from worker.processes import process_state
-from worker.sandbox import Sandbox
-from worker.tasks import publish
+from toolledger.harness.processes import process_state
+from toolledger.ledger.errors import ConflictError
+from toolledger.ledger.transitions import Status
+from toolledger.sandbox import Sandbox
+from toolledger.worker.tasks import publish
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -176,7 +176,7 @@ def test_workers__outbox_enqueue_failure_is_visible_and_recorded(stack, scope):
 
 
 def test_workers__refuses_to_start_with_inconsistent_limits(stack):
-    from worker.processes import worker_process
+    from toolledger.harness.processes import worker_process
 
     proc = worker_process("bad", stack.env(lease_seconds="10", time_limit="20"), stack.root)
     proc.start()

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from recovery.chaos import EXTERNAL, ChaosConfig, run_chaos
-from worker.failpoints import POINTS
+from toolledger.failpoints import POINTS
+from toolledger.harness.chaos import EXTERNAL, ChaosConfig, run_chaos
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 

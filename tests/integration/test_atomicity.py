@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
-from ledger.transitions import Status
 from tests.helpers import row_counts
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
 
 FAIL_TRIGGER = {
     "postgresql": [

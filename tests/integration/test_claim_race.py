@@ -8,7 +8,7 @@ import time
 
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
+from toolledger.ledger.ledger import Ledger
 
 PROCESSES, KEYS = 8, 1000
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ledger.ledger import Ledger
 from tests.helpers import row_counts, run_cli
+from toolledger.ledger.ledger import Ledger
 
 ARGS = '{"path": "a.txt", "content": "done"}'
 
@@ -161,7 +161,7 @@ def test_cli__submit_show_events_list_json_contract(run, scope):
 def test_cli__show_json_executions_carry_the_contract_fields(run, ledger, scope):
     submit(run, scope, "c1", ARGS, "--approved-by", "alice")
     claim = ledger.claim(scope, "write_file:c1", 1, worker_id="w")
-    from ledger.transitions import Status
+    from toolledger.ledger.transitions import Status
 
     ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"bytes_written": 4})
     shown = json.loads(run("show", "--scope", scope, "--tool-call-id", "c1", "--json")[1])

@@ -139,7 +139,7 @@ def test_tools__user_module_from_env(run, tmp_path, monkeypatch):
     module.write_text(
         textwrap.dedent('''
         from pydantic import BaseModel
-        from worker.tools import tool
+        from toolledger.tools import tool
 
         class Args(BaseModel):
             to: str

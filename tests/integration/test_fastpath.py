@@ -7,9 +7,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
-from ledger.models import execution_events, executions, operations
-from ledger.transitions import Status
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.transitions import Status
 
 VOLATILE = {
     "execution_id",
@@ -73,7 +73,7 @@ def test_fastpath__plans_cannot_flip_to_a_partial_index(pg_url):
     """Engine connections plan every statement with its values; the fast path keeps generic
     plans, safe because its statuses are bound parameters (a partial index can only serve a
     predicate proven at plan time)."""
-    from ledger.fastpath import _CLAIM, _FINISH, _psycopg_sql
+    from toolledger.ledger.fastpath import _CLAIM, _FINISH, _psycopg_sql
 
     ledger = Ledger(pg_url)
     with ledger.engine.connect() as conn:

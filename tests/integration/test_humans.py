@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ledger.ledger import Ledger
-from ledger.transitions import Status
 from tests.helpers import row_counts, run_cli
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
 
 
 @pytest.fixture

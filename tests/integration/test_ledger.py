@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.errors import (
+from toolledger.ledger.errors import (
     ConflictError,
     InvalidTransition,
     NoReceipt,
@@ -17,10 +17,10 @@ from ledger.errors import (
     StaleFence,
     StateError,
 )
-from ledger.ledger import Ledger
-from ledger.models import execution_events, executions, operations
-from ledger.transitions import TRANSITIONS, Status
-from ledger.types import db_now
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.transitions import TRANSITIONS, Status
+from toolledger.ledger.types import db_now
 
 ARGS = {"path": "diagnosis.txt", "content": "done"}
 

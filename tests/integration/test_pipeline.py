@@ -12,15 +12,16 @@ import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
 from pydantic import BaseModel
 
-from ledger.ledger import Ledger
-from ledger.transitions import Status
-from recovery.sweep import sweep
 from tests.helpers import pending_files
-from worker import failpoints
-from worker.builtin_tools import BUILTINS
-from worker.pipeline import Executor
-from worker.sandbox import Sandbox
-from worker.tools import OutcomeUnknown, Registry, ToolContext, ToolError, make_tool
+from toolledger import failpoints
+from toolledger.builtin_tools import BUILTINS
+from toolledger.effects import effects_of
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.recovery.sweep import sweep
+from toolledger.sandbox import Sandbox
+from toolledger.tools import OutcomeUnknown, Registry, ToolContext, ToolError, make_tool
+from toolledger.worker.pipeline import Executor
 
 
 class NoArgs(BaseModel):
@@ -215,7 +216,7 @@ class AlwaysFails(Ledger):
 
 
 def test_pipeline__terminal_write_impossible_leaves_running(run, db_url, monkeypatch):
-    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
     broken = AlwaysFails(db_url)
     outcome, view = run("ok", executor_ledger=broken)
     assert outcome.state == "unrecorded"
@@ -250,7 +251,7 @@ class ClaimThenFail(Ledger):
 
 
 def test_pipeline__ambiguous_claim_commit_is_recognised_as_ours(run, ledger, db_url, monkeypatch):
-    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
     flaky = ClaimThenFail(db_url)
     outcome, view = run("ok", executor_ledger=flaky)
     assert outcome.state == "finished"
@@ -284,7 +285,7 @@ class ClaimCommitsThenRereadFails(Ledger):
 def test_pipeline__claim_is_never_abandoned_by_its_own_executor(run, db_url, monkeypatch):
     # Before: the re-read failed, the loop claimed again, found the call running (its own
     # claim) and reported "lost": nothing ran and the call ended unknown for a human.
-    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
     flaky = ClaimCommitsThenRereadFails(db_url)
     outcome, view = run("ok", executor_ledger=flaky)
     assert (outcome.state, flaky.claims) == ("finished", 2)
@@ -305,7 +306,7 @@ class ClaimCommitUnknowable(Ledger):
 def test_pipeline__claim_commit_that_cannot_be_learned_is_spooled_not_lost(
     run, ledger, db_url, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     flaky = ClaimCommitUnknowable(db_url)
     outcome, view = run("ok", executor_ledger=flaky, lease=0.3)
     flaky.close()
@@ -347,7 +348,7 @@ class SoftLimitDuringFinish(Ledger):
 def test_pipeline__a_result_the_ledger_cannot_take_is_spooled_then_recorded(
     run, ledger, db_url, tmp_path, monkeypatch, caplog, cause
 ):
-    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     broken = cause(db_url)
     content = "secret report 4711"
     with caplog.at_level(logging.WARNING):
@@ -363,7 +364,7 @@ def test_pipeline__a_result_the_ledger_cannot_take_is_spooled_then_recorded(
     assert view.current.lease_token not in logged
     # When the database answers (the worker's next start, or the next sweep)
     sandbox = Sandbox(tmp_path)
-    landing = sandbox.effects.settle(ledger)
+    landing = effects_of(sandbox).settle(ledger)
     # Then the result is recorded under the executor's own lease, and its bytes land
     assert landing.recorded == 1 and landing.landed == 1
     done = ledger.get(view.scope, view.tool_call_id).current
@@ -375,7 +376,7 @@ def test_pipeline__a_result_the_ledger_cannot_take_is_spooled_then_recorded(
 def test_pipeline__a_spooled_result_after_revocation_becomes_evidence_lands_nothing(
     run, ledger, db_url, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     broken = FinishUnreachable(db_url)
     outcome, view = run(
         "write_file", {"path": "r.txt", "content": "v1"}, executor_ledger=broken, lease=0.2
@@ -383,12 +384,12 @@ def test_pipeline__a_spooled_result_after_revocation_becomes_evidence_lands_noth
     broken.close()
     time.sleep(0.25)
     ledger.mark_expired(grace_seconds=0)  # the sweep revoked it while the database was away
-    landing = Sandbox(tmp_path).effects.settle(ledger)
+    landing = effects_of(Sandbox(tmp_path)).settle(ledger)
     assert (landing.recorded, landing.evidence, landing.landed, landing.discarded) == (0, 1, 0, 1)
     late = ledger.evidence_of(outcome.execution_id)[-1].detail
     assert late["late_result"]["path"] == "r.txt" and late["landed"] is False
     assert not (tmp_path / view.scope / "r.txt").exists()
-    Sandbox(tmp_path).effects.settle(ledger)  # again: nothing recorded twice
+    effects_of(Sandbox(tmp_path)).settle(ledger)  # again: nothing recorded twice
     assert len(ledger.evidence_of(outcome.execution_id)) == 1
 
 

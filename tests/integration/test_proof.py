@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from ledger.errors import StaleFence
-from ledger.ledger import Ledger
-from ledger.transitions import Review, Status
-from recovery.sweep import sweep
 from tests.helpers import run_cli
-from worker.sandbox import Sandbox
-from worker.tools import load_registry
+from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Review, Status
+from toolledger.recovery.sweep import sweep
+from toolledger.registry import load_registry
+from toolledger.sandbox import Sandbox
 
 NOTIFY = {"to": "ops"}
 

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from ledger.errors import InputError
-from ledger.identity import new_execution_id
-from ledger.ledger import Ledger
-from ledger.transitions import Status
 from tests.helpers import NO_LEDGER, land, pending_files, row_counts
-from worker.config import Settings
-from worker.effects import Commit, LeaseLost, LeaseWatch
-from worker.pipeline import Executor
-from worker.sandbox import ContentTooLarge, PathRefused, Sandbox, SandboxError
-from worker.submit import Submitter
-from worker.tools import load_registry
+from toolledger.config import Settings
+from toolledger.effects import Commit, LeaseLost, LeaseWatch, effects_of
+from toolledger.ledger.errors import InputError
+from toolledger.ledger.identity import new_execution_id
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.registry import load_registry
+from toolledger.sandbox import ContentTooLarge, PathRefused, Sandbox, SandboxError
+from toolledger.worker.pipeline import Executor
+from toolledger.worker.submit import Submitter
 
 
 def tree(root: Path, exclude: Path | None = None) -> dict[str, str]:
@@ -87,7 +87,7 @@ def test_sandbox__attack_refused_nothing_written_outside(world, name, path, op):
     sb, tmp_path, mine = world
     before = tree(tmp_path, exclude=mine)
     inside_before = tree(mine)
-    staging = sb.staging("me", new_execution_id(), None)
+    staging = effects_of(sb).staging("me", new_execution_id(), None)
     action = {
         "check": lambda: sb.check("me", path),
         "write": lambda: staging.write_atomic("me", path, b"pwned"),
@@ -123,12 +123,12 @@ def test_sandbox__content_over_the_cap_refused(world):
 
 def test_sandbox__atomic_write_replaces_and_leaves_nothing_pending(world):
     sb, _, mine = world
-    staging = sb.staging("me", new_execution_id(), None)
+    staging = effects_of(sb).staging("me", new_execution_id(), None)
     staged = staging.write_atomic("me", "ok/inside.txt", b"new content")
     assert staged.sha256 == hashlib.sha256(b"new content").hexdigest()
     assert (mine / "ok/inside.txt").read_bytes() == b"mine"  # staged: nothing changed yet
     commit = Commit(staging.execution_id, 1, "me", "k", 1)
-    landing = sb.effects.publish(commit, staging.seal(), NO_LEDGER)
+    landing = effects_of(sb).publish(commit, staging.seal(), NO_LEDGER)
     assert landing.landed == 1
     assert (mine / "ok/inside.txt").read_bytes() == b"new content"
     assert pending_files(sb) == []
@@ -145,12 +145,12 @@ def test_sandbox__append_appends(world):
 def test_sandbox__discarded_stages_never_land(world):
     sb, _, mine = world
     before = tree(mine)
-    staging = sb.staging("me", new_execution_id(), None)
+    staging = effects_of(sb).staging("me", new_execution_id(), None)
     staging.write_atomic("me", "ok/inside.txt", b"revoked")
     staging.append("me", "log/b.txt", b"revoked\n")
     staging.seal()
     assert len(pending_files(sb)) == 2
-    assert sb.effects.discard(staging.execution_id) == 2
+    assert effects_of(sb).discard(staging.execution_id) == 2
     assert pending_files(sb) == [] and tree(mine) == before
 
 
@@ -162,10 +162,10 @@ def test_sandbox__writes_only_by_a_running_execution_in_its_own_scope(world):
     with pytest.raises(SandboxError, match="only by a running execution"):
         sb.append("me", "x.txt", b"direct")
     with pytest.raises(PathRefused, match="cannot write in 'other'"):
-        sb.staging("me", new_execution_id(), None).write_atomic("other", "x.txt", b"x")
+        effects_of(sb).staging("me", new_execution_id(), None).write_atomic("other", "x.txt", b"x")
     lost = LeaseWatch("e", deadline=0.0)  # this process no longer holds the lease
     with pytest.raises(LeaseLost):
-        sb.staging("me", "e", lost).write_atomic("me", "x.txt", b"late")
+        effects_of(sb).staging("me", "e", lost).write_atomic("me", "x.txt", b"late")
     assert tree(tmp_path) == before
 
 

@@ -11,16 +11,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.identity import new_execution_id
-from ledger.ledger import Ledger
-from ledger.models import execution_events, executions, operations
-from ledger.transitions import Status
-from ledger.types import db_now, db_now_plus
-from recovery.sweep import sweep
 from tests.helpers import TABLES, land, pending_files
-from worker.builtin_tools import ContentArgs
-from worker.sandbox import Sandbox
-from worker.tools import Registry, load_registry, make_tool
+from toolledger.builtin_tools import ContentArgs
+from toolledger.effects import effects_of
+from toolledger.ledger.identity import new_execution_id
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.transitions import Status
+from toolledger.ledger.types import db_now, db_now_plus
+from toolledger.recovery.sweep import sweep
+from toolledger.registry import load_registry
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Registry, make_tool
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def crashed(
         return legacy_claim(ledger, sandbox, scope, key, args["path"], data, tool)
     claim = ledger.claim(scope, key, 1, worker_id="dead", lease_seconds=0.05)
     if effect == "staged":
-        staging = sandbox.staging(scope, claim.execution_id, None)
+        staging = effects_of(sandbox).staging(scope, claim.execution_id, None)
         write = staging.append if tool == "append_file" else staging.write_atomic
         write(scope, args["path"], data)
         staging.seal()

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
-from recovery.sweep import sweep
-from worker.sandbox import Sandbox
-from worker.tools import load_registry
+from toolledger.ledger.ledger import Ledger
+from toolledger.recovery.sweep import sweep
+from toolledger.registry import load_registry
+from toolledger.sandbox import Sandbox
 
 pytestmark = pytest.mark.postgres
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from ledger.ledger import Ledger
-from ledger.transitions import Status
-from worker.cli import main
+from toolledger.cli import main
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
 
 
 def mixed_history(ledger: Ledger) -> dict[str, str]:

@@ -7,9 +7,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from ledger.db import create_engine, current_revision, downgrade, head_revision, upgrade
-from ledger.models import Base
 from tests.conftest import fresh_pg_database
+from toolledger.ledger.db import create_engine, current_revision, downgrade, head_revision, upgrade
+from toolledger.ledger.models import Base
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -1,7 +1,7 @@
 import pytest
 
-from worker.app import SWEEP, create_app, transport_options
-from worker.config import ConfigError, Settings
+from toolledger.config import ConfigError, Settings
+from toolledger.worker.app import SWEEP, create_app, transport_options
 
 
 def redis_settings(**kw):
@@ -27,6 +27,15 @@ def test_app__one_visibility_timeout_everywhere_redis_reads_it():
 
 def test_app__embedded_broker_gets_no_options_it_would_pass_to_create_engine():
     assert transport_options(Settings(broker="sqla+sqlite:///b.db")) == {}
+
+
+def test_beat__schedules_the_task_recovery_registers():
+    from toolledger.recovery import tasks
+
+    app = create_app(redis_settings())
+    assert app.conf.beat_schedule["toolledger-sweep"]["task"] == SWEEP == tasks.SWEEP
+    app.loader.import_default_modules()  # what a worker does at start
+    assert SWEEP in app.tasks and app.tasks[SWEEP].app is app
 
 
 def test_beat__sweeps_on_its_own_queue_expiring_before_the_next():

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from recovery.chaos.checker import Facts, check
-from recovery.chaos.workload import Job
+from toolledger.harness.chaos.checker import Facts, check
+from toolledger.harness.chaos.workload import Job
 
 RUN = "r1"
 

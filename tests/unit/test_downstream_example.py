@@ -1,9 +1,9 @@
 """The documented reconciler contract for tools that call a downstream service."""
 
 from examples import downstream_tool as ex
-from ledger.transitions import Status
-from worker.sandbox import Sandbox
-from worker.tools import ToolContext
+from toolledger.ledger.transitions import Status
+from toolledger.sandbox import Sandbox
+from toolledger.tools import ToolContext
 
 
 def ctx(tmp_path, key="charge_account:call_1"):

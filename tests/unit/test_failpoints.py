@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from worker import failpoints
-from worker.failpoints import FailpointError, FailpointSpecError, parse
+from toolledger import failpoints
+from toolledger.failpoints import FailpointError, FailpointSpecError, parse
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +77,7 @@ def test_failpoints__sleep_sleeps():
 
 def test_failpoints__exit_is_immediate_with_the_code():
     code = (
-        "from worker import failpoints; failpoints.configure('after_effect=exit(23)');"
+        "from toolledger import failpoints; failpoints.configure('after_effect=exit(23)');"
         "failpoints.hit('after_effect'); print('survived')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
@@ -98,7 +98,7 @@ def test_failpoints__each_firing_is_logged_with_what_it_hit(tmp_path):
 
 def test_failpoints__kill_is_a_real_sigkill():
     code = (
-        "from worker import failpoints; failpoints.configure('before_effect=kill');"
+        "from toolledger import failpoints; failpoints.configure('before_effect=kill');"
         "failpoints.hit('before_effect')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)

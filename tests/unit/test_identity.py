@@ -3,8 +3,8 @@ import uuid
 
 import pytest
 
-from ledger.errors import ArgumentsTooLarge, InvalidArguments, InvalidIdentifier
-from ledger.identity import (
+from toolledger.ledger.errors import ArgumentsTooLarge, InvalidArguments, InvalidIdentifier
+from toolledger.ledger.identity import (
     args_sha256,
     canonical_json,
     check_args,

@@ -2,10 +2,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from ledger.errors import CorruptRecord, NoReceipt
-from ledger.receipts import receipt_for
-from ledger.records import ExecutionRecord, OperationRecord
-from ledger.transitions import Status
+from toolledger.ledger.errors import CorruptRecord, NoReceipt
+from toolledger.ledger.receipts import receipt_for
+from toolledger.ledger.records import ExecutionRecord, OperationRecord
+from toolledger.ledger.transitions import Status
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 

@@ -1,7 +1,13 @@
 import pytest
 
-from ledger.errors import InvalidStatus, InvalidTransition
-from ledger.transitions import REVIEW, TRANSITIONS, Status, check_transition, parse_status
+from toolledger.ledger.errors import InvalidStatus, InvalidTransition
+from toolledger.ledger.transitions import (
+    REVIEW,
+    TRANSITIONS,
+    Status,
+    check_transition,
+    parse_status,
+)
 
 # The spec's state machine, written out as a matrix independent of ledger.transitions:
 # row = from (None = not recorded), columns in this order, 1 = allowed.

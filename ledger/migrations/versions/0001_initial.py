@@ -8,7 +8,7 @@ Create Date: 2026-11-30
 import sqlalchemy as sa
 from alembic import op
 
-from ledger.types import UTCDateTime
+from toolledger.ledger.types import UTCDateTime
 
 revision = "0001"
 down_revision = None

@@ -1,0 +1,5 @@
+"""``python -m toolledger`` is ``toolledger``."""
+
+from toolledger.cli import main
+
+main()

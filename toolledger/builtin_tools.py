@@ -1,0 +1,102 @@
+"""The built-in tools: write_file (idempotent, reconcilable), append_file, read_file.
+
+All of their effects go through the sandbox, so all are ``sandboxed``: a revoked execution
+of any of them provably left nothing. write_file also retries itself (``auto_retry``) when
+its target is missing: applying it then overwrites nobody's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from toolledger.ledger.transitions import Status
+from toolledger.tools import Absent, Evidence, Finding, Tool, ToolContext, ToolError, make_tool
+
+
+class FileArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Path relative to the scope's sandbox directory.")
+
+
+class ContentArgs(FileArgs):
+    content: str = Field(description="UTF-8 text.")
+
+
+def check_file(args: FileArgs, ctx: ToolContext) -> None:
+    """Submit time: the path must be safe now, the content under the cap."""
+    ctx.sandbox.check(ctx.scope, args.path)
+    if isinstance(args, ContentArgs):
+        ctx.sandbox.check_content(args.content.encode("utf-8"))
+
+
+def write_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
+    """Set a file's content (create or replace it), atomically. Idempotent: the same content
+    twice leaves the same file."""
+    data = args.content.encode("utf-8")
+    facts = ctx.sandbox.write_atomic(ctx.scope, args.path, data)
+    return {"path": args.path, "bytes_written": facts.size, "sha256": facts.sha256}
+
+
+def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
+    """The file's bytes equal the request's (SHA-256): succeeded. The file is missing: the
+    effect is absent, and writing it now overwrites nothing. Different bytes: cannot tell
+    what is right (someone may have written them since): a human decides. Reads only."""
+    data = args.content.encode("utf-8")
+    wanted = hashlib.sha256(data).hexdigest()
+    if not ctx.sandbox.attached:
+        return None  # a sandbox this process cannot see proves nothing
+    try:
+        found = ctx.sandbox.sha256(ctx.scope, args.path)
+    except OSError:
+        return None
+    if found is None:
+        return Absent({"method": "target file is missing", "path": args.path})
+    if found != wanted:
+        return None
+    return Evidence(
+        status=Status.SUCCEEDED,
+        result={"path": args.path, "bytes_written": len(data), "sha256": wanted},
+        detail={"method": "file bytes equal the requested content", "sha256": found},
+    )
+
+
+def append_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
+    """Append text to a file. Not idempotent (twice is two lines) and not reconcilable by
+    content; but an append whose execution was revoked provably never landed."""
+    facts = ctx.sandbox.append(ctx.scope, args.path, args.content.encode("utf-8"))
+    return {"path": args.path, "bytes_appended": facts.size, "sha256": facts.sha256}
+
+
+def read_file(args: FileArgs, ctx: ToolContext) -> dict[str, Any]:
+    """Read a UTF-8 text file. Read-only: needs no approval and takes no claim."""
+    data = ctx.sandbox.read(ctx.scope, args.path)
+    if data is None:
+        raise ToolError(f"no such file: {args.path}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ToolError(f"{args.path} is not UTF-8 text") from None
+    return {
+        "path": args.path,
+        "content": text,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+BUILTINS: list[Tool] = [
+    make_tool(
+        write_file,
+        idempotent=True,
+        reconcile=reconcile_write_file,
+        check=check_file,
+        sandboxed=True,
+        auto_retry=True,
+    ),
+    make_tool(append_file, idempotent=False, check=check_file, sandboxed=True),
+    make_tool(read_file, read_only=True, check=check_file),
+]

@@ -1,0 +1,93 @@
+"""Looking after the ledger: its schema and ``verify``; the tools registered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from toolledger.cli.common import EXIT_FAILURE, EXIT_OK, Context, json_option, pass_ctx
+
+
+@click.group()
+def db() -> None:
+    """The ledger's schema."""
+
+
+@db.command("upgrade")
+@click.option("--revision", default="head", show_default=True)
+@json_option
+@pass_ctx
+def db_upgrade(c: Context, revision: str) -> None:
+    """Create or migrate the schema (Alembic)."""
+    from toolledger.ledger import db as ledger_db
+
+    ledger_db.upgrade(c.unchecked_ledger.engine, revision)
+    current = ledger_db.current_revision(c.unchecked_ledger.engine)
+    c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+
+
+@db.command("downgrade")
+@click.option("--revision", default="base", show_default=True)
+@json_option
+@pass_ctx
+def db_downgrade(c: Context, revision: str) -> None:
+    """Migrate the schema down (``base`` drops every table)."""
+    from toolledger.ledger import db as ledger_db
+
+    ledger_db.downgrade(c.unchecked_ledger.engine, revision)
+    current = ledger_db.current_revision(c.unchecked_ledger.engine)
+    c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+
+
+# ------------------------------------------------------------------------------ calls
+
+
+@click.command()
+@json_option
+@pass_ctx
+def verify(c: Context) -> int:
+    """Rebuild current state from the events alone; exit 1 on any difference."""
+    report = c.ledger.verify()
+    c.emit(
+        report.to_json(),
+        lambda d: (
+            f"verify: {'ok' if d['ok'] else 'DIFFERENCES'} — {d['operations']} operations, "
+            f"{d['executions']} executions, {d['events']} events, "
+            f"{d['flagged']} flagged for review"
+            + "".join(
+                f"\n  {x['table']} {x['scope']}/{x['idempotency_key']} {x['field']}: "
+                f"stored {x['stored']!r}, rebuilt {x['rebuilt']!r}"
+                for x in d["differences"]
+            )
+        ),
+    )
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+@click.command()
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["all", "openai", "anthropic"]),
+    default="all",
+    show_default=True,
+    help="openai / anthropic: a list ready to pass as the API's tools.",
+)
+@json_option
+@pass_ctx
+def tools(c: Context, fmt: str) -> None:
+    """The registered tools: their JSON schemas and their contracts."""
+    definitions = [t.definitions() for t in c.submitter.registry]
+    data: Any = {"tools": definitions} if fmt == "all" else [d[fmt] for d in definitions]
+
+    def human(_: Any) -> str:
+        return "\n".join(
+            f"{d['name']:<14} {'idempotent' if d['idempotent'] else 'not idempotent':<15} "
+            f"{'read-only' if d['read_only'] else 'side effect':<12} "
+            f"{'reconcilable' if d['reconcilable'] else 'human recovery':<15} "
+            f"{d['description'].splitlines()[0][:70]}"
+            for d in definitions
+        )
+
+    c.emit(data, human if fmt == "all" else None)

@@ -1,0 +1,178 @@
+"""The calls: submit, the human decision, and reading them back (show, events, list)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from toolledger.cli.common import (
+    Context,
+    call_options,
+    json_option,
+    parse_json_object,
+    pass_ctx,
+    scope_option_check,
+)
+from toolledger.ledger.errors import StateError
+from toolledger.ledger.transitions import parse_status
+
+
+@click.command()
+@call_options
+@click.option("--tool", required=True, help="Tool name.")
+@click.option("--args", "raw_args", required=True, help="Arguments: JSON object, @file or -.")
+@click.option("--key", help="Idempotency key [default: TOOL:TOOL_CALL_ID].")
+@click.option("--approved-by", help="Approve at once, in this person's name.")
+@click.option("--reason", help="Why it was approved.")
+@json_option
+@pass_ctx
+def submit(
+    c: Context,
+    scope: str,
+    tool_call_id: str,
+    tool: str,
+    raw_args: str,
+    key: str | None,
+    approved_by: str | None,
+    reason: str | None,
+) -> None:
+    """Record a call; approved at once with --approved-by, else pending_approval."""
+    args = parse_json_object(raw_args, "--args")
+    call = c.submitter.prepare(scope, tool_call_id, tool, args, key)  # before any write
+    out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
+    c.emit(out, _human_submit)
+
+
+def _human_submit(d: dict[str, Any]) -> str:
+    call = f"{d['scope']}/{d['tool_call_id']}"
+    line = f"{d['outcome']}: {call} -> {d['idempotency_key']} [{d['status']}]"
+    if d.get("enqueue_error"):  # recorded and approved; the sweep will publish it
+        line += f"\nwarning: not enqueued ({d['enqueue_error']}); the sweep will re-enqueue it"
+    if "result" in d:
+        line += "\n" + json.dumps(d["result"], ensure_ascii=False, indent=2)
+    return line
+
+
+def _decision(name: str, approve: bool) -> click.Command:
+    @call_options
+    @click.option("--by", required=True, help="Who decided.")
+    @click.option("--reason", help="Why.")
+    @json_option
+    @pass_ctx
+    def command(c: Context, scope: str, tool_call_id: str, by: str, reason: str | None) -> None:
+        out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
+        out["outcome"] = "decided"
+        c.emit(out, _human_submit)
+
+    command.__doc__ = f"The human decision: {name} a pending call."
+    return click.command(name)(command)
+
+
+approve = _decision("approve", approve=True)
+reject = _decision("reject", approve=False)
+
+
+@click.command()
+@call_options
+@json_option
+@pass_ctx
+def show(c: Context, scope: str, tool_call_id: str) -> None:
+    """One call: its action, every attempt and the receipt the model would get."""
+    view = c.ledger.get(scope, tool_call_id)
+    try:
+        receipt = c.ledger.receipt(scope, tool_call_id)
+    except StateError:
+        receipt = None
+    data = view.to_json(receipt)
+    if view.operation.review:  # both versions, side by side, from the flag's event
+        flags = [e for e in c.ledger.events(scope, tool_call_id) if e.kind == "flagged"]
+        data["review_detail"] = flags[-1].detail if flags else None
+    c.emit(data, _human_show)
+
+
+def _human_show(d: dict[str, Any]) -> str:
+    flag = f"  REVIEW: {d['review']}" if d.get("review") else ""
+    lines = [
+        f"{d['scope']}/{d['tool_call_id']}  {d['tool']}  [{d['status']}]{flag}",
+        f"  key     {d['idempotency_key']}",
+        f"  sha256  {d['args_sha256']}",
+        f"  args    {json.dumps(d['args'], ensure_ascii=False)[:200]}",
+    ]
+    for e in d["executions"]:
+        mark = " (reconciled)" if e["reconciled"] else ""
+        lines.append(f"  attempt {e['attempt']}  {e['execution_id']}  {e['status']}{mark}")
+        if e["result"] is not None:
+            lines.append(f"    result {json.dumps(e['result'], ensure_ascii=False)[:200]}")
+    if d["receipt"] is not None:
+        lines.append(f"  receipt {json.dumps(d['receipt'], ensure_ascii=False)[:300]}")
+    if d.get("review_detail"):
+        lines.append(f"  review  {json.dumps(d['review_detail'], ensure_ascii=False)[:600]}")
+    return "\n".join(lines)
+
+
+@click.command()
+@call_options
+@json_option
+@pass_ctx
+def events(c: Context, scope: str, tool_call_id: str) -> None:
+    """The call's event history, in order."""
+    history = c.ledger.events(scope, tool_call_id)
+    key = history[0].idempotency_key if history else None
+    c.emit(
+        {
+            "scope": scope,
+            "tool_call_id": tool_call_id,
+            "idempotency_key": key,
+            "events": [e.to_json() for e in history],
+        },
+        lambda d: "\n".join(
+            f"{e['seq']:>6}  {e['at']}  {e['kind']:<16} {e['actor']:<20} "
+            f"{(e['execution_id'] or '-'):<36}  {json.dumps(e['detail'], ensure_ascii=False)[:120]}"
+            for e in d["events"]
+        ),
+    )
+
+
+@click.command("list")
+@click.option("--status", help="Only calls in this status (e.g. unknown: the humans' inbox).")
+@click.option(
+    "--review",
+    is_flag=True,
+    help="Only calls flagged for a human's review (a contradiction, or two attempts ran).",
+)
+@click.option("--scope", callback=scope_option_check, help="Only this scope.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=1000,
+    show_default=True,
+    help="At most this many rows, oldest first; 0 for all.",
+)
+@json_option
+@pass_ctx
+def list_(c: Context, status: str | None, review: bool, scope: str | None, limit: int) -> None:
+    """Calls from current state (never from the history)."""
+    wanted = parse_status(status) if status else None
+    rows = c.ledger.list_calls(status=wanted, scope=scope, limit=limit, review=review)
+    c.emit({"count": len(rows), "calls": [r.to_json() for r in rows]}, human_list)
+
+
+def human_list(d: dict[str, Any]) -> str:
+    calls = d["calls"]
+    w_scope = max([5, *(len(r["scope"]) for r in calls)])
+    w_call = max([12, *(len(str(r["tool_call_id"])) for r in calls)])
+    lines = [
+        f"{'scope':<{w_scope}} {'tool_call_id':<{w_call}} {'tool':<14} {'status':<17} "
+        "attempt execution_id"
+    ]
+    for r in calls:
+        mark = " (reconciled)" if r["reconciled"] else ""
+        if r.get("review"):
+            mark += f" [review: {r['review']}]"
+        lines.append(
+            f"{r['scope']:<{w_scope}} {r['tool_call_id']!s:<{w_call}} {r['tool']:<14} "
+            f"{r['status']:<17} {r['attempt']:>7} {r['execution_id'] or '-'}{mark}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""What every command shares: the context, options, JSON input, output and the exit codes.
+
+Exit codes: 0 ok, 1 failure (verify found differences, a service is unreachable), 2 usage,
+3 conflict, 4 not found, 5 state does not allow it, 6 input refused. Errors are one line on
+stderr (a JSON object with ``error`` under ``--json``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from toolledger.config import ConfigError, Settings
+from toolledger.ledger.db import SchemaError, ensure_schema
+from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
+from toolledger.ledger.identity import check_scope, check_text_id
+from toolledger.ledger.ledger import Ledger
+from toolledger.worker.submit import Submitter
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT = 3, 4, 5, 6
+
+#: Domain errors and the exit code each one means; the first match wins.
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (ConflictError, EXIT_CONFLICT),
+    (NotFound, EXIT_NOT_FOUND),
+    (StateError, EXIT_STATE),
+    (InputError, EXIT_INPUT),
+    (ConfigError, EXIT_USAGE),
+    (SchemaError, EXIT_FAILURE),
+]
+
+
+class CliError(click.ClickException):
+    """An error with an exit code, raised by commands for conditions outside the ledger."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Context:
+    """What every command gets: settings and, lazily, the ledger."""
+
+    settings: Settings
+    json: bool = False
+
+    @cached_property
+    def ledger(self) -> Ledger:
+        """The ledger, its schema checked (and created, on the embedded default)."""
+        ledger = self.unchecked_ledger
+        ensure_schema(ledger.engine)
+        return ledger
+
+    @cached_property
+    def unchecked_ledger(self) -> Ledger:
+        # Lock waits and idle transactions bounded: a human's command frozen mid-transaction
+        # (a laptop put to sleep) must not hold a call's row for longer than a worker would.
+        return Ledger(
+            self.settings.db,
+            max_args_bytes=self.settings.max_args_bytes,
+            timeout=self.settings.db_timeout,
+            statement_timeout=False,
+        )
+
+    @cached_property
+    def submitter(self) -> Submitter:
+        return Submitter(self.settings, ledger=lambda: self.ledger)
+
+    def close(self) -> None:
+        if "submitter" in self.__dict__:
+            self.submitter.close()
+        if "unchecked_ledger" in self.__dict__:
+            self.unchecked_ledger.close()
+
+    def emit(self, data: Any, human: Callable[[Any], str] | None = None) -> None:
+        if self.json or human is None:
+            click.echo(json.dumps(data, ensure_ascii=False, indent=2, default=str))
+        else:
+            click.echo(human(data))
+
+
+def _set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_object(Context).json = True  # type: ignore[union-attr]
+
+
+def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--json`` on every command as well as before it."""
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        expose_value=False,
+        callback=_set_json,
+        help="Machine-readable output (and errors) as JSON.",
+    )(f)
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+def parse_json_object(raw: str, what: str) -> dict[str, Any]:
+    """JSON from the command line (or ``@file``, ``-`` for stdin): an object, no NaN."""
+    if raw == "-":
+        raw = sys.stdin.read()
+    elif raw.startswith("@"):
+        try:
+            raw = Path(raw[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CliError(
+                f"cannot read {what} from {raw[1:]}: {exc.strerror}", EXIT_INPUT
+            ) from None
+
+    def _refuse(name: str) -> NoReturn:
+        raise CliError(f"{what} is not valid JSON: {name} is not allowed", EXIT_INPUT)
+
+    try:
+        value = json.loads(raw, parse_constant=_refuse)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{what} is not valid JSON: {exc}", EXIT_INPUT) from None
+    if not isinstance(value, dict):
+        raise CliError(f"{what} must be a JSON object, not {type(value).__name__}", EXIT_INPUT)
+    return value
+
+
+def scope_option_check(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> str | None:
+    return None if value is None else check_scope(value)
+
+
+def call_id_option_check(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    return check_text_id(value, "tool_call_id", 256)
+
+
+def call_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option(
+        "--tool-call-id",
+        required=True,
+        callback=call_id_option_check,
+        help="The id the model gave the call.",
+    )(f)
+    return click.option(
+        "--scope",
+        required=True,
+        callback=scope_option_check,
+        help="Tenant / agent run owning the call.",
+    )(f)
+
+
+def fail(message: str, code: int, as_json: bool) -> NoReturn:
+    message = " ".join(message.split())  # one line, whatever the source
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False), err=True)
+    else:
+        click.echo(f"toolledger: error: {message}", err=True)
+    sys.exit(code)
+
+
+def exit_code_of(exc: BaseException) -> int:
+    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_FAILURE)

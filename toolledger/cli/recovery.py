@@ -1,0 +1,170 @@
+"""After something went wrong: sweep, resolve, retry, repair."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from toolledger.cli.common import Context, call_options, json_option, pass_ctx
+from toolledger.ledger.identity import check_scope
+from toolledger.ledger.transitions import TERMINAL, Status
+from toolledger.recovery.humans import resolve as resolve_call
+from toolledger.recovery.humans import retry as retry_call
+from toolledger.recovery.replay import FORMATS
+from toolledger.recovery.sweep import sweep as run_sweep
+from toolledger.recovery.transcript import repair_file
+
+DEFAULT_SCOPE = "default"
+
+
+@click.command()
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds past lease expiry (DB clock) before running -> unknown "
+    "[env TOOLLEDGER_SWEEP_GRACE, 5].",
+)
+@click.option(
+    "--requeue-after",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Re-publish approved work unclaimed this long [env TOOLLEDGER_REQUEUE_AFTER].",
+)
+@click.option("--no-requeue", is_flag=True, help="Do not touch the broker.")
+@json_option
+@pass_ctx
+def sweep(c: Context, grace: float | None, requeue_after: float | None, no_requeue: bool) -> None:
+    """One recovery pass: expired running -> unknown, reconcile, re-enqueue lost work."""
+    settings = c.settings
+    sub = c.submitter
+    publish = None if no_requeue else _publisher(c)
+    summary = run_sweep(
+        c.ledger,
+        sub.registry,
+        sub.sandbox,
+        grace_seconds=settings.sweep_grace if grace is None else grace,
+        requeue_after=settings.requeue_after if requeue_after is None else requeue_after,
+        publish=publish,
+        max_auto_retries=settings.max_auto_retries,
+    )
+    c.emit(
+        summary.to_json(),
+        lambda d: (
+            ", ".join(
+                f"{k} {v}"
+                for k, v in d.items()
+                if k
+                in (
+                    "marked_unknown",
+                    "reconciled",
+                    "not_applied",
+                    "auto_retried",
+                    "still_unknown",
+                    "landed",
+                    "requeued",
+                    "duration_s",
+                )
+            )
+            + "".join(f"\nwarning: {e}" for e in d["errors"])
+        ),
+    )
+
+
+def _publisher(c: Context) -> Any:
+    from toolledger.worker.tasks import publish
+
+    return lambda scope, key, attempt: publish(c.submitter.app, c.settings, scope, key, attempt)
+
+
+@click.command()
+@click.option("--execution-id", required=True)
+@click.option("--as", "as_", required=True, type=click.Choice([s.value for s in TERMINAL]))
+@click.option("--by", required=True, help="Who decided.")
+@click.option("--evidence", required=True, help="What they saw that proves it.")
+@json_option
+@pass_ctx
+def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str) -> None:
+    """A human's resolution of an unknown execution, recorded with its evidence."""
+    out = resolve_call(c.ledger, execution_id, Status(as_), by=by, evidence=evidence)
+    c.emit(out, lambda d: f"{d['status']}: {execution_id} resolved by {by}")
+
+
+@click.command()
+@call_options
+@click.option("--by", required=True, help="Who authorises the new attempt.")
+@click.option(
+    "--accept-duplicate",
+    is_flag=True,
+    help="For a tool that is not idempotent: accept that its effect may happen twice.",
+)
+@click.option("--reason", help="Why.")
+@json_option
+@pass_ctx
+def retry(
+    c: Context, scope: str, tool_call_id: str, by: str, accept_duplicate: bool, reason: str | None
+) -> None:
+    """A new attempt under the same key (unknown or failed calls), authorised by a person."""
+    sub = c.submitter
+    out = retry_call(
+        sub.ledger,
+        sub.registry,
+        sub.enqueue,
+        scope,
+        tool_call_id,
+        by=by,
+        accept_duplicate=accept_duplicate,
+        reason=reason,
+    )
+
+    def human(d: dict[str, Any]) -> str:
+        text = f"approved attempt {d['attempt']} of {scope}/{tool_call_id}, authorised by {by}"
+        if d.get("warning"):
+            text += f"\nwarning: {d['warning']}"
+        if d.get("enqueue_error"):
+            text += f"\nwarning: not enqueued ({d['enqueue_error']}); the sweep will re-enqueue it"
+        return text
+
+    c.emit(out, human)
+
+
+@click.command()
+@click.argument("transcript", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--scope",
+    default=lambda: os.environ.get("TOOLLEDGER_SCOPE", DEFAULT_SCOPE),
+    help="Scope of the calls [env TOOLLEDGER_SCOPE, default].",
+)
+@click.option("--format", "fmt", type=click.Choice(FORMATS), help="Default: detected.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+    help="Write here ('-': stdout) instead of in place.",
+)
+@json_option
+@pass_ctx
+def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path | None) -> None:
+    """Insert the missing tool results into a transcript, by replay (never re-execution)."""
+    check_scope(scope)
+    to_stdout = out is not None and str(out) == "-"
+    if to_stdout:
+        from toolledger.recovery.transcript import repair_transcript
+
+        report = repair_transcript(transcript.read_text(encoding="utf-8"), c.ledger, scope, fmt)
+        click.echo(report.text, nl=False)
+        return
+    report = repair_file(transcript, c.ledger, scope, fmt, out)
+    data = {"transcript": str(transcript), "out": str(out or transcript), **report.to_json()}
+    c.emit(
+        data,
+        lambda d: (
+            f"{d['format'] or 'no tool calls'}: {d['calls']} calls, {d['answered_before']} had "
+            f"results, {len(d['inserted'])} inserted"
+            + "".join(
+                f"\n  {i['tool_call_id']} ({i['tool']}): {i['status']}" for i in d["inserted"]
+            )
+        ),
+    )

@@ -1,0 +1,126 @@
+"""Running things: one call in this process (execute), a worker, the beat."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import click
+import sqlalchemy as sa
+
+from toolledger.cli.common import Context, call_options, json_option, pass_ctx
+from toolledger.ledger.errors import StateError
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.worker.runtime import Runtime, default_worker_id
+
+
+@click.command()
+@call_options
+@json_option
+@pass_ctx
+def execute(c: Context, scope: str, tool_call_id: str) -> None:
+    """Run an approved call now, in this process, through the same pipeline as a worker."""
+    ledger = c.ledger
+    op = ledger.get(scope, tool_call_id).operation
+    if op.status is not Status.APPROVED:
+        raise StateError(
+            f"call {tool_call_id!r} is {op.status}: only an approved, unclaimed call can run"
+        )
+    # Like a worker: failpoints armed (TOOLLEDGER_FAILPOINTS, _FAILPOINT_LOG), bounded
+    # database waits, the fenced sandbox, warnings on stderr.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    rt = Runtime.build(c.settings)
+    try:
+        outcome = rt.executor(default_worker_id("cli")).execute(
+            scope, op.idempotency_key, op.authorized_attempts
+        )
+        if outcome.state == "lost":
+            raise StateError(
+                f"call {tool_call_id!r} was not claimed: another executor has it, it is no "
+                "longer approved, or it is flagged for review (toolledger list --review)"
+            )
+        data = _after(rt.ledger, scope, tool_call_id)
+    finally:
+        rt.close()
+    data["outcome"] = outcome.state
+    if outcome.landing is not None:
+        data["landing"] = outcome.landing.to_json()
+    c.emit(
+        data,
+        lambda d: (
+            f"{d['outcome']}: {scope}/{tool_call_id} [{d.get('status', 'not known')}]\n"
+            + json.dumps(d.get("receipt"), ensure_ascii=False, indent=2)
+        ),
+    )
+
+
+def _after(ledger: Ledger, scope: str, tool_call_id: str) -> dict[str, Any]:
+    """The call as the ledger now has it; {} if the ledger cannot be reached (the outcome
+    is still reported: it is on disk, spooled, if the ledger did not take it)."""
+    try:
+        view = ledger.get(scope, tool_call_id)
+        try:
+            receipt = ledger.receipt(scope, tool_call_id)
+        except StateError:
+            receipt = None
+    except sa.exc.SQLAlchemyError as exc:
+        logging.getLogger("toolledger.worker").warning("cannot read the call back: %s", exc)
+        return {}
+    return view.to_json(receipt)
+
+
+def _given(args: tuple[str, ...], *names: str) -> bool:
+    return any(a in names or a.startswith(tuple(f"{n}=" for n in names)) for a in args)
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+@pass_ctx
+def worker(c: Context, celery_args: tuple[str, ...]) -> None:
+    """Run a Celery worker with toolledger's app and defaults.
+
+    Celery's worker options pass through (--concurrency, --pool, --loglevel, -n, -Q, …);
+    by default it consumes the job queue and the sweep queue, at loglevel INFO.
+    """
+    from toolledger.worker.app import check_worker_start, create_app
+
+    settings = c.settings
+    check_worker_start(settings)
+    app = create_app(settings)
+    argv = ["worker"]
+    if not _given(celery_args, "-Q", "--queues"):
+        argv += ["--queues", f"{settings.queue},{settings.sweep_queue}"]
+    if not _given(celery_args, "-l", "--loglevel"):
+        argv += ["--loglevel", "INFO"]
+    app.worker_main([*argv, *celery_args])
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    help="Seconds between sweeps [env TOOLLEDGER_SWEEP_INTERVAL, 10].",
+)
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+@pass_ctx
+def beat(c: Context, interval: float | None, celery_args: tuple[str, ...]) -> None:
+    """Run the one beat that schedules the sweep on its own queue (Celery beat options pass
+    through). Run exactly one; two are safe, only wasteful."""
+    from toolledger.worker.app import check_worker_start, create_app
+
+    settings = c.settings.with_(sweep_interval=interval)
+    check_worker_start(settings)
+    app = create_app(settings)
+    args = list(celery_args)
+    if not any(a in ("-l", "--loglevel") or a.startswith("--loglevel=") for a in args):
+        args += ["--loglevel", "INFO"]
+    settings.home.mkdir(parents=True, exist_ok=True)
+    app.start(["beat", *args])

@@ -1,0 +1,701 @@
+"""Fenced effects (DESIGN invariant 10): nothing of a revoked execution lands in the sandbox.
+
+The argument. A tool's writes are *staged*: its bytes go to ``ROOT/.toolledger/pending/``,
+where nobody reads them, and nothing under the scope's directory changes while it runs. They
+*land* (rename into place, or append) only after the execution's own terminal commit — the
+compare-and-set ``running → succeeded`` on (execution_id, lease token) in the ledger. A
+revocation (the sweep's ``running → unknown``; everything else — a human's resolution, a
+retry, a newer attempt — comes after it) is a compare-and-set on the same row from
+``running``. The database lets exactly one of the two happen. So:
+
+- revoked first: the commit fails, and the staged bytes are discarded, never landed. It does
+  not matter how long the executor was frozen, where, or whether its database session was
+  killed meanwhile: the decision is the commit, and a commit cannot succeed after revocation.
+- committed first: the execution is not revoked and cannot be any more (only a decision a
+  human or a reconciler made can be reviewed; an executor's own success stands).
+
+Nothing depends on the revoker seeing the sandbox (a human's CLI on a laptop is fine), and no
+lock is held across a freeze that matters: a process frozen before its commit holds nothing
+here; one frozen while landing holds one path's lock (below), which delays later effects on
+that one path — their calls are recorded, their bytes land when the lock frees — and nothing
+else. A crash after the commit leaves the staged bytes: whoever comes next lands them
+(``Effects.settle``: the worker at start, every sweep, the next writer of that path).
+
+Order on one path. Effects on a path land in the order of their commits: two commits that
+touch one path take that path's advisory lock before their event draws its ``seq`` and keep it
+to their end (``Ledger.finish``), so on one path the seqs follow commit order. A lander holds
+the path's ``flock``, first finishes an append a crash interrupted, then looks at every
+effect staged on the path: those committed (all older than any still running, which will
+commit after them) land in seq order — an older write that a newer one replaces, or an
+append that a newer write replaces, is dropped. If the ledger cannot be asked, nothing lands
+on that path until it can.
+
+Crash safety. A write lands by one ``rename`` (atomic, then the directory is fsynced); an
+append first renames its stage to ``applying-<offset>`` (fsynced) and then writes at that
+offset, so finishing it again after a crash writes the same bytes at the same place: exactly
+one append. What is supported: one host, or a shared filesystem whose ``flock`` is coherent
+across hosts (local disks; NFSv4 with its lock manager). A filesystem without coherent locks
+can reorder two landings on one path; it can never land a revoked execution's bytes.
+
+Outside the sandbox nothing is fenced: a tool that calls a service must send
+``ctx.idempotency_key`` (or a fence token) and the service must check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from toolledger import failpoints
+from toolledger.ledger.records import EffectState
+from toolledger.ledger.transitions import Status
+from toolledger.sandbox import PathRefused, Sandbox, kind_of
+
+if TYPE_CHECKING:
+    from toolledger.ledger.ledger import Ledger
+
+log = logging.getLogger("toolledger.effects")
+
+#: The sandbox's own state, under its root (``Sandbox.prepare``). No scope can be named so
+#: (a scope starts with a letter or a digit), so no tool can reach it.
+STATE_DIR = ".toolledger"
+#: How often a lander retries a busy path lock while it waits.
+LOCK_POLL_SECONDS = 0.01
+
+
+class Book(Protocol):
+    """What landing asks of the ledger (``ledger.Ledger`` is one)."""
+
+    def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]: ...
+
+    def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None: ...
+
+
+_STAGE = re.compile(
+    r"^(?P<eid>[0-9a-f-]{36})\.(?P<n>\d+)\.(?P<h>[0-9a-f]{32})\."
+    r"(?P<kind>write|append|refused|applying-(?P<offset>\d+))$"
+)
+_SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
+
+
+class LeaseLost(Exception):
+    """This process no longer holds the execution's lease: it stops writing."""
+
+
+@dataclass
+class LeaseWatch:
+    """One claim's lease as this process sees it, on its own monotonic clock.
+
+    ``deadline``: after it, the claim is treated as lost even if the database could not be
+    asked (the lease keeper moves it forward after each successful renewal). ``lost`` is set
+    once the keeper learns the row is no longer ours, or the deadline passes.
+    """
+
+    execution_id: str
+    deadline: float
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def valid(self) -> bool:
+        if self.lost.is_set():
+            return False
+        if time.monotonic() >= self.deadline:
+            self.lost.set()
+            return False
+        return True
+
+    def check(self) -> None:
+        if not self.valid():
+            raise LeaseLost(f"the lease of {self.execution_id} is lost: no more effects")
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One effect a running execution staged: what will land if its commit succeeds."""
+
+    n: int
+    kind: str  # "write" | "append"
+    path: str
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def path_hash(scope: str, path: str) -> str:
+    """The name of a path's lock and stages (the path itself may be long)."""
+    key = f"{scope}\x00{path}".encode("utf-8", "surrogateescape")
+    return hashlib.sha256(key).hexdigest()[:32]
+
+
+def lock_keys(scope: str, staged: list[Staged] | list[dict[str, Any]]) -> list[int]:
+    """The paths' keys for the commit's advisory locks (``Ledger.finish``): 60 bits of the
+    path's hash, so that two commits on one path draw their seqs in commit order."""
+    paths = {s.path if isinstance(s, Staged) else s["path"] for s in staged}
+    return sorted(int(path_hash(scope, p)[:15], 16) for p in paths)
+
+
+@dataclass(frozen=True)
+class StageFile:
+    """A file in the pending area: ``<execution_id>.<n>.<path hash>.<kind>``."""
+
+    execution_id: str
+    n: int
+    h: str
+    kind: str  # write | append | applying | refused
+    offset: int = 0
+
+    @property
+    def name(self) -> str:
+        kind = f"applying-{self.offset}" if self.kind == "applying" else self.kind
+        return f"{self.execution_id}.{self.n}.{self.h}.{kind}"
+
+    @classmethod
+    def parse(cls, name: str) -> StageFile | None:
+        m = _STAGE.match(name)
+        if m is None:
+            return None
+        kind = "applying" if m["offset"] is not None else m["kind"]
+        return cls(m["eid"], int(m["n"]), m["h"], kind, int(m["offset"] or 0))
+
+
+@dataclass
+class Landing:
+    """What one publish or settle did."""
+
+    landed: int = 0  # effects that reached their target
+    discarded: int = 0  # staged bytes of revoked, failed or superseded effects, dropped
+    busy: int = 0  # paths whose lock a frozen or slow lander holds: left for later
+    refused: int = 0  # effects whose target became unsafe after commit: kept aside
+    recorded: int = 0  # spooled results recorded by their executor's lease
+    evidence: int = 0  # spooled results recorded as late evidence
+    left: int = 0  # staged effects of executions still running
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    def add(self, other: Landing) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """An execution's own terminal commit: whose effects land, in which order (``seq``)."""
+
+    execution_id: str
+    seq: int
+    scope: str
+    key: str
+    attempt: int
+
+    @classmethod
+    def of(cls, state: EffectState) -> Commit:
+        return cls(state.execution_id, state.seq, state.scope, state.idempotency_key, state.attempt)
+
+
+@dataclass(frozen=True)
+class _Step:
+    commit: Commit
+    file: StageFile
+    path: str
+    sha256: str
+
+    @property
+    def seq(self) -> int:
+        return self.commit.seq
+
+    @property
+    def scope(self) -> str:
+        return self.commit.scope
+
+
+_EFFECTS: weakref.WeakKeyDictionary[Sandbox, Effects] = weakref.WeakKeyDictionary()
+
+
+class PathBusy(Exception):
+    """Another lander holds the path's lock (it may be frozen): try later."""
+
+
+def effects_of(sandbox: Sandbox) -> Effects:
+    """The pending area of ``sandbox`` (one per sandbox object)."""
+    found = _EFFECTS.get(sandbox)
+    if found is None:
+        found = _EFFECTS[sandbox] = Effects(sandbox)
+    return found
+
+
+class Effects:
+    """The pending area of one sandbox: staging, landing, discarding, settling."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+        self.state = sandbox.root / STATE_DIR
+        self.pending_dir = self.state / "pending"
+        self.paths_dir = self.state / "paths"
+
+    def staging(self, scope: str, execution_id: str, lease: LeaseWatch | None) -> StagingSandbox:
+        return StagingSandbox(self, scope, execution_id, lease)
+
+    # ------------------------------------------------------------------ the pending area
+
+    @contextlib.contextmanager
+    def _pending(self) -> Iterator[int]:
+        self.pending_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.pending_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _scan(self, pfd: int) -> tuple[list[StageFile], set[str]]:
+        files, spools = [], set()
+        for name in os.listdir(pfd):
+            if (f := StageFile.parse(name)) is not None:
+                files.append(f)
+            elif (m := _SPOOL.match(name)) is not None:
+                spools.add(m["eid"])
+        return files, spools
+
+    def stage(
+        self, scope: str, execution_id: str, n: int, kind: str, path: str, data: bytes
+    ) -> Staged:
+        """Write a stage file (fsynced). Its directory is fsynced once, by ``seal``."""
+        f = StageFile(execution_id, n, path_hash(scope, path), kind)
+        with self._pending() as pfd:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(f.name, flags, 0o644, dir_fd=pfd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return Staged(n, kind, path, len(data), hashlib.sha256(data).hexdigest())
+
+    def seal(self) -> None:
+        """Make every stage's directory entry durable before the commit that refers to it."""
+        with self._pending() as pfd:
+            os.fsync(pfd)
+
+    def discard(self, execution_id: str) -> int:
+        """Drop the staged bytes of an execution that will never commit them. No lock: only
+        its own commit could land them, and it did not happen."""
+        dropped = 0
+        with self._pending() as pfd:
+            for f in self._scan(pfd)[0]:
+                if f.execution_id == execution_id and f.kind in ("write", "append"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f.name, dir_fd=pfd)
+                        dropped += 1
+        return dropped
+
+    # ------------------------------------------------------------------ landing
+
+    def publish(self, commit: Commit, staged: list[Staged], book: Book) -> Landing:
+        """Land the effects of an execution after its own commit, path by path."""
+        landing = Landing()
+        mine = (commit, {s.n: s for s in staged})
+        for h in dict.fromkeys(path_hash(commit.scope, s.path) for s in staged):
+            try:
+                with self._path_lock(h):
+                    self._land_path(h, book, mine, landing)
+            except PathBusy:
+                log.info("path %s busy: %s lands later (settle)", h, commit.execution_id)
+                landing.busy += 1
+        return landing
+
+    @contextlib.contextmanager
+    def _path_lock(self, h: str) -> Iterator[None]:
+        """The path's exclusive flock; PathBusy after the sandbox's ``lock_wait``. The kernel
+        drops it when its holder dies; a frozen holder keeps it (that path waits)."""
+        directory = self.paths_dir / h[:2]
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / f"{h}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = time.monotonic() + self.sandbox.lock_wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise PathBusy(h) from None
+                    time.sleep(LOCK_POLL_SECONDS)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _land_path(
+        self,
+        h: str,
+        book: Book,
+        mine: tuple[Commit, dict[int, Staged]] | None,
+        landing: Landing,
+    ) -> None:
+        """Under the path's lock: land, in commit order, every committed effect staged on it.
+
+        Commits that touch one path take that path's advisory lock before their seq is drawn
+        (``Ledger.finish``), so every commit on it older than ours is visible now, and any
+        still running will commit with a newer seq: what is committed can land in seq order,
+        and nothing older can turn up later."""
+        with self._pending() as pfd:
+            files = [f for f in self._scan(pfd)[0] if f.h == h and f.kind != "refused"]
+            own_id = mine[0].execution_id if mine else None
+            foreign = sorted({f.execution_id for f in files} - {own_id})
+            try:
+                known = book.effect_states(foreign) if foreign else {}
+            except Exception as exc:
+                log.warning("cannot ask the ledger about %d staged effects: %s", len(foreign), exc)
+                raise PathBusy(h) from exc
+            steps = []
+            for f in files:
+                if mine is not None and f.execution_id == own_id:
+                    st = mine[1].get(f.n)
+                    if st is not None:
+                        steps.append(_Step(mine[0], f, st.path, st.sha256))
+                elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing):
+                    steps.append(step)
+            self._land_in_order(pfd, steps, book, landing)
+
+    def _foreign_step(
+        self, pfd: int, f: StageFile, state: EffectState | None, landing: Landing
+    ) -> _Step | None:
+        if state is not None and state.own_success:
+            effect = state.effects[f.n] if f.n < len(state.effects) else None
+            if effect is not None and path_hash(state.scope, effect["path"]) == f.h:
+                return _Step(Commit.of(state), f, effect["path"], effect["sha256"])
+            log.error("staged %s does not match its commit's effects: kept aside", f.name)
+            self._aside(pfd, f, landing)
+            return None
+        if state is not None and state.status is Status.RUNNING:
+            landing.left += 1  # if it commits, its seq will be newer than every one here
+            return None
+        # revoked, failed, decided by a reconciler or a human, or never claimed: never lands
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f.name, dir_fd=pfd)
+            landing.discarded += 1
+        return None
+
+    def _land_in_order(self, pfd: int, steps: list[_Step], book: Book, landing: Landing) -> None:
+        redo = [s for s in steps if s.file.kind == "applying"]  # decided before a crash
+        rest = sorted((s for s in steps if s.file.kind != "applying"), key=_order)
+        newest_write = max((_order(s) for s in rest if s.file.kind == "write"), default=(0, -1))
+        todo: list[_Step] = []
+        for s in rest:
+            if _order(s) < newest_write:  # replaced by a newer write: its bytes never land
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(s.file.name, dir_fd=pfd)
+                    landing.discarded += 1
+            else:
+                todo.append(s)
+        for s in [*redo, *todo]:
+            self._land(pfd, s, book, landing)
+
+    def _land(self, pfd: int, s: _Step, book: Book, landing: Landing) -> None:
+        try:
+            if s.file.kind == "write":
+                self._land_write(pfd, s)
+            else:
+                self._land_append(pfd, s)
+        except (PathRefused, OSError) as exc:
+            log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
+            self._aside(pfd, s.file, landing)
+            detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": str(exc)}
+            with contextlib.suppress(Exception):  # the next settle cannot redo it: say so
+                book.record_not_landed(s.file.execution_id, detail)
+            return
+        landing.landed += 1
+
+    def _land_write(self, pfd: int, s: _Step) -> None:
+        eid = s.file.execution_id
+        failpoints.hit("before_publish", eid)
+        self._log_effect(s, redo=False)
+        with self.sandbox.open_parent(s.scope, s.path, create=True) as (parent, name):
+            assert parent is not None
+            self.sandbox.target_stat(parent, name, s.path)
+            # rename replaces a symlink swapped in meanwhile, never follows it; on the
+            # filesystems supported it leaves both directories in one journal transaction
+            os.rename(s.file.name, name, src_dir_fd=pfd, dst_dir_fd=parent)
+            os.fsync(parent)
+        failpoints.hit("after_publish", eid)
+
+    def _land_append(self, pfd: int, s: _Step) -> None:
+        eid, f = s.file.execution_id, s.file
+        if f.kind == "append":
+            # The intent: this append goes at this offset. Durable before the bytes, so doing
+            # it again after a crash rewrites the same bytes at the same place.
+            applying = StageFile(eid, f.n, f.h, "applying", self._size(s.scope, s.path))
+            os.rename(f.name, applying.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            os.fsync(pfd)
+            f = applying
+        failpoints.hit("before_publish", eid)
+        self._log_effect(s, redo=s.file.kind == "applying")
+        self._write_at(pfd, f, s.scope, s.path)
+        failpoints.hit("after_publish", eid)
+        os.unlink(f.name, dir_fd=pfd)
+        os.fsync(pfd)  # an intent that came back after a power loss would rewrite old bytes
+
+    def _size(self, scope: str, path: str) -> int:
+        st = self.sandbox.stat(scope, path)
+        return st.st_size if st is not None else 0
+
+    def _write_at(self, pfd: int, f: StageFile, scope: str, path: str) -> None:
+        fd = os.open(f.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        try:
+            data = os.read(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        with self.sandbox.open_parent(scope, path, create=True) as (parent, name):
+            assert parent is not None
+            existed = self.sandbox.target_stat(parent, name, path) is not None
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, 0o644, dir_fd=parent)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise PathRefused(f"path {path!r} is {kind_of(st.st_mode)}")
+                offset = f.offset
+                if st.st_size < offset:  # shortened behind the sandbox's back
+                    log.warning("%r is shorter than its pending append expects", path)
+                    offset = st.st_size
+                view = memoryview(data)
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view, offset = view[written:], offset + written
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not existed:
+                os.fsync(parent)
+
+    def _aside(self, pfd: int, f: StageFile, landing: Landing) -> None:
+        """An effect that cannot land keeps its bytes, renamed so nothing retries it."""
+        aside = StageFile(f.execution_id, f.n, f.h, "refused")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(f.name, aside.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        landing.refused += 1
+
+    # ------------------------------------------------------------------ the effects log
+
+    def _log_effect(self, s: _Step, *, redo: bool) -> None:
+        """Tests and chaos runs: one line per landing, written under the path's lock before
+        the bytes move (a crash over-counts, never hides one), with the commit's seq."""
+        if not self.sandbox.effects_log:
+            return
+        line = {
+            "scope": s.scope,
+            "key": s.commit.key,
+            "attempt": s.commit.attempt,
+            "path": s.path,
+            "kind": "write" if s.file.kind == "write" else "append",
+            "execution_id": s.file.execution_id,
+            "n": s.file.n,
+            "seq": s.seq,
+            "sha256": s.sha256,
+            "redo": redo,
+            "pid": os.getpid(),
+            "t": time.time(),
+        }
+        _append_line(self.sandbox.effects_log, line)
+
+    # ------------------------------------------------------------------ results spooled
+
+    def spool(self, execution_id: str, record: dict[str, Any]) -> None:
+        """Keep a result the ledger could not take (it holds the lease token: 0600)."""
+        self.pending_dir.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(record, ensure_ascii=False).encode("utf-8")
+        _replace_durably(self.pending_dir / f"{execution_id}.spool", data, mode=0o600)
+
+    def _read_spool(self, execution_id: str) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(
+                (self.pending_dir / f"{execution_id}.spool").read_text()
+            )
+        except FileNotFoundError:
+            return None
+        return data
+
+    def _drop_spool(self, execution_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.pending_dir / f"{execution_id}.spool").unlink()
+
+    # ------------------------------------------------------------------ settling
+
+    def settle(self, ledger: Ledger, *, actor: str = "settle") -> Landing:
+        """Finish what crashes and freezes left: record spooled results, land committed
+        effects, drop revoked ones. Leaves alone what is still running. Never runs a tool."""
+        summary = Landing()
+        if not self.pending_dir.is_dir():
+            return summary
+        with self._pending() as pfd:
+            files, spools = self._scan(pfd)
+        for eid in sorted(spools):
+            self._settle_spool(ledger, eid, actor, summary)
+        by_path: dict[str, list[StageFile]] = defaultdict(list)
+        for f in files:
+            if f.kind != "refused":
+                by_path[f.h].append(f)
+        if not by_path:
+            return summary
+        states = ledger.effect_states(sorted({f.execution_id for f in files}))
+        for h, on_path in sorted(by_path.items()):
+            if all(_is_running(states.get(f.execution_id)) for f in on_path):
+                summary.left += len(on_path)
+                continue
+            try:
+                with self._path_lock(h):
+                    self._land_path(h, ledger, None, summary)
+            except PathBusy:
+                summary.busy += 1
+        return summary
+
+    def _settle_spool(self, ledger: Ledger, eid: str, actor: str, summary: Landing) -> None:
+        from toolledger.ledger.errors import StaleFence
+
+        record = self._read_spool(eid)
+        if record is None:
+            return
+        state = ledger.effect_states([eid]).get(eid)
+        if state is not None and state.status is Status.RUNNING:
+            if state.lease_token != record["lease_token"]:
+                return  # not ours to judge (cannot happen: tokens are per execution)
+            try:
+                _record_by_lease(ledger, eid, record, state.scope)
+                summary.recorded += 1
+                self._drop_spool(eid)
+                return
+            except StaleFence:
+                state = ledger.effect_states([eid]).get(eid)
+        if state is not None and record.get("late") is not None:
+            marker = record["late"]["spool"]
+            if not any(e.detail.get("spool") == marker for e in ledger.evidence_of(eid)):
+                ledger.record_late_result(
+                    eid,
+                    record["late"],
+                    actor=actor,
+                    outcome=_status(record.get("proves")),
+                    idempotent=bool(record["late"].get("idempotent")),
+                )
+            summary.evidence += 1
+        self._drop_spool(eid)
+
+
+def _record_by_lease(ledger: Ledger, eid: str, record: dict[str, Any], scope: str) -> None:
+    """The write the executor could not make, made now under its own lease token."""
+    from toolledger.ledger.errors import StaleFence
+
+    token, status = record["lease_token"], record["status"]
+    if status not in ("succeeded", "failed", "unknown", "not_started"):
+        raise StaleFence(eid, "spooled after its revocation")
+    if status in ("succeeded", "failed"):
+        ledger.finish(
+            eid,
+            token,
+            Status(status),
+            record["result"],
+            error=record.get("error"),
+            effects=record.get("effects"),
+            lock_keys=lock_keys(scope, record.get("effects") or []),
+        )
+        return
+    ledger.mark_unknown(
+        eid, reason=record.get("reason") or status, actor="settle", lease_token=token
+    )
+    if record.get("late") is not None:
+        ledger.record_evidence(eid, record["late"], actor="settle")
+
+
+def _status(value: str | None) -> Status | None:
+    return Status(value) if value else None
+
+
+def _is_running(state: EffectState | None) -> bool:
+    return state is not None and state.status is Status.RUNNING
+
+
+def _order(s: _Step) -> tuple[int, int]:
+    return (s.seq, s.file.n)
+
+
+def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write a small file by temp + fsync + rename + directory fsync."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _append_line(path: str, line: dict[str, Any]) -> None:
+    data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)  # one short write under O_APPEND: never interleaved
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StagingSandbox(Sandbox):
+    """The sandbox as one running execution's tool sees it (``ctx.sandbox``): reads see what
+    has landed; writes are staged for this execution, in its scope only, and refused once
+    this process no longer holds the lease. They land after the execution's own commit."""
+
+    def __init__(
+        self, effects: Effects, scope: str, execution_id: str, lease: LeaseWatch | None
+    ) -> None:
+        base = effects.sandbox
+        super().__init__(base.root, base.max_content_bytes)
+        self._area = effects
+        self.scope, self.execution_id, self.lease = scope, execution_id, lease
+        self.staged: list[Staged] = []
+
+    def write_atomic(self, scope: str, path: str, data: bytes) -> Staged:
+        """Set the file's content to ``data``: all of it or none of it, after the commit."""
+        return self._stage(scope, path, data, "write")
+
+    def append(self, scope: str, path: str, data: bytes) -> Staged:
+        """Append ``data`` after the commit, exactly once. Not idempotent across calls."""
+        return self._stage(scope, path, data, "append")
+
+    def _stage(self, scope: str, path: str, data: bytes, kind: str) -> Staged:
+        if scope != self.scope:
+            raise PathRefused(f"an execution in scope {self.scope!r} cannot write in {scope!r}")
+        self.check_content(data)
+        if self.lease is not None:
+            self.lease.check()
+        self.check(scope, path)  # safe now; checked again when it lands
+        staged = self._area.stage(scope, self.execution_id, len(self.staged), kind, path, data)
+        self.staged.append(staged)
+        failpoints.hit("after_stage", self.execution_id)
+        return staged
+
+    def seal(self) -> list[Staged]:
+        """Before the commit: make the staged effects durable; what the commit will name."""
+        if self.staged:
+            self._area.seal()
+        return list(self.staged)

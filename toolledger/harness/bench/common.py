@@ -1,0 +1,124 @@
+"""What every benchmark shares: interleaved rounds, statistics, throwaway databases, the job.
+
+Every figure is the median of several rounds with its min and max; rounds interleave the
+variants (A B C A B C …) and every ratio is computed pair by pair within a round, then its
+median taken, because absolute numbers on shared machines drift.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from toolledger.ledger.db import create_engine, normalize_url, upgrade
+
+
+@dataclass
+class Series:
+    """Per-round values of one figure."""
+
+    values: list[float] = field(default_factory=list)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def summary(self, digits: int = 1) -> dict[str, Any]:
+        if not self.values:
+            return {"median": None, "min": None, "max": None, "rounds": 0}
+        return {
+            "median": round(statistics.median(self.values), digits),
+            "min": round(min(self.values), digits),
+            "max": round(max(self.values), digits),
+            "rounds": len(self.values),
+        }
+
+
+def ratio(a: Series, b: Series) -> dict[str, Any]:
+    """a/b round by round (the rounds were interleaved), then median, min, max."""
+    pairs = [x / y for x, y in zip(a.values, b.values, strict=False) if y]
+    return Series(pairs).summary(3)
+
+
+@dataclass
+class Figures:
+    """Named series, filled round by round."""
+
+    series: dict[str, Series] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.series.setdefault(name, Series()).add(value)
+
+    def __getitem__(self, name: str) -> Series:
+        return self.series.setdefault(name, Series())
+
+    def summaries(self, digits: int = 1) -> dict[str, Any]:
+        return {k: v.summary(digits) for k, v in self.series.items()}
+
+
+@contextmanager
+def scratch_postgres(url: str, label: str, *, migrate: bool = True) -> Iterator[str]:
+    """A database of its own on the server of ``url``, dropped afterwards."""
+    server = sa.make_url(normalize_url(url))
+    name = f"toolledger_bench_{label}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(
+        server.render_as_string(False), isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0
+    )
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    target = server.set(database=name).render_as_string(False)
+    try:
+        if migrate:
+            engine = create_engine(target)
+            upgrade(engine)
+            engine.dispose()
+        yield target
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.dispose()
+
+
+def plain_url(url: str) -> str:
+    """The libpq form of a SQLAlchemy URL (for psycopg and the peers)."""
+    return sa.make_url(normalize_url(url)).set(drivername="postgresql").render_as_string(False)
+
+
+def atomic_write(directory: str, name: str, data: bytes) -> None:
+    """The job every variant does: temp file, write, fsync, rename, fsync the directory."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"benchmark: {what} did not happen within {timeout:.0f}s")
+        time.sleep(0.02)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]

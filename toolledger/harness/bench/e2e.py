@@ -1,0 +1,305 @@
+"""2 & 3. End to end, 2 worker processes x concurrency 2, the same job (an atomic file write):
+calls/s from the first submit to the last completion, and p50/p99 latency submit -> done.
+
+toolledger     submit (ledger + outbox) -> Redis -> Celery worker -> claim, write, terminal
+celery_noop    the same Celery app settings, a task that does nothing
+celery_write   the same Celery app settings, the file write with no ledger
+procrastinate  defer -> Postgres queue -> procrastinate worker -> the file write
+dbos           DBOSClient.enqueue -> DBOS queue -> workflow with one step -> the file write
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from toolledger.config import Settings
+from toolledger.harness.bench.common import (
+    Figures,
+    percentile,
+    plain_url,
+    scratch_postgres,
+    wait_for,
+)
+from toolledger.harness.processes import ManagedProcess, service_env, stop_all, worker_process
+from toolledger.ledger.db import create_engine
+
+VARIANTS = ("toolledger", "celery_noop", "celery_write", "procrastinate", "dbos")
+
+
+@dataclass
+class Result:
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+
+
+def _result(submitted: dict[str, float], done: dict[str, float]) -> Result:
+    latencies = [(done[k] - submitted[k]) * 1000 for k in submitted if k in done]
+    span = max(done.values()) - min(submitted.values())
+    return Result(len(done) / span, percentile(latencies, 0.5), percentile(latencies, 0.99))
+
+
+class E2E:
+    def __init__(
+        self, pg_server: str, redis: str, root: Path, jobs: int, progress: Callable[[str], Any]
+    ) -> None:
+        self.pg_server, self.redis, self.root, self.jobs = pg_server, redis, root, jobs
+        self.progress = progress
+        self.missing: dict[str, str] = {}
+
+    def _procs(self, make: Callable[[int], ManagedProcess]) -> list[ManagedProcess]:
+        procs = [make(i) for i in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready(120)
+        return procs
+
+    def _sandbox(self, label: str) -> Path:
+        path = self.root / "sandbox" / label
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # ------------------------------------------------------------------ toolledger
+
+    def toolledger(self, db: str) -> Result:
+        from toolledger.worker.submit import Submitter
+
+        prefix, scope = f"bench-{uuid.uuid4().hex[:8]}:", f"e2e-{uuid.uuid4().hex[:6]}"
+        env = {
+            "db": db,
+            "broker": self.redis,
+            "broker_prefix": prefix,
+            "sandbox": str(self.root / "sandbox"),
+            "home": str(self.root / "home"),
+        }
+        procs = self._procs(
+            lambda i: worker_process(f"bench-tl{i}", service_env(None, **env), self.root / "logs")
+        )
+        try:
+            sub = Submitter(
+                Settings.from_env({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
+            )
+            submitted: dict[str, float] = {}
+            for i in range(self.jobs):
+                cid = f"c{i}"
+                submitted[f"write_file:{cid}"] = time.time()
+                sub.submit(
+                    sub.prepare(scope, cid, "write_file", {"path": f"f{i}", "content": "done"}),
+                    approved_by="b",
+                )
+            engine = create_engine(db)
+            query = sa.text(
+                "SELECT idempotency_key, finished_at FROM executions "
+                "WHERE scope = :s AND status = 'succeeded'"
+            )
+
+            def finished() -> dict[str, float]:
+                with engine.connect() as conn:
+                    return {k: t.timestamp() for k, t in conn.execute(query, {"s": scope})}
+
+            wait_for(lambda: len(finished()) == self.jobs, 300, "toolledger's jobs")
+            done = finished()
+            engine.dispose()
+            sub.close()
+        finally:
+            stop_all(procs)
+        return _result(submitted, done)
+
+    # ------------------------------------------------------------------ plain Celery
+
+    def celery(self, task: str) -> Result:
+        from toolledger.harness.bench.celery_tasks import make_app
+
+        prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+        done_log = self.root / f"done-{uuid.uuid4().hex[:6]}.log"
+        env = service_env(None, broker=self.redis, broker_prefix=prefix)
+        env["BENCH_DONE_LOG"] = str(done_log)
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "toolledger.harness.bench.celery_tasks",
+            "worker",
+            "--pool",
+            "prefork",
+            "--concurrency",
+            "2",
+            "-Q",
+            "bench",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel",
+            "INFO",
+        ]
+        procs = self._procs(
+            lambda i: ManagedProcess(
+                f"bench-c{i}",
+                "worker",
+                [*argv, "--hostname", f"bench-c{i}@%h"],
+                env,
+                self.root / "logs" / f"bench-c{i}.log",
+            )
+        )
+        directory = self._sandbox(f"celery-{uuid.uuid4().hex[:6]}")
+        app = make_app(Settings(broker=self.redis, broker_prefix=prefix))
+        try:
+            submitted: dict[str, float] = {}
+            with app.producer_or_acquire() as producer:
+                for i in range(self.jobs):
+                    job = f"j{i}"
+                    submitted[job] = time.time()
+                    args = (job,) if task == "noop" else (job, str(directory), f"f{i}", "done")
+                    app.send_task(f"bench.{task}", args=args, queue="bench", producer=producer)
+
+            def done() -> dict[str, float]:
+                if not done_log.exists():
+                    return {}
+                pairs = (line.split() for line in done_log.read_text().splitlines())
+                return {k: float(t) for k, t in pairs}
+
+            wait_for(lambda: len(done()) == self.jobs, 300, f"celery {task} jobs")
+            finished = done()
+        finally:
+            app.close()
+            stop_all(procs)
+        return _result(submitted, finished)
+
+    # ------------------------------------------------------------------ peers
+
+    def _peer(self, module: str, db: str) -> list[ManagedProcess]:
+        env = service_env(None)
+        env.update(BENCH_PG=plain_url(db), BENCH_CONCURRENCY="2")
+        return self._procs(
+            lambda i: ManagedProcess(
+                f"{module}-{i}",
+                "peer",
+                [sys.executable, "-m", f"toolledger.harness.bench.{module}", "worker"],
+                env,
+                self.root / "logs" / f"{module}-{i}.log",
+            )
+        )
+
+    def procrastinate(self, db: str) -> Result:
+        from toolledger.harness.bench import peer_procrastinate as peer
+
+        os.environ["BENCH_PG"] = plain_url(db)
+        directory = self._sandbox(f"proc-{uuid.uuid4().hex[:6]}")
+        procs = self._peer("peer_procrastinate", db)
+        try:
+            submitted: dict[str, float] = {}
+            with peer.app.open():
+                for i in range(self.jobs):
+                    submitted[f"f{i}"] = time.time()
+                    peer.write.defer(directory=str(directory), name=f"f{i}", content="done")
+            engine = create_engine(db)
+            query = sa.text(
+                "SELECT j.args->>'name', e.at FROM procrastinate_jobs j JOIN "
+                "procrastinate_events e ON e.job_id = j.id "
+                "WHERE e.type = 'succeeded' AND j.args->>'directory' = :d"
+            )
+
+            def done() -> dict[str, float]:
+                with engine.connect() as conn:
+                    return {n: t.timestamp() for n, t in conn.execute(query, {"d": str(directory)})}
+
+            wait_for(lambda: len(done()) == self.jobs, 300, "procrastinate's jobs")
+            finished = done()
+            engine.dispose()
+        finally:
+            stop_all(procs)
+        return _result(submitted, finished)
+
+    def dbos(self, db: str) -> Result:
+        from dbos import DBOSClient
+
+        directory = self._sandbox(f"dbos-{uuid.uuid4().hex[:6]}")
+        procs = self._peer("peer_dbos", db)
+        client = DBOSClient(system_database_url=plain_url(db))
+        try:
+            began_ms = time.time() * 1000
+            submitted: dict[str, float] = {}
+            for i in range(self.jobs):
+                submitted[f"f{i}"] = time.time()
+                client.enqueue(
+                    {"queue_name": "bench", "workflow_name": "write_wf"},
+                    str(directory),
+                    f"f{i}",
+                    "done",
+                )
+            engine = create_engine(db)
+            # DBOS serialises inputs its own way: this database holds only this benchmark's
+            # workflows, so the ones created since this measurement began are ours.
+            query = sa.text(
+                "SELECT workflow_uuid, created_at, updated_at FROM "
+                "dbos.workflow_status WHERE status = 'SUCCESS' AND created_at >= :t"
+            )
+
+            def done() -> list[tuple[str, int, int]]:
+                with engine.connect() as conn:
+                    return [tuple(r) for r in conn.execute(query, {"t": began_ms})]
+
+            wait_for(lambda: len(done()) == self.jobs, 600, "DBOS's workflows")
+            rows = done()
+            engine.dispose()
+        finally:
+            client.destroy()
+            stop_all(procs)
+        latencies = [updated - created for _, created, updated in rows]
+        span = max(updated for _, _, updated in rows) / 1000 - min(submitted.values())
+        return Result(len(rows) / span, percentile(latencies, 0.5), percentile(latencies, 0.99))
+
+    # ------------------------------------------------------------------ a round
+
+    def round(self, figures: Figures, dbs: dict[str, str]) -> None:
+        runs: dict[str, Callable[[], Result]] = {
+            "toolledger": lambda: self.toolledger(dbs["toolledger"]),
+            "celery_noop": lambda: self.celery("noop"),
+            "celery_write": lambda: self.celery("write"),
+            "procrastinate": lambda: self.procrastinate(dbs["procrastinate"]),
+            "dbos": lambda: self.dbos(dbs["dbos"]),
+        }
+        for name, run in runs.items():
+            if name in self.missing:
+                continue
+            try:
+                result = run()
+            except ImportError as exc:
+                self.missing[name] = f"not installed ({exc.name}): pip install -e '.[bench]'"
+                continue
+            figures.add(f"e2e/{name}/throughput", result.throughput)
+            figures.add(f"e2e/{name}/p50_ms", result.p50_ms)
+            figures.add(f"e2e/{name}/p99_ms", result.p99_ms)
+            self.progress(
+                f"  {name}: {result.throughput:.0f} calls/s, p50 {result.p50_ms:.0f} "
+                f"ms, p99 {result.p99_ms:.0f} ms"
+            )
+
+
+def peer_databases(pg_server: str) -> Any:
+    """Scratch databases: the ledger's (migrated), procrastinate's (its schema), DBOS's."""
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    dbs = {"toolledger": stack.enter_context(scratch_postgres(pg_server, "e2e"))}
+    dbs["procrastinate"] = stack.enter_context(scratch_postgres(pg_server, "proc", migrate=False))
+    dbs["dbos"] = stack.enter_context(scratch_postgres(pg_server, "dbos", migrate=False))
+    try:
+        os.environ["BENCH_PG"] = plain_url(dbs["procrastinate"])
+        from toolledger.harness.bench import peer_procrastinate
+
+        with peer_procrastinate.app.open():
+            peer_procrastinate.app.schema_manager.apply_schema()
+    except ImportError:
+        pass
+    return stack, dbs

@@ -1,0 +1,200 @@
+"""``toolledger bench``: every benchmark, interleaved round by round, in one run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from toolledger.harness.bench.common import Figures, ratio, scratch_postgres
+from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
+from toolledger.harness.bench.procs import Group
+from toolledger.harness.bench.protocol import run_protocol
+from toolledger.harness.bench.sweep_bench import (
+    populate,
+    run_contention,
+    run_sweep_round,
+    sandboxes_for,
+)
+from toolledger.ledger.db import create_engine, upgrade
+
+GOALS = {
+    "ledger_vs_handwritten": (">=", 0.7),
+    "celery_vs_noop": (">=", 0.6),
+    "vs_procrastinate": (">=", 1.0),
+    "vs_dbos": (">=", 1.0),
+    "sweep_1m_vs_10k": ("<=", 1.5),
+}
+
+
+@dataclass
+class BenchConfig:
+    pg: str
+    redis: str
+    out: Path
+    quick: bool = False
+    rounds: int = 3
+    processes: tuple[int, ...] = (1, 2, 4, 8)
+    protocol_jobs: int = 2000
+    e2e_jobs: int = 1000
+    sweep_sizes: dict[str, int] = field(default_factory=lambda: {"10k": 10_000, "1M": 1_000_000})
+    stale: int = 1000
+    contention_keys: int = 10_000
+    progress: Callable[[str], Any] = print
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.rounds, self.processes = min(self.rounds, 2), (1, 2)
+            self.protocol_jobs, self.e2e_jobs, self.stale = 60, 30, 50
+            self.sweep_sizes = {"10k": 1_000, "1M": 5_000}  # same keys, tiny sizes
+            self.contention_keys = 300
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    began = time.time()
+    figures = Figures()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="toolledger-bench-"))
+    group = Group(max(8, max(cfg.processes)))
+    with contextlib.ExitStack() as stack:
+        stack.callback(group.close)
+        pg = stack.enter_context(scratch_postgres(cfg.pg, "proto"))
+        sqlite = f"sqlite:///{work / 'ledger.db'}"
+        engine = create_engine(sqlite)
+        upgrade(engine)
+        engine.dispose()
+        sweep_urls = {
+            size: stack.enter_context(scratch_postgres(cfg.pg, f"sw{size.lower()}"))
+            for size in cfg.sweep_sizes
+        }
+        sandboxes = sandboxes_for(work, list(cfg.sweep_sizes))
+        for size, rows in cfg.sweep_sizes.items():
+            cfg.progress(f"populating a ledger of {rows} finished calls + {cfg.stale} stale")
+            populate(sweep_urls[size], rows, cfg.stale, sandboxes[size])
+        peers_stack, e2e_dbs = peer_databases(cfg.pg)
+        stack.enter_context(peers_stack)
+        e2e = E2E(cfg.pg, cfg.redis, work / "e2e", cfg.e2e_jobs, cfg.progress)
+        for r in range(cfg.rounds):
+            cfg.progress(f"round {r + 1}/{cfg.rounds}: the ledger protocol")
+            run_protocol(
+                group,
+                figures,
+                {"postgres": pg, "sqlite": sqlite},
+                cfg.processes,
+                cfg.protocol_jobs,
+                work / "sandbox",
+                cfg.progress,
+            )
+            cfg.progress(f"round {r + 1}/{cfg.rounds}: end to end")
+            e2e.round(figures, e2e_dbs)
+            cfg.progress(f"round {r + 1}/{cfg.rounds}: sweep and claim contention")
+            run_sweep_round(figures, sweep_urls, sandboxes, cfg.stale, cfg.progress)
+            # Its own database: the claims it leaves running must not weigh on the protocol's.
+            with scratch_postgres(cfg.pg, "race") as race_db:
+                run_contention(group, figures, race_db, cfg.contention_keys)
+        version = _pg_version(pg)
+    report = summarise(cfg, figures, e2e.missing)
+    report["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "postgres": version,
+        "platform": platform.platform(),
+    }
+    report["duration_s"] = round(time.time() - began, 1)
+    return report
+
+
+def _pg_version(url: str) -> str:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        version = str(conn.execute(sa.text("SHOW server_version")).scalar_one())
+    engine.dispose()
+    return version
+
+
+def _goal(name: str, value: dict[str, Any] | None, missing: str | None = None) -> dict[str, Any]:
+    op, target = GOALS[name]
+    if value is None or value.get("median") is None:
+        return {
+            "median": None,
+            "goal": f"{op} {target}",
+            "met": None,
+            "why": missing or "not measured",
+        }
+    median = value["median"]
+    met = median >= target if op == ">=" else median <= target
+    return {**value, "goal": f"{op} {target}", "met": met}
+
+
+def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str, Any]:
+    n = 4 if 4 in cfg.processes else max(cfg.processes)
+    tl = "e2e/toolledger/throughput"
+    protocol = {
+        f"{d}/{impl}": {p: f[f"{d}/{impl}/{p}"].summary() for p in cfg.processes}
+        for d in ("postgres", "sqlite")
+        for impl in ("toolledger", "handwritten", "insert")
+    }
+    by_processes = {
+        p: ratio(f[f"postgres/toolledger/{p}"], f[f"postgres/handwritten/{p}"])
+        for p in cfg.processes
+    }
+    sizes = list(cfg.sweep_sizes)
+    big, small = sizes[-1], sizes[0]
+    report: dict[str, Any] = {
+        "ledger_vs_handwritten": {
+            **_goal("ledger_vs_handwritten", by_processes[n]),
+            "processes": n,
+            "by_processes": by_processes,
+            "sqlite_by_processes": {
+                p: ratio(f[f"sqlite/toolledger/{p}"], f[f"sqlite/handwritten/{p}"])
+                for p in cfg.processes
+            },
+        },
+        "celery_vs_noop": _goal("celery_vs_noop", ratio(f[tl], f["e2e/celery_noop/throughput"])),
+        "vs_procrastinate": _goal(
+            "vs_procrastinate",
+            ratio(f[tl], f["e2e/procrastinate/throughput"]),
+            missing.get("procrastinate"),
+        ),
+        "vs_dbos": _goal("vs_dbos", ratio(f[tl], f["e2e/dbos/throughput"]), missing.get("dbos")),
+        "sweep_1m_vs_10k": {
+            **_goal(
+                "sweep_1m_vs_10k", ratio(f[f"sweep/{big}/seconds"], f[f"sweep/{small}/seconds"])
+            ),
+            "sizes": cfg.sweep_sizes,
+            "stale_rows": cfg.stale,
+        },
+        "quick": cfg.quick,
+        "rounds": cfg.rounds,
+        "raw": {
+            "protocol_jobs_per_s": protocol,
+            "e2e": {
+                v: {m: f[f"e2e/{v}/{m}"].summary() for m in ("throughput", "p50_ms", "p99_ms")}
+                for v in VARIANTS
+                if v not in missing
+            },
+            "e2e_not_run": missing,
+            "sweep": {
+                s: {
+                    m: f[f"sweep/{s}/{m}"].summary(3)
+                    for m in ("seconds", "mark_rows_per_s", "reconcile_rows_per_s")
+                }
+                for s in cfg.sweep_sizes
+            },
+            "claim_contention": {
+                "processes": 8,
+                "keys": cfg.contention_keys,
+                "attempts_per_s": f["contention/attempts_per_s"].summary(),
+            },
+            "jobs": {"protocol": cfg.protocol_jobs, "e2e": cfg.e2e_jobs},
+        },
+    }
+    return report

@@ -1,0 +1,392 @@
+"""The checker: what the ledger says, against what physically happened (Jepsen-style).
+
+Everything it judges is gathered first into ``Facts`` — the ledger's rows and events, the
+files the run left in the sandbox, the landings the sandbox logged (each under its path's
+lock, with the ``seq`` of the commit that made it official), the downstream service's log of
+charges, the faults injected and the failpoints that fired — and each invariant is a function
+of the facts alone, so that a test can hand it facts made to break exactly that invariant.
+Effects and revocations are ordered by the ledger's own sequence (the ``seq`` a landing
+carries is its commit's), never by comparing two machines' clocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from toolledger.harness.chaos.workload import Job, Workload
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import execution_events, executions, operations
+
+INBOX = ("unknown",)
+DB_ERRORS = ("OperationalError", "AdminShutdown", "LeaseLost", "InterfaceError", "database")
+
+
+@dataclass
+class Invariant:
+    name: str
+    ok: bool
+    count: int
+    detail: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "violations": self.count,
+            "examples": self.detail[:10],
+        }
+
+
+def _invariant(name: str, bad: list[str]) -> Invariant:
+    return Invariant(name, not bad, len(bad), bad)
+
+
+@dataclass
+class Facts:
+    """Everything the checker judges; built from a run (``gather``) or by hand (tests)."""
+
+    jobs: list[Job]
+    ops: dict[str, dict[str, Any]]  # key -> operation row
+    execs: list[dict[str, Any]]  # execution rows
+    events: list[dict[str, Any]]  # the scope's events, in seq order
+    files: dict[str, str | None]  # sandbox path (in the scope) -> its final text, None: absent
+    landings: list[dict[str, Any]] | None  # the sandbox's log; None: the version has none
+    charges: list[dict[str, Any]]  # the downstream service's log
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    firings: list[dict[str, Any]] = field(default_factory=list)
+    deaths: dict[int, str] = field(default_factory=dict)
+    stale_running: list[str] = field(default_factory=list)  # expired leases after the sweep
+    verify: list[str] = field(default_factory=list)  # verify's differences
+
+    def events_of(self, execution_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["execution_id"] == execution_id]
+
+    def job_of_key(self) -> dict[str, Job]:
+        return {j.key: j for j in self.jobs}
+
+    def exec_by_id(self) -> dict[str, dict[str, Any]]:
+        return {e["execution_id"]: e for e in self.execs}
+
+    def own_commit(self, execution_id: str) -> dict[str, Any] | None:
+        """The event of an execution's own succeeded commit (not a reconciler's)."""
+        for e in self.events_of(execution_id):
+            if e["kind"] == "succeeded" and not e["detail"].get("reconciled"):
+                return e
+        return None
+
+
+# ---------------------------------------------------------------------------- invariants
+
+
+def one_effect_per_call(f: Facts) -> Invariant:
+    """A call's effect happens at most once: each append's line at most once in its file,
+    each charge at most once at the service."""
+    bad = []
+    for job in (j for j in f.jobs if j.kind == "append"):
+        n = (f.files.get(job.group) or "").splitlines(keepends=True).count(job.line)
+        if n > 1:
+            bad.append(f"{job.cid}: its line is in {job.group} {n} times")
+    per_key = Counter(c["key"] for c in f.charges if c["kind"] == "charge")
+    bad += [f"{key}: charged {n} times" for key, n in per_key.items() if n > 1]
+    return _invariant("at most one effect per call (lines, charges)", bad)
+
+
+def no_effect_after_revocation(f: Facts) -> Invariant:
+    """Every landing is of an execution whose own commit made it official, with that commit's
+    seq; and on each path, writes land in commit order (an older one never after a newer)."""
+    if f.landings is None:  # an older version: nothing to judge by (reported as not measured)
+        return Invariant("no effect of a revoked execution lands", True, 0, ["not measured"])
+    bad = []
+    for landing in f.landings:
+        commit = f.own_commit(landing["execution_id"])
+        if commit is None or commit["seq"] != landing["seq"]:
+            revoked = [
+                e["seq"] for e in f.events_of(landing["execution_id"]) if e["kind"] == "unknown"
+            ]
+            bad.append(
+                f"{landing['execution_id']} landed on {landing['path']} with seq {landing['seq']}"
+                f" but its own commit is {commit and commit['seq']} (revoked at {revoked})"
+            )
+    newest: dict[str, int] = {}
+    for landing in f.landings:
+        if landing["kind"] != "write" or landing.get("redo"):
+            continue
+        path = landing["path"]
+        if landing["seq"] < newest.get(path, 0):
+            bad.append(f"{path}: seq {landing['seq']} landed after seq {newest[path]}")
+        newest[path] = max(newest.get(path, 0), landing["seq"])
+    return _invariant("no effect of a revoked execution lands", bad)
+
+
+def shared_paths_match_the_ledger(f: Facts) -> Invariant:
+    """Each shared path holds what the last call the ledger says succeeded on it wrote."""
+    by_key = f.job_of_key()
+    succeeded_at: dict[str, tuple[int, str]] = {}  # path -> (seq, content)
+    for e in f.events:
+        job = by_key.get(e["idempotency_key"])
+        if job is None or job.kind != "shared" or e["kind"] != "succeeded":
+            continue
+        if e["seq"] > succeeded_at.get(job.group, (0, ""))[0]:
+            succeeded_at[job.group] = (e["seq"], job.args["content"])
+    bad = []
+    for path in {j.group for j in f.jobs if j.kind == "shared"}:
+        expected = succeeded_at.get(path, (0, None))[1]
+        found = f.files.get(path)
+        if expected is not None and found != expected:
+            bad.append(f"{path}: holds {found!r}, the ledger's last success wrote {expected!r}")
+        if expected is None and found is not None:
+            bad.append(f"{path}: holds {found!r} though no call on it succeeded")
+    return _invariant("every shared path holds its last succeeded write", bad)
+
+
+def effects_never_hidden(f: Facts) -> Invariant:
+    """A call whose effect is in the world ends succeeded, or waits in the humans' inbox;
+    never failed, rejected or anything else that tells the model it did not happen."""
+    bad = []
+    for job in f.jobs:
+        op = f.ops.get(job.key)
+        if op is None or not _effect_present(f, job):
+            continue
+        if op["status"] != "succeeded" and op["status"] not in INBOX and not op.get("review"):
+            bad.append(
+                f"{job.cid} ({job.kind}): its effect is there, the ledger says {op['status']}"
+            )
+    return _invariant("no effect hides behind failed, rejected or a pending retry", bad)
+
+
+def _effect_present(f: Facts, job: Job) -> bool:
+    if job.kind == "append":
+        return job.line in (f.files.get(job.group) or "").splitlines(keepends=True)
+    if job.kind == "charge":
+        return any(c["kind"] == "charge" and c["key"] == job.key for c in f.charges)
+    if job.kind == "write":
+        return bool(f.files.get(job.args["path"]) == job.args["content"])
+    if f.landings is not None:  # shared: its landing, if the version logs them
+        ids = {e["execution_id"] for e in f.execs if e["idempotency_key"] == job.key}
+        return any(x["execution_id"] in ids for x in f.landings)
+    return False
+
+
+def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
+    """Every execution that went unknown lines up with a fault on that very execution: a
+    failpoint that fired on it, a kill or freeze of its worker process, a partition of its
+    worker, or its own record of losing the database."""
+    reasons: Counter[str] = Counter()
+    bad = []
+    for ex in f.execs:
+        went = [e for e in f.events_of(ex["execution_id"]) if e["kind"] == "unknown"]
+        if not went:
+            continue
+        cause = _cause(f, ex, went[0])
+        if cause is None:
+            bad.append(f"{ex['execution_id']} ({ex['idempotency_key']}) by {ex['worker_id']}")
+        else:
+            reasons[cause] += 1
+    return _invariant("every unknown lines up with a fault on that execution", bad), reasons
+
+
+def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
+    eid = ex["execution_id"]
+    for fp in f.firings:
+        if fp.get("ref") == eid:
+            return f"failpoint {fp['point']}"
+    pid, host = _pid(ex["worker_id"]), _host(ex["worker_id"])
+    for fault in f.faults:
+        if fault["kind"] in ("kill_main", "kill_child", "zombie") and pid in fault["pids"]:
+            return str(fault["kind"])
+        if fault["kind"] == "partition" and (pid in fault["pids"] or host == fault["target"]):
+            return "partition"
+    own = " ".join(
+        json.dumps(e["detail"]) for e in f.events_of(eid) if e["kind"] in ("unknown", "evidence")
+    )
+    if any(word in own for word in DB_ERRORS):
+        return "its own database connection failed"
+    if pid in f.deaths:  # e.g. killed by Celery's hard time limit after a stalled fsync
+        return f"worker process died ({f.deaths[pid]})"
+    return None
+
+
+def automatic_retries_proven(f: Facts) -> Invariant:
+    """Every automatic retry followed its earlier attempt's revocation and the proof that its
+    effect was absent (the reconciler's word), in that order."""
+    execs = f.exec_by_id()
+    bad = []
+    for e in f.events:
+        if e["kind"] != "approved" or not e["detail"].get("automatic"):
+            continue
+        before = e["detail"].get("after")
+        ex = execs.get(before or "")
+        history = f.events_of(before) if ex else []
+        revoked = [h["seq"] for h in history if h["kind"] == "unknown" and h["seq"] < e["seq"]]
+        proven = [
+            h["seq"]
+            for h in history
+            if h["kind"] == "failed"
+            and h["detail"].get("result", {}).get("error") == "not_applied"
+            and "reconciler" in h["detail"].get("evidence", {})
+            and h["seq"] < e["seq"]
+        ]
+        if not (revoked and proven and revoked[0] < proven[0]):
+            bad.append(f"{e['idempotency_key']} attempt {e['detail'].get('attempt')}: "
+                       f"revoked {revoked}, proven absent {proven}")  # fmt: skip
+    return _invariant("automatic retries only after revocation and proof of absence", bad)
+
+
+def every_call_ended(f: Facts) -> tuple[Invariant, int, int]:
+    missing = [j.key for j in f.jobs if j.key not in f.ops]
+    lost = [k for k, op in f.ops.items() if op["status"] in ("approved", "pending_approval")]
+    stuck = [k for k, op in f.ops.items() if op["status"] == "running"] + f.stale_running
+    bad = [f"{k}: not recorded" for k in missing] + [f"{k}: {f.ops[k]['status']}" for k in lost]
+    bad += [f"{k}: running" for k in stuck]
+    inv = _invariant("every call ends: succeeded, failed, rejected, or unknown for a human", bad)
+    return inv, len(missing) + len(lost), len(stuck)
+
+
+INVARIANTS: list[Callable[[Facts], Invariant]] = [
+    one_effect_per_call,
+    no_effect_after_revocation,
+    shared_paths_match_the_ledger,
+    effects_never_hidden,
+    automatic_retries_proven,
+]
+
+
+def check(f: Facts) -> dict[str, Any]:
+    dup, after, shared, hidden, auto = (fn(f) for fn in INVARIANTS)
+    ended, lost, stuck = every_call_ended(f)
+    explained, reasons = unknowns_explained(f)
+    verified = _invariant("verify: events rebuild state exactly", f.verify)
+    invariants = [dup, after, shared, hidden, auto, ended, explained, verified]
+    statuses = Counter(op["status"] for op in f.ops.values())
+    inbox = [k for k, op in f.ops.items() if op["status"] in INBOX or op.get("review")]
+    return {
+        "duplicates": dup.count,
+        # None: this version logs no landings, so the check could not be made
+        "effects_after_revocation": after.count if f.landings is not None else None,
+        "shared_path_mismatches": shared.count,
+        "hidden_effects": hidden.count,
+        "lost": lost,
+        "stuck": stuck,
+        "verify_ok": verified.ok,
+        "unknown": {"count": statuses.get("unknown", 0), "reasons": dict(reasons)},
+        "inbox": {
+            "count": len(inbox),
+            "share": round(len(inbox) / max(1, len(f.jobs)), 4),
+            "calls": [_inbox_reason(f, k) for k in inbox][:50],
+        },
+        "statuses": dict(statuses),
+        "reconciled": sum(1 for e in f.execs if e["reconciled"]),
+        "auto_retries": sum(
+            1 for e in f.events if e["kind"] == "approved" and e["detail"].get("automatic")
+        ),
+        "executions": len(f.execs),
+        "landings": None if f.landings is None else len(f.landings),
+        "invariants": [i.to_json() for i in invariants],
+        "ok": all(i.ok for i in invariants),
+    }
+
+
+def _inbox_reason(f: Facts, key: str) -> dict[str, Any]:
+    op = f.ops[key]
+    last = [e for e in f.events if e["idempotency_key"] == key][-1:]
+    return {"key": key, "status": op["status"], "review": op.get("review"),
+            "last_event": last[0]["kind"] if last else None}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- gathering
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+_DEATH = re.compile(r"Process '[^']+' pid:(\d+) exited with '([^']+)'")
+
+
+def child_deaths(logs: Path) -> dict[int, str]:
+    """Pool children that died, as the workers themselves logged it: pid -> how."""
+    deaths: dict[int, str] = {}
+    for log in logs.glob("*.log") if logs.exists() else []:
+        for match in _DEATH.finditer(log.read_text(errors="replace")):
+            deaths[int(match[1])] = match[2]
+    return deaths
+
+
+def _pid(worker_id: str | None) -> int | None:
+    try:
+        return int((worker_id or "").rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _host(worker_id: str | None) -> str:
+    return (worker_id or "").split("@", 1)[0]
+
+
+def _row(r: Any) -> dict[str, Any]:
+    return dict(r._mapping)
+
+
+def gather(
+    ledger: Ledger,
+    scope: str,
+    out: Path,
+    workload: Workload,
+    faults: list[dict[str, Any]],
+    *,
+    landings_logged: bool,
+) -> Facts:
+    """The facts of a finished run: the ledger (at the schema of this version), the run's
+    sandbox and logs."""
+    with ledger.engine.connect() as conn:
+        ops = {
+            r.idempotency_key: _row(r)
+            for r in conn.execute(sa.select(operations).where(operations.c.scope == scope))
+        }
+        execs = [
+            _row(r) for r in conn.execute(sa.select(executions).where(executions.c.scope == scope))
+        ]
+        events = [
+            _row(r)
+            for r in conn.execute(
+                sa.select(execution_events)
+                .where(execution_events.c.scope == scope)
+                .order_by(execution_events.c.seq)
+            )
+        ]
+        now = conn.execute(sa.select(sa.func.now())).scalar_one()
+    stale = [
+        e["execution_id"]
+        for e in execs
+        if e["status"] == "running" and e["lease_expires_at"] and e["lease_expires_at"] < now
+    ]
+    root = out / "sandbox" / scope
+    paths = {j.args["path"] for j in workload.jobs if "path" in j.args}
+    files = {p: (root / p).read_text() if (root / p).is_file() else None for p in paths}
+    report = ledger.verify()
+    return Facts(
+        jobs=workload.jobs,
+        ops=ops,
+        execs=execs,
+        events=events,
+        files=files,
+        landings=[x for x in read_lines(out / "effects.log") if x["scope"] == scope]
+        if landings_logged
+        else None,
+        charges=read_lines(out / "charges.log"),
+        faults=faults,
+        firings=read_lines(out / "failpoints.log"),
+        deaths=child_deaths(out / "logs"),
+        stale_running=stale,
+        verify=[json.dumps(d.to_json()) for d in report.differences],
+    )

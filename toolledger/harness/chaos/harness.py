@@ -1,0 +1,579 @@
+"""The chaos harness: real workers, an agent and an operator on a Postgres and a Redis prefix of
+the run's own, faults on a seeded schedule, and everything logged for the checker.
+
+The run owns its world: a Postgres cluster of its own (initdb, its own port; so that it can
+crash it and start it again), a Redis key prefix, a sandbox, a downstream payments service,
+and — where the machine allows it — one network namespace per worker through which that
+worker alone reaches Postgres (so that it alone can be partitioned). The version of
+toolledger under test runs every process that touches the ledger (workers, the beat, the
+agent, the operator, the final sweep): today's by default, or an older checkout (``code``),
+to show what this harness finds there. The harness itself only schedules, injects and
+records; the checker reads the ledger afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from toolledger.harness.chaos import partition as partitions
+from toolledger.harness.chaos.pgcluster import PgCluster, find_bin, free_port
+from toolledger.harness.chaos.workload import Workload, make_workload
+from toolledger.harness.processes import ManagedProcess, beat_process, stop_all, worker_process
+from toolledger.ledger.db import create_engine
+
+PLUGIN = Path(__file__).parent / "plugin"
+ROLES = PLUGIN / "toolledger_chaos_roles.py"
+#: Jobs are submitted over this share of the fault window, so faults keep meeting work.
+SUBMIT_SHARE = 0.85
+#: External faults, injected on the seeded schedule (failpoints fire inside the workers).
+EXTERNAL = (
+    "kill_main",
+    "kill_child",
+    "zombie",
+    "redis_flush",
+    "pg_terminate",
+    "duplicate",
+    "partition",
+    "pg_crash",
+)
+
+
+@dataclass
+class ChaosConfig:
+    out: Path
+    db: str  # a Postgres server URL: used only if the run cannot have a cluster of its own
+    broker: str  # a Redis URL: the run uses its own key prefix
+    workers: int = 2
+    concurrency: int = 2
+    jobs: int = 300
+    duration: float = 60.0  # seconds during which faults are injected
+    faults: int = 0  # external faults to inject (0: one every ~duration/24 s, at least 24)
+    seed: int = 1
+    lease_seconds: float = 8.0
+    hold_ms: int = 0  # 0: chosen so the workers are about half busy
+    failpoint_percent: float = 0.0  # 0: about 8 firings per point (min 0.5 %)
+    keep_db: bool = False
+    code: Path | None = None  # the toolledger checkout under test (None: this one)
+    kinds: tuple[str, ...] = EXTERNAL
+    progress: Callable[[str], None] = print
+
+    def __post_init__(self) -> None:
+        if not self.faults:
+            self.faults = max(24, int(self.duration / 2.5))
+        slots = self.workers * self.concurrency
+        rate = self.jobs / (self.duration * SUBMIT_SHARE)
+        if not self.hold_ms:
+            self.hold_ms = int(min(1500, max(50, 500 * slots / rate)))
+        if not self.failpoint_percent:
+            self.failpoint_percent = round(max(0.5, 100 * 8 / self.jobs), 2)
+
+
+@dataclass
+class Fault:
+    t: float
+    kind: str
+    target: str = ""
+    pids: list[int] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "t": self.t,
+            "kind": self.kind,
+            "target": self.target,
+            "pids": self.pids,
+            **self.detail,
+        }
+
+
+class Code:
+    """How to run a version of toolledger: ``python -m toolledger`` (``python -m worker`` for a
+    checkout from before the namespace) with its tree first on the path."""
+
+    def __init__(self, tree: Path | None) -> None:
+        self.tree = tree
+        self.legacy = tree is not None and not (tree / "toolledger" / "__main__.py").exists()
+
+    def env(self) -> dict[str, str]:
+        paths = [str(self.tree)] if self.tree else []
+        paths += [str(PLUGIN), os.environ.get("PYTHONPATH", "")]
+        env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        if self.legacy:
+            env["TOOLLEDGER_CHAOS_LEGACY"] = "1"
+        return env
+
+    def cli(self) -> list[str]:
+        return [sys.executable, "-m", "worker" if self.legacy else "toolledger"]
+
+    def failpoints(self) -> list[str]:
+        where = "worker.failpoints" if self.legacy else "toolledger.failpoints"
+        probe = f"from {where} import POINTS; print(','.join(POINTS))"
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            env={**os.environ, **self.env()},
+            cwd=self.tree or None,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip().split(",")
+
+
+class ChaosRun:
+    """One run: set up, inject, recover, then hand everything to the checker."""
+
+    def __init__(self, config: ChaosConfig) -> None:
+        self.cfg = config
+        self.rng = random.Random(config.seed)
+        self.run_id = time.strftime("%Y%m%d%H%M%S") + uuid.uuid4().hex[:4]
+        self.scope = f"chaos-{self.run_id}"
+        self.prefix = f"chaos-{self.run_id}:"
+        self.out = config.out
+        self.code = Code(config.code)
+        self.faults: list[Fault] = []
+        self.workers: list[ManagedProcess] = []
+        self.partitions: dict[str, partitions.Partition] = {}
+        self.roles: dict[str, subprocess.Popen[bytes]] = {}
+        self.beat: ManagedProcess | None = None
+        self.cluster: PgCluster | None = None
+        self.downstream: subprocess.Popen[bytes] | None = None
+        self.workload = Workload()
+        self.began = 0.0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._paused: set[str] = set()
+        self.kinds = list(config.kinds)
+
+    # ------------------------------------------------------------------ setup
+
+    def progress(self, text: str) -> None:
+        self.cfg.progress(f"[{time.time() - self.began:6.1f}s] {text}" if self.began else text)
+
+    def _postgres(self) -> str:
+        """The run's own cluster if this machine can make one, else a database on ``db``."""
+        pg_bin = find_bin()
+        if pg_bin is not None:
+            # Its own directory under the system's temp: Postgres's user must reach it, and
+            # the run's directory may sit below others it cannot enter (pytest's tmp_path).
+            where = Path(tempfile.mkdtemp(prefix="toolledger-chaos-pg-"))
+            self.cluster = PgCluster(where, pg_bin).init()
+            self.cluster.start()
+            server = self.cluster.url
+        else:
+            server = self.cfg.db
+            self.kinds = [k for k in self.kinds if k != "pg_crash"]
+            self.progress("no initdb here: no cluster of the run's own, no Postgres crashes")
+        url = sa.make_url(server.replace("postgresql://", "postgresql+psycopg://", 1))
+        if url.get_backend_name() != "postgresql":
+            raise ValueError("chaos needs Postgres (TOOLLEDGER_DB) and Redis (TOOLLEDGER_BROKER)")
+        self.db_name = f"toolledger_chaos_{self.run_id}"
+        self.admin = create_engine(
+            url.render_as_string(False), isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=1
+        )
+        with self.admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE {self.db_name}")
+        return str(url.set(database=self.db_name).render_as_string(False))
+
+    def settings_env(self, **extra: str) -> dict[str, str]:
+        env = {
+            "db": self.db_url,
+            "broker": self.cfg.broker,
+            "broker_prefix": self.prefix,
+            "home": str(self.out / "home"),
+            "sandbox": str(self.out / "sandbox"),
+            "tools": "toolledger_chaos_tools",
+            "effects_log": str(self.out / "effects.log"),
+            "failpoint_log": str(self.out / "failpoints.log"),
+            "lease_seconds": str(self.cfg.lease_seconds),
+            "visibility_timeout": "30",
+            "sweep_interval": "1",
+            "sweep_grace": "0",
+            "requeue_after": "6",
+            "chaos_downstream": self.downstream_url,
+            **extra,
+        }
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
+        base.update({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
+        base.update(self.code.env())
+        base.setdefault("PYTHONUNBUFFERED", "1")
+        return base
+
+    def _failpoints(self) -> str:
+        pct = self.cfg.failpoint_percent
+        return ";".join(f"{point}={pct}%kill" for point in self.code.failpoints())
+
+    def _partitions(self) -> None:
+        why = partitions.unavailable() if "partition" in self.kinds else "not asked for"
+        if why or self.cluster is None:
+            self.kinds = [k for k in self.kinds if k != "partition"]
+            self.progress(f"no partitions in this run: {why or 'no cluster of its own'}")
+            return
+        for i in range(self.cfg.workers):
+            part = partitions.Partition(self.cluster.unix_socket)
+            address = part.start()
+            self.partitions[f"chaos-w{i + 1}"] = part
+            part.url = str(  # type: ignore[attr-defined]
+                sa.make_url(self.db_url)
+                .set(host=address.split(":")[0], port=int(address.split(":")[1]))
+                .render_as_string(False)
+            )
+
+    def _start_downstream(self) -> None:
+        port = free_port()
+        self.downstream_url = f"http://127.0.0.1:{port}"
+        self.downstream = subprocess.Popen(
+            [sys.executable, "-m", "toolledger.harness.chaos.downstream", "--port", str(port),
+             "--log", str(self.out / "charges.log")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        assert self.downstream.stdout is not None
+        if b"downstream ready" not in self.downstream.stdout.readline():
+            raise RuntimeError("the downstream service did not start")
+
+    def setup(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in ("effects.log", "failpoints.log", "faults.log", "charges.log",
+                     "operator.log", "submitted.log", "finish", "operator.done"):  # fmt: skip
+            (self.out / name).unlink(missing_ok=True)
+        self.db_url = self._postgres()
+        self._start_downstream()
+        self._cli("db", "upgrade")  # by the version under test
+        self._partitions()
+        self.workload = make_workload(self.cfg.jobs, self.cfg.seed, self.run_id, self.cfg.hold_ms)
+        logs = self.out / "logs"
+        self.workers = []
+        for i in range(self.cfg.workers):
+            name = f"chaos-w{i + 1}"
+            part = self.partitions.get(name)
+            extra = {"db": part.url} if part else {}  # type: ignore[attr-defined]
+            env = self.settings_env(failpoints=self._failpoints(), **extra)
+            self.workers.append(worker_process(name, env, logs, concurrency=self.cfg.concurrency))
+        self.beat = beat_process("chaos-beat", self.settings_env(), logs)
+        for p in [*self.workers, self.beat]:
+            p.cwd = self.code.tree
+            p.start()
+        for p in [*self.workers, self.beat]:
+            p.wait_ready(90)
+
+    def _cli(self, *argv: str) -> str:
+        proc = subprocess.run(
+            [*self.code.cli(), *argv],
+            env=self.settings_env(),
+            cwd=self.code.tree or None,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"toolledger {' '.join(argv)} failed: {proc.stderr[-2000:]}")
+        return proc.stdout
+
+    def _plan(self) -> Path:
+        plan = {
+            "scope": self.scope,
+            "jobs": [j.to_json() for j in self.workload.jobs],
+            "began": self.began,
+            "window": self.cfg.duration * SUBMIT_SHARE,
+            "chain_wait": self.cfg.lease_seconds * 3,
+            "sandbox": str(self.out / "sandbox"),
+            "downstream": self.downstream_url,
+            "submitted_log": str(self.out / "submitted.log"),
+            "operator_log": str(self.out / "operator.log"),
+            "operator_every": 2.0,
+            "finish_file": str(self.out / "finish"),
+            "operator_done": str(self.out / "operator.done"),
+        }
+        path = self.out / "plan.json"
+        path.write_text(json.dumps(plan))
+        return path
+
+    def _role(self, role: str, plan: Path) -> subprocess.Popen[bytes]:
+        log = (self.out / "logs" / f"{role}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, str(ROLES), role, str(plan)],
+            env=self.settings_env(),
+            cwd=self.code.tree or None,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.roles[role] = proc
+        return proc
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        self.setup()
+        self.began = time.time()
+        plan = self._plan()
+        self._role("submit", plan)
+        self._role("operate", plan)
+        supervisor = threading.Thread(target=self._supervise, name="supervise", daemon=True)
+        supervisor.start()
+        try:
+            self._inject()
+            self._heal_all()
+            self.progress(f"faults done ({len(self.faults)}); waiting for the agent")
+            self.roles["submit"].wait(timeout=max(60.0, self.cfg.duration))
+            recovered = self._wait_quiet(stall=120)
+            final = self._final_sweep()
+            return {"recovered_s": recovered, "final_sweep": final}
+        finally:
+            self._stopping.set()
+            for proc in self.roles.values():
+                if proc.poll() is None:
+                    proc.kill()
+            self._heal_all()
+            stop_all([*self.workers, *([self.beat] if self.beat else [])])
+
+    def _supervise(self) -> None:
+        """Restart killed workers, as systemd or Kubernetes would."""
+        while not self._stopping.wait(0.3):
+            for w in self.workers:
+                if not w.alive() and w.name not in self._paused:
+                    w.restart()
+
+    # ------------------------------------------------------------------ faults
+
+    def _schedule(self) -> list[tuple[float, str]]:
+        kinds = [self.kinds[i % len(self.kinds)] for i in range(self.cfg.faults)]
+        self.rng.shuffle(kinds)
+        gaps = [self.rng.expovariate(1.0) for _ in kinds]
+        scale = self.cfg.duration * 0.95 / sum(gaps)
+        at, plan = 0.5, []
+        for gap, kind in zip(gaps, kinds, strict=True):
+            at += gap * scale
+            plan.append((at, kind))
+        return plan
+
+    def _inject(self) -> None:
+        for n, (at, kind) in enumerate(self._schedule()):
+            time.sleep(max(0.0, self.began + at - time.time()))
+            fault = getattr(self, f"_fault_{kind}")()
+            for _ in range(20):  # no target right now (every worker restarting): soon
+                if fault is not None:
+                    break
+                time.sleep(0.25)
+                fault = getattr(self, f"_fault_{kind}")()
+            if fault is not None:
+                fault.t = fault.t or time.time()
+                self.faults.append(fault)
+                with (self.out / "faults.log").open("a") as f:
+                    f.write(json.dumps(fault.to_json()) + "\n")
+            if n and n % max(1, self.cfg.faults // 10) == 0:
+                done = len(self._lines("submitted.log"))
+                self.progress(f"{len(self.faults)} faults, {done}/{self.cfg.jobs} jobs submitted")
+
+    def _pick(self) -> ManagedProcess | None:
+        alive = [w for w in self.workers if w.alive() and w.name not in self._paused]
+        return self.rng.choice(alive) if alive else None
+
+    def _fault_kill_main(self) -> Fault | None:
+        w = self._pick()
+        if w is None:
+            return None
+        pids = [w.pid, *w.children()]
+        w.signal(signal.SIGKILL)  # the main process only; the supervisor restarts the worker
+        return Fault(0, "kill_main", w.name, pids)
+
+    def _fault_kill_child(self) -> Fault | None:
+        w = self._pick()
+        children = w.children() if w else []
+        if not w or not children:
+            return None
+        child = self.rng.choice(children)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        return Fault(0, "kill_child", w.name, [child])
+
+    def _fault_zombie(self) -> Fault | None:
+        w = self._pick()
+        if w is None:
+            return None
+        pids = [w.pid, *w.children()]
+        self._paused.add(w.name)
+        w.signal(signal.SIGSTOP, group=True)
+        # past its lease, and long enough for the sweep to revoke it and for the operator
+        # or a later writer to act before it wakes: what a zombie could then land would show
+        frozen = self.cfg.lease_seconds + 6.0
+
+        def wake() -> None:
+            w.signal(signal.SIGCONT, group=True)
+            self._paused.discard(w.name)
+
+        threading.Timer(frozen, wake).start()
+        return Fault(0, "zombie", w.name, pids, {"frozen_s": frozen})
+
+    def _fault_partition(self) -> Fault | None:
+        """One worker cut off from Postgres (packets vanish) past its lease, then healed."""
+        cut = [n for n, p in self.partitions.items() if getattr(p, "is_cut", False)]
+        candidates = [w for w in self.workers if w.alive() and w.name not in cut]
+        if not candidates:
+            return None
+        w = self.rng.choice(candidates)
+        part = self.partitions[w.name]
+        part.cut()
+        part.is_cut = True  # type: ignore[attr-defined]
+        held = self.cfg.lease_seconds + 6.0
+
+        def heal() -> None:
+            with contextlib.suppress(Exception):
+                part.heal()
+            part.is_cut = False  # type: ignore[attr-defined]
+
+        threading.Timer(held, heal).start()
+        return Fault(0, "partition", w.name, [w.pid, *w.children()], {"cut_s": held})
+
+    def _fault_pg_crash(self) -> Fault | None:
+        """SIGKILL the postmaster; start it again (crash recovery) a few seconds later."""
+        if self.cluster is None:
+            return None
+        t = time.time()
+        pid = self.cluster.crash()
+        down = self.rng.uniform(1.0, 3.0)
+        time.sleep(down)
+        self.cluster.start()
+        return Fault(t, "pg_crash", "postgres", [pid] if pid else [], {"down_s": round(down, 2)})
+
+    def _fault_redis_flush(self) -> Fault | None:
+        import redis
+
+        client = redis.Redis.from_url(self.cfg.broker)
+        keys = [
+            k
+            for k in client.scan_iter(match=f"{self.prefix}*", count=1000)
+            if b"_kombu.binding" not in k
+        ]
+        deleted = client.delete(*keys) if keys else 0
+        client.close()
+        return Fault(0, "redis_flush", "redis", [], {"keys_deleted": deleted})
+
+    def _fault_pg_terminate(self) -> Fault | None:
+        try:
+            with self.admin.connect() as conn:
+                n = conn.execute(
+                    sa.text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = :db AND pid <> pg_backend_pid()"
+                    ),
+                    {"db": self.db_name},
+                ).scalar_one()
+        except sa.exc.SQLAlchemyError:
+            return None  # the server is down (a crash in progress)
+        return Fault(0, "pg_terminate", "postgres", [], {"backends": n})
+
+    def _fault_duplicate(self) -> Fault | None:
+        """Five messages published again, as a duplicating broker or a retrying producer."""
+        from celery import Celery
+
+        picked = self.rng.sample(self.workload.jobs, min(5, len(self.workload.jobs)))
+        app = Celery("chaos", broker=self.cfg.broker, set_as_current=False)
+        app.conf.broker_transport_options = {"global_keyprefix": self.prefix}
+        try:
+            for job in picked:
+                with contextlib.suppress(Exception):  # the broker may be mid-flush
+                    app.send_task("toolledger.execute", args=(self.scope, job.key, 1),
+                                  queue="toolledger")  # fmt: skip
+        finally:
+            app.close()
+        return Fault(0, "duplicate", "broker", [], {"keys": [j.key for j in picked]})
+
+    def _heal_all(self) -> None:
+        for part in self.partitions.values():
+            with contextlib.suppress(Exception):
+                part.heal()
+        for w in self.workers:
+            w.signal(signal.SIGCONT, group=True)
+        self._paused.clear()
+        if self.cluster is not None and self.cluster.postmaster_pid() is None:
+            self.cluster.start()
+
+    # ------------------------------------------------------------------ the end
+
+    def _lines(self, name: str) -> list[dict[str, Any]]:
+        path = self.out / name
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    def _open_calls(self) -> int:
+        """Calls not ended (approved, running, pending): read with plain SQL, which works on
+        the schema of any version under test."""
+        with create_engine(self.db_url, pool_size=1).connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM operations WHERE scope = :s AND status IN "
+                        "('approved', 'running', 'pending_approval')"
+                    ),
+                    {"s": self.scope},
+                ).scalar_one()
+            )
+
+    def _wait_quiet(self, stall: float) -> float:
+        """Until every call ended and the operator found nothing more to do; gives up (-1)
+        only when nothing has moved for ``stall`` seconds — a backlog is worked off, however
+        long it took the faults to build it."""
+        (self.out / "finish").write_text("finish")
+        started = last_move = time.time()
+        last_open = -1
+        while time.time() - last_move < stall:
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                open_calls = self._open_calls()
+                if (self.out / "operator.done").exists() and open_calls == 0:
+                    return round(time.time() - started, 1)
+                if open_calls != last_open:
+                    last_open, last_move = open_calls, time.time()
+                    self.progress(f"{open_calls} calls in flight")
+            time.sleep(2.0)
+        return -1.0
+
+    def _final_sweep(self) -> dict[str, Any]:
+        out = self._cli("sweep", "--grace", "0", "--requeue-after", "3600", "--json")
+        return json.loads(out)  # type: ignore[no-any-return]
+
+    def teardown(self) -> None:
+        for part in self.partitions.values():
+            part.close()
+        if self.downstream is not None:
+            self.downstream.kill()
+            self.downstream.wait(10)
+        with contextlib.suppress(Exception):
+            if not self.cfg.keep_db:
+                with self.admin.connect() as conn:
+                    conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {self.db_name} WITH (FORCE)")
+            self.admin.dispose()
+        if self.cluster is not None:
+            with contextlib.suppress(OSError):
+                shutil.copy(self.cluster.root / "postgres.log", self.out / "logs")
+            if not self.cfg.keep_db:
+                self.cluster.destroy()
+                shutil.rmtree(self.cluster.root, ignore_errors=True)
+        self.forget_broker_keys()
+
+    def forget_broker_keys(self) -> None:
+        """Delete every Redis key under this run's prefix."""
+        import redis
+
+        client = redis.Redis.from_url(self.cfg.broker)
+        keys = list(client.scan_iter(match=f"{self.prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()

@@ -1,5 +1,0 @@
-"""``python -m worker`` is ``toolledger``."""
-
-from worker.cli import main
-
-main()
