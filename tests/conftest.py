@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from toolledger.harness import scratch
 from toolledger.ledger.db import create_engine, upgrade
 from toolledger.ledger.ledger import Ledger
 
@@ -77,31 +78,14 @@ def pg_server() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def pg_template(pg_server: str) -> Iterator[str]:
     """A migrated database that every module's database is cloned from."""
-    name = f"tl_tpl_{uuid.uuid4().hex[:10]}"
-    admin = _admin(pg_server)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    engine = create_engine(sa.make_url(pg_server).set(database=name).render_as_string(False))
-    upgrade(engine)
-    engine.dispose()
+    name = scratch.new_name("tl_tpl")
+    scratch.create_database(pg_server, name, migrate=True)
     yield name
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    admin.dispose()
+    scratch.drop_database(pg_server, name)
 
 
-@contextlib.contextmanager
-def fresh_pg_database(server: str, template: str) -> Iterator[str]:
-    name = f"tl_t_{uuid.uuid4().hex[:12]}"
-    admin = _admin(server)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name} TEMPLATE {template}")
-    try:
-        yield sa.make_url(server).set(database=name).render_as_string(False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.dispose()
+def fresh_pg_database(server: str, template: str) -> contextlib.AbstractContextManager[str]:
+    return scratch.scratch_database(server, "tl_t", template=template)
 
 
 @pytest.fixture(scope="module")

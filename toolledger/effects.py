@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from toolledger import failpoints
+from toolledger import failpoints, jsonlines
 from toolledger.ledger.records import EffectState
 from toolledger.ledger.transitions import Status
 from toolledger.sandbox import PathRefused, Sandbox, kind_of
@@ -512,7 +512,7 @@ class Effects:
             "pid": os.getpid(),
             "t": time.time(),
         }
-        _append_line(self.sandbox.effects_log, line)
+        jsonlines.append(self.sandbox.effects_log, line)
 
     # ------------------------------------------------------------------ results spooled
 
@@ -648,16 +648,6 @@ def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-
-
-def _append_line(path: str, line: dict[str, Any]) -> None:
-    data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)  # one short write under O_APPEND: never interleaved
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StagingSandbox(Sandbox):

@@ -13,7 +13,6 @@ run can line every ``unknown`` up with the fault that caused it.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -21,6 +20,8 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+
+from toolledger import jsonlines
 
 #: In the order an execution meets them (DESIGN §5, worker.pipeline): after_stage fires inside
 #: the effect (its bytes staged, the commit not yet made); before_publish / after_publish
@@ -67,24 +68,8 @@ class Action:
     def record(self, point: str, ref: str | None) -> None:
         if not _log_path:
             return
-        line = (
-            json.dumps(
-                {
-                    "point": point,
-                    "action": self.kind,
-                    "pid": os.getpid(),
-                    "ref": ref,
-                    "t": time.time(),
-                }
-            )
-            + "\n"
-        )
-        fd = os.open(_log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        entry = {"point": point, "action": self.kind, "pid": os.getpid(), "ref": ref}
+        jsonlines.append(_log_path, {**entry, "t": time.time()})
 
     def perform(self, point: str) -> None:
         if self.kind == "exit":

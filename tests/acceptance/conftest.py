@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from toolledger import jsonlines
 from toolledger.config import Settings
 from toolledger.harness.processes import ManagedProcess, service_env, worker_process
 from toolledger.ledger.ledger import Ledger
@@ -67,7 +67,7 @@ class Stack:
     def effects(self) -> list[dict[str, Any]]:
         if not self.effects_log.exists():
             return []
-        return [json.loads(line) for line in self.effects_log.read_text().splitlines()]
+        return jsonlines.read(self.effects_log)
 
 
 @pytest.fixture

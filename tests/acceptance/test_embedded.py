@@ -3,11 +3,11 @@ the same code path as production. No service needed."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path
 
+from toolledger import jsonlines
 from toolledger.config import Settings
 from toolledger.harness.processes import service_env, stop_all, worker_process
 from toolledger.ledger.transitions import Status
@@ -44,7 +44,7 @@ def test_embedded__two_workers_200_jobs_each_effect_once_nothing_lost(tmp_path: 
     finally:
         stop_all(workers)
     assert statuses == {Status.SUCCEEDED: 200}
-    effects = [json.loads(line) for line in (tmp_path / "fx.log").read_text().splitlines()]
+    effects = jsonlines.read(tmp_path / "fx.log")
     assert len(effects) == 200 and len({e["key"] for e in effects}) == 200
     assert {w.name for w in workers} and len({e["pid"] for e in effects}) >= 2
     for i in range(200):

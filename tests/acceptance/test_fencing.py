@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.acceptance.conftest import wait_until
+from toolledger import jsonlines
 from toolledger.harness.processes import process_state, service_env, toolledger_argv
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
@@ -125,7 +126,7 @@ class World:
     def effects(self) -> list[dict[str, Any]]:
         if not self.effects_log.exists():
             return []
-        return [json.loads(line) for line in self.effects_log.read_text().splitlines()]
+        return jsonlines.read(self.effects_log)
 
     def file(self, scope: str, path: str) -> bytes | None:
         target = self.root / "sandbox" / scope / path
@@ -360,7 +361,7 @@ def test_execute__honours_failpoints_and_logs_them(world, scope):
         "execute", "--scope", scope, "--tool-call-id", "c1", failpoints="after_effect=exit(23)"
     )
     assert code == 23, err
-    fired = [json.loads(line) for line in (world.root / "failpoints.log").read_text().splitlines()]
+    fired = jsonlines.read(world.root / "failpoints.log")
     assert [(f["point"], f["action"]) for f in fired] == [("after_effect", "exit")]
     assert world.file(scope, "a.txt") is None  # staged, never committed: nothing landed
 

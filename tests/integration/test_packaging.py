@@ -4,6 +4,7 @@ and the Celery app where ``celery -A`` looks for it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,11 +25,15 @@ def clean_env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
+    # From a copy of the tree (links kept as links): setuptools builds in place, and a build/
+    # left by an earlier build would carry modules that no longer exist into this wheel.
+    source = tmp_path_factory.mktemp("source") / "toolledger"
+    junk = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "docs")
+    shutil.copytree(REPO, source, symlinks=True, ignore=junk)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-         "--wheel-dir", str(out), str(REPO)],
-        check=True, capture_output=True, cwd=build, timeout=300,
+         "--wheel-dir", str(out), str(source)],
+        check=True, capture_output=True, cwd=source, timeout=300,
     )  # fmt: skip
     (found,) = out.glob("toolledger-*.whl")
     return found
@@ -70,11 +75,12 @@ def test_import__of_every_module_creates_nothing(tmp_path):
 def test_celery__finds_the_app_and_the_sweep_it_includes(tmp_path):
     env = clean_env(HOME=str(tmp_path), TOOLLEDGER_HOME=str(tmp_path / "home"))
     out = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "toolledger.worker.app", "inspect", "registered",
-         "--help"],
+        [sys.executable, "-m", "celery", "-A", "toolledger.worker.app", "report"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert "include: ['toolledger.recovery.tasks']" in out.stdout
+    assert str(tmp_path / "home") in out.stdout  # the environment, read when the app is made
     code = (
         "from toolledger.worker.app import app\n"
         "app.loader.import_default_modules()\n"

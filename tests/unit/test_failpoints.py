@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from toolledger import failpoints
+from toolledger import failpoints, jsonlines
 from toolledger.failpoints import FailpointError, FailpointSpecError, parse
 
 
@@ -85,14 +85,13 @@ def test_failpoints__exit_is_immediate_with_the_code():
 
 
 def test_failpoints__each_firing_is_logged_with_what_it_hit(tmp_path):
-    import json
 
     log = tmp_path / "fp.log"
     failpoints.configure("after_claim=1*raise", str(log))
     with pytest.raises(FailpointError):
         failpoints.hit("after_claim", "exec-1")
     failpoints.hit("after_claim", "exec-2")  # spent: neither fires nor logs
-    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    (line,) = jsonlines.read(log)
     assert (line["point"], line["action"], line["ref"]) == ("after_claim", "raise", "exec-1")
 
 

@@ -33,6 +33,7 @@ ROOMS: list[tuple[str, int, tuple[str, ...]]] = [
             "toolledger.tools",
             "toolledger.builtin_tools",
             "toolledger.registry",
+            "toolledger.jsonlines",
         ),
     ),
     ("worker", 2, ("toolledger.worker",)),

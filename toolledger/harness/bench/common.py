@@ -18,7 +18,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger.db import create_engine, normalize_url, upgrade
+from toolledger.harness.scratch import scratch_database
+from toolledger.ledger.db import normalize_url
 
 
 @dataclass
@@ -66,24 +67,8 @@ class Figures:
 @contextmanager
 def scratch_postgres(url: str, label: str, *, migrate: bool = True) -> Iterator[str]:
     """A database of its own on the server of ``url``, dropped afterwards."""
-    server = sa.make_url(normalize_url(url))
-    name = f"toolledger_bench_{label}_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(
-        server.render_as_string(False), isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0
-    )
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    target = server.set(database=name).render_as_string(False)
-    try:
-        if migrate:
-            engine = create_engine(target)
-            upgrade(engine)
-            engine.dispose()
+    with scratch_database(url, f"toolledger_bench_{label}", migrate=migrate) as target:
         yield target
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.dispose()
 
 
 def plain_url(url: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery
 
+from toolledger import jsonlines
 from toolledger.harness.chaos.harness import SUBMIT_SHARE, ChaosConfig, ChaosRun
 from toolledger.harness.chaos.workload import Job, Workload
 from toolledger.harness.processes import ManagedProcess, service_env
@@ -87,7 +88,7 @@ def run(job: dict[str, Any]) -> None:
             pass
     time.sleep(args["hold_ms"] / 2000)
     done = {"cid": job["cid"], "t": time.time(), "pid": os.getpid()}
-    _append_line(Path(os.environ["TOOLLEDGER_BASELINE_DONE"]), json.dumps(done) + "\n")
+    jsonlines.append(os.environ["TOOLLEDGER_BASELINE_DONE"], done)
 
 
 class BaselineRun(ChaosRun):

@@ -21,6 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger import jsonlines
 from toolledger.harness.chaos.workload import Job, Workload
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations
@@ -304,10 +305,7 @@ def _inbox_reason(f: Facts, key: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- gathering
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+read_lines = jsonlines.read
 
 
 _DEATH = re.compile(r"Process '[^']+' pid:(\d+) exited with '([^']+)'")

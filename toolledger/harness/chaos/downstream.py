@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
+
+from toolledger import jsonlines
 
 
 class Payments:
@@ -25,20 +26,12 @@ class Payments:
         self.log_path = log_path
         self.lock = threading.Lock()
         self.receipts: dict[str, dict[str, Any]] = {}
-        if os.path.exists(log_path):
-            with open(log_path) as f:
-                for line in f:
-                    entry = json.loads(line)
-                    if entry["kind"] == "charge":
-                        self.receipts[entry["key"]] = entry["receipt"]
+        for entry in jsonlines.read(log_path):
+            if entry["kind"] == "charge":
+                self.receipts[entry["key"]] = entry["receipt"]
 
     def _log(self, entry: dict[str, Any]) -> None:
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(entry) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        jsonlines.append(self.log_path, entry)
 
     def charge(self, body: dict[str, Any]) -> dict[str, Any]:
         key = str(body["key"])

@@ -32,6 +32,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger import jsonlines
+from toolledger.harness import scratch
 from toolledger.harness.chaos import partition as partitions
 from toolledger.harness.chaos.pgcluster import PgCluster, find_bin, free_port
 from toolledger.harness.chaos.workload import Workload, make_workload
@@ -183,13 +185,13 @@ class ChaosRun:
         url = sa.make_url(server.replace("postgresql://", "postgresql+psycopg://", 1))
         if url.get_backend_name() != "postgresql":
             raise ValueError("chaos needs Postgres (TOOLLEDGER_DB) and Redis (TOOLLEDGER_BROKER)")
+        self.db_server = url.render_as_string(False)
         self.db_name = f"toolledger_chaos_{self.run_id}"
+        # for the pg_terminate fault: a session of its own, outside the run's database
         self.admin = create_engine(
-            url.render_as_string(False), isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=1
+            self.db_server, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=1
         )
-        with self.admin.connect() as conn:
-            conn.exec_driver_sql(f"CREATE DATABASE {self.db_name}")
-        return str(url.set(database=self.db_name).render_as_string(False))
+        return scratch.create_database(self.db_server, self.db_name)
 
     def settings_env(self, **extra: str) -> dict[str, str]:
         env = {
@@ -508,10 +510,7 @@ class ChaosRun:
     # ------------------------------------------------------------------ the end
 
     def _lines(self, name: str) -> list[dict[str, Any]]:
-        path = self.out / name
-        if not path.exists():
-            return []
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        return jsonlines.read(self.out / name)
 
     def _open_calls(self) -> int:
         """Calls not ended (approved, running, pending): read with plain SQL, which works on
@@ -556,10 +555,9 @@ class ChaosRun:
             self.downstream.kill()
             self.downstream.wait(10)
         with contextlib.suppress(Exception):
-            if not self.cfg.keep_db:
-                with self.admin.connect() as conn:
-                    conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {self.db_name} WITH (FORCE)")
             self.admin.dispose()
+            if not self.cfg.keep_db:
+                scratch.drop_database(self.db_server, self.db_name)
         if self.cluster is not None:
             with contextlib.suppress(OSError):
                 shutil.copy(self.cluster.root / "postgres.log", self.out / "logs")
