@@ -9,13 +9,11 @@ anthropic  messages: assistant ``tool_use`` blocks -> ``tool_result`` blocks in 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from toolledger.ledger.records import Receipt
-
-FORMATS = ("openai", "responses", "anthropic")
 
 
 @dataclass(frozen=True)
@@ -49,19 +47,11 @@ def _dicts(items: list[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
     return ((i, it) for i, it in enumerate(items) if isinstance(it, dict))
 
 
-def detect(items: list[Any]) -> str | None:
-    """The format the items are written in, or None if they hold no tool call at all."""
-    for _, it in _dicts(items):
-        if it.get("type") in ("function_call", "function_call_output"):
-            return "responses"
-        if it.get("role") == "tool" or it.get("tool_calls"):
-            return "openai"
-        content = it.get("content")
-        if isinstance(content, list) and any(
-            isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result") for b in content
-        ):
-            return "anthropic"
-    return None
+def _has_block(item: dict[str, Any], *kinds: str) -> bool:
+    content = item.get("content")
+    return isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("type") in kinds for b in content
+    )
 
 
 # -------------------------------------------------------------------------- OpenAI chat
@@ -184,4 +174,56 @@ def _type(item: Any) -> Any:
     return item.get("type") if isinstance(item, dict) else None
 
 
-CALLS = {"openai": openai_calls, "responses": responses_calls, "anthropic": anthropic_calls}
+# -------------------------------------------------------------------------- the formats
+
+
+@dataclass(frozen=True)
+class Format:
+    """Everything repair knows about one transcript format; adding a format is adding one."""
+
+    name: str
+    #: Does this item (a dict) show that the transcript is in this format?
+    recognises: Callable[[dict[str, Any]], bool]
+    #: Every call, and the batches of calls still without a result.
+    calls: Callable[[list[Any]], tuple[list[Call], list[Batch]]]
+    #: The items to insert after ``Batch.after_item``.
+    items: Callable[[list[tuple[Call, Receipt]]], list[dict[str, Any]]]
+    #: The blocks to insert into ``Batch.into_content`` (formats with content blocks).
+    blocks: Callable[[list[tuple[Call, Receipt]]], list[dict[str, Any]]] | None = None
+
+
+#: The formats, in the order detection tries them on each item.
+REGISTRY: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(
+            "responses",
+            lambda it: it.get("type") in _RESPONSE_CALL_TYPES,
+            responses_calls,
+            lambda receipts: [responses_item(c, r) for c, r in receipts],
+        ),
+        Format(
+            "openai",
+            lambda it: it.get("role") == "tool" or bool(it.get("tool_calls")),
+            openai_calls,
+            lambda receipts: [openai_item(c, r) for c, r in receipts],
+        ),
+        Format(
+            "anthropic",
+            lambda it: _has_block(it, "tool_use", "tool_result"),
+            anthropic_calls,
+            lambda receipts: [anthropic_item([anthropic_block(c, r) for c, r in receipts])],
+            lambda receipts: [anthropic_block(c, r) for c, r in receipts],
+        ),
+    )
+}
+FORMATS = tuple(REGISTRY)
+
+
+def detect(items: list[Any]) -> Format | None:
+    """The format the items are written in, or None if they hold no tool call at all."""
+    for _, it in _dicts(items):
+        for fmt in REGISTRY.values():
+            if fmt.recognises(it):
+                return fmt
+    return None

@@ -24,17 +24,7 @@ from toolledger.ledger.identity import args_sha256
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import Receipt
-from toolledger.recovery.replay import (
-    CALLS,
-    FORMATS,
-    Batch,
-    Call,
-    anthropic_block,
-    anthropic_item,
-    detect,
-    openai_item,
-    responses_item,
-)
+from toolledger.recovery.replay import FORMATS, REGISTRY, Batch, Call, Format, detect
 
 _WS = " \t\r\n"
 _DECODER = json.JSONDecoder()
@@ -252,21 +242,21 @@ def repair_transcript(
     text: str, ledger: Ledger, scope: str, fmt: str | None = None
 ) -> RepairReport:
     """The transcript with every missing receipt inserted. Never executes anything."""
-    if fmt is not None and fmt not in FORMATS:
+    if fmt is not None and fmt not in REGISTRY:
         raise TranscriptError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     doc = Document.parse(text)
-    fmt = fmt or detect(doc.items)
-    report = RepairReport(fmt, doc.container, text=text)
-    if fmt is None:
+    form = REGISTRY[fmt] if fmt is not None else detect(doc.items)
+    report = RepairReport(form.name if form else None, doc.container, text=text)
+    if form is None:
         return report
     try:
-        every, batches = CALLS[fmt](doc.items)
+        every, batches = form.calls(doc.items)
     except (KeyError, TypeError, AttributeError) as exc:
-        raise TranscriptError(f"not a well-formed {fmt} transcript: {exc!r}") from None
+        raise TranscriptError(f"not a well-formed {form.name} transcript: {exc!r}") from None
     dangling = sum(len(b.calls) for b in batches)
     report.calls, report.answered_before = len(every), len(every) - dangling
     planned = [(b, [(c, _receipt(ledger, scope, c)) for c in b.calls]) for b in batches]
-    edits = [_edit(doc, fmt, batch, receipts) for batch, receipts in planned]
+    edits = [_edit(doc, form, batch, receipts) for batch, receipts in planned]
     report.text = _apply(text, edits)
     report.inserted = [
         {
@@ -282,17 +272,13 @@ def repair_transcript(
 
 
 def _edit(
-    doc: Document, fmt: str, batch: Batch, receipts: list[tuple[Call, Receipt]]
+    doc: Document, form: Format, batch: Batch, receipts: list[tuple[Call, Receipt]]
 ) -> tuple[int, str]:
-    if fmt == "anthropic":
-        blocks = [anthropic_block(c, r) for c, r in receipts]
-        if batch.into_content is not None:
-            return doc.into_content(batch.into_content, batch.after_block, blocks)
-        assert batch.after_item is not None
-        return doc.after(doc.spans[batch.after_item], [anthropic_item(blocks)])
-    make = openai_item if fmt == "openai" else responses_item
+    if batch.into_content is not None:
+        assert form.blocks is not None, f"{form.name} has no content blocks"
+        return doc.into_content(batch.into_content, batch.after_block, form.blocks(receipts))
     assert batch.after_item is not None
-    return doc.after(doc.spans[batch.after_item], [make(c, r) for c, r in receipts])
+    return doc.after(doc.spans[batch.after_item], form.items(receipts))
 
 
 def repair_file(

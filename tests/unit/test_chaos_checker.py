@@ -201,3 +201,30 @@ def test_checker__an_unknown_with_its_own_cause_is_explained():
         for k, v in cause.items():
             setattr(f, k, v)
         assert "every unknown lines up with a fault on that execution" not in broken(f), cause
+
+
+def test_checker__a_fault_that_cannot_stop_a_worker_explains_no_unknown():
+    """Only kinds whose entry says they blame a process explain an unknown on it: a Redis
+    flush or a duplicate publication at the same pid or host does not."""
+    for kind in ("redis_flush", "duplicate", "pg_terminate"):
+        w = World()
+        _unknown_without_a_fault(w)
+        f = copy.copy(w.facts())
+        f.faults = [{"kind": kind, "pids": [101], "target": "chaos-w1"}]
+        assert "every unknown lines up with a fault on that execution" in broken(f), kind
+    w = World()
+    _unknown_without_a_fault(w)
+    f = copy.copy(w.facts())
+    f.faults = [{"kind": "kill_main", "pids": [], "target": "chaos-w1"}]  # host only: not enough
+    assert "every unknown lines up with a fault on that execution" in broken(f)
+
+
+def test_fault_kinds__each_entry_has_its_injector():
+    from toolledger.harness.chaos.baseline import BaselineRun
+    from toolledger.harness.chaos.faults import BASELINE, EXTERNAL
+    from toolledger.harness.chaos.harness import ChaosRun
+
+    for kind in EXTERNAL:
+        assert callable(getattr(ChaosRun, f"_fault_{kind}", None)), kind
+    for kind in BASELINE:
+        assert callable(getattr(BaselineRun, f"_fault_{kind}", None)), kind

@@ -8,7 +8,8 @@ from collections import Counter
 from typing import Any
 
 from toolledger.harness.chaos.checker import check, gather, read_lines
-from toolledger.harness.chaos.harness import EXTERNAL, ChaosConfig, ChaosRun
+from toolledger.harness.chaos.faults import EXTERNAL
+from toolledger.harness.chaos.harness import ChaosConfig, ChaosRun
 from toolledger.harness.chaos.report import markdown, timeline, write_all
 from toolledger.ledger.db import upgrade
 from toolledger.ledger.ledger import Ledger

@@ -21,13 +21,13 @@ from typing import Any
 from celery import Celery
 
 from toolledger import jsonlines
+from toolledger.harness.chaos.faults import BASELINE
 from toolledger.harness.chaos.harness import SUBMIT_SHARE, ChaosConfig, ChaosRun
 from toolledger.harness.chaos.workload import Job, Workload
 from toolledger.harness.processes import ManagedProcess, service_env
 
 QUEUE = "baseline"
 TASK = "baseline.run"
-KINDS = ("kill_main", "kill_child", "zombie", "redis_flush", "duplicate")
 
 
 def make_app(broker: str, prefix: str = "") -> Celery:
@@ -97,7 +97,7 @@ class BaselineRun(ChaosRun):
     def __init__(self, config: ChaosConfig, workload: Workload) -> None:
         super().__init__(config)
         self.workload = workload
-        self.kinds = [k for k in KINDS if k in config.kinds]
+        self.kinds = [k for k in BASELINE if k in config.kinds]
 
     def setup(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from toolledger import jsonlines
+from toolledger.harness.chaos.faults import KINDS
 from toolledger.harness.chaos.workload import Job, Workload
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations
@@ -201,10 +202,12 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
             return f"failpoint {fp['point']}"
     pid, host = _pid(ex["worker_id"]), _host(ex["worker_id"])
     for fault in f.faults:
-        if fault["kind"] in ("kill_main", "kill_child", "zombie") and pid in fault["pids"]:
+        kind = KINDS.get(fault["kind"])
+        blames = kind.blames if kind else None
+        if blames and (
+            pid in fault["pids"] or (blames == "pid_or_host" and host == fault["target"])
+        ):
             return str(fault["kind"])
-        if fault["kind"] == "partition" and (pid in fault["pids"] or host == fault["target"]):
-            return "partition"
     own = " ".join(
         json.dumps(e["detail"]) for e in f.events_of(eid) if e["kind"] in ("unknown", "evidence")
     )

@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from toolledger import jsonlines
 from toolledger.harness import scratch
 from toolledger.harness.chaos import partition as partitions
+from toolledger.harness.chaos.faults import EXTERNAL
 from toolledger.harness.chaos.pgcluster import PgCluster, find_bin, free_port
 from toolledger.harness.chaos.workload import Workload, make_workload
 from toolledger.harness.processes import ManagedProcess, beat_process, stop_all, worker_process
@@ -44,17 +45,6 @@ PLUGIN = Path(__file__).parent / "plugin"
 ROLES = PLUGIN / "toolledger_chaos_roles.py"
 #: Jobs are submitted over this share of the fault window, so faults keep meeting work.
 SUBMIT_SHARE = 0.85
-#: External faults, injected on the seeded schedule (failpoints fire inside the workers).
-EXTERNAL = (
-    "kill_main",
-    "kill_child",
-    "zombie",
-    "redis_flush",
-    "pg_terminate",
-    "duplicate",
-    "partition",
-    "pg_crash",
-)
 
 
 @dataclass

@@ -9,20 +9,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger.harness.chaos.faults import FAILPOINT_COLOUR, KINDS
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events
 
-FAULT_COLOURS = {
-    "kill_main": "tab:red",
-    "kill_child": "tab:orange",
-    "zombie": "tab:purple",
-    "redis_flush": "tab:brown",
-    "pg_terminate": "tab:blue",
-    "duplicate": "tab:gray",
-    "partition": "tab:pink",
-    "pg_crash": "black",
-    "failpoint": "tab:olive",
-}
+FAULT_COLOURS = {k.name: k.colour for k in KINDS.values()} | {"failpoint": FAILPOINT_COLOUR}
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -1,0 +1,42 @@
+"""The fault kinds of a chaos run, each one entry: how the timeline draws it, whether the plain
+Celery baseline can suffer it, and how the checker may blame an ``unknown`` on it.
+
+Injecting a kind is the ``_fault_<name>`` method of ``ChaosRun`` (and of ``BaselineRun`` where
+``in_baseline``); ``tests/unit/test_chaos_checker.py`` checks that each entry has its method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str
+    colour: str  # matplotlib colour on the timeline
+    in_baseline: bool = False
+    #: How an unknown execution is blamed on a fault of this kind: a fault that hit the
+    #: execution's process ("pid"), or also its worker's host name ("pid_or_host").
+    blames: Literal["pid", "pid_or_host"] | None = None
+
+
+KINDS: dict[str, FaultKind] = {
+    k.name: k
+    for k in (
+        FaultKind("kill_main", "tab:red", in_baseline=True, blames="pid"),
+        FaultKind("kill_child", "tab:orange", in_baseline=True, blames="pid"),
+        FaultKind("zombie", "tab:purple", in_baseline=True, blames="pid"),
+        FaultKind("redis_flush", "tab:brown", in_baseline=True),
+        FaultKind("pg_terminate", "tab:blue"),
+        FaultKind("duplicate", "tab:gray", in_baseline=True),
+        FaultKind("partition", "tab:pink", blames="pid_or_host"),
+        FaultKind("pg_crash", "black"),
+    )
+}
+
+#: Every kind, in schedule order; the baseline's.
+EXTERNAL = tuple(KINDS)
+BASELINE = tuple(k.name for k in KINDS.values() if k.in_baseline)
+#: The timeline's colour for failpoint firings (inside the workers, not on the schedule).
+FAILPOINT_COLOUR = "tab:olive"
