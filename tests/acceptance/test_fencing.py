@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import sqlalchemy as sa
 
@@ -89,7 +90,11 @@ class World:
         return proc
 
     def frozen(self, proc: subprocess.Popen[str]) -> None:
-        wait_until(lambda: process_state(proc.pid) == "T", 60, "the executor to stop itself")
+        wait_until(
+            lambda: process_state(proc.pid) == psutil.STATUS_STOPPED,
+            60,
+            "the executor to stop itself",
+        )
 
     def wake(self, proc: subprocess.Popen[str]) -> tuple[int, str, str]:
         os.kill(proc.pid, signal.SIGCONT)

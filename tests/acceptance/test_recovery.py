@@ -6,6 +6,7 @@ import json
 import os
 import signal
 
+import psutil
 import pytest
 import redis
 
@@ -89,7 +90,7 @@ def test_recovery__zombie_append_lands_nothing_human_retry_lands_exactly_one_lin
     ledger = stack.ledger()
     (ex,) = wait_until(lambda: ledger.get(scope, "c1").executions, 30, "the claim")
     child = int(ex.worker_id.rsplit(":", 1)[1])
-    wait_until(lambda: process_state(child) == "T", 30, "the stopped child")
+    wait_until(lambda: process_state(child) == psutil.STATUS_STOPPED, 30, "the stopped child")
     os.kill(w.pid, signal.SIGSTOP)
     try:
         # When the sweep revokes it and a human retries (accepting a duplicate, as the old

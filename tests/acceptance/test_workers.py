@@ -7,6 +7,7 @@ import signal
 import time
 from collections import Counter
 
+import psutil
 import pytest
 
 from tests.acceptance.conftest import wait_until
@@ -130,7 +131,7 @@ def test_workers__zombie_past_its_lease_lands_nothing_late_result_is_evidence(st
     ledger = stack.ledger()
     (ex,) = wait_until(lambda: ledger.get(scope, "c1").executions, 60, "the claim")
     child = int(ex.worker_id.rsplit(":", 1)[1])
-    wait_until(lambda: process_state(child) == "T", 30, "the child to stop")
+    wait_until(lambda: process_state(child) == psutil.STATUS_STOPPED, 30, "the child to stop")
     # ... and the whole worker frozen (a VM pause): the main process too
     os.kill(w.pid, signal.SIGSTOP)
     try:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 READY_MARKERS = {"worker": " ready.", "beat": "beat: Starting...", "peer": "bench-peer ready"}
 
 
@@ -24,28 +26,19 @@ def toolledger_argv() -> list[str]:
 
 
 def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return sorted(found)
+    """Direct children of ``pid``."""
+    try:
+        return sorted(c.pid for c in psutil.Process(pid).children())
+    except psutil.Error:  # gone
+        return []
 
 
 def process_state(pid: int) -> str | None:
-    """The /proc state letter (R, S, T for stopped, Z …), None if gone."""
+    """psutil's status of ``pid`` (``psutil.STATUS_STOPPED`` once SIGSTOPped), None if gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return str(psutil.Process(pid).status())
+    except psutil.Error:
         return None
-    return stat[stat.rindex(")") + 2]
 
 
 @dataclass

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 OWNER = "postgres"
 
 
@@ -120,7 +122,7 @@ class PgCluster:
     @staticmethod
     def _alive(pid: int) -> bool:
         """Until it is reaped: Postgres's own lock-file check takes a zombie for alive."""
-        return Path(f"/proc/{pid}").exists()
+        return psutil.pid_exists(pid)
 
     def _listening(self) -> bool:
         with socket.socket() as s:
