@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -16,6 +16,9 @@ from toolledger.ledger.reads import LedgerReads, op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import EventKind, Review, Status
 from toolledger.ledger.types import db_now
+
+if TYPE_CHECKING:
+    from toolledger.ledger.fastpath import PostgresFastPath
 
 Event = dict[str, Any]
 
@@ -43,6 +46,8 @@ class LedgerBase(LedgerReads):
 
     engine: sa.Engine
     dialect: str
+    #: Postgres: claim, finish and submit as one statement each (None: the generic path).
+    _fast: PostgresFastPath | None
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:

@@ -26,8 +26,6 @@ LEASE_SECONDS = 30.0
 
 
 class LedgerExecution(LedgerBase):
-    _fast: Any
-
     def claim(
         self,
         scope: str,
@@ -49,7 +47,7 @@ class LedgerExecution(LedgerBase):
         execution_id = execution_id or new_execution_id()
         token = lease_token or new_lease_token()
         if self._fast is not None:
-            return self._fast.claim(  # type: ignore[no-any-return]
+            return self._fast.claim(
                 scope, key, attempt, worker_id, lease_seconds, execution_id, token
             )
         with self._write() as conn:
@@ -181,7 +179,7 @@ class LedgerExecution(LedgerBase):
             effects = None  # a failed execution's staged effects are discarded, never published
         keys = sorted(set(lock_keys or ())) if effects else []
         if self._fast is not None:
-            return self._fast.finish(  # type: ignore[no-any-return]
+            return self._fast.finish(
                 execution_id, lease_token, status, result, error, effects, keys
             )
         with self._write() as conn:

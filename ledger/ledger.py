@@ -57,7 +57,7 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         )
         self.dialect = self.engine.dialect.name
         self.max_args_bytes = max_args_bytes
-        self._fast: Any = None
+        self._fast = None
         if fast_path and self.dialect == "postgresql":
             from toolledger.ledger.fastpath import PostgresFastPath
 
