@@ -46,9 +46,10 @@ class LedgerExecution(LedgerBase):
         """
         execution_id = execution_id or new_execution_id()
         token = lease_token or new_lease_token()
+        detail = {"attempt": attempt, "worker_id": worker_id, "fenced": True}  # both paths'
         if self._fast is not None:
             return self._fast.claim(
-                scope, key, attempt, worker_id, lease_seconds, execution_id, token
+                scope, key, attempt, worker_id, lease_seconds, execution_id, token, detail
             )
         with self._write() as conn:
             op = conn.execute(
@@ -85,7 +86,6 @@ class LedgerExecution(LedgerBase):
             if won is None:
                 return None
             self._move_operation(conn, scope, key, attempt, Status.APPROVED, Status.RUNNING)
-            detail = {"attempt": attempt, "worker_id": worker_id, "fenced": True}
             self._append(conn, event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
         return Claim(
             execution_id=execution_id,
@@ -178,9 +178,12 @@ class LedgerExecution(LedgerBase):
         if status is not Status.SUCCEEDED:
             effects = None  # a failed execution's staged effects are discarded, never published
         keys = sorted(set(lock_keys or ())) if effects else []
+        detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
+        if effects is not None:
+            detail["effects"] = effects
         if self._fast is not None:
             return self._fast.finish(
-                execution_id, lease_token, status, result, error, effects, keys
+                execution_id, lease_token, status, result, error, effects, keys, detail
             )
         with self._write() as conn:
             row = conn.execute(
@@ -208,9 +211,6 @@ class LedgerExecution(LedgerBase):
             self._move_operation(
                 conn, done.scope, done.idempotency_key, done.attempt, Status.RUNNING, status
             )
-            detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
-            if effects is not None:
-                detail["effects"] = effects
             ev = event(
                 status,
                 done.scope,

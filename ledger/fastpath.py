@@ -130,6 +130,12 @@ SELECT * FROM op
 ).columns(*operations.c)
 
 
+def psycopg_statements() -> tuple[str, str, dict[str, str]]:
+    """Claim, finish and the statuses they bind, as psycopg runs them (for the benchmark's
+    framework-free baseline, which must run exactly these statements, not a copy)."""
+    return _psycopg_sql(_CLAIM), _psycopg_sql(_FINISH), dict(_STATUSES)
+
+
 class PostgresFastPath:
     """Claim and finish as single autocommit statements on Postgres."""
 
@@ -220,6 +226,7 @@ class PostgresFastPath:
         lease_seconds: float,
         execution_id: str,
         token: str,
+        detail: dict[str, Any],
     ) -> Claim | None:
         row = self._one(
             _CLAIM,
@@ -231,7 +238,7 @@ class PostgresFastPath:
                 "worker_id": worker_id,
                 "lease_token": token,
                 "lease_seconds": float(lease_seconds),
-                "detail": dumps({"attempt": attempt, "worker_id": worker_id, "fenced": True}),
+                "detail": dumps(detail),
             },
         )
         if row is None:
@@ -268,10 +275,8 @@ class PostgresFastPath:
         error: str | None,
         effects: list[dict[str, Any]] | None,
         lock_keys: list[int],
+        detail: dict[str, Any],
     ) -> Finished:
-        detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
-        if effects is not None:
-            detail["effects"] = effects
         row = self._one(
             _FINISH,
             {

@@ -1,8 +1,9 @@
 """1. The ledger protocol: claim + running, an atomic file write, terminal + result — per job.
 
 toolledger      the execute pipeline as a worker runs it, without Celery (worker.pipeline)
-handwritten     the same 2-commit protocol in psycopg (sqlite3 on SQLite): one statement per
-                transaction, prepared, no framework — the limit
+handwritten     the same 2-commit protocol in psycopg (sqlite3 on SQLite): on Postgres the
+                ledger's own statements (ledger.fastpath), prepared, autocommit, no framework —
+                the limit
 insert          a bare INSERT … ON CONFLICT DO NOTHING + commit, no file: the floor of any
                 Postgres-backed queue
 """
@@ -25,41 +26,6 @@ from toolledger.ledger.db import create_engine
 
 IMPLS = ("toolledger", "handwritten", "insert")
 
-# The same statements as ledger/fastpath.py, written out for psycopg.
-PG_CLAIM = """
-WITH op AS (
-    SELECT tool, args FROM operations WHERE scope = %(scope)s AND idempotency_key = %(key)s
-      AND status = 'approved' AND authorized_attempts = 1
-), claimed AS (
-    INSERT INTO executions (execution_id, scope, idempotency_key, attempt, status, worker_id,
-                            lease_token, lease_expires_at, heartbeat_at, started_at, reconciled)
-    SELECT %(eid)s, %(scope)s, %(key)s, 1, 'running', 'bench', %(token)s,
-           now() + interval '30 seconds', now(), now(), false FROM op
-    ON CONFLICT (scope, idempotency_key, attempt) DO NOTHING RETURNING lease_expires_at
-), moved AS (
-    UPDATE operations SET status = 'running' WHERE scope = %(scope)s
-      AND idempotency_key = %(key)s AND status = 'approved' AND EXISTS (SELECT FROM claimed)
-), logged AS (
-    INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
-    SELECT %(scope)s, %(key)s, %(eid)s, 'running', 'bench', now(), '{"attempt":1}' FROM claimed
-)
-SELECT op.args FROM claimed, op
-"""
-PG_FINISH = """
-WITH done AS (
-    UPDATE executions SET status = 'succeeded', result = %(result)s::json, finished_at = now()
-    WHERE execution_id = %(eid)s AND status = 'running' AND lease_token = %(token)s
-    RETURNING scope, idempotency_key, attempt
-), moved AS (
-    UPDATE operations o SET status = 'succeeded' FROM done WHERE o.scope = done.scope
-      AND o.idempotency_key = done.idempotency_key AND o.status = 'running'
-      AND o.authorized_attempts = done.attempt
-), logged AS (
-    INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
-    SELECT scope, idempotency_key, %(eid)s, 'succeeded', 'bench', now(), %(detail)s::json FROM done
-)
-SELECT count(*) FROM done
-"""
 NOW = "strftime('%Y-%m-%d %H:%M:%f','now') || '000'"
 
 _cache: dict[tuple[str, str], Any] = {}
@@ -88,20 +54,32 @@ def _toolledger_job(url: str, sandbox: str) -> Any:
 def _handwritten_pg_job(url: str, sandbox: str) -> Any:
     import psycopg
 
+    from toolledger.ledger.fastpath import psycopg_statements
+
+    # the ledger's own statements, run without any framework
+    claim_sql, finish_sql, statuses = psycopg_statements()
     conn = psycopg.connect(plain_url(url), autocommit=True)
+    conn.execute("SET plan_cache_mode = auto")
 
     def job(scope: str, key: str) -> None:
         directory = Path(sandbox) / scope
         eid, token = str(uuid.uuid4()), secrets.token_hex(16)
-        params = {"scope": scope, "key": key, "eid": eid, "token": token}
-        row = conn.execute(PG_CLAIM, params).fetchone()
+        claim: dict[str, Any] = {
+            **statuses, "scope": scope, "key": key, "attempt": 1, "execution_id": eid,
+            "worker_id": "bench", "lease_token": token, "lease_seconds": 30.0,
+            "detail": '{"attempt":1,"worker_id":"bench","fenced":true}',
+        }  # fmt: skip
+        row = conn.execute(claim_sql, claim, prepare=True).fetchone()
         assert row is not None
-        args = row[0]
+        args = row[2]
         atomic_write(str(directory), args["path"], args["content"].encode())
         result = json.dumps({"path": args["path"], "bytes_written": len(args["content"])})
-        detail = '{"result":' + result + ',"error":null,"reconciled":false}'
-        done = conn.execute(PG_FINISH, {**params, "result": result, "detail": detail})
-        assert done.fetchone() == (1,)
+        finish: dict[str, Any] = {
+            **statuses, "execution_id": eid, "lease_token": token, "status": "succeeded",
+            "result": result, "error": None, "effects": None, "lock_keys": [],
+            "detail": '{"result":' + result + ',"error":null,"reconciled":false}',
+        }  # fmt: skip
+        assert conn.execute(finish_sql, finish, prepare=True).fetchone() is not None
 
     return job
 
