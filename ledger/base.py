@@ -18,7 +18,7 @@ from toolledger.ledger.transitions import EventKind, Review, Status
 from toolledger.ledger.types import db_now
 
 if TYPE_CHECKING:
-    from toolledger.ledger.fastpath import PostgresFastPath
+    from toolledger.ledger.store import Store
 
 Event = dict[str, Any]
 
@@ -46,8 +46,8 @@ class LedgerBase(LedgerReads):
 
     engine: sa.Engine
     dialect: str
-    #: Postgres: claim, finish and submit as one statement each (None: the generic path).
-    _fast: PostgresFastPath | None
+    #: The hot statements: generic, or one statement each on Postgres (ledger.store).
+    store: Store
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:

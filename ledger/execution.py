@@ -3,7 +3,9 @@
 Each write is a compare-and-set. The claim is an ``INSERT … ON CONFLICT DO NOTHING
 RETURNING`` on the unique (scope, idempotency_key, attempt), taken while the operation row
 is locked (``FOR UPDATE`` on Postgres; SQLite's BEGIN IMMEDIATE serialises every writer), so
-that a withdrawal of the attempt and its claim can never both happen.
+that a withdrawal of the attempt and its claim can never both happen. The claim's and the
+terminal write's statements are the store's (``ledger.store``); this module checks their
+inputs and builds their events' details.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger.base import LedgerBase, event
-from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
+from toolledger.ledger.base import LedgerBase
+from toolledger.ledger.errors import InvalidArguments, InvalidTransition
 from toolledger.ledger.identity import new_execution_id, new_lease_token
 from toolledger.ledger.models import execution_events, executions, operations
-from toolledger.ledger.reads import op_key
-from toolledger.ledger.records import Claim, EffectState, ExecutionRecord, Finished
+from toolledger.ledger.records import Claim, EffectState, Finished
 from toolledger.ledger.transitions import TERMINAL, EventKind, Status
 from toolledger.ledger.types import db_now, db_now_plus
 
@@ -46,57 +47,13 @@ class LedgerExecution(LedgerBase):
         """
         execution_id = execution_id or new_execution_id()
         token = lease_token or new_lease_token()
-        detail = {"attempt": attempt, "worker_id": worker_id, "fenced": True}  # both paths'
-        if self._fast is not None:
-            return self._fast.claim(
-                scope, key, attempt, worker_id, lease_seconds, execution_id, token, detail
-            )
-        with self._write() as conn:
-            op = conn.execute(
-                sa.select(operations.c.tool, operations.c.args)
-                .where(
-                    op_key(scope, key),
-                    operations.c.status == Status.APPROVED,
-                    operations.c.authorized_attempts == attempt,
-                    operations.c.review.is_(None),  # a flagged call waits for its human
-                )
-                .with_for_update()
-            ).first()
-            if op is None:
-                return None
-            won = conn.execute(
-                self._insert(executions)
-                .values(
-                    execution_id=execution_id,
-                    scope=scope,
-                    idempotency_key=key,
-                    attempt=attempt,
-                    status=Status.RUNNING,
-                    worker_id=worker_id,
-                    lease_token=token,
-                    lease_expires_at=db_now_plus(lease_seconds),
-                    heartbeat_at=db_now(),
-                    started_at=db_now(),
-                    reconciled=False,
-                    fenced=True,
-                )
-                .on_conflict_do_nothing(index_elements=["scope", "idempotency_key", "attempt"])
-                .returning(executions.c.lease_expires_at)
-            ).first()
-            if won is None:
-                return None
-            self._move_operation(conn, scope, key, attempt, Status.APPROVED, Status.RUNNING)
-            self._append(conn, event(Status.RUNNING, scope, key, worker_id, detail, execution_id))
-        return Claim(
-            execution_id=execution_id,
-            scope=scope,
-            idempotency_key=key,
-            attempt=attempt,
-            lease_token=token,
-            lease_expires_at=won.lease_expires_at,
-            worker_id=worker_id,
-            tool=op.tool,
-            args=op.args,
+        detail = {
+            "attempt": attempt,
+            "worker_id": worker_id,
+            "fenced": True,
+        }  # both stores write it
+        return self.store.claim(
+            scope, key, attempt, worker_id, lease_seconds, execution_id, token, detail
         )
 
     def claimed(self, execution_id: str, lease_token: str) -> Claim | None:
@@ -181,50 +138,9 @@ class LedgerExecution(LedgerBase):
         detail: dict[str, Any] = {"result": result, "error": error, "reconciled": False}
         if effects is not None:
             detail["effects"] = effects
-        if self._fast is not None:
-            return self._fast.finish(
-                execution_id, lease_token, status, result, error, effects, keys, detail
-            )
-        with self._write() as conn:
-            row = conn.execute(
-                executions.update()
-                .where(
-                    executions.c.execution_id == execution_id,
-                    executions.c.status == Status.RUNNING,
-                    executions.c.lease_token == lease_token,
-                )
-                .values(
-                    status=status,
-                    result=result,
-                    error=error,
-                    effects=effects,
-                    finished_at=db_now(),
-                )
-                .returning(*executions.c)
-            ).first()
-            if row is None:
-                raise StaleFence(execution_id)
-            done = ExecutionRecord.from_row(row)
-            if self.dialect == "postgresql":
-                for key in keys:
-                    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(key)))
-            self._move_operation(
-                conn, done.scope, done.idempotency_key, done.attempt, Status.RUNNING, status
-            )
-            ev = event(
-                status,
-                done.scope,
-                done.idempotency_key,
-                done.worker_id or "worker",
-                detail,
-                execution_id,
-            )
-            seq = conn.execute(
-                execution_events.insert()
-                .values(at=db_now(), **ev)
-                .returning(execution_events.c.seq)
-            ).scalar_one()
-        return Finished(done, int(seq))
+        return self.store.finish(
+            execution_id, lease_token, status, result, error, effects, keys, detail
+        )
 
     def record_evidence(self, execution_id: str, detail: dict[str, Any], *, actor: str) -> int:
         """Append a fact about an execution that changes no state (e.g. a late result)."""

@@ -10,7 +10,7 @@ cached while no row was running found executions through the "running" index and
 A claim (execution row + operation status + event) and a terminal write (execution row +
 result + operation status + event) are each a single data-modifying CTE run in autocommit:
 a single statement is its own transaction, so invariants 1, 2 and 5 hold exactly as in the
-generic path (ledger.Ledger), which tests compare row for row. Measured on this machine
+generic store (ledger.store.Store), which tests compare row for row. Measured on this machine
 class, ``BEGIN`` + four statements + ``COMMIT`` cost about twice the CPU of one statement.
 
 The statements go straight to a psycopg connection that each thread keeps checked out of
@@ -27,15 +27,19 @@ import re
 import threading
 import weakref
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.records import Claim, ExecutionRecord, Finished, OperationRecord
+from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import Status
 from toolledger.ledger.types import dumps
+
+if TYPE_CHECKING:
+    from toolledger.ledger.base import LedgerBase
 
 _CLAIM = sa.text(
     """
@@ -136,11 +140,14 @@ def psycopg_statements() -> tuple[str, str, dict[str, str]]:
     return _psycopg_sql(_CLAIM), _psycopg_sql(_FINISH), dict(_STATUSES)
 
 
-class PostgresFastPath:
-    """Claim and finish as single autocommit statements on Postgres."""
+class PostgresStore(Store):
+    """Claim, finish and the submit of a new call as single autocommit statements."""
 
-    def __init__(self, engine: sa.Engine) -> None:
-        self.engine = engine
+    creates = True
+
+    def __init__(self, ledger: LedgerBase) -> None:
+        super().__init__(ledger)
+        self.engine = ledger.engine
         self._local = threading.local()
         self._held: list[Any] = []
         self._lock = threading.Lock()
@@ -255,7 +262,7 @@ class PostgresFastPath:
             args=row["args"],
         )
 
-    def submit(self, params: dict[str, Any]) -> OperationRecord | None:
+    def create(self, params: dict[str, Any]) -> OperationRecord | None:
         """The new operation, its tool call and its events; None if the key exists (the
         caller then takes the generic path, which tells existing, linked and conflict apart).
         A tool_call_id bound to another key aborts the whole statement (IntegrityError)."""

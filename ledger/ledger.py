@@ -26,6 +26,7 @@ from toolledger.ledger.outbox import LedgerOutbox
 from toolledger.ledger.reads import op_key
 from toolledger.ledger.records import OperationRecord, Submitted
 from toolledger.ledger.resolution import LedgerResolution
+from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import RETRYABLE, EventKind, Status, check_transition
 from toolledger.ledger.types import db_now, dumps
 
@@ -57,15 +58,14 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         )
         self.dialect = self.engine.dialect.name
         self.max_args_bytes = max_args_bytes
-        self._fast = None
+        self.store = Store(self)
         if fast_path and self.dialect == "postgresql":
-            from toolledger.ledger.fastpath import PostgresFastPath
+            from toolledger.ledger.fastpath import PostgresStore
 
-            self._fast = PostgresFastPath(self.engine)
+            self.store = PostgresStore(self)
 
     def close(self) -> None:
-        if self._fast is not None:
-            self._fast.close()
+        self.store.close()
         self.engine.dispose()
 
     def upgrade(self) -> None:
@@ -101,9 +101,9 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         stamp = stamp_enqueued and status is Status.APPROVED
         submitted = {"tool_call_id": tool_call_id, "tool": tool, "args": args}
         decision = {"attempt": 1, "reason": reason} if approved_by else {}
-        if self._fast is not None:
+        if self.store.creates:  # a shortcut for a new key (the rest: one transaction below)
             with contextlib.suppress(sa.exc.IntegrityError):  # the generic path will explain
-                created = self._fast.submit(
+                created = self.store.create(
                     {
                         "scope": scope,
                         "key": key,

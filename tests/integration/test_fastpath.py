@@ -1,4 +1,4 @@
-"""The Postgres fast path writes exactly what the generic path writes."""
+"""The Postgres store (one statement per hot step) writes exactly what the generic store writes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger.ledger.fastpath import PostgresStore
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import Status
 
 VOLATILE = {
@@ -71,7 +73,7 @@ def _state(ledger: Ledger, scope: str) -> dict[str, Any]:
 
 def test_fastpath__same_rows_and_events_as_the_generic_path(pg_url):
     fast, generic = Ledger(pg_url, fast_path=True), Ledger(pg_url, fast_path=False)
-    assert fast._fast is not None and generic._fast is None
+    assert type(fast.store) is PostgresStore and type(generic.store) is Store
     _flow(fast, "fast")
     _flow(generic, "generic")
     assert _state(fast, "fast") == _state(generic, "generic")
@@ -191,7 +193,8 @@ def test_fastpath__plans_cannot_flip_to_a_partial_index(pg_url):
     ledger = Ledger(pg_url)
     with ledger.engine.connect() as conn:
         assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "force_custom_plan"
-    fast = ledger._fast._connection().dbapi_connection
+    assert isinstance(ledger.store, PostgresStore)
+    fast = ledger.store._connection().dbapi_connection
     assert fast.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
     for statement in (_CLAIM, _FINISH):
         sql = _psycopg_sql(statement)
