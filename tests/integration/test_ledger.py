@@ -251,9 +251,19 @@ def test_transitions__the_api_covers_exactly_the_table():
     assert all(hasattr(test_proof, name) for name in ELSEWHERE.values())
 
 
+@pytest.fixture(params=["default", "generic"])
+def either_store(request, db_url):
+    """The ledger as configured (Postgres: PostgresStore) and with the generic store: the
+    matrix holds for both (on SQLite both are the generic one)."""
+    led = Ledger(db_url, fast_path=request.param == "default")
+    yield led
+    led.close()
+
+
 @pytest.mark.parametrize("start", list(Status), ids=str)
 @pytest.mark.parametrize("action", list(ACTIONS))
-def test_transitions__every_pair_allowed_or_refused(ledger, scope, start, action):
+def test_transitions__every_pair_allowed_or_refused(either_store, scope, start, action):
+    ledger = either_store
     target, sources, run = ACTIONS[action]
     ctx = _in_state(ledger, scope, start)
     before = snapshot(ledger, scope)
