@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+import pydantic
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from toolledger.ledger.db import DEFAULT_HOME
 from toolledger.ledger.identity import MAX_ARGS_BYTES
@@ -18,8 +20,7 @@ class ConfigError(ValueError):
     """A setting is missing, malformed or inconsistent with another."""
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(BaseSettings):
     """Everything toolledger can be told, with its default.
 
     home                where the embedded default keeps its files (TOOLLEDGER_HOME, ./.toolledger)
@@ -51,46 +52,52 @@ class Settings:
                         them (TOOLLEDGER_MAX_AUTO_RETRIES, 3; 0 turns them off)
     """
 
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, env_ignore_empty=True, frozen=True, extra="forbid"
+    )
+
     home: Path = DEFAULT_HOME
     db: str = ""
     broker: str = ""
     broker_prefix: str = ""
     sandbox: Path = Path()
-    lease_seconds: float = 30.0
-    soft_time_limit: float = 0.0
-    time_limit: float = 0.0
-    visibility_timeout: float = 3600.0
-    max_args_bytes: int = MAX_ARGS_BYTES
-    max_content_bytes: int = 512 * 1024
-    sweep_interval: float = 10.0
-    sweep_grace: float = 5.0
-    requeue_after: float = 120.0
+    lease_seconds: PositiveFloat = 30.0
+    soft_time_limit: NonNegativeFloat = 0.0  # 0: derived from the lease
+    time_limit: NonNegativeFloat = 0.0  # 0: derived from the lease
+    visibility_timeout: PositiveFloat = 3600.0
+    max_args_bytes: PositiveInt = MAX_ARGS_BYTES
+    max_content_bytes: PositiveInt = 512 * 1024
+    sweep_interval: PositiveFloat = 10.0
+    sweep_grace: NonNegativeFloat = 5.0
+    requeue_after: PositiveFloat = 120.0
     tools: str = ""
     queue: str = "toolledger"
     failpoints: str = ""
     failpoint_log: str = ""
-    db_timeout: float = 0.0
-    lock_wait: float = 2.0
+    db_timeout: NonNegativeFloat = 0.0  # 0: derived from the lease
+    lock_wait: PositiveFloat = 2.0
     effects_log: str = ""
-    max_auto_retries: int = 3
-    extra: dict[str, Any] = field(default_factory=dict)
+    max_auto_retries: NonNegativeInt = 3
 
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen: derive defaults once, here
-        home = Path(self.home)
-        set_(self, "home", home)
+    @pydantic.model_validator(mode="after")
+    def _derive(self) -> Settings:
+        """Defaults that follow from others, derived once (the model is frozen after)."""
+        derived: dict[str, Any] = {}
         if not self.db:
-            set_(self, "db", f"sqlite:///{home / 'ledger.db'}")
+            derived["db"] = f"sqlite:///{self.home / 'ledger.db'}"
         if not self.broker:
-            set_(self, "broker", f"embedded+sqlite:///{home / 'broker.db'}")
+            derived["broker"] = f"embedded+sqlite:///{self.home / 'broker.db'}"
         if self.sandbox == Path():
-            set_(self, "sandbox", home / "sandbox")
+            derived["sandbox"] = self.home / "sandbox"
         if not self.soft_time_limit:
-            set_(self, "soft_time_limit", round(self.lease_seconds * 2 / 3, 3))
+            derived["soft_time_limit"] = round(self.lease_seconds * 2 / 3, 3)
         if not self.time_limit:
-            set_(self, "time_limit", round(self.lease_seconds * 5 / 6, 3))
+            derived["time_limit"] = round(self.lease_seconds * 5 / 6, 3)
         if not self.db_timeout:
-            set_(self, "db_timeout", round(max(1.0, self.lease_seconds / 4), 3))
+            derived["db_timeout"] = round(max(1.0, self.lease_seconds / 4), 3)
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        return self
 
     @property
     def sweep_queue(self) -> str:
@@ -120,34 +127,51 @@ class Settings:
             )
 
     def with_(self, **changes: Any) -> Settings:
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        """A copy with ``changes`` (None: unchanged), validated like the original."""
+        values = {**self.model_dump(), **{k: v for k, v in changes.items() if v is not None}}
+        return _validated(type(self), values, "")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(PREFIX + f.name.upper())
-            if raw is None or raw == "" or f.name == "extra":
-                continue
-            values[f.name] = _parse(f.name, raw, f.type)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        """From the TOOLLEDGER_* variables of ``env`` (default: the process's environment),
+        then ``overrides`` (None: not given). A bad value is a ConfigError naming it."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if env is None:  # pydantic-settings reads the process's environment
+            try:
+                return cls(**given)
+            except pydantic.ValidationError as exc:
+                raise _config_error(exc, PREFIX) from None
+        values = {
+            name: env[PREFIX + name.upper()]
+            for name in cls.model_fields
+            if env.get(PREFIX + name.upper())
+        }
+        return _validated(cls, {**values, **given}, PREFIX)
 
 
-def _parse(name: str, raw: str, kind: Any) -> Any:
-    kind = str(kind)
+class _Given(Settings):
+    """Settings validated from the values given and nothing else: no environment."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: Any, *_: Any, **__: Any
+    ) -> tuple[Any, ...]:
+        return (init_settings,)
+
+
+def _validated(cls: type[Settings], values: dict[str, Any], prefix: str) -> Settings:
+    """``values`` validated (and derived defaults filled) as ``cls``, reading nothing else.
+    Errors become one line naming the setting."""
     try:
-        if kind == "float":
-            value: Any = float(raw)
-        elif kind == "int":
-            value = int(raw)
-        elif kind == "Path":
-            return Path(raw)
-        else:
-            return raw
-    except ValueError:
-        raise ConfigError(f"{PREFIX}{name.upper()}={raw!r} is not a number") from None
-    if value < 0 or (value == 0 and name not in ("sweep_grace", "max_auto_retries")):
-        raise ConfigError(f"{PREFIX}{name.upper()} must be positive, not {raw!r}")
-    return value
+        checked = _Given(**values)
+    except pydantic.ValidationError as exc:
+        raise _config_error(exc, prefix) from None
+    return cls.model_construct(**checked.model_dump())
+
+
+def _config_error(exc: pydantic.ValidationError, prefix: str) -> ConfigError:
+    first = exc.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else "settings"
+    shown = f"{prefix}{name.upper()}" if prefix else name
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return ConfigError(f"{shown}={first.get('input')!r}: {first['msg']}{more}")

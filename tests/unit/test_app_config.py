@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from toolledger.config import ConfigError, Settings
@@ -66,3 +68,35 @@ def test_settings__defaults_are_consistent_and_read_from_env():
     assert str(s.db) == "sqlite:////tmp/h/ledger.db"
     with pytest.raises(ConfigError):
         Settings.from_env({"TOOLLEDGER_LEASE_SECONDS": "soon"})
+
+
+def test_settings__typed_errors_name_the_variable():
+    for env, named in (
+        ({"TOOLLEDGER_LEASE_SECONDS": "-1"}, "TOOLLEDGER_LEASE_SECONDS='-1'"),
+        ({"TOOLLEDGER_MAX_AUTO_RETRIES": "1.5"}, "TOOLLEDGER_MAX_AUTO_RETRIES='1.5'"),
+        ({"TOOLLEDGER_SWEEP_INTERVAL": "0"}, "TOOLLEDGER_SWEEP_INTERVAL='0'"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(named)) as err:
+            Settings.from_env(env)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="(?i)bogus.*not permitted"):
+        Settings.from_env({}, bogus="x")  # not a setting: refused, not ignored
+    assert Settings.from_env({"TOOLLEDGER_SWEEP_GRACE": "0"}).sweep_grace == 0  # zero allowed
+
+
+def test_settings__the_process_environment_by_default_an_explicit_mapping_alone(monkeypatch):
+    monkeypatch.setenv("TOOLLEDGER_LEASE_SECONDS", "12")
+    assert Settings().lease_seconds == 12 == Settings.from_env().lease_seconds
+    assert Settings.from_env({}).lease_seconds == 30  # the mapping given, nothing else
+    assert Settings.from_env(lease_seconds=9).lease_seconds == 9  # overrides win
+    monkeypatch.setenv("TOOLLEDGER_LEASE_SECONDS", "soon")
+    with pytest.raises(ConfigError, match="TOOLLEDGER_LEASE_SECONDS='soon'"):
+        Settings.from_env()
+
+
+def test_settings__with_validates_and_keeps_derived_values():
+    s = redis_settings(lease_seconds=12)
+    t = s.with_(sweep_interval=3, queue=None)
+    assert (t.sweep_interval, t.queue, t.soft_time_limit) == (3, s.queue, s.soft_time_limit)
+    with pytest.raises(ConfigError, match="sweep_interval"):
+        s.with_(sweep_interval=-2)
