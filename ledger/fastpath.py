@@ -155,7 +155,8 @@ class PostgresStore(Store):
         self._sql = {id(s): _psycopg_sql(s) for s in statements}
         self._columns = {id(s): [c.name for c in s.selected_columns] for s in statements}
 
-    def _connection(self) -> Any:
+    def connection(self) -> Any:
+        """This thread's connection (checked out of the engine's pool, kept, autocommit)."""
         pooled = getattr(self._local, "pooled", None)
         if pooled is None:
             pooled = self.engine.raw_connection()
@@ -206,7 +207,7 @@ class PostgresStore(Store):
         sql = self._sql[id(statement)]
         params = {**_STATUSES, **params}
         try:
-            pooled = self._connection()
+            pooled = self.connection()
         except psycopg.Error as exc:  # raw_connection() does not translate driver errors
             raise sa.exc.DBAPIError.instance(
                 sql, params, exc, psycopg.Error, hide_parameters=True

@@ -131,6 +131,11 @@ def _on(point: str, ref: str | None = None) -> None:
 hit = _off
 
 
+def armed() -> bool:
+    """Whether any failpoint is active (when none is, ``hit`` is a function that does nothing)."""
+    return hit is not _off
+
+
 def configure(spec: str | None, log_path: str = "") -> None:
     """Activate the failpoints of ``spec`` (empty or None: all off, at zero cost)."""
     global hit, _log_path

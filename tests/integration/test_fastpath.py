@@ -194,7 +194,7 @@ def test_fastpath__plans_cannot_flip_to_a_partial_index(pg_url):
     with ledger.engine.connect() as conn:
         assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "force_custom_plan"
     assert isinstance(ledger.store, PostgresStore)
-    fast = ledger.store._connection().dbapi_connection
+    fast = ledger.store.connection().dbapi_connection
     assert fast.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
     for statement in (_CLAIM, _FINISH):
         sql = _psycopg_sql(statement)

@@ -79,7 +79,7 @@ def test_settings__typed_errors_name_the_variable():
         with pytest.raises(ConfigError, match=re.escape(named)) as err:
             Settings.from_env(env)
         assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="(?i)bogus.*not permitted"):
+    with pytest.raises(ConfigError, match=r"(?i)bogus.*not permitted"):
         Settings.from_env({}, bogus="x")  # not a setting: refused, not ignored
     assert Settings.from_env({"TOOLLEDGER_SWEEP_GRACE": "0"}).sweep_grace == 0  # zero allowed
 

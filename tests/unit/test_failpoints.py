@@ -17,9 +17,12 @@ def _reset():
 
 def test_failpoints__unset_costs_nothing():
     failpoints.configure(None)
-    assert failpoints.hit is failpoints._off
+    assert not failpoints.armed()
     failpoints.configure("")
-    assert failpoints.hit is failpoints._off
+    assert not failpoints.armed()
+    failpoints.configure("after_claim=off")
+    assert failpoints.armed()
+    failpoints.configure(None)
 
 
 def test_failpoints__parse_every_form():
