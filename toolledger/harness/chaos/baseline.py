@@ -98,6 +98,7 @@ class BaselineRun(ChaosRun):
         super().__init__(config)
         self.workload = workload
         self.kinds = [k for k in BASELINE if k in config.kinds]
+        self.sent: set[str] = set()  # jobs sent at least once (duplicates are faults)
 
     def setup(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +150,14 @@ class BaselineRun(ChaosRun):
             stop_all(self.workers)
 
     def _send(self, job: Job) -> None:
+        self._publish(job)
+        self.sent.add(job.cid)
+
+    def _publish(self, job: Job) -> None:
         self.app.send_task(TASK, args=(job.to_json(),), queue=QUEUE)
+
+    def submitted(self) -> int:
+        return len(self.sent)
 
     def _agent(self) -> None:
         """Send each job at its time; a shared path's writer after the one before it is done
@@ -179,7 +187,7 @@ class BaselineRun(ChaosRun):
 
         picked = self.rng.sample(self.workload.jobs, min(5, len(self.workload.jobs)))
         for job in picked:
-            self._send(job)
+            self._publish(job)  # a duplicate, not a submission
         return Fault(0, "duplicate", "broker", [], {"keys": [j.cid for j in picked]})
 
     def _wait_quiet(self, stall: float) -> float:

@@ -370,8 +370,12 @@ class ChaosRun:
                 with (self.out / "faults.log").open("a") as f:
                     f.write(json.dumps(fault.to_json()) + "\n")
             if n and n % max(1, self.cfg.faults // 10) == 0:
-                done = len(self._lines("submitted.log"))
+                done = self.submitted()
                 self.progress(f"{len(self.faults)} faults, {done}/{self.cfg.jobs} jobs submitted")
+
+    def submitted(self) -> int:
+        """How many jobs the agent has submitted so far (for the progress line)."""
+        return len(self._lines("submitted.log"))
 
     def _pick(self) -> ManagedProcess | None:
         alive = [w for w in self.workers if w.alive() and w.name not in self._paused]
