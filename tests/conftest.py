@@ -47,10 +47,6 @@ def docker_engine_runs() -> bool:
     return False
 
 
-def _admin(url: str) -> sa.Engine:
-    return create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0)
-
-
 # ---------------------------------------------------------------------------- Postgres
 
 

@@ -367,8 +367,7 @@ class ChaosRun:
             if fault is not None:
                 fault.t = fault.t or time.time()
                 self.faults.append(fault)
-                with (self.out / "faults.log").open("a") as f:
-                    f.write(json.dumps(fault.to_json()) + "\n")
+                jsonlines.append(self.out / "faults.log", fault.to_json(), fsync=False)
             if n and n % max(1, self.cfg.faults // 10) == 0:
                 done = self.submitted()
                 self.progress(f"{len(self.faults)} faults, {done}/{self.cfg.jobs} jobs submitted")
