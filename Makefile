@@ -9,7 +9,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check --quiet
 PG_URL    ?= postgresql://postgres@127.0.0.1:5432/postgres
 REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo test lint typecheck bench chaos clean install
+.PHONY: demo test compose-test lint typecheck bench chaos clean install
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The production stack for real: images built (on a local debootstrapped base), docker-compose
+# up with 4 workers, containers killed mid-run, the ledger and the sandbox judged. Needs dockerd.
+compose-test: $(STAMP)
+	$(BIN)/pytest -m compose tests/acceptance/test_compose_stack.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

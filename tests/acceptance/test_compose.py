@@ -1,4 +1,4 @@
-"""docker-compose.yml, validated by Debian's docker-compose (no Docker engine runs here)."""
+"""docker-compose.yml, validated by Debian's docker-compose (`make compose-test` runs it for real)."""
 
 from __future__ import annotations
 

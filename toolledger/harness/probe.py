@@ -1,4 +1,4 @@
-"""probe_write: write_file that takes its time, for tests and ``toolledger chaos``.
+"""probe_write and probe_append: write_file and append_file that take their time, for tests.
 
 ``hold_ms`` sleeps half before staging its bytes and half after, so that faults meet work in
 progress. Its physical effects are counted by the sandbox itself: with ``TOOLLEDGER_EFFECTS_LOG``
@@ -37,3 +37,13 @@ def probe_write(args: ProbeArgs, ctx: ToolContext) -> dict[str, Any]:
     staged = ctx.sandbox.write_atomic(ctx.scope, args.path, args.content.encode("utf-8"))
     time.sleep(args.hold_ms / 2000)
     return {"path": args.path, "bytes_written": staged.size, "sha256": staged.sha256}
+
+
+@tool(idempotent=False, check=check_file, sandboxed=True)
+def probe_append(args: ProbeArgs, ctx: ToolContext) -> dict[str, Any]:
+    """append_file that holds each execution a while. Not idempotent and not reconcilable: an
+    execution cut off mid-hold stays ``unknown`` for a human (its staged line never lands)."""
+    time.sleep(args.hold_ms / 2000)
+    staged = ctx.sandbox.append(ctx.scope, args.path, args.content.encode("utf-8"))
+    time.sleep(args.hold_ms / 2000)
+    return {"path": args.path, "bytes_appended": staged.size, "sha256": staged.sha256}
