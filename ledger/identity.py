@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Any
 
+from toolledger.ledger import inputs
 from toolledger.ledger.errors import ArgumentsTooLarge, InvalidArguments, InvalidIdentifier
 
 #: Default cap on the canonical JSON of one call's arguments.
@@ -23,7 +24,6 @@ MAX_ARGS_BYTES = 1024 * 1024
 
 _SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TOOL = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def canonical_json(value: Any) -> str:
@@ -47,6 +47,7 @@ def check_args(args: Any, max_bytes: int = MAX_ARGS_BYTES) -> str:
     """Refuse anything but a JSON object within the cap; return its args_sha256."""
     if not isinstance(args, dict):
         raise InvalidArguments(f"arguments must be a JSON object, not {type(args).__name__}")
+    inputs.check_value(args, "arguments")
     encoded = canonical_json(args).encode("utf-8")
     if len(encoded) > max_bytes:
         raise ArgumentsTooLarge(
@@ -72,12 +73,8 @@ def check_tool_name(tool: str) -> str:
 
 
 def check_text_id(value: str, what: str, max_len: int = 512) -> str:
-    """Non-empty, at most ``max_len`` characters, no control characters."""
-    if not isinstance(value, str) or not value or not value.strip():
-        raise InvalidIdentifier(f"{what} must not be empty")
-    if len(value) > max_len or _CONTROL.search(value):
-        raise InvalidIdentifier(f"{what} must be at most {max_len} printable characters")
-    return value
+    """Non-empty, at most ``max_len`` characters, no control characters (``inputs``)."""
+    return inputs.check_identifier(value, what, max_len)
 
 
 def default_key(tool: str, tool_call_id: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger import db
+from toolledger.ledger import db, inputs
 from toolledger.ledger.base import event
 from toolledger.ledger.errors import ConflictError, InvalidTransition
 from toolledger.ledger.events import VerifyReport, verify
@@ -95,7 +95,9 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         """
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.max_args_bytes)
         if approved_by is not None:
-            check_text_id(approved_by, "approver", 256)
+            check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
+        inputs.check_text(reason, "reason")
+        check_text_id(actor, "actor", inputs.MAX_ACTOR)
         status = Status.APPROVED if approved_by else Status.PENDING_APPROVAL
         check_transition(None, status)
         stamp = stamp_enqueued and status is Status.APPROVED
@@ -251,7 +253,8 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         stamp_enqueued: bool = False,
     ) -> OperationRecord:
         check_transition(Status.PENDING_APPROVAL, new)
-        check_text_id(by, "decider", 256)
+        check_text_id(by, "decider", inputs.MAX_ACTOR)
+        inputs.check_text(reason, "reason")
         values: dict[str, Any] = {
             "status": new,
             "decided_by": by,
@@ -292,7 +295,8 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         The caller (who knows the tool) decides whether a duplicate effect must be accepted
         explicitly; the ledger records that it was.
         """
-        check_text_id(by, "authoriser", 256)
+        check_text_id(by, "authoriser", inputs.MAX_ACTOR)
+        inputs.check_text(reason, "reason")
         with self._write() as conn:
             key = self._key_for(conn, scope, tool_call_id)
             op = self._operation(conn, scope, key)

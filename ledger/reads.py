@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import sqlalchemy as sa
 
 from toolledger.ledger.errors import NotFound
+from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.models import execution_events, executions, operations, tool_calls
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import (
@@ -41,6 +42,8 @@ class LedgerReads:
 
     @staticmethod
     def _key_for(conn: sa.Connection, scope: str, tool_call_id: str) -> str:
+        check_scope(scope)  # a NUL or a surrogate must be refused here, not by the driver
+        check_text_id(tool_call_id, "tool_call_id", 256)
         key: str | None = conn.execute(
             sa.select(tool_calls.c.idempotency_key).where(
                 tool_calls.c.scope == scope, tool_calls.c.tool_call_id == tool_call_id

@@ -9,6 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger.ledger import inputs
 from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
@@ -290,8 +291,10 @@ class LedgerResolution(LedgerBase):
         decided, and on what evidence."""
         if status not in TERMINAL:
             raise InvalidTransition(Status.UNKNOWN, status, "a human resolution")
-        check_text_id(by, "resolver", 256)
-        check_text_id(evidence, "evidence", 10_000)
+        check_text_id(execution_id, "execution_id", 64)
+        check_text_id(by, "resolver", inputs.MAX_ACTOR)
+        if not inputs.check_text(evidence, "evidence", 10_000) or not evidence.strip():
+            raise InvalidArguments("evidence: must not be empty")
         result = {"status": status.value, "resolved_by": by, "evidence": evidence}
         try:
             return self.reconcile(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pydantic
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
@@ -99,6 +100,25 @@ class Settings(BaseSettings):
             object.__setattr__(self, name, value)
         return self
 
+    @pydantic.field_validator("db", "broker")
+    @classmethod
+    def _url(cls, value: str, info: pydantic.ValidationInfo) -> str:
+        """A URL that parses, with a known scheme and a numeric port, refused at start (exit
+        2) rather than by the first connection. Never echoed: it may hold a password."""
+        if not value:
+            return value
+        schemes = _DB_SCHEMES if info.field_name == "db" else _BROKER_SCHEMES
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError as exc:
+            raise ValueError(f"not a URL: {exc}") from None
+        if not parts.scheme.startswith(schemes):
+            raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
+        if "\x00" in value:
+            raise ValueError("holds a NUL character")
+        return value
+
     @property
     def sweep_queue(self) -> str:
         return f"{self.queue}.sweep"
@@ -149,6 +169,21 @@ class Settings(BaseSettings):
         return _validated(cls, {**values, **given}, PREFIX)
 
 
+_DB_SCHEMES = ("postgresql", "postgres", "sqlite")
+_BROKER_SCHEMES = (
+    "redis",
+    "rediss",
+    "embedded+",
+    "sqla+",
+    "filesystem",
+    "amqp",
+    "pyamqp",
+    "memory",
+)
+#: Settings whose value is never echoed in an error (a URL may carry a password).
+_SECRET = {"db", "broker"}
+
+
 class _Given(Settings):
     """Settings validated from the values given and nothing else: no environment."""
 
@@ -174,4 +209,6 @@ def _config_error(exc: pydantic.ValidationError, prefix: str) -> ConfigError:
     name = str(first["loc"][0]) if first["loc"] else "settings"
     shown = f"{prefix}{name.upper()}" if prefix else name
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return ConfigError(f"{shown}={first.get('input')!r}: {first['msg']}{more}")
+    given = "" if name in _SECRET else f"={first.get('input')!r}"
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return ConfigError(f"{shown}{given}: {msg}{more}")

@@ -22,6 +22,7 @@ from celery import Celery, signals
 
 from toolledger.config import Settings
 from toolledger.ledger.db import create_engine, ensure_schema
+from toolledger.registry import load_registry
 from toolledger.worker import broker  # registers the embedded transport
 from toolledger.worker.tasks import publish, register_tasks
 
@@ -89,6 +90,7 @@ def check_worker_start(settings: Settings) -> None:
     A database that does not answer yet (restarting, a partition healing) is waited for:
     a supervisor restarting a worker in a loop would only add load."""
     settings.check()
+    load_registry(settings.tools)  # a tool module that does not load stops us here (exit 2)
     engine = create_engine(settings.db, timeout=settings.db_timeout)
     deadline, pause = time.monotonic() + START_WAIT_SECONDS, 0.5
     try:

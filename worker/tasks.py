@@ -9,6 +9,8 @@ from typing import Any
 from celery import Celery, Task
 
 from toolledger.config import Settings
+from toolledger.ledger.errors import InputError, InvalidArguments
+from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.worker.runtime import default_worker_id, runtime
 
 log = logging.getLogger("toolledger.worker")
@@ -17,9 +19,45 @@ log = logging.getLogger("toolledger.worker")
 EXECUTE = "toolledger.execute"
 
 
+#: Largest attempt number a message may carry (the column is a 32-bit integer).
+MAX_ATTEMPT = 2**31 - 1
+_FIELDS = ("scope", "idempotency_key", "attempt")
+
+
+def parse_message(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, int]:
+    """(scope, idempotency_key, attempt) from a job's arguments, or InputError naming the
+    field: checked before anything else, so that a forged or garbled message costs one log
+    line and no database work (never a retry loop, never its contents in a log)."""
+    unknown = sorted(set(kwargs) - set(_FIELDS))
+    if unknown:
+        raise InvalidArguments(f"message: unknown field {unknown[0]!r}")
+    if len(args) > len(_FIELDS):
+        raise InvalidArguments(f"message: {len(args)} arguments, expected {len(_FIELDS)}")
+    values = dict(zip(_FIELDS, args, strict=False))
+    for name, value in kwargs.items():
+        if name in values:
+            raise InvalidArguments(f"message: {name} given twice")
+        values[name] = value
+    missing = [f for f in _FIELDS if f not in values]
+    if missing:
+        raise InvalidArguments(f"message: {missing[0]} is missing")
+    scope, key, attempt = (values[f] for f in _FIELDS)
+    check_scope(scope)
+    check_text_id(key, "message: idempotency_key")
+    if type(attempt) is not int or not 1 <= attempt <= MAX_ATTEMPT:
+        raise InvalidArguments(f"message: attempt must be an integer 1..{MAX_ATTEMPT}")
+    return scope, key, attempt
+
+
 def register_tasks(app: Celery, settings: Settings) -> None:
     @app.task(name=EXECUTE, bind=True, shared=False)  # type: ignore[untyped-decorator]
-    def execute(task: Task, scope: str, idempotency_key: str, attempt: int) -> str:
+    def execute(task: Task, *args: Any, **kwargs: Any) -> str:
+        try:
+            scope, idempotency_key, attempt = parse_message(args, kwargs)
+        except InputError as exc:
+            # acked and dropped: a malformed message can never become valid by a retry
+            log.error("%s %s: rejected: %s", EXECUTE, task.request.id, exc)
+            return "rejected"
         worker_id = default_worker_id(task.request.hostname or "")
         outcome = runtime(settings).executor(worker_id).execute(scope, idempotency_key, attempt)
         if outcome.state == "lost":

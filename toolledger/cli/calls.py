@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from toolledger.cli.common import (
+    EXIT_FAILURE,
     Context,
     call_options,
     json_option,
@@ -43,6 +44,8 @@ def submit(
     call = c.submitter.prepare(scope, tool_call_id, tool, args, key)  # before any write
     out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
     c.emit(out, _human_submit)
+    if out["outcome"] == "read_only" and out["status"] == "failed":
+        raise click.exceptions.Exit(EXIT_FAILURE)  # its result (printed) says why
 
 
 def _human_submit(d: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
 """What every command shares: the context, options, JSON input, output and the exit codes.
 
-Exit codes: 0 ok, 1 failure (verify found differences, a service is unreachable), 2 usage,
-3 conflict, 4 not found, 5 state does not allow it, 6 input refused. Errors are one line on
-stderr (a JSON object with ``error`` under ``--json``), never a traceback.
+Exit codes: 0 ok, 1 failure (verify found differences, a service is unreachable, a read-only
+call failed), 2 usage or configuration, 3 conflict, 4 not found, 5 state does not allow it,
+6 input refused. Errors are one line on stderr (a JSON object with ``error`` under
+``--json``), never a traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import click
 
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger.db import SchemaError, ensure_schema
+from toolledger.ledger import inputs
 from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
@@ -109,27 +111,20 @@ pass_ctx = click.make_pass_decorator(Context)
 
 
 def parse_json_object(raw: str, what: str) -> dict[str, Any]:
-    """JSON from the command line (or ``@file``, ``-`` for stdin): an object, no NaN."""
+    """JSON from the command line (or ``@file``, ``-`` for stdin) under the input layer's
+    rules (``toolledger.ledger.inputs``): an object, strict UTF-8, no duplicate keys, no NaN,
+    bounded depth and integers. Files and stdin are read as bytes and decoded strictly."""
+    data: str | bytes = raw
     if raw == "-":
-        raw = sys.stdin.read()
+        data = sys.stdin.buffer.read()
     elif raw.startswith("@"):
         try:
-            raw = Path(raw[1:]).read_text(encoding="utf-8")
+            data = Path(raw[1:]).read_bytes()
         except OSError as exc:
             raise CliError(
                 f"cannot read {what} from {raw[1:]}: {exc.strerror}", EXIT_INPUT
             ) from None
-
-    def _refuse(name: str) -> NoReturn:
-        raise CliError(f"{what} is not valid JSON: {name} is not allowed", EXIT_INPUT)
-
-    try:
-        value = json.loads(raw, parse_constant=_refuse)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"{what} is not valid JSON: {exc}", EXIT_INPUT) from None
-    if not isinstance(value, dict):
-        raise CliError(f"{what} must be a JSON object, not {type(value).__name__}", EXIT_INPUT)
-    return value
+    return inputs.loads_object(data, what)
 
 
 def scope_option_check(
@@ -159,6 +154,8 @@ def call_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def fail(message: str, code: int, as_json: bool) -> NoReturn:
     message = " ".join(message.split())  # one line, whatever the source
+    # printable whatever it quotes: a lone surrogate would make the error itself fail
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     if as_json:
         click.echo(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False), err=True)
     else:

@@ -1,0 +1,181 @@
+"""The one input layer: what toolledger accepts from outside, written once.
+
+Every entry point — the CLI, the Python API (``Ledger``, ``Submitter``), transcript repair, the
+worker's messages — passes what it was given through these functions before anything is
+recorded. A refusal is an :class:`~toolledger.ledger.errors.InputError` (exit 6 on the CLI)
+whose one-line message names the field; nothing is written.
+
+The rules:
+
+- **Text is Unicode that UTF-8 can encode**: bytes must decode as strict UTF-8, and a string
+  holding a lone surrogate (what Python makes of undecodable ``argv`` bytes) is refused.
+- **JSON** is one value with no duplicate keys in any object (parsers disagree on which one
+  wins), no ``NaN``/``Infinity``, nesting at most :data:`MAX_DEPTH` deep and integers within
+  :data:`MAX_INT` (a signed 64-bit integer: what Postgres and SQLite store and JavaScript clients
+  can nearly round-trip), object keys strings.
+- **Identifiers** (tool_call_id, idempotency key, actor names) are non-empty, at most a cap of
+  characters, with no control characters: C0, DEL, C1 (U+0080 to U+009F, U+0085 among them), the
+  line and paragraph separators U+2028/U+2029, and the bidirectional overrides and isolates
+  (U+202A to U+202E, U+2066 to U+2069) that make a printed id lie about its order.
+- **Free text** (a reason) is at most :data:`MAX_TEXT` characters; newlines and tabs are
+  allowed, every other control character is not (NUL included).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NoReturn
+
+from toolledger.ledger.errors import InvalidArguments, InvalidIdentifier
+
+#: Deepest nesting of objects and arrays accepted in any JSON input.
+MAX_DEPTH = 64
+#: Largest magnitude of an integer in any JSON input (signed 64-bit).
+MAX_INT = 2**63 - 1
+#: Longest free-text field (a reason), in characters.
+MAX_TEXT = 4000
+#: Longest actor name (approver, resolver), in characters.
+MAX_ACTOR = 256
+
+_ID_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_TEXT_FORBIDDEN = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_INT_DIGITS = len(str(MAX_INT))
+
+
+def _refuse(what: str, why: str, error: type[Exception] = InvalidArguments) -> NoReturn:
+    raise error(f"{what}: {why}")
+
+
+def decode(data: bytes, what: str) -> str:
+    """Strict UTF-8 (a leading BOM dropped); anything else is refused, naming the offset."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _refuse(what, f"not UTF-8 (byte {exc.start}: {data[exc.start : exc.start + 1]!r})")
+    return text.removeprefix("\ufeff")
+
+
+def check_encodable(text: str, what: str) -> str:
+    """Refuse a string that UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        _refuse(what, f"not valid Unicode (a lone surrogate at character {exc.start})")
+    return text
+
+
+def loads(text: str | bytes, what: str) -> Any:
+    """Parse one JSON value under the rules above."""
+    if isinstance(text, bytes):
+        text = decode(text, what)
+    check_encodable(text, what)
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                _refuse(what, f"duplicate key {k!r} in one object")
+            out[k] = v
+        return out
+
+    def constant(name: str) -> NoReturn:
+        _refuse(what, f"not valid JSON: {name} is not allowed")
+
+    def integer(digits: str) -> int:
+        n = len(digits.lstrip("-"))
+        if n > _INT_DIGITS or abs(int(digits)) > MAX_INT:
+            _refuse(what, f"integer of {n} digits is out of range (±{MAX_INT})")
+        return int(digits)
+
+    try:
+        value = json.loads(
+            text, object_pairs_hook=pairs, parse_constant=constant, parse_int=integer
+        )
+    except json.JSONDecodeError as exc:
+        _refuse(what, f"not valid JSON: {exc}")
+    except RecursionError:
+        _refuse(what, f"nested more than {MAX_DEPTH} levels deep")
+    check_value(value, what)
+    return value
+
+
+def check_value(value: Any, what: str) -> Any:
+    """A JSON-able value within the rules: walked without recursion, so that any depth is
+    refused cleanly rather than by the interpreter."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            check_encodable(item, what)
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, int):
+            if abs(item) > MAX_INT:
+                _refuse(what, f"integer out of range (±{MAX_INT})")
+        elif isinstance(item, float):
+            if item != item or item in (float("inf"), float("-inf")):
+                _refuse(what, "not valid JSON: NaN and Infinity are not allowed")
+        elif isinstance(item, dict | list | tuple):
+            if depth > MAX_DEPTH:
+                _refuse(what, f"nested more than {MAX_DEPTH} levels deep")
+            if isinstance(item, dict):
+                for k, v in item.items():
+                    if not isinstance(k, str):
+                        _refuse(what, f"object keys must be strings, not {type(k).__name__}")
+                    check_encodable(k, what)
+                    stack.append((v, depth + 1))
+            else:
+                stack.extend((v, depth + 1) for v in item)
+        else:
+            _refuse(what, f"{type(item).__name__} is not a JSON value")
+    return value
+
+
+def loads_object(text: str | bytes, what: str) -> dict[str, Any]:
+    value = loads(text, what)
+    if not isinstance(value, dict):
+        _refuse(what, f"must be a JSON object, not {_json_type(value)}")
+    return value
+
+
+def check_identifier(value: Any, what: str, max_len: int = 512) -> str:
+    """Non-empty, at most ``max_len`` characters, encodable, no control characters."""
+    if not isinstance(value, str) or not value.strip():
+        _refuse(what, "must not be empty", InvalidIdentifier)
+    check_encodable_id(value, what)
+    if len(value) > max_len:
+        _refuse(what, f"{len(value)} characters, over the cap of {max_len}", InvalidIdentifier)
+    bad = _ID_FORBIDDEN.search(value)
+    if bad:
+        why = f"control character U+{ord(bad.group()):04X} is not allowed"
+        _refuse(what, why, InvalidIdentifier)
+    return value
+
+
+def check_encodable_id(value: str, what: str) -> str:
+    try:
+        return check_encodable(value, what)
+    except InvalidArguments as exc:
+        raise InvalidIdentifier(str(exc)) from None
+
+
+def check_text(value: Any, what: str, max_len: int = MAX_TEXT) -> str | None:
+    """Free text (None passes): a cap, encodable, newlines and tabs but no other control."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        _refuse(what, f"must be text, not {type(value).__name__}")
+    check_encodable(value, what)
+    if len(value) > max_len:
+        _refuse(what, f"{len(value)} characters, over the cap of {max_len}")
+    bad = _TEXT_FORBIDDEN.search(value)
+    if bad:
+        _refuse(what, f"control character U+{ord(bad.group()):04X} is not allowed")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
