@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from toolledger.ledger.base import LedgerBase
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition
-from toolledger.ledger.identity import new_execution_id, new_lease_token
+from toolledger.ledger.identity import check_attempt, new_execution_id, new_lease_token
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.records import Claim, EffectState, Finished
 from toolledger.ledger.transitions import TERMINAL, EventKind, Status
@@ -45,6 +45,7 @@ class LedgerExecution(LedgerBase):
         ``execution_id`` and ``lease_token`` itself can, after an error around the commit,
         find out with ``claimed()`` whether the claim is its own.
         """
+        check_attempt(attempt)  # a forged attempt is refused here, not retried as a DB error
         execution_id = execution_id or new_execution_id()
         token = lease_token or new_lease_token()
         detail = {

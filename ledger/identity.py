@@ -77,6 +77,17 @@ def check_text_id(value: str, what: str, max_len: int = 512) -> str:
     return inputs.check_identifier(value, what, max_len)
 
 
+#: Largest attempt number (the column is a 32-bit integer).
+MAX_ATTEMPT = 2**31 - 1
+
+
+def check_attempt(attempt: object, what: str = "attempt") -> int:
+    """A positive integer that fits the column (``True`` is not one)."""
+    if type(attempt) is not int or not 1 <= attempt <= MAX_ATTEMPT:
+        raise InvalidArguments(f"{what} must be an integer 1..{MAX_ATTEMPT}")
+    return attempt
+
+
 def default_key(tool: str, tool_call_id: str) -> str:
     """``"{tool}:{tool_call_id}"``: one logical action per call the model made."""
     check_tool_name(tool)

@@ -10,7 +10,7 @@ from celery import Celery, Task
 
 from toolledger.config import Settings
 from toolledger.ledger.errors import InputError, InvalidArguments
-from toolledger.ledger.identity import check_scope, check_text_id
+from toolledger.ledger.identity import check_attempt, check_scope, check_text_id
 from toolledger.worker.runtime import default_worker_id, runtime
 
 log = logging.getLogger("toolledger.worker")
@@ -19,8 +19,6 @@ log = logging.getLogger("toolledger.worker")
 EXECUTE = "toolledger.execute"
 
 
-#: Largest attempt number a message may carry (the column is a 32-bit integer).
-MAX_ATTEMPT = 2**31 - 1
 _FIELDS = ("scope", "idempotency_key", "attempt")
 
 
@@ -44,9 +42,7 @@ def parse_message(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, s
     scope, key, attempt = (values[f] for f in _FIELDS)
     check_scope(scope)
     check_text_id(key, "message: idempotency_key")
-    if type(attempt) is not int or not 1 <= attempt <= MAX_ATTEMPT:
-        raise InvalidArguments(f"message: attempt must be an integer 1..{MAX_ATTEMPT}")
-    return scope, key, attempt
+    return scope, key, check_attempt(attempt, "message: attempt")
 
 
 def register_tasks(app: Celery, settings: Settings) -> None:

@@ -411,3 +411,9 @@ def test_fuzz__a_real_process_with_random_bytes_never_tracebacks(db_url, tmp_pat
             timeout=60,
         )
         assert proc.returncode in DOCUMENTED_EXITS and b"Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("attempt", [True, 0, -1, 2**40, 1.0, "1", None])
+def test_api__a_claim_with_a_forged_attempt_is_refused_before_sql(ledger, attempt):
+    with pytest.raises(InvalidArguments, match="attempt must be an integer"):
+        ledger.claim("hostile", "write_file:c1", attempt, worker_id="w")
