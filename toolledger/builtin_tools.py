@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolledger.ledger.transitions import Status
+from toolledger.sandbox import SandboxError
 from toolledger.tools import Absent, Evidence, Finding, Tool, ToolContext, ToolError, make_tool
 
 
@@ -26,11 +27,23 @@ class ContentArgs(FileArgs):
     content: str = Field(description="UTF-8 text.")
 
 
-def check_file(args: FileArgs, ctx: ToolContext) -> None:
-    """Submit time: the path must be safe now, the content under the cap."""
-    ctx.sandbox.check(ctx.scope, args.path)
+def check_file(args: FileArgs, ctx: ToolContext, kind: str = "write") -> None:
+    """Submit time: the path must be safe now for ``kind`` (``Sandbox.check``: a name that
+    would alias a sibling is refused; to append or read, so is a hard-linked file), the
+    content under the cap. Refused here, a call is never recorded (exit 6)."""
+    ctx.sandbox.check(ctx.scope, args.path, kind=kind)
     if isinstance(args, ContentArgs):
         ctx.sandbox.check_content(args.content.encode("utf-8"))
+
+
+def check_append(args: ContentArgs, ctx: ToolContext) -> None:
+    """``check_file`` for an append: it goes through the file, so a hard link is refused."""
+    check_file(args, ctx, "append")
+
+
+def check_read(args: FileArgs, ctx: ToolContext) -> None:
+    """``check_file`` for a read: it goes through the file, so a hard link is refused."""
+    check_file(args, ctx, "read")
 
 
 def write_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
@@ -51,7 +64,7 @@ def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
         return None  # a sandbox this process cannot see proves nothing
     try:
         found = ctx.sandbox.sha256(ctx.scope, args.path)
-    except OSError:
+    except (OSError, SandboxError):  # e.g. a hard link now: not what a write leaves
         return None
     if found is None:
         return Absent({"method": "target file is missing", "path": args.path})
@@ -97,6 +110,6 @@ BUILTINS: list[Tool] = [
         sandboxed=True,
         auto_retry=True,
     ),
-    make_tool(append_file, idempotent=False, check=check_file, sandboxed=True),
-    make_tool(read_file, read_only=True, check=check_file),
+    make_tool(append_file, idempotent=False, check=check_append, sandboxed=True),
+    make_tool(read_file, read_only=True, check=check_read),
 ]

@@ -33,9 +33,13 @@ on that path until it can.
 Crash safety. A write lands by one ``rename`` (atomic, then the directory is fsynced); an
 append first renames its stage to ``applying-<offset>`` (fsynced) and then writes at that
 offset, so finishing it again after a crash writes the same bytes at the same place: exactly
-one append. What is supported: one host, or a shared filesystem whose ``flock`` is coherent
-across hosts (local disks; NFSv4 with its lock manager). A filesystem without coherent locks
-can reorder two landings on one path; it can never land a revoked execution's bytes.
+one append. An append whose target turns out unsafe when it lands (a symlink, a hard link to a
+file elsewhere, a name aliasing its sibling: ``sandbox``), checked on the descriptor it would
+write through, is refused before a byte is written and set aside with its intent (``*.refused``,
+the call flagged ``not_landed``): never redone. What is supported: one host, or a shared
+filesystem whose ``flock`` is coherent across hosts (local disks; NFSv4 with its lock manager).
+A filesystem without coherent locks can reorder two landings on one path; it can never land a
+revoked execution's bytes.
 
 Outside the sandbox nothing is fenced: a tool that calls a service must send
 ``ctx.idempotency_key`` (or a fence token) and the service must check it.
@@ -63,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from toolledger import failpoints, jsonlines
 from toolledger.ledger.records import EffectState
 from toolledger.ledger.transitions import Status
-from toolledger.sandbox import PathRefused, Sandbox, kind_of
+from toolledger.sandbox import PathRefused, Sandbox, kind_of, refuse_alias, refuse_hard_link
 
 if TYPE_CHECKING:
     from toolledger.ledger.ledger import Ledger
@@ -428,7 +432,8 @@ class Effects:
         self._log_effect(s, redo=False)
         with self.sandbox.open_parent(s.scope, s.path, create=True) as (parent, name):
             assert parent is not None
-            self.sandbox.target_stat(parent, name, s.path)
+            if self.sandbox.target_stat(parent, name, s.path) is None:  # a new name
+                refuse_alias(parent, name, f"path {s.path!r}")
             # rename replaces a symlink swapped in meanwhile, never follows it; on the
             # filesystems supported it leaves both directories in one journal transaction
             os.rename(s.file.name, name, src_dir_fd=pfd, dst_dir_fd=parent)
@@ -446,7 +451,14 @@ class Effects:
             f = applying
         failpoints.hit("before_publish", eid)
         self._log_effect(s, redo=s.file.kind == "applying")
-        self._write_at(pfd, f, s.scope, s.path)
+        try:
+            self._write_at(pfd, f, s.scope, s.path)
+        except PathRefused:
+            # refused before a byte was written (the target's kind, links or name): its intent
+            # must not be redone by the next settle. ``_land`` sets it aside and says so.
+            if f is not s.file:
+                self._rename_aside(pfd, f)
+            raise
         failpoints.hit("after_publish", eid)
         os.unlink(f.name, dir_fd=pfd)
         os.fsync(pfd)  # an intent that came back after a power loss would rewrite old bytes
@@ -464,12 +476,16 @@ class Effects:
         with self.sandbox.open_parent(scope, path, create=True) as (parent, name):
             assert parent is not None
             existed = self.sandbox.target_stat(parent, name, path) is not None
+            if not existed:
+                refuse_alias(parent, name, f"path {path!r}")
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             fd = os.open(name, flags, 0o644, dir_fd=parent)
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise PathRefused(f"path {path!r} is {kind_of(st.st_mode)}")
+                # another name of a file elsewhere (outside the scope): checked on this fd
+                refuse_hard_link(st, path, "append")
                 offset = f.offset
                 if st.st_size < offset:  # shortened behind the sandbox's back
                     log.warning("%r is shorter than its pending append expects", path)
@@ -486,10 +502,14 @@ class Effects:
 
     def _aside(self, pfd: int, f: StageFile, landing: Landing) -> None:
         """An effect that cannot land keeps its bytes, renamed so nothing retries it."""
+        self._rename_aside(pfd, f)
+        landing.refused += 1
+
+    @staticmethod
+    def _rename_aside(pfd: int, f: StageFile) -> None:
         aside = StageFile(f.execution_id, f.n, f.h, "refused")
         with contextlib.suppress(FileNotFoundError):
             os.rename(f.name, aside.name, src_dir_fd=pfd, dst_dir_fd=pfd)
-        landing.refused += 1
 
     # ------------------------------------------------------------------ the effects log
 
@@ -678,7 +698,9 @@ class StagingSandbox(Sandbox):
         self.check_content(data)
         if self.lease is not None:
             self.lease.check()
-        self.check(scope, path)  # safe now; checked again when it lands
+        # safe now (links too); checked again when it lands. Names are compared with their
+        # siblings at submit and where they are made, at landing: not a third listdir here.
+        self.check(scope, path, kind=kind, compare=False)
         staged = self._area.stage(scope, self.execution_id, len(self.staged), kind, path, data)
         self.staged.append(staged)
         failpoints.hit("after_stage", self.execution_id)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from toolledger.builtin_tools import ContentArgs, check_file, reconcile_write_file
+from toolledger.builtin_tools import ContentArgs, check_append, check_file, reconcile_write_file
 from toolledger.tools import ToolContext, tool
 
 
@@ -39,7 +39,7 @@ def probe_write(args: ProbeArgs, ctx: ToolContext) -> dict[str, Any]:
     return {"path": args.path, "bytes_written": staged.size, "sha256": staged.sha256}
 
 
-@tool(idempotent=False, check=check_file, sandboxed=True)
+@tool(idempotent=False, check=check_append, sandboxed=True)
 def probe_append(args: ProbeArgs, ctx: ToolContext) -> dict[str, Any]:
     """append_file that holds each execution a while. Not idempotent and not reconcilable: an
     execution cut off mid-hold stays ``unknown`` for a human (its staged line never lands)."""
