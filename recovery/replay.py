@@ -4,16 +4,36 @@ receipt goes. Three formats:
 openai     chat completions: assistant ``tool_calls`` -> ``{"role": "tool", "tool_call_id"}``
 responses  Responses API items: ``function_call`` -> ``function_call_output`` (``call_id``)
 anthropic  messages: assistant ``tool_use`` blocks -> ``tool_result`` blocks in the next user turn
+
+Reading a format is also checking it: every field repair decides by (a role, a type, an id, a
+tool name, the arguments, a content list it may insert into) must have the shape the format
+gives it, or the transcript is refused with one line naming the message and the field. A field
+of the wrong type is never skipped: a result hidden that way would make repair answer a call
+twice, and one skipped call would go unanswered. A tool call id may appear in one call only:
+the ledger knows one call per id, so two calls with the same id cannot both be answered from
+it, and answering both with one receipt would tell the model a lie about one of them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from toolledger.ledger.errors import InputError
 from toolledger.ledger.records import Receipt
+
+#: Names an item by its position, for error messages ("message 3", "line 7").
+Where = Callable[[int], str]
+
+
+class TranscriptError(InputError):
+    """The file cannot be read as a transcript."""
+
+
+def message_number(i: int) -> str:
+    return f"message {i + 1}"
 
 
 @dataclass(frozen=True)
@@ -23,6 +43,7 @@ class Call:
     id: str
     name: str
     args: Any  # as written: a JSON string (OpenAI) or an object (Anthropic)
+    at: str = ""  # where it is, for messages ("message 3 tool_calls[0]")
 
 
 @dataclass(frozen=True)
@@ -43,35 +64,128 @@ def receipt_text(receipt: Receipt) -> str:
     return json.dumps(receipt.content, ensure_ascii=False)
 
 
-def _dicts(items: list[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
-    return ((i, it) for i, it in enumerate(items) if isinstance(it, dict))
+# -------------------------------------------------------------------------- shapes
+
+_MISSING: Any = object()
 
 
-def _has_block(item: dict[str, Any], *kinds: str) -> bool:
-    content = item.get("content")
-    return isinstance(content, list) and any(
-        isinstance(b, dict) and b.get("type") in kinds for b in content
+def kind(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {dict: "an object", list: "an array", str: "a string", type(None): "null"}.get(
+        type(value), type(value).__name__
     )
+
+
+def show(value: str, limit: int = 60) -> str:
+    """An id quoted for a one-line message, however long or strange it is."""
+    return repr(value if len(value) <= limit else value[:limit] + "…")
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TranscriptError(f"{where} must be an object, not {kind(value)}")
+    return value
+
+
+def _field(obj: dict[str, Any], key: str, where: str, types: tuple[type, ...], what: str) -> Any:
+    """``obj[key]``, required, of one of ``types``."""
+    value = obj.get(key, _MISSING)
+    if value is _MISSING:
+        raise TranscriptError(f"{where} has no {key!r}")
+    if not isinstance(value, types):
+        raise TranscriptError(f"{where}: {key!r} must be {what}, not {kind(value)}")
+    return value
+
+
+def _optional(
+    obj: dict[str, Any], key: str, where: str, types: tuple[type, ...], what: str, default: Any
+) -> Any:
+    return _field(obj, key, where, types, what) if key in obj else default
+
+
+def _text(obj: dict[str, Any], key: str, where: str) -> str:
+    return str(_field(obj, key, where, (str,), "a string"))
+
+
+def _id(obj: dict[str, Any], key: str, where: str) -> str:
+    value = _text(obj, key, where)
+    if not value.strip():
+        raise TranscriptError(f"{where}: {key!r} is empty")
+    return value
+
+
+def _role(item: dict[str, Any], where: str) -> str:
+    return _text(item, "role", where)
+
+
+def _type(item: dict[str, Any], where: str) -> str | None:
+    value: str | None = _optional(item, "type", where, (str,), "a string", None)
+    return value
+
+
+def _content(item: dict[str, Any], where: str, required: bool) -> Any:
+    """A message's content: text or a list of parts (null allowed where it is optional)."""
+    if not required and item.get("content") is None:
+        return None
+    return _field(item, "content", where, (str, list), "a string or an array")
+
+
+def unique(calls: list[Call]) -> None:
+    """Refuse a tool call id that names two calls (see the module docstring)."""
+    seen: dict[str, Call] = {}
+    for c in calls:
+        if c.id in seen:
+            raise TranscriptError(
+                f"tool_call_id {show(c.id)} appears twice: {seen[c.id].at} and {c.at}"
+            )
+        seen[c.id] = c
 
 
 # -------------------------------------------------------------------------- OpenAI chat
 
 
-def openai_calls(items: list[Any]) -> tuple[list[Call], list[Batch]]:
-    answered = {it.get("tool_call_id") for _, it in _dicts(items) if it.get("role") == "tool"}
-    every, batches = [], []
-    for i, it in _dicts(items):
-        if it.get("role") != "assistant" or not isinstance(it.get("tool_calls"), list):
+def openai_calls(items: list[Any], where: Where = message_number) -> tuple[list[Call], list[Batch]]:
+    answered: set[str] = set()
+    turns: list[tuple[int, list[Call]]] = []
+    for i, raw in enumerate(items):
+        w = where(i)
+        it = _object(raw, w)
+        role = _role(it, w)
+        _content(it, w, required=role == "tool")
+        if role == "tool":
+            answered.add(_id(it, "tool_call_id", w))
             continue
-        calls = [
-            Call(tc["id"], tc["function"]["name"], tc["function"].get("arguments", "{}"))
-            for tc in it["tool_calls"]
-        ]
-        every.extend(calls)
+        tool_calls = it.get("tool_calls")
+        if role != "assistant" or tool_calls is None:
+            continue
+        if not isinstance(tool_calls, list):
+            raise TranscriptError(f"{w}: 'tool_calls' must be an array, not {kind(tool_calls)}")
+        calls = []
+        for k, tc in enumerate(tool_calls):
+            wk = f"{w} tool_calls[{k}]"
+            tc = _object(tc, wk)
+            fn = _object(_field(tc, "function", wk, (dict,), "an object"), f"{wk}.function")
+            calls.append(
+                Call(
+                    _id(tc, "id", wk),
+                    _text(fn, "name", f"{wk}.function"),
+                    _optional(fn, "arguments", f"{wk}.function", (str,), "a string", "{}"),
+                    wk,
+                )
+            )
+        turns.append((i, calls))
+    every = [c for _, calls in turns for c in calls]
+    unique(every)
+    batches = []
+    for i, calls in turns:
         missing = tuple(c for c in calls if c.id not in answered)
         if missing:
             end = i
-            while end + 1 < len(items) and _role(items[end + 1]) == "tool":
+            while end + 1 < len(items) and items[end + 1].get("role") == "tool":
                 end += 1
             batches.append(Batch(missing, after_item=end))
     return every, batches
@@ -86,25 +200,35 @@ def openai_item(call: Call, receipt: Receipt) -> dict[str, Any]:
 _RESPONSE_CALL_TYPES = ("function_call", "function_call_output")
 
 
-def responses_calls(items: list[Any]) -> tuple[list[Call], list[Batch]]:
-    answered = {
-        it.get("call_id") for _, it in _dicts(items) if it.get("type") == "function_call_output"
-    }
-    every, batches, i = [], [], 0
+def responses_calls(
+    items: list[Any], where: Where = message_number
+) -> tuple[list[Call], list[Batch]]:
+    answered: set[str] = set()
+    types: list[str | None] = []
+    calls: dict[int, Call] = {}
+    for i, raw in enumerate(items):
+        w = where(i)
+        it = _object(raw, w)
+        t = _type(it, w)
+        types.append(t)
+        if t == "function_call":
+            args = _optional(it, "arguments", w, (str,), "a string", "{}")
+            calls[i] = Call(_id(it, "call_id", w), _text(it, "name", w), args, w)
+        elif t == "function_call_output":
+            answered.add(_id(it, "call_id", w))
+            _field(it, "output", w, (str, list), "a string or an array")
+    every = list(calls.values())
+    unique(every)
+    batches, i = [], 0
     while i < len(items):
-        if _type(items[i]) != "function_call":
+        if types[i] != "function_call":
             i += 1
             continue
         end = i
-        while end + 1 < len(items) and _type(items[end + 1]) in _RESPONSE_CALL_TYPES:
+        while end + 1 < len(items) and types[end + 1] in _RESPONSE_CALL_TYPES:
             end += 1
-        calls = [
-            Call(it["call_id"], it["name"], it.get("arguments", "{}"))
-            for it in items[i : end + 1]
-            if _type(it) == "function_call"
-        ]
-        every.extend(calls)
-        missing = tuple(c for c in calls if c.id not in answered)
+        group = [calls[j] for j in range(i, end + 1) if j in calls]
+        missing = tuple(c for c in group if c.id not in answered)
         if missing:
             batches.append(Batch(missing, after_item=end))
         i = end + 1
@@ -118,29 +242,65 @@ def responses_item(call: Call, receipt: Receipt) -> dict[str, Any]:
 # -------------------------------------------------------------------------- Anthropic
 
 
-def _blocks(item: Any, kind: str) -> list[dict[str, Any]]:
-    content = item.get("content") if isinstance(item, dict) else None
-    if not isinstance(content, list):
+def _anthropic_blocks(it: dict[str, Any], role: str, w: str) -> list[dict[str, Any]]:
+    """The content blocks of one message, each checked as far as repair reads it."""
+    content = _content(it, w, required=True)
+    if isinstance(content, str):
         return []
-    return [b for b in content if isinstance(b, dict) and b.get("type") == kind]
+    blocks = []
+    for k, raw in enumerate(content):
+        wk = f"{w} content[{k}]"
+        block = _object(raw, wk)
+        t = _text(block, "type", wk)
+        if t == "tool_use":
+            if role != "assistant":
+                raise TranscriptError(f"{wk}: a tool_use block in a {role!r} turn")
+            _id(block, "id", wk)
+            _text(block, "name", wk)
+            _optional(block, "input", wk, (dict,), "an object", {})
+        elif t == "tool_result":
+            if role != "user":
+                raise TranscriptError(f"{wk}: a tool_result block in a {role!r} turn")
+            _id(block, "tool_use_id", wk)
+            _optional(block, "content", wk, (str, list), "a string or an array", None)
+        blocks.append(block)
+    return blocks
 
 
-def anthropic_calls(items: list[Any]) -> tuple[list[Call], list[Batch]]:
-    answered = {b.get("tool_use_id") for it in items for b in _blocks(it, "tool_result")}
-    every, batches = [], []
-    for i, it in _dicts(items):
-        if it.get("role") != "assistant":
-            continue
-        calls = [Call(b["id"], b["name"], b.get("input", {})) for b in _blocks(it, "tool_use")]
-        every.extend(calls)
+def anthropic_calls(
+    items: list[Any], where: Where = message_number
+) -> tuple[list[Call], list[Batch]]:
+    answered: set[str] = set()
+    roles: list[str] = []
+    turns: list[tuple[int, list[Call]]] = []
+    for i, raw in enumerate(items):
+        w = where(i)
+        it = _object(raw, w)
+        role = _role(it, w)
+        roles.append(role)
+        blocks = _anthropic_blocks(it, role, w)
+        answered.update(b["tool_use_id"] for b in blocks if b["type"] == "tool_result")
+        calls = [
+            Call(b["id"], b["name"], b.get("input", {}), f"{w} content[{k}]")
+            for k, b in enumerate(blocks)
+            if b["type"] == "tool_use"
+        ]
+        if calls:
+            turns.append((i, calls))
+    every = [c for _, calls in turns for c in calls]
+    unique(every)
+    batches = []
+    for i, calls in turns:
         missing = tuple(c for c in calls if c.id not in answered)
         if not missing:
             continue
         nxt = items[i + 1] if i + 1 < len(items) else None
-        if _role(nxt) == "user" and isinstance(nxt.get("content"), list):  # type: ignore[union-attr]
-            leading = 0  # tool_result blocks must come first in the user turn
-            for block in nxt["content"]:  # type: ignore[index]
-                if not (isinstance(block, dict) and block.get("type") == "tool_result"):
+        if nxt is not None and roles[i + 1] == "user" and isinstance(nxt["content"], list):
+            # tool_result blocks must come first in the user turn: after those already there
+            # (an empty turn, ``"content": []``, takes them as its first blocks)
+            leading = 0
+            for block in nxt["content"]:
+                if block["type"] != "tool_result":
                     break
                 leading += 1
             batches.append(
@@ -166,12 +326,11 @@ def anthropic_item(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "user", "content": blocks}
 
 
-def _role(item: Any) -> Any:
-    return item.get("role") if isinstance(item, dict) else None
-
-
-def _type(item: Any) -> Any:
-    return item.get("type") if isinstance(item, dict) else None
+def _has_block(item: dict[str, Any], *kinds: str) -> bool:
+    content = item.get("content")
+    return isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("type") in kinds for b in content
+    )
 
 
 # -------------------------------------------------------------------------- the formats
@@ -184,8 +343,9 @@ class Format:
     name: str
     #: Does this item (a dict) show that the transcript is in this format?
     recognises: Callable[[dict[str, Any]], bool]
-    #: Every call, and the batches of calls still without a result.
-    calls: Callable[[list[Any]], tuple[list[Call], list[Batch]]]
+    #: Every call, and the batches of calls still without a result; refuses (TranscriptError)
+    #: a transcript whose shape repair cannot trust, naming the place with ``Where``.
+    calls: Callable[[list[Any], Where], tuple[list[Call], list[Batch]]]
     #: The items to insert after ``Batch.after_item``.
     items: Callable[[list[tuple[Call, Receipt]]], list[dict[str, Any]]]
     #: The blocks to insert into ``Batch.into_content`` (formats with content blocks).
@@ -222,7 +382,9 @@ FORMATS = tuple(REGISTRY)
 
 def detect(items: list[Any]) -> Format | None:
     """The format the items are written in, or None if they hold no tool call at all."""
-    for _, it in _dicts(items):
+    for it in items:
+        if not isinstance(it, dict):
+            continue
         for fmt in REGISTRY.values():
             if fmt.recognises(it):
                 return fmt

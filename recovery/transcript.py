@@ -8,6 +8,30 @@ an error naming the call, and the transcript is untouched. A second repair adds 
 
 Everything else is preserved byte for byte: receipts are spliced into the original text at
 the spans of the elements they follow (JSON) or as new lines (JSONL); nothing is re-serialised.
+
+What repair reads, it reads under the input layer's rules (``toolledger.ledger.inputs``), and
+it refuses (``TranscriptError``, exit 6, one line, the file untouched) rather than guess:
+
+- The file is read as bytes and must be strict UTF-8 (a leading BOM is kept as it is).
+- JSON: no duplicate key in any object, no NaN, nesting at most 64 deep, integers within
+  64 bits, no lone surrogate (``"\\udcff"``). Duplicate keys are refused, not resolved: a
+  parser keeps the last ``"messages"`` (or ``"content"``) while a splice lands in one of them,
+  so no choice of ours agrees with every reader of the file.
+- JSONL is split on ``"\\n"`` only (``"\\r\\n"`` tolerated): U+2028, U+0085, form feeds and the
+  like are characters inside strings, not line ends.
+- The shape of every field repair decides by (``toolledger.recovery.replay``), and one call
+  per tool call id.
+- A symbolic link is never written to: repair replaces the file it writes (atomically), which
+  would turn the link into a regular file; pass the link's target instead. Reading through a
+  link (``--out`` elsewhere, or ``-``) is fine.
+
+An Anthropic user turn with no blocks (``"content": []``) after a dangling ``tool_use``
+receives the ``tool_result`` blocks, as the turn the API expects them in.
+
+What repair writes, it reads back first: the repaired text is parsed again as the next repair
+would parse it, and must hold the same calls, all answered, in the same format; otherwise
+nothing is written (``RepairError``, a bug, exit 1). Inserted JSON escapes U+2028, U+2029 and
+U+0085, so a reader that splits lines on them (``str.splitlines``, JavaScript) agrees with us.
 """
 
 from __future__ import annotations
@@ -19,20 +43,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolledger.ledger.errors import ConflictError, InputError, LedgerError, NotFound
-from toolledger.ledger.identity import args_sha256
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import (
+    ConflictError,
+    CorruptRecord,
+    InputError,
+    LedgerError,
+    NotFound,
+)
+from toolledger.ledger.identity import args_sha256, check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import Receipt
-from toolledger.recovery.replay import FORMATS, REGISTRY, Batch, Call, Format, detect
+from toolledger.recovery.replay import (
+    FORMATS,
+    REGISTRY,
+    Batch,
+    Call,
+    Format,
+    TranscriptError,
+    detect,
+    kind,
+    message_number,
+    receipt_text,
+    show,
+)
+
+__all__ = ["RepairError", "RepairReport", "TranscriptError", "repair_file", "repair_transcript"]
 
 _WS = " \t\r\n"
-_DECODER = json.JSONDecoder()
 ITEM_KEYS = ("messages", "input", "items", "output")
+_BOM = "\ufeff"
+#: Characters some readers take for line ends inside a JSON string; escaped in what we insert.
+_LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
-class TranscriptError(InputError):
-    """The file cannot be read as a transcript."""
+class RepairError(LedgerError):
+    """Repair would have written a transcript it cannot read back; nothing was written."""
 
 
 @dataclass
@@ -59,7 +106,50 @@ class RepairReport:
         }
 
 
-# -------------------------------------------------------------------------- spans
+# -------------------------------------------------------------------------- reading
+
+
+def _nothing(_value: Any) -> None:
+    return None
+
+
+#: Reads JSON syntax only: builds no object and converts no number, so that a duplicate key or
+#: a huge integer cannot fail here; the input layer's rules are applied afterwards.
+_SCANNER = json.JSONDecoder(
+    object_pairs_hook=_nothing, parse_float=_nothing, parse_int=_nothing, parse_constant=_nothing
+)
+
+
+def _value_end(text: str, i: int) -> int:
+    """Where the JSON value that starts at ``i`` ends (RecursionError if absurdly deep)."""
+    return int(_SCANNER.raw_decode(text, i)[1])
+
+
+def _too_deep(what: str) -> TranscriptError:
+    return TranscriptError(f"{what}: nested more than {inputs.MAX_DEPTH} levels deep")
+
+
+def _rules(text: str, what: str) -> Any:
+    """``text`` (one JSON value, syntax already read) under the input layer's rules."""
+    try:
+        return inputs.loads(text, what)
+    except InputError as exc:
+        raise TranscriptError(str(exc)) from None
+
+
+def _decode(data: str | bytes, name: str) -> tuple[str, str]:
+    """(BOM, text after it): strict UTF-8, no lone surrogate."""
+    try:
+        if isinstance(data, bytes):
+            inputs.decode(data, name)  # refuses, naming the offending byte
+            text = data.decode("utf-8")
+        else:
+            text = data
+        inputs.check_encodable(text, name)
+    except InputError as exc:
+        raise TranscriptError(str(exc)) from None
+    bom = _BOM if text.startswith(_BOM) else ""
+    return bom, text[len(bom) :]
 
 
 def _skip(text: str, i: int) -> int:
@@ -69,13 +159,13 @@ def _skip(text: str, i: int) -> int:
 
 
 def _array_spans(text: str, i: int) -> list[tuple[int, int]]:
-    """Spans of the elements of the JSON array whose '[' is at ``i``."""
+    """Spans of the elements of the JSON array whose '[' is at ``i`` (text already valid)."""
     spans: list[tuple[int, int]] = []
     i = _skip(text, i + 1)
     if text[i] == "]":
         return spans
     while True:
-        _, end = _DECODER.raw_decode(text, i)
+        end = _value_end(text, i)
         spans.append((i, end))
         i = _skip(text, end)
         if text[i] == "]":
@@ -87,15 +177,19 @@ def _member_span(text: str, i: int, wanted: str) -> tuple[int, int] | None:
     """Span of the value of key ``wanted`` in the JSON object whose '{' is at ``i``."""
     i = _skip(text, i + 1)
     while text[i] != "}":
-        key, end = _DECODER.raw_decode(text, i)
+        key, end = _SCANNER.raw_decode(text, i)
         i = _skip(text, _skip(text, end) + 1)  # past ':'
-        _, vend = _DECODER.raw_decode(text, i)
+        vend = _value_end(text, i)
         if key == wanted:
             return i, vend
         i = _skip(text, vend)
         if text[i] == ",":
             i = _skip(text, i + 1)
     return None
+
+
+def _dumps(value: Any, **kwargs: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, **kwargs).translate(_LINE_ENDS)
 
 
 @dataclass
@@ -105,42 +199,88 @@ class Document:
     items: list[Any]
     spans: list[tuple[int, int]]
     newline: str = "\n"
+    lines: list[int] = field(default_factory=list)  # JSONL: the line number of each item
 
     @classmethod
-    def parse(cls, text: str) -> Document:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return cls._jsonl(text)
+    def parse(cls, text: str, name: str = "transcript") -> Document:
+        """One JSON value (a list of messages, or an object holding one), else JSONL."""
         start = _skip(text, 0)
+        if start == len(text):
+            raise TranscriptError(f"{name}: the transcript is empty")
+        try:
+            end = _value_end(text, start)
+        except json.JSONDecodeError as exc:
+            raise TranscriptError(
+                f"{name}: line {exc.lineno} is not JSON: {exc.msg} (column {exc.colno})"
+            ) from None
+        except RecursionError:
+            raise _too_deep(name) from None
+        if _skip(text, end) < len(text):  # more after the first value: one value a line
+            return cls._jsonl(text, name)
+        value = _rules(text, name)
         if isinstance(value, list):
-            return cls(text, "json", value, _array_spans(text, start))
-        if isinstance(value, dict):
-            for key in ITEM_KEYS:
-                if isinstance(value.get(key), list):
-                    span = _member_span(text, start, key)
-                    assert span is not None
-                    return cls(text, "json", value[key], _array_spans(text, span[0]))
-        raise TranscriptError(
-            "a JSON transcript must be a list of messages, or an object with "
-            f"one of {', '.join(ITEM_KEYS)}"
-        )
+            doc = cls(text, "json", value, _array_spans(text, start))
+        elif isinstance(value, dict) and any(isinstance(value.get(k), list) for k in ITEM_KEYS):
+            key = next(k for k in ITEM_KEYS if isinstance(value.get(k), list))
+            span = _member_span(text, start, key)
+            if span is None:  # cannot be: the key was just read, and keys are unique
+                raise RepairError(f"{name}: {key!r} was read but not found again")
+            doc = cls(text, "json", value[key], _array_spans(text, span[0]))
+        elif isinstance(value, dict) and any(k in value for k in ITEM_KEYS):
+            key = next(k for k in ITEM_KEYS if k in value)
+            raise TranscriptError(
+                f"{name}: {key!r} must be an array of messages, not {kind(value[key])}"
+            )
+        else:
+            raise TranscriptError(
+                f"{name}: a JSON transcript must be a list of messages, or an object with "
+                f"one of {', '.join(ITEM_KEYS)}"
+            )
+        doc.check_items(name)
+        return doc
 
     @classmethod
-    def _jsonl(cls, text: str) -> Document:
-        items, spans, pos = [], [], 0
-        for number, line in enumerate(text.splitlines(keepends=True), 1):
-            body = line.rstrip("\r\n")
-            if body.strip():
+    def _jsonl(cls, text: str, name: str) -> Document:
+        items, spans, numbers, pos = [], [], [], 0
+        for number, line in enumerate(text.split("\n"), 1):
+            body = line.removesuffix("\r")
+            if body.strip(_WS):
+                what = f"{name}: line {number}"
+                lead = len(body) - len(body.lstrip(_WS))
                 try:
-                    items.append(json.loads(body))
+                    end = _value_end(body, lead)
                 except json.JSONDecodeError as exc:
-                    raise TranscriptError(f"line {number} is not JSON: {exc.msg}") from None
-                spans.append((pos, pos + len(body)))
-            pos += len(line)
+                    raise TranscriptError(
+                        f"{name}: line {number} is not JSON: {exc.msg} (column {exc.colno})"
+                    ) from None
+                except RecursionError:
+                    raise _too_deep(what) from None
+                if _skip(body, end) < len(body):
+                    raise TranscriptError(
+                        f"{name}: line {number} is not JSON: more than one value (column {end + 1})"
+                    )
+                items.append(_rules(body, what))
+                spans.append((pos + lead, pos + end))
+                numbers.append(number)
+            pos += len(line) + 1
         if not items:
-            raise TranscriptError("the transcript is empty")
-        return cls(text, "jsonl", items, spans, "\r\n" if "\r\n" in text else "\n")
+            raise TranscriptError(f"{name}: the transcript is empty")
+        doc = cls(text, "jsonl", items, spans, "\r\n" if "\r\n" in text else "\n", numbers)
+        doc.check_items(name)
+        return doc
+
+    def where(self, i: int) -> str:
+        """Item ``i`` as a person finds it: its line in JSONL, its number in JSON."""
+        return f"line {self.lines[i]}" if self.container == "jsonl" else message_number(i)
+
+    def check_items(self, name: str) -> None:
+        if len(self.spans) != len(self.items):  # cannot be, with duplicate keys refused
+            raise RepairError(f"{name}: {len(self.items)} messages read, {len(self.spans)} found")
+        for i, item in enumerate(self.items):
+            if not isinstance(item, dict):
+                raise TranscriptError(
+                    f"{name}: {self.where(i)} must be an object, not {kind(item)}"
+                )
 
     # ---------------------------------------------------------------------- insertions
 
@@ -149,13 +289,13 @@ class Document:
         text = self.text[sibling[0] : sibling[1]]
         if "\n" not in text:
             compact = ", " not in text and ": " not in text
-            separators = (",", ":") if compact else (", ", ": ")
-            return json.dumps(value, ensure_ascii=False, separators=separators)
+            return _dumps(value, separators=(",", ":") if compact else (", ", ": "))
         base = indent_ws.rsplit("\n", 1)[-1]
         child = text.split("\n", 1)[1]
         unit = len(child) - len(child.lstrip(" \t")) - len(base)
-        dumped = json.dumps(value, ensure_ascii=False, indent=unit if unit > 0 else 2)
-        return dumped.replace("\n", "\n" + base)
+        dumped = _dumps(value, indent=unit if unit > 0 else 2)
+        newline = "\r\n" if text.split("\n", 1)[0].endswith("\r") else "\n"
+        return dumped.replace("\n", newline + base)
 
     def _leading_ws(self, start: int) -> str:
         j = start
@@ -167,10 +307,10 @@ class Document:
         """Text that inserts ``values`` right after the element at ``span``."""
         if self.container == "jsonl":
             nl = self.newline
-            lines = "".join(json.dumps(v, ensure_ascii=False) + nl for v in values)
+            lines = "".join(_dumps(v) + nl for v in values)
             line_end = self.text.find("\n", span[1])
             if line_end == -1:  # the last line had no newline
-                return len(self.text), nl + lines.rstrip("\r\n")
+                return len(self.text), nl + lines.removesuffix(nl)
             return line_end + 1, lines
         ws = self._leading_ws(span[0])
         return span[1], "".join("," + ws + self._dump_like(v, span, ws) for v in values)
@@ -180,8 +320,14 @@ class Document:
     ) -> tuple[int, str]:
         """Text that inserts ``blocks`` into item ``item``'s content list."""
         content = _member_span(self.text, self.spans[item][0], "content")
-        assert content is not None
+        if content is None:  # cannot be: the format checked that the content is a list
+            raise RepairError(f"message {item + 1} has no content to insert into")
         block_spans = _array_spans(self.text, content[0])
+        if not block_spans:  # "content": [] - the blocks become its only ones, on one line
+            style = self.text[self.spans[item][0] : self.spans[item][1]]
+            spaced = "\n" in style or ", " in style or ": " in style
+            seps = (", ", ": ") if spaced else (",", ":")
+            return content[0] + 1, seps[0].join(_dumps(b, separators=seps) for b in blocks)
         if after_block is not None:
             ws = self._leading_ws(block_spans[after_block][0])
             return block_spans[after_block][1], "".join(
@@ -201,9 +347,13 @@ def _apply(text: str, edits: list[tuple[int, str]]) -> str:
 # -------------------------------------------------------------------------- the ledger's side
 
 
-def _receipt(ledger: Ledger, scope: str, call: Call) -> Receipt:
+def _receipt(ledger: Ledger, scope: str, call: Call, name: str) -> Receipt:
     """The receipt for a dangling call, after checking it against the ledger."""
-    where = f"call {call.id!r} ({call.name})"
+    where = f"call {show(call.id)} ({show(call.name)})"
+    try:
+        check_text_id(call.id, "tool_call_id", 256)
+    except InputError as exc:
+        raise TranscriptError(f"{name}: {call.at}: {exc}") from None
     try:
         view = ledger.get(scope, call.id)
     except NotFound:
@@ -212,16 +362,13 @@ def _receipt(ledger: Ledger, scope: str, call: Call) -> Receipt:
             "here; the transcript is unchanged"
         ) from None
     args = call.args
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as exc:
-            raise TranscriptError(f"{where}: its arguments are not JSON ({exc.msg})") from None
-    op = view.operation
     try:
+        if isinstance(args, str):
+            args = inputs.loads_object(args, f"{name}: {call.at}: the arguments of {where}")
         sha = args_sha256(args)
     except InputError as exc:
-        raise TranscriptError(f"{where}: {exc}") from None
+        raise TranscriptError(str(exc)) from None
+    op = view.operation
     if sha != op.args_sha256 or call.name != op.tool:
         raise ConflictError(
             scope=scope,
@@ -233,31 +380,49 @@ def _receipt(ledger: Ledger, scope: str, call: Call) -> Receipt:
             "the transcript is unchanged",
         )
     try:
-        return receipt_for(op, view.current)
+        receipt = receipt_for(op, view.current)
     except LedgerError as exc:
         raise type(exc)(f"{where}: {exc}; the transcript is unchanged") from None
+    try:
+        receipt_text(receipt).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, TypeError):
+        raise CorruptRecord(
+            f"{where}: its receipt in the ledger is not UTF-8 JSON; the transcript is unchanged"
+        ) from None
+    return receipt
 
 
 def repair_transcript(
-    text: str, ledger: Ledger, scope: str, fmt: str | None = None
+    data: str | bytes,
+    ledger: Ledger,
+    scope: str,
+    fmt: str | None = None,
+    *,
+    name: str = "transcript",
 ) -> RepairReport:
-    """The transcript with every missing receipt inserted. Never executes anything."""
+    """The transcript with every missing receipt inserted. Never executes anything.
+
+    ``data`` is best given as the file's bytes (strict UTF-8 is then checked here); ``name``
+    starts every error message (the CLI passes the path).
+    """
     if fmt is not None and fmt not in REGISTRY:
         raise TranscriptError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    doc = Document.parse(text)
+    check_scope(scope)
+    bom, text = _decode(data, name)
+    doc = Document.parse(text, name)
     form = REGISTRY[fmt] if fmt is not None else detect(doc.items)
-    report = RepairReport(form.name if form else None, doc.container, text=text)
+    report = RepairReport(form.name if form else None, doc.container, text=bom + text)
     if form is None:
         return report
-    try:
-        every, batches = form.calls(doc.items)
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise TranscriptError(f"not a well-formed {form.name} transcript: {exc!r}") from None
+    every, batches = _calls(doc, form, name)
     dangling = sum(len(b.calls) for b in batches)
     report.calls, report.answered_before = len(every), len(every) - dangling
-    planned = [(b, [(c, _receipt(ledger, scope, c)) for c in b.calls]) for b in batches]
-    edits = [_edit(doc, form, batch, receipts) for batch, receipts in planned]
-    report.text = _apply(text, edits)
+    planned = [(b, [(c, _receipt(ledger, scope, c, name)) for c in b.calls]) for b in batches]
+    if not planned:
+        return report
+    repaired = _apply(text, [_edit(doc, form, batch, receipts) for batch, receipts in planned])
+    _read_back(repaired, doc, form if fmt is None else None, form, name, len(every))
+    report.text = bom + repaired
     report.inserted = [
         {
             "tool_call_id": c.id,
@@ -271,14 +436,64 @@ def repair_transcript(
     return report
 
 
+def _calls(doc: Document, form: Format, name: str) -> tuple[list[Call], list[Batch]]:
+    try:
+        return form.calls(doc.items, doc.where)
+    except TranscriptError as exc:
+        raise TranscriptError(f"{name}: {exc}") from None
+
+
+def _read_back(
+    text: str, before: Document, detected: Format | None, form: Format, name: str, calls: int
+) -> None:
+    """Parse the repaired text as the next repair will, or write nothing: the same container,
+    the same format detected (unless the caller chose it), the same calls, none unanswered."""
+    try:
+        doc = Document.parse(text, name)
+        every, batches = _calls(doc, form, name)
+    except InputError as exc:
+        why = str(exc)
+    else:
+        why = ""
+        if doc.container != before.container:
+            why = f"it reads as {doc.container}, not {before.container}"
+        elif detected is not None and detect(doc.items) is not detected:
+            why = "its format is detected differently"
+        elif len(every) != calls:
+            why = f"{len(every)} calls instead of {calls}"
+        elif batches:
+            why = f"{sum(len(b.calls) for b in batches)} calls still without a result"
+    if why:
+        raise RepairError(
+            f"{name}: the repaired transcript would not read back ({why}); "
+            "nothing was written - please report this"
+        )
+
+
 def _edit(
     doc: Document, form: Format, batch: Batch, receipts: list[tuple[Call, Receipt]]
 ) -> tuple[int, str]:
     if batch.into_content is not None:
-        assert form.blocks is not None, f"{form.name} has no content blocks"
+        if form.blocks is None:
+            raise RepairError(f"{form.name} has no content blocks to insert into")
         return doc.into_content(batch.into_content, batch.after_block, form.blocks(receipts))
-    assert batch.after_item is not None
+    if batch.after_item is None:
+        raise RepairError(f"{form.name}: a batch with nowhere to go")
     return doc.after(doc.spans[batch.after_item], form.items(receipts))
+
+
+# -------------------------------------------------------------------------- files
+
+
+def check_writable(path: Path) -> None:
+    """Refuse to replace a symbolic link (it would become a regular file) or anything that is
+    not a regular file (a device, a FIFO): repair writes by atomic rename."""
+    if path.is_symlink():
+        raise TranscriptError(
+            f"{path} is a symbolic link; pass its target ({os.path.realpath(path)})"
+        )
+    if path.exists() and not path.is_file():
+        raise TranscriptError(f"{path} is not a regular file")
 
 
 def repair_file(
@@ -286,12 +501,9 @@ def repair_file(
 ) -> RepairReport:
     """Repair the transcript at ``path`` into ``out`` (default: in place, atomically).
     Nothing is written when nothing is missing and the target is the file itself."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TranscriptError(f"{path} is not UTF-8 text") from None
-    report = repair_transcript(text, ledger, scope, fmt)
     target = out or path
+    check_writable(target)
+    report = repair_transcript(path.read_bytes(), ledger, scope, fmt, name=str(path))
     if report.changed or target != path:
         _write_atomic(target, report.text)
     return report

@@ -15,7 +15,7 @@ from toolledger.recovery.humans import resolve as resolve_call
 from toolledger.recovery.humans import retry as retry_call
 from toolledger.recovery.replay import FORMATS
 from toolledger.recovery.sweep import sweep as run_sweep
-from toolledger.recovery.transcript import repair_file
+from toolledger.recovery.transcript import repair_file, repair_transcript
 
 DEFAULT_SCOPE = "default"
 
@@ -147,14 +147,17 @@ def retry(
 @json_option
 @pass_ctx
 def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path | None) -> None:
-    """Insert the missing tool results into a transcript, by replay (never re-execution)."""
-    check_scope(scope)
-    to_stdout = out is not None and str(out) == "-"
-    if to_stdout:
-        from toolledger.recovery.transcript import repair_transcript
+    """Insert the missing tool results into a transcript, by replay (never re-execution).
 
-        report = repair_transcript(transcript.read_text(encoding="utf-8"), c.ledger, scope, fmt)
-        click.echo(report.text, nl=False)
+    The file is read as bytes (strict UTF-8) and refused, untouched, with exit 6 if it is not
+    a well-formed transcript; a symbolic link is never written to (pass its target)."""
+    check_scope(scope)
+    if out is not None and str(out) == "-":
+        # bytes in, bytes out: what repair wrote is what it read back, whatever the locale
+        report = repair_transcript(
+            transcript.read_bytes(), c.ledger, scope, fmt, name=str(transcript)
+        )
+        click.echo(report.text.encode("utf-8"), nl=False)
         return
     report = repair_file(transcript, c.ledger, scope, fmt, out)
     data = {"transcript": str(transcript), "out": str(out or transcript), **report.to_json()}
