@@ -45,7 +45,9 @@ class LedgerExecution(LedgerBase):
         ``execution_id`` and ``lease_token`` itself can, after an error around the commit,
         find out with ``claimed()`` whether the claim is its own.
         """
-        check_attempt(attempt)  # a forged attempt is refused here, not retried as a DB error
+        # a forged attempt is refused here, not retried as a database error; 0 (nothing
+        # authorised yet) is a claim that simply loses
+        check_attempt(attempt, minimum=0)
         execution_id = execution_id or new_execution_id()
         token = lease_token or new_lease_token()
         detail = {

@@ -81,10 +81,10 @@ def check_text_id(value: str, what: str, max_len: int = 512) -> str:
 MAX_ATTEMPT = 2**31 - 1
 
 
-def check_attempt(attempt: object, what: str = "attempt") -> int:
-    """A positive integer that fits the column (``True`` is not one)."""
-    if type(attempt) is not int or not 1 <= attempt <= MAX_ATTEMPT:
-        raise InvalidArguments(f"{what} must be an integer 1..{MAX_ATTEMPT}")
+def check_attempt(attempt: object, what: str = "attempt", minimum: int = 1) -> int:
+    """An integer that fits the column (``True`` is not one)."""
+    if type(attempt) is not int or not minimum <= attempt <= MAX_ATTEMPT:
+        raise InvalidArguments(f"{what} must be an integer {minimum}..{MAX_ATTEMPT}")
     return attempt
 
 
