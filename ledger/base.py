@@ -14,7 +14,7 @@ from toolledger.ledger.errors import NotFound
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.reads import LedgerReads, op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
-from toolledger.ledger.transitions import EventKind, Review, Status
+from toolledger.ledger.transitions import RECEIPT_STATUSES, EventKind, Review, Status
 from toolledger.ledger.types import db_now
 
 if TYPE_CHECKING:
@@ -77,6 +77,8 @@ class LedgerBase(LedgerReads):
             .values(status=new)
             .returning(operations.c.status)
         ).first()
+        if moved is not None and new in RECEIPT_STATUSES:
+            db.receipt_written(conn, scope, key)
         return moved is not None
 
     def _authorize_next(

@@ -8,6 +8,7 @@ retried by the busy timeout in that case). Postgres goes through psycopg 3.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
+from toolledger.ledger import doorbell
 from toolledger.ledger.types import dumps
 
 #: Where the embedded default keeps its files (the ledger, the broker, the sandbox).
@@ -117,11 +119,28 @@ def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.E
 
 @contextmanager
 def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
-    """One transaction that will write: on SQLite it holds the write lock from BEGIN."""
+    """One transaction that will write: on SQLite it holds the write lock from BEGIN.
+
+    Receipts written in it (``receipt_written``) wake their waiters once it has committed:
+    on SQLite by ringing the ledger file's doorbells (Postgres notifies from a trigger, in
+    the transaction itself)."""
     with engine.connect() as conn:
         conn = conn.execution_options(**{WRITE: True})
+        conn.info.pop(_RECEIPTS, None)  # a rolled-back transaction's receipts never happened
         with conn.begin():
             yield conn
+        written = conn.info.pop(_RECEIPTS, None)
+        if written and engine.dialect.name == "sqlite" and engine.url.database:
+            payload = json.dumps(written, ensure_ascii=False).encode("utf-8")
+            doorbell.ring(doorbell.bell_dir(engine.url.database), payload)
+
+
+_RECEIPTS = "toolledger_receipts_written"
+
+
+def receipt_written(conn: sa.Connection, scope: str, key: str) -> None:
+    """Note that this transaction gave ``(scope, key)`` a receipt, to wake its waiters."""
+    conn.info.setdefault(_RECEIPTS, []).append([scope, key])
 
 
 def alembic_config(engine: sa.Engine | None = None) -> Config:

@@ -279,6 +279,8 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
                 current = self._operation(conn, scope, key).status
                 raise InvalidTransition(current, new, f"call {tool_call_id!r}")
             self._append(conn, event(new, scope, key, by, detail))
+            if new is Status.REJECTED:
+                db.receipt_written(conn, scope, key)
         return OperationRecord.from_row(row)
 
     def authorize_retry(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -164,15 +165,58 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Receipt:
-    """The tool result handed back to the model for one tool_call_id."""
+    """The tool result handed back to the model for one tool_call_id.
+
+    ``content`` is what the model reads (as JSON text: ``text``); the ``to_*`` helpers wrap
+    it as a tool-result message of each API, under the call's own id — the same items
+    ``repair`` inserts. ``scope`` and ``tool_call_id`` are set when the receipt was asked for
+    by call (the client, ``wait``); ``reconciled``: the result was established after the
+    fact (a reconciler, a late result, a person), not reported by the execution itself."""
 
     status: Status
     content: dict[str, Any]
     execution_id: str | None
+    scope: str | None = None
+    tool_call_id: str | None = None
+    reconciled: bool = False
 
     @property
     def is_error(self) -> bool:
         return self.status in (Status.FAILED, Status.REJECTED)
+
+    @property
+    def text(self) -> str:
+        return json.dumps(self.content, ensure_ascii=False)
+
+    def to_openai(self) -> dict[str, Any]:
+        """An OpenAI chat ``tool`` message."""
+        return {"role": "tool", "tool_call_id": self.tool_call_id, "content": self.text}
+
+    def to_responses(self) -> dict[str, Any]:
+        """An OpenAI Responses ``function_call_output`` item."""
+        return {"type": "function_call_output", "call_id": self.tool_call_id, "output": self.text}
+
+    def to_anthropic(self) -> dict[str, Any]:
+        """An Anthropic ``tool_result`` block (it goes in a ``user`` message)."""
+        block: dict[str, Any] = {
+            "type": "tool_result",
+            "tool_use_id": self.tool_call_id,
+            "content": self.text,
+        }
+        if self.is_error:
+            block["is_error"] = True
+        return block
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scope": self.scope,
+            "tool_call_id": self.tool_call_id,
+            "status": self.status.value,
+            "content": self.content,
+            "execution_id": self.execution_id,
+            "reconciled": self.reconciled,
+            "is_error": self.is_error,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger import inputs
+from toolledger.ledger import db, inputs
 from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
@@ -273,6 +273,7 @@ class LedgerResolution(LedgerBase):
         ).first()
         if withdrawn is None:
             return
+        db.receipt_written(conn, op.scope, op.idempotency_key)
         detail = {
             "attempt": op.authorized_attempts,
             "proven_attempt": proven.attempt,

@@ -49,6 +49,8 @@ class Review(StrEnum):
 EXECUTION_STATUSES = frozenset({Status.RUNNING, Status.SUCCEEDED, Status.FAILED, Status.UNKNOWN})
 #: Statuses whose row must carry a result, written in the same transaction.
 TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED})
+#: The statuses a call has a receipt in (a waiter returns): terminal, rejected, unknown.
+RECEIPT_STATUSES = frozenset({*TERMINAL, Status.REJECTED, Status.UNKNOWN})
 
 #: Statuses a human may authorise a new attempt from (a retry is not an approval).
 RETRYABLE = frozenset({Status.UNKNOWN, Status.FAILED})

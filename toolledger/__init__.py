@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from toolledger.client import AsyncClient, CallHandle, Client, ReceiptTimeout
     from toolledger.config import ConfigError, Settings
     from toolledger.ledger import (
         ConflictError,
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
+    "AsyncClient": "toolledger.client",
+    "CallHandle": "toolledger.client",
+    "Client": "toolledger.client",
+    "ReceiptTimeout": "toolledger.client",
     "ConfigError": "toolledger.config",
     "Settings": "toolledger.config",
     "ConflictError": "toolledger.ledger",
@@ -74,6 +79,9 @@ _EXPORTS = {
 
 __all__ = [
     "Absent",
+    "AsyncClient",
+    "CallHandle",
+    "Client",
     "ConfigError",
     "ConflictError",
     "Evidence",
@@ -83,6 +91,7 @@ __all__ = [
     "NotFound",
     "OutcomeUnknown",
     "Receipt",
+    "ReceiptTimeout",
     "Registry",
     "Sandbox",
     "SandboxError",

@@ -6,8 +6,13 @@ moves a message file while the producer may still be writing it — while the SQ
 transport lost none, because it takes the SQLite write lock (BEGIN IMMEDIATE) to fetch.
 
 The stock transport polls every second and hands every transport option to create_engine;
-with prefetch 1 that caps a worker near one job a second. This subclass polls every 50 ms,
-puts the broker file in WAL mode with a busy timeout, and is registered as ``embedded``:
+with prefetch 1 that caps a worker near one job a second. This subclass puts the broker file
+in WAL mode with a busy timeout, and waits for messages on a doorbell (``ledger.doorbell``):
+a producer rings the broker file's bell directory after its commit, so an idle worker takes
+a new job at once instead of at its next poll; while it holds unacknowledged messages (a job
+of its own finishing frees a slot without anyone ringing) it polls every 50 ms as before,
+and an idle one re-reads every second in case a ring never came. It is registered as
+``embedded``:
 ``TOOLLEDGER_BROKER=embedded+sqlite:///.toolledger/broker.db``. Like every virtual
 transport it keeps unacked messages in the worker's memory: a SIGKILLed worker main process
 loses what it held, which the sweep's outbox re-publishes.
@@ -17,15 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
+import time
 from collections.abc import Iterator
+from queue import Empty
 from typing import Any
 
 import sqlalchemy as sa
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import sqlalchemy as kombu_sqla
 
+from toolledger.ledger import doorbell
+
 ALIAS = "embedded"
+#: Poll interval while the worker has jobs in hand (a finished one frees a slot silently).
 POLL_SECONDS = 0.05
+#: Longest wait for a ring while idle (a lost ring costs at most this).
+IDLE_WAIT_SECONDS = 1.0
 
 
 @contextlib.contextmanager
@@ -39,9 +52,17 @@ def _process_lock(database: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _database(client: Any) -> str:
+    return sa.make_url(client.hostname).database or "broker.db"
+
+
 class Channel(kombu_sqla.Channel):
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        super()._put(queue, payload, **kwargs)  # type: ignore[no-untyped-call]
+        doorbell.ring(doorbell.bell_dir(_database(self.connection.client)))  # after the commit
+
     def _open(self) -> Any:
-        database = sa.make_url(self.connection.client.hostname).database or "broker.db"
+        database = _database(self.connection.client)
         with _process_lock(database):  # kombu creates its tables here
             return super()._open()  # type: ignore[no-untyped-call]
 
@@ -68,6 +89,42 @@ class Channel(kombu_sqla.Channel):
 class Transport(kombu_sqla.Transport):
     Channel = Channel
     polling_interval = POLL_SECONDS
+
+    _bell: tuple[int, doorbell.Doorbell] | None = None
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:  # type: ignore[override]
+        """kombu's loop, with its sleep replaced by a wait on the doorbell while idle."""
+        started = time.monotonic()
+        while True:
+            try:
+                self.cycle.get(self._deliver, timeout=timeout)  # type: ignore[union-attr]
+                return
+            except Empty:
+                elapsed = time.monotonic() - started
+                if timeout is not None and elapsed >= timeout:
+                    raise TimeoutError() from None
+                wait = self.polling_interval if self._busy() else IDLE_WAIT_SECONDS
+                if timeout is not None:
+                    wait = min(wait, timeout - elapsed)
+                bell = self._doorbell(connection)
+                if bell is None:
+                    time.sleep(wait)
+                else:
+                    bell.wait(wait)
+
+    def _busy(self) -> bool:
+        """Jobs in hand: a slot may free without a ring, so keep polling quickly."""
+        return any(getattr(ch, "_qos", None) and ch._qos._delivered for ch in self.channels)
+
+    def _doorbell(self, connection: Any) -> doorbell.Doorbell | None:
+        """This process's bell on the broker file (a forked child binds its own)."""
+        if self._bell is None or self._bell[0] != os.getpid():
+            try:
+                bell = doorbell.Doorbell(doorbell.bell_dir(_database(connection.client)))
+            except OSError:
+                return None
+            self._bell = (os.getpid(), bell)
+        return self._bell[1]
 
 
 def register() -> None:

@@ -38,7 +38,18 @@ ROOMS: list[tuple[str, int, tuple[str, ...]]] = [
     ),
     ("worker", 2, ("toolledger.worker",)),
     ("recovery", 2, ("toolledger.recovery",)),
-    ("top", 3, ("toolledger.cli", "toolledger.demo", "toolledger.harness", "toolledger.__main__")),
+    (
+        "top",
+        3,
+        (
+            "toolledger.cli",
+            "toolledger.client",
+            "toolledger.turns",
+            "toolledger.demo",
+            "toolledger.harness",
+            "toolledger.__main__",
+        ),
+    ),
     ("api", 4, ("toolledger",)),
 ]
 

@@ -61,6 +61,7 @@ COMMANDS: list[click.Command] = [
     calls.show,
     calls.events,
     calls.list_,
+    calls.wait,
     run.execute,
     run.worker,
     run.beat,

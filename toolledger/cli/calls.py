@@ -9,6 +9,8 @@ import click
 
 from toolledger.cli.common import (
     EXIT_FAILURE,
+    EXIT_TIMEOUT,
+    CliError,
     Context,
     call_options,
     json_option,
@@ -179,3 +181,33 @@ def human_list(d: dict[str, Any]) -> str:
             f"{r['status']:<17} {r['attempt']:>7} {r['execution_id'] or '-'}{mark}"
         )
     return "\n".join(lines)
+
+
+@click.command()
+@call_options
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds to wait at most [default: for ever]; exit 7 if no receipt by then.",
+)
+@json_option
+@pass_ctx
+def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> None:
+    """Wait for the call's receipt (woken by the database) and print it."""
+    from toolledger.client import Client, ReceiptTimeout
+
+    client = Client(c.settings)
+    try:
+        receipt = client.wait(scope, tool_call_id, timeout=timeout)
+    except ReceiptTimeout as exc:
+        raise CliError(str(exc), EXIT_TIMEOUT) from None
+    finally:
+        client.close()
+    c.emit(receipt.to_json(), _human_receipt)
+
+
+def _human_receipt(d: dict[str, Any]) -> str:
+    mark = " (reconciled)" if d["reconciled"] else ""
+    head = f"{d['scope']}/{d['tool_call_id']}  [{d['status']}]{mark}  {d['execution_id'] or ''}"
+    return head.rstrip() + "\n" + json.dumps(d["content"], ensure_ascii=False, indent=2)

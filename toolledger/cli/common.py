@@ -2,8 +2,8 @@
 
 Exit codes: 0 ok, 1 failure (verify found differences, a service is unreachable, a read-only
 call failed), 2 usage or configuration, 3 conflict, 4 not found, 5 state does not allow it,
-6 input refused. Errors are one line on stderr (a JSON object with ``error`` under
-``--json``), never a traceback.
+6 input refused, 7 timed out (``wait``). Errors are one line on stderr (a JSON object with
+``error`` under ``--json``), never a traceback.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any, NoReturn
 import click
 
 from toolledger.config import ConfigError, Settings
-from toolledger.ledger.db import SchemaError, ensure_schema
 from toolledger.ledger import inputs
+from toolledger.ledger.db import SchemaError, ensure_schema
 from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.worker.submit import Submitter
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT = 3, 4, 5, 6
+EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT, EXIT_TIMEOUT = 3, 4, 5, 6, 7
 
 #: Domain errors and the exit code each one means; the first match wins.
 EXIT_CODES: list[tuple[type[BaseException], int]] = [

@@ -18,6 +18,7 @@ from toolledger.harness.bench.common import Figures, ratio, scratch_postgres
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
 from toolledger.harness.bench.protocol import run_protocol
+from toolledger.harness.bench.roundtrip import run_roundtrip
 from toolledger.harness.bench.sweep_bench import (
     populate,
     run_contention,
@@ -48,6 +49,8 @@ class BenchConfig:
     sweep_sizes: dict[str, int] = field(default_factory=lambda: {"10k": 10_000, "1M": 1_000_000})
     stale: int = 1000
     contention_keys: int = 10_000
+    roundtrip_calls: int = 100
+    idle_seconds: float = 10.0
     progress: Callable[[str], Any] = print
 
     def __post_init__(self) -> None:
@@ -56,6 +59,7 @@ class BenchConfig:
             self.protocol_jobs, self.e2e_jobs, self.stale = 60, 30, 50
             self.sweep_sizes = {"10k": 1_000, "1M": 5_000}  # same keys, tiny sizes
             self.contention_keys = 300
+            self.roundtrip_calls, self.idle_seconds = 10, 1.0
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -100,6 +104,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             # Its own database: the claims it leaves running must not weigh on the protocol's.
             with scratch_postgres(cfg.pg, "race") as race_db:
                 run_contention(group, figures, race_db, cfg.contention_keys)
+            cfg.progress(f"round {r + 1}/{cfg.rounds}: round trip through the client")
+            with scratch_postgres(cfg.pg, "rt") as rt_db:
+                for label, env in _roundtrip_stacks(cfg, rt_db, work / "rt" / str(r)).items():
+                    run_roundtrip(
+                        figures,
+                        label,
+                        env,
+                        work / "rt" / str(r),
+                        cfg.roundtrip_calls,
+                        cfg.progress,
+                        cfg.idle_seconds,
+                    )
         version = _pg_version(pg)
     report = summarise(cfg, figures, e2e.missing)
     report["machine"] = {
@@ -110,6 +126,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     }
     report["duration_s"] = round(time.time() - began, 1)
     return report
+
+
+def _roundtrip_stacks(cfg: BenchConfig, pg: str, root: Path) -> dict[str, dict[str, str]]:
+    common = {"sandbox": str(root / "sandbox"), "home": str(root / "home")}
+    return {
+        "postgres": {
+            **common,
+            "db": pg,
+            "broker": cfg.redis,
+            "broker_prefix": f"rt-{os.getpid()}-{time.time_ns()}:",
+        },
+        "embedded": {
+            **common,
+            "db": f"sqlite:///{root / 'ledger.db'}",
+            "broker": f"embedded+sqlite:///{root / 'broker.db'}",
+        },
+    }
 
 
 def _pg_version(url: str) -> str:
@@ -171,6 +204,26 @@ def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str
             ),
             "sizes": cfg.sweep_sizes,
             "stale_rows": cfg.stale,
+        },
+        "roundtrip": {
+            label: {
+                "client_p50_ms": f[f"roundtrip/{label}/client/p50_ms"].summary(),
+                "client_p99_ms": f[f"roundtrip/{label}/client/p99_ms"].summary(),
+                "polling_p50_ms": f[f"roundtrip/{label}/polling/p50_ms"].summary(),
+                "polling_p99_ms": f[f"roundtrip/{label}/polling/p99_ms"].summary(),
+                "client_vs_polling_p50": ratio(
+                    f[f"roundtrip/{label}/client/p50_ms"], f[f"roundtrip/{label}/polling/p50_ms"]
+                ),
+                "goal_client_p50_ms": goal,
+                "met": (f[f"roundtrip/{label}/client/p50_ms"].summary().get("median") or 1e9)
+                <= goal,
+                "idle_100_waiters_cpu_pct": f[
+                    f"roundtrip/{label}/idle_100_waiters_cpu_pct"
+                ].summary(2),
+                "found_by_poll": f[f"roundtrip/{label}/found_by_poll"].summary(0),
+                "calls": cfg.roundtrip_calls,
+            }
+            for label, goal in (("postgres", 8.0), ("embedded", 15.0))
         },
         "quick": cfg.quick,
         "rounds": cfg.rounds,

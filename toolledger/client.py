@@ -1,0 +1,534 @@
+"""The API an agent calls: submit a turn's tool calls, wait for their receipts.
+
+    from toolledger import Client
+
+    with Client() as client:                      # Settings from the environment, like the CLI
+        handle = client.submit("run-42", "call_1", "write_file",
+                               {"path": "a.txt", "content": "hi"}, approved_by="policy")
+        receipt = handle.result(timeout=30)       # succeeded / failed / rejected / unknown
+        messages.append(receipt.to_openai())
+
+``AsyncClient`` has the same methods as coroutines. A waiter is **woken by the database**:
+on Postgres by ``LISTEN toolledger_receipts`` (a trigger NOTIFYs in the very transaction that
+writes a receipt, so a wake-up is never earlier than the commit and never lost once the
+listener is connected); on the embedded default by the ledger file's doorbells (a datagram
+the committing process sends after its commit, ``ledger.doorbell``). Either way a waiter
+also re-reads every ``poll_interval`` seconds (default :data:`FALLBACK_POLL`) in case a wake-up
+never comes (a listener reconnecting, another network namespace); ``stats`` counts receipts
+found that way, which should stay 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+from toolledger.config import Settings
+from toolledger.ledger import doorbell
+from toolledger.ledger.errors import NoReceipt
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.receipts import receipt_for
+from toolledger.ledger.records import CallView, Receipt
+from toolledger.ledger.transitions import RECEIPT_STATUSES, Status
+
+log = logging.getLogger("toolledger.client")
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Seconds between a waiter's re-reads when nothing woke it (insurance, not the mechanism).
+FALLBACK_POLL = 10.0
+#: The channel the receipt trigger notifies (migration 0003).
+CHANNEL = "toolledger_receipts"
+#: The listener's application_name in pg_stat_activity.
+LISTENER_NAME = "toolledger-receipts"
+
+
+class ReceiptTimeout(TimeoutError):
+    """No receipt within the timeout; ``status`` is where the call stands (for example
+    ``pending_approval``: it waits for a human)."""
+
+    def __init__(self, scope: str, tool_call_id: str, status: str, waited: float) -> None:
+        super().__init__(
+            f"no receipt for {tool_call_id!r} in scope {scope!r} after {waited:.3g} s: "
+            f"it is {status}"
+        )
+        self.scope, self.tool_call_id, self.status = scope, tool_call_id, status
+
+
+def receipt_of(view: CallView) -> Receipt | None:
+    """The call's receipt if it has one (None: pending approval, approved or running)."""
+    op = view.operation
+    if op.status not in RECEIPT_STATUSES:
+        return None
+    try:
+        r = receipt_for(op, view.current)
+    except NoReceipt:
+        return None
+    current = view.current
+    reconciled = bool(current and current.reconciled and r.execution_id == current.execution_id)
+    return Receipt(r.status, r.content, r.execution_id, view.scope, view.tool_call_id, reconciled)
+
+
+# ------------------------------------------------------------------------ wake-ups
+
+
+Key = tuple[str, str]
+
+
+class Notifier:
+    """One listener per client (a thread), dispatching wake-ups to the waiters of a call.
+
+    ``watch`` registers a callback *before* the waiter's first read: a receipt committed
+    between that read and the wait still wakes it."""
+
+    def __init__(self, db_url: str) -> None:
+        from toolledger.ledger.db import normalize_url
+
+        self.url = normalize_url(db_url)
+        self._watchers: dict[Key, list[Callable[[], None]]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.woken = 0
+        #: Seconds before the first reconnect of a lost listener (then doubling, up to 5).
+        self.reconnect_pause = 0.2
+
+    @property
+    def postgres(self) -> bool:
+        return self.url.startswith("postgresql")
+
+    def start(self, wait: float = 5.0) -> bool:
+        """Start listening (once); True when wake-ups are live."""
+        with self._lock:
+            if self._thread is None:
+                target = self._run_postgres if self.postgres else self._run_doorbell
+                self._thread = threading.Thread(
+                    target=target, name="toolledger-notify", daemon=True
+                )
+                self._thread.start()
+        return self._ready.wait(wait)
+
+    @contextlib.contextmanager
+    def watch(self, key: Key, wake: Callable[[], None]) -> Iterator[None]:
+        with self._lock:
+            self._watchers[key].append(wake)
+        try:
+            yield
+        finally:
+            with self._lock:
+                callbacks = self._watchers[key]
+                callbacks.remove(wake)
+                if not callbacks:
+                    del self._watchers[key]
+
+    def dispatch(self, payload: bytes | str) -> None:
+        try:
+            keys = json.loads(payload)
+            if keys and isinstance(keys[0], str):  # Postgres: one [scope, key]
+                keys = [keys]
+            found = [tuple(k) for k in keys]
+        except (ValueError, TypeError, IndexError):
+            found = None  # not ours to read: wake everyone, they will look
+        with self._lock:
+            if found is None:
+                callbacks = [cb for cbs in self._watchers.values() for cb in cbs]
+            else:
+                callbacks = [cb for k in found for cb in self._watchers.get(k, ())]
+        for cb in callbacks:
+            self.woken += 1
+            cb()
+
+    def wake_all(self) -> None:
+        self.dispatch(b"")
+
+    def _run_postgres(self) -> None:
+        import psycopg
+
+        conninfo = self.url.replace("postgresql+psycopg://", "postgresql://", 1)
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(
+                    conninfo, autocommit=True, connect_timeout=5, application_name=LISTENER_NAME
+                ) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._ready.set()
+                    self.wake_all()  # (re)connected: anything may have been missed meanwhile
+                    failures = 0
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            self.dispatch(note.payload)
+            except Exception as exc:  # noqa: BLE001 - a listener reconnects, whatever broke
+                self._ready.clear()
+                if self._stop.is_set():
+                    return
+                log.warning("receipt listener: %s; reconnecting", exc)
+                self._stop.wait(min(self.reconnect_pause * 2**failures, 5.0))
+                failures += 1
+
+    def _run_doorbell(self) -> None:
+        import sqlalchemy as sa
+
+        database = sa.make_url(self.url).database
+        if not database or database == ":memory:":
+            return  # one process: nobody else can write a receipt; the fallback read does
+        with doorbell.Doorbell(doorbell.bell_dir(database)) as bell:
+            self._ready.set()
+            while not self._stop.is_set():
+                for payload in bell.wait(1.0):
+                    self.dispatch(payload)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=3)
+
+
+# ------------------------------------------------------------------------ the client
+
+
+@dataclass
+class Stats:
+    """How waits ended. ``woken``: the receipt was there at the first read or at a read a
+    wake-up caused; ``found_by_poll``: at a fallback read (should stay 0: a wake-up missed);
+    ``fallback_reads``: fallback reads done; ``timeouts``: waits that ran out."""
+
+    woken: int = 0
+    found_by_poll: int = 0
+    timeouts: int = 0
+    fallback_reads: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+
+class CallHandle:
+    """One submitted call; ``result()`` waits for its receipt."""
+
+    def __init__(
+        self, client: Client, scope: str, tool_call_id: str, submitted: dict[str, Any]
+    ) -> None:
+        self.client, self.scope, self.tool_call_id = client, scope, tool_call_id
+        self.submitted = submitted
+        self.idempotency_key: str = submitted["idempotency_key"]
+        self._immediate = _read_only_receipt(scope, tool_call_id, submitted)
+
+    @property
+    def status(self) -> str:
+        return str(self.submitted["status"])
+
+    def result(self, timeout: float | None = None) -> Receipt:
+        if self._immediate is not None:
+            return self._immediate
+        return self.client.wait(self.scope, self.tool_call_id, timeout=timeout)
+
+
+def _read_only_receipt(scope: str, tool_call_id: str, out: dict[str, Any]) -> Receipt | None:
+    """A read-only call ran at once and was not recorded: its receipt is its result."""
+    if out.get("outcome") != "read_only":
+        return None
+    return Receipt(Status(out["status"]), out["result"], None, scope, tool_call_id)
+
+
+class Client:
+    """Submit tool calls, decide on them, and wait for their receipts (thread-safe)."""
+
+    def __init__(
+        self, settings: Settings | None = None, *, poll_interval: float = FALLBACK_POLL
+    ) -> None:
+        from toolledger.worker.submit import Submitter
+
+        self.settings = settings if settings is not None else Settings.from_env()
+        self._submitter = Submitter(self.settings)
+        self.poll_interval = poll_interval
+        self.notifier = Notifier(self.settings.db)
+        self.stats = Stats()
+
+    # ------------------------------------------------------------------ parts
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._submitter.ledger
+
+    def close(self) -> None:
+        self.notifier.close()
+        self._submitter.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ calls
+
+    def submit(
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        key: str | None = None,
+        approved_by: str | None = None,
+        reason: str | None = None,
+    ) -> CallHandle:
+        """Validate, record and enqueue one call (a read-only tool runs at once). Submitting
+        the same call again finds it: never a second action."""
+        call = self._submitter.prepare(scope, tool_call_id, tool, args, key)
+        out = self._submitter.submit(call, approved_by=approved_by, reason=reason)
+        return CallHandle(self, scope, tool_call_id, out)
+
+    def approve(
+        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        return self._submitter.decide(scope, tool_call_id, by, reason, approve=True)
+
+    def reject(
+        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        return self._submitter.decide(scope, tool_call_id, by, reason, approve=False)
+
+    def retry(
+        self,
+        scope: str,
+        tool_call_id: str,
+        *,
+        by: str,
+        accept_duplicate: bool = False,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        from toolledger.recovery import humans
+
+        return humans.retry(
+            self.ledger,
+            self._submitter.registry,
+            self._submitter.enqueue,
+            scope,
+            tool_call_id,
+            by=by,
+            accept_duplicate=accept_duplicate,
+            reason=reason,
+        )
+
+    def resolve(
+        self, execution_id: str, status: Status | str, *, by: str, evidence: str
+    ) -> dict[str, Any]:
+        from toolledger.recovery import humans
+
+        return humans.resolve(self.ledger, execution_id, Status(status), by=by, evidence=evidence)
+
+    def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:
+        """The call's receipt now, or None if it has none yet (NotFound if no such call)."""
+        return receipt_of(self.ledger.get(scope, tool_call_id))
+
+    def status(self, scope: str, tool_call_id: str) -> str:
+        return self.ledger.get(scope, tool_call_id).operation.status.value
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait(self, scope: str, tool_call_id: str, *, timeout: float | None = None) -> Receipt:
+        """Block until the call has a receipt; ReceiptTimeout (a TimeoutError) after
+        ``timeout`` seconds, carrying the call's status."""
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        view = self.ledger.get(scope, tool_call_id)  # NotFound before any waiting
+        key = (scope, view.operation.idempotency_key)
+        self.notifier.start()
+        rung = threading.Event()
+        by_poll = False
+        with self.notifier.watch(key, rung.set):
+            # read again now that a ring would reach us: one between the first read and
+            # the watch is not lost
+            view = self.ledger.get(scope, tool_call_id)
+            while True:
+                found = receipt_of(view)
+                if found is not None:
+                    self.stats.add("found_by_poll" if by_poll else "woken")
+                    return found
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.stats.add("timeouts")
+                    status = view.operation.status.value
+                    raise ReceiptTimeout(scope, tool_call_id, status, time.monotonic() - started)
+                wait = self.poll_interval if left is None else min(left, self.poll_interval)
+                by_poll = not rung.wait(wait)
+                rung.clear()
+                if by_poll:
+                    self.stats.add("fallback_reads")
+                view = self.ledger.get(scope, tool_call_id)
+
+    def run_turn(
+        self,
+        scope: str,
+        message: dict[str, Any],
+        *,
+        approve: Callable[[str, str, dict[str, Any]], str | None] | None = None,
+        timeout: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Submit one assistant message's tool calls in order, wait for all, and return the
+        tool results in the message's own format (see ``toolledger.turns``)."""
+        from toolledger.turns import run_turn
+
+        return run_turn(self, scope, message, approve=approve, timeout=timeout)
+
+
+class AsyncClient:
+    """``Client``'s methods as coroutines: database work in threads, waits on the event loop
+    (an idle waiter costs nothing but its fallback read)."""
+
+    def __init__(
+        self, settings: Settings | None = None, *, poll_interval: float = FALLBACK_POLL
+    ) -> None:
+        self.sync = Client(settings, poll_interval=poll_interval)
+
+    @property
+    def stats(self) -> Stats:
+        return self.sync.stats
+
+    async def _run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def submit(
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        key: str | None = None,
+        approved_by: str | None = None,
+        reason: str | None = None,
+    ) -> AsyncCallHandle:
+        handle = await self._run(
+            self.sync.submit,
+            scope,
+            tool_call_id,
+            tool,
+            args,
+            key=key,
+            approved_by=approved_by,
+            reason=reason,
+        )
+        return AsyncCallHandle(self, handle)
+
+    async def approve(
+        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        return await self._run(self.sync.approve, scope, tool_call_id, by=by, reason=reason)
+
+    async def reject(
+        self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        return await self._run(self.sync.reject, scope, tool_call_id, by=by, reason=reason)
+
+    async def retry(
+        self,
+        scope: str,
+        tool_call_id: str,
+        *,
+        by: str,
+        accept_duplicate: bool = False,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        return await self._run(
+            self.sync.retry,
+            scope,
+            tool_call_id,
+            by=by,
+            accept_duplicate=accept_duplicate,
+            reason=reason,
+        )
+
+    async def resolve(
+        self, execution_id: str, status: Status | str, *, by: str, evidence: str
+    ) -> dict[str, Any]:
+        return await self._run(self.sync.resolve, execution_id, status, by=by, evidence=evidence)
+
+    async def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:
+        return await self._run(self.sync.receipt, scope, tool_call_id)
+
+    async def wait(self, scope: str, tool_call_id: str, *, timeout: float | None = None) -> Receipt:
+        sync = self.sync
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = None if timeout is None else started + timeout
+        view = await self._run(sync.ledger.get, scope, tool_call_id)
+        key = (scope, view.operation.idempotency_key)
+        await self._run(sync.notifier.start)
+        rung = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(rung.set)
+
+        by_poll = False
+        with sync.notifier.watch(key, wake):
+            view = await self._run(sync.ledger.get, scope, tool_call_id)  # see Client.wait
+            while True:
+                found = receipt_of(view)
+                if found is not None:
+                    sync.stats.add("found_by_poll" if by_poll else "woken")
+                    return found
+                left = None if deadline is None else deadline - loop.time()
+                if left is not None and left <= 0:
+                    sync.stats.add("timeouts")
+                    status = view.operation.status.value
+                    raise ReceiptTimeout(scope, tool_call_id, status, loop.time() - started)
+                wait = sync.poll_interval if left is None else min(left, sync.poll_interval)
+                try:
+                    await asyncio.wait_for(rung.wait(), wait)
+                    by_poll = False
+                except TimeoutError:
+                    by_poll = True
+                    sync.stats.add("fallback_reads")
+                rung.clear()
+                view = await self._run(sync.ledger.get, scope, tool_call_id)
+
+    async def run_turn(
+        self,
+        scope: str,
+        message: dict[str, Any],
+        *,
+        approve: Callable[[str, str, dict[str, Any]], str | Awaitable[str | None] | None]
+        | None = None,
+        timeout: float | None = None,
+    ) -> list[dict[str, Any]]:
+        from toolledger.turns import run_turn_async
+
+        return await run_turn_async(self, scope, message, approve=approve, timeout=timeout)
+
+    async def close(self) -> None:
+        await self._run(self.sync.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+
+class AsyncCallHandle:
+    def __init__(self, client: AsyncClient, handle: CallHandle) -> None:
+        self.client, self.handle = client, handle
+        self.scope, self.tool_call_id = handle.scope, handle.tool_call_id
+        self.idempotency_key = handle.idempotency_key
+
+    @property
+    def status(self) -> str:
+        return self.handle.status
+
+    async def result(self, timeout: float | None = None) -> Receipt:
+        if self.handle._immediate is not None:
+            return self.handle._immediate
+        return await self.client.wait(self.scope, self.tool_call_id, timeout=timeout)
