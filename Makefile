@@ -9,12 +9,12 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check --quiet
 PG_URL    ?= postgresql://postgres@127.0.0.1:5432/postgres
 REDIS_URL ?= redis://127.0.0.1:6379/0
 
-.PHONY: demo test compose-test lint typecheck bench chaos clean install
+.PHONY: demo test compose-test fuzz lint typecheck bench chaos clean install
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-	$(PIP) install -e '.[dev,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) install -e '.[dev,bench,mcp]' 2>&1 | grep -v '^WARNING: Location' || true
 	$(BIN)/python -c "import toolledger.cli, toolledger.harness.bench.runner, celery, sqlalchemy, psycopg"
 	touch $(STAMP)
 
@@ -32,6 +32,12 @@ test: $(STAMP)
 # up with 4 workers, containers killed mid-run, the ledger and the sandbox judged. Needs dockerd.
 compose-test: $(STAMP)
 	$(BIN)/pytest -m compose tests/acceptance/test_compose_stack.py $(PYTEST_ARGS)
+
+# Hostile input and transcript repair, fuzzed with Hypothesis's large profile (100x the examples
+# `make test` runs: 10,000 per input property, 40,000 per repair property).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=large $(BIN)/pytest -m "large or not large" -o timeout=3600 \
+		tests/integration/test_hostile_input.py tests/unit/test_repair_properties.py -k "fuzz or propert or transcripts"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

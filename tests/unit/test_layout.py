@@ -44,6 +44,7 @@ ROOMS: list[tuple[str, int, tuple[str, ...]]] = [
         (
             "toolledger.cli",
             "toolledger.client",
+            "toolledger.mcp",
             "toolledger.turns",
             "toolledger.demo",
             "toolledger.harness",

@@ -13,7 +13,7 @@ from typing import NoReturn
 import click
 import sqlalchemy as sa
 
-from toolledger.cli import admin, calls, harness, recovery, run
+from toolledger.cli import admin, calls, harness, mcp, recovery, run
 from toolledger.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -72,6 +72,7 @@ COMMANDS: list[click.Command] = [
     admin.db,
     admin.verify,
     admin.tools,
+    mcp.mcp,
     harness.demo,
     harness.chaos,
     harness.bench,

@@ -1,0 +1,96 @@
+"""A small upstream MCP server (stdio) for the proxy's tests: it counts its own invocations.
+
+Every ``tools/call`` appends one JSON line to the file named by ``MCP_UPSTREAM_LOG`` *before*
+it does anything else: the tool, its arguments, the ``_meta`` it received, its pid and its
+parent's pid (the proxy). Tools:
+
+- ``charge`` (amount): answers ``charged N`` and structured content;
+- ``slow_charge`` (amount): the same, but first waits until the file named by
+  ``MCP_UPSTREAM_RELEASE`` exists (a forward the test can cut off);
+- ``refuse``: answers with ``isError``;
+- ``crash``: exits the server at once, without an answer;
+- ``bad.name`` too, when ``MCP_UPSTREAM_BAD_NAME`` is set (not a toolledger tool name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mcp.types as types
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+AMOUNT = {
+    "type": "object",
+    "properties": {"amount": {"type": "integer"}},
+    "required": ["amount"],
+}
+
+
+def tools() -> list[types.Tool]:
+    listed = [
+        types.Tool(
+            name="charge",
+            description="Charge an amount (counted).",
+            input_schema=AMOUNT,
+            annotations=types.ToolAnnotations(idempotent_hint=True),  # a hint, not the truth
+        ),
+        types.Tool(name="slow_charge", description="Charge, when released.", input_schema=AMOUNT),
+        types.Tool(name="refuse", description="Always fails.", input_schema={"type": "object"}),
+        types.Tool(name="crash", description="Exits mid-call.", input_schema={"type": "object"}),
+    ]
+    if os.environ.get("MCP_UPSTREAM_BAD_NAME"):
+        listed.append(types.Tool(name="bad.name", input_schema={"type": "object"}))
+    return listed
+
+
+def count(name: str, arguments: dict[str, Any], meta: dict[str, Any]) -> None:
+    line = {
+        "tool": name,
+        "arguments": arguments,
+        "meta": {k: v for k, v in meta.items() if k.startswith("toolledger/")},
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+    }
+    with open(os.environ["MCP_UPSTREAM_LOG"], "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+async def list_tools(_ctx: Any, _params: Any) -> types.ListToolsResult:
+    return types.ListToolsResult(tools=tools())
+
+
+async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+    arguments = params.arguments or {}
+    meta = dict(params.meta or {})
+    count(params.name, arguments, meta)
+    if params.name == "crash":
+        os._exit(3)
+    if params.name == "refuse":
+        return types.CallToolResult(content=[types.TextContent(text="no")], is_error=True)
+    if params.name == "slow_charge":
+        release = Path(os.environ["MCP_UPSTREAM_RELEASE"])
+        while not release.exists():
+            time.sleep(0.05)
+    amount = arguments.get("amount")
+    return types.CallToolResult(
+        content=[types.TextContent(text=f"charged {amount}")],
+        structured_content={"charged": amount, "key": meta.get("toolledger/idempotency_key")},
+    )
+
+
+async def main() -> None:
+    server = Server("upstream", on_list_tools=list_tools, on_call_tool=call_tool)
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+
+
+if __name__ == "__main__":
+    anyio.run(main)

@@ -1,0 +1,563 @@
+"""``toolledger mcp serve`` and ``toolledger mcp proxy`` spoken to by a real MCP client.
+
+Every test drives real processes over stdio with the ``mcp`` SDK's own ``ClientSession``:
+the server under test is ``python -m toolledger mcp …`` on a ledger of the test's own, with a
+real worker (``serve``) or a real upstream MCP server that counts its invocations
+(``proxy``, ``tests/integration/mcp_upstream.py``). On both backends: SQLite with the embedded
+broker, and Postgres with Redis.
+
+What they prove:
+
+- ``serve`` lists the registered tools with their pydantic schemas and their contracts as
+  hints; the same ``_meta`` tool_call_id twice (and again from a new server process) is one
+  effect and one execution, and every answer is the first one; ids, scopes and arguments from
+  the wire go through the input rules (a refusal is a tool error, the server lives on);
+  without ``_meta`` each request is its own call in a per-session scope; a call that has not
+  finished is answered with its status, and later with its receipt;
+- ``proxy`` forwards a call upstream exactly once with its idempotency key in ``_meta``, and
+  answers the same call again (from the same or a new proxy) from the ledger, the upstream's
+  result rebuilt; a proxy SIGKILLed mid-forward leaves the call ``running``, then the sweep
+  makes it ``unknown`` (the tool is in no registry: the sweep neither crashes nor guesses),
+  and a new proxy asked the same call answers with that status and never forwards again;
+  upstream tool names the ledger cannot record stop the proxy at start (exit 2);
+- ``toolledger --help`` does not import the ``mcp`` package; the example session runs and
+  replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.shared.exceptions import MCPError
+
+from tests.acceptance.conftest import Stack
+from toolledger.harness.processes import toolledger_argv
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.receipts import UNKNOWN_MESSAGE
+
+ROOT = Path(__file__).resolve().parents[2]
+UPSTREAM = str(Path(__file__).with_name("mcp_upstream.py"))
+ID, SCOPE = "toolledger/tool_call_id", "toolledger/scope"
+
+
+# ------------------------------------------------------------------------------ the world
+
+
+@pytest.fixture(
+    scope="module", params=["embedded", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """A ledger, a broker, a sandbox and one real worker, for the whole module (every test
+    uses scopes of its own)."""
+    root = tmp_path_factory.mktemp(f"mcp-{request.param}")
+    prefix = ""
+    if request.param == "postgres":
+        db = request.getfixturevalue("pg_url")
+        broker = request.getfixturevalue("redis_server")
+        prefix = f"tltest-{uuid.uuid4().hex[:10]}:"
+    else:
+        db = f"sqlite:///{root / 'ledger.db'}"
+        broker = f"embedded+sqlite:///{root / 'broker.db'}"
+    env = {
+        "db": db,
+        "broker": broker,
+        "broker_prefix": prefix,
+        "sandbox": str(root / "sandbox"),
+        "tools": "toolledger.harness.probe",
+        "effects_log": str(root / "effects.log"),
+        "home": str(root / "home"),
+    }
+    s = Stack(db, broker, prefix, root, env)
+    s.worker("w1", concurrency=2)
+    yield s
+    for proc in s.workers:
+        proc.stop()
+    if prefix:
+        import redis
+
+        client = redis.Redis.from_url(broker)
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def scope_of(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.asynccontextmanager
+async def mcp_server(world: Stack, *argv: str, **env: str) -> AsyncIterator[ClientSession]:
+    """``toolledger mcp ARGV`` as an MCP host starts it (the world's settings, plus ``env``
+    as it is), and an initialised session with it. Its stderr goes to the world's
+    ``mcp-stderr.log``."""
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=[*toolledger_argv()[1:], "mcp", *argv],
+        env={**world.env(), **env},
+        cwd=str(ROOT),
+    )
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            with anyio.fail_after(60):
+                await session.initialize()
+            yield session
+
+
+def run_async(fn: Any, *args: Any) -> Any:
+    return anyio.run(fn, *args)
+
+
+def cli(world: Stack, *argv: str, **settings: str) -> subprocess.CompletedProcess[str]:
+    """The real CLI against the world, with ``settings`` as TOOLLEDGER_* variables."""
+    return subprocess.run(
+        [*toolledger_argv(), *argv],
+        env=world.env(**settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def text_of(result: Any) -> Any:
+    (block,) = result.content
+    return json.loads(block.text)
+
+
+# ------------------------------------------------------------------------------ serve
+
+
+def test_serve__lists_the_tools_with_their_schemas_and_contracts(world: Stack) -> None:
+    async def go() -> Any:
+        async with mcp_server(world, "serve") as s:
+            return await s.list_tools()
+
+    tools = {t.name: t for t in run_async(go).tools}
+    assert {"write_file", "append_file", "read_file", "probe_write", "probe_append"} <= set(tools)
+    write, append, read = tools["write_file"], tools["append_file"], tools["read_file"]
+    assert write.input_schema["type"] == "object"
+    assert set(write.input_schema["properties"]) == {"path", "content"}
+    assert sorted(write.input_schema["required"]) == ["content", "path"]
+    assert write.annotations is not None and append.annotations is not None
+    assert read.annotations is not None
+    # write_file: idempotent, so not destructive; append_file: neither, so destructive
+    assert (write.annotations.read_only_hint, write.annotations.idempotent_hint) == (False, True)
+    assert write.annotations.destructive_hint is False
+    assert (append.annotations.idempotent_hint, append.annotations.destructive_hint) == (
+        False,
+        True,
+    )
+    assert (read.annotations.read_only_hint, read.annotations.destructive_hint) == (True, False)
+    assert write.annotations.open_world_hint is False  # sandboxed: a closed world
+    assert write.description and "atomically" in write.description
+
+
+def test_serve__the_same_call_twice_is_one_effect_and_one_answer(world: Stack) -> None:
+    scope = scope_of("serve")
+    meta = {ID: "call_1", SCOPE: scope}
+    line = {ID: "call_2", SCOPE: scope}
+
+    async def go() -> list[Any]:
+        async with mcp_server(world, "serve") as s:
+            out = [await s.call_tool("write_file", {"path": "a.txt", "content": "hi"}, meta=meta)]
+            out.append(
+                await s.call_tool("write_file", {"path": "a.txt", "content": "hi"}, meta=meta)
+            )
+            out.append(
+                await s.call_tool("append_file", {"path": "l.txt", "content": "x\n"}, meta=line)
+            )
+            out.append(
+                await s.call_tool("append_file", {"path": "l.txt", "content": "x\n"}, meta=line)
+            )
+        async with mcp_server(world, "serve") as s:  # a new server process: a host restarted
+            out.append(
+                await s.call_tool("write_file", {"path": "a.txt", "content": "hi"}, meta=meta)
+            )
+            out.append(
+                await s.call_tool("append_file", {"path": "l.txt", "content": "x\n"}, meta=line)
+            )
+        return out
+
+    first, second, append1, append2, later, append3 = run_async(go)
+    assert not first.is_error
+    assert text_of(first)["path"] == "a.txt" and text_of(first)["bytes_written"] == 2
+    assert first.meta["toolledger/status"] == "succeeded"
+    assert first.meta["toolledger/scope"] == scope and first.meta[ID] == "call_1"
+    assert second == first and later == first  # replayed, field for field
+    assert append2 == append1 and append3 == append1 and not append1.is_error
+    assert (world.sandbox / scope / "a.txt").read_text() == "hi"
+    assert (world.sandbox / scope / "l.txt").read_text() == "x\n"  # appended once
+    ledger = Ledger(world.db)
+    try:
+        for call in ("call_1", "call_2"):
+            view = ledger.get(scope, call)
+            assert len(view.executions) == 1 and view.operation.status.value == "succeeded"
+            assert view.operation.decided_by == "mcp"
+    finally:
+        ledger.close()
+    landed = [e for e in world.effects() if e.get("scope") == scope]
+    assert len(landed) == 2  # one landing per call, across six answers
+
+
+def test_serve__input_from_the_wire_is_refused_as_a_tool_error(world: Stack) -> None:
+    scope = scope_of("refused")
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(world, "serve") as s:
+            args = {"path": "r.txt", "content": "r"}
+            out["control"] = await s.call_tool(
+                "write_file", args, meta={ID: "bad\u202eid", SCOPE: scope}
+            )
+            out["not_text"] = await s.call_tool("write_file", args, meta={ID: 42, SCOPE: scope})
+            out["empty"] = await s.call_tool("write_file", args, meta={ID: " ", SCOPE: scope})
+            out["scope"] = await s.call_tool("write_file", args, meta={ID: "c1", SCOPE: "../etc"})
+            out["args"] = await s.call_tool(
+                "write_file", {"path": "r.txt"}, meta={ID: "c2", SCOPE: scope}
+            )
+            out["path"] = await s.call_tool(
+                "write_file", {"path": "../r", "content": "r"}, meta={ID: "c3", SCOPE: scope}
+            )
+            with pytest.raises(MCPError, match="unknown tool"):
+                await s.call_tool("no_such_tool", {}, meta={ID: "c4", SCOPE: scope})
+            out["ok"] = await s.call_tool("write_file", args, meta={ID: "c5", SCOPE: scope})
+            other = {"path": "r.txt", "content": "other"}
+            out["conflict"] = await s.call_tool("write_file", other, meta={ID: "c5", SCOPE: scope})
+        return out
+
+    out = run_async(go)
+    for name in ("control", "not_text", "empty", "scope", "args", "path", "conflict"):
+        result = out[name]
+        assert result.is_error, name
+        (block,) = result.content
+        assert "\n" not in block.text, name  # one line
+    assert "tool_call_id" in out["control"].content[0].text
+    assert "scope" in out["scope"].content[0].text
+    assert "conflict" in out["conflict"].content[0].text
+    assert not out["ok"].is_error  # the server lived on
+    ledger = Ledger(world.db)
+    try:
+        assert [c.tool_call_id for c in ledger.list_calls(scope=scope)] == ["c5"]
+    finally:
+        ledger.close()
+
+
+def test_serve__without_meta_each_request_is_its_own_call_in_a_session_scope(world: Stack) -> None:
+    async def go() -> list[Any]:
+        async with mcp_server(world, "serve") as s:
+            args = {"path": "same.txt", "content": "same"}
+            return [await s.call_tool("write_file", args), await s.call_tool("write_file", args)]
+
+    one, two = run_async(go)
+    assert not one.is_error and not two.is_error
+    scope = one.meta[SCOPE]
+    assert scope.startswith("mcp-") and two.meta[SCOPE] == scope
+    session = scope.removeprefix("mcp-")
+    ids = [one.meta[ID], two.meta[ID]]
+    assert all(i.startswith(f"rpc-{session}-") for i in ids) and ids[0] != ids[1]
+    assert (world.sandbox / scope / "same.txt").read_text() == "same"
+
+
+def test_serve__a_call_not_finished_in_time_answers_its_status_then_its_receipt(
+    world: Stack,
+) -> None:
+    scope = scope_of("slow")
+    meta = {ID: "slow_1", SCOPE: scope}
+    args = {"path": "s.txt", "content": "slow", "hold_ms": 3000}
+
+    async def go() -> list[Any]:
+        async with mcp_server(world, "serve", "--timeout", "0.3") as s:
+            early = await s.call_tool("probe_write", args, meta=meta)
+        async with mcp_server(world, "serve", "--timeout", "60") as s:
+            return [early, await s.call_tool("probe_write", args, meta=meta)]
+
+    early, done = run_async(go)
+    assert not early.is_error
+    status = text_of(early)
+    assert status["finished"] is False and status["status"] in ("approved", "running")
+    assert "same toolledger/tool_call_id" in status["message"]
+    assert not done.is_error and done.meta["toolledger/status"] == "succeeded"
+    ledger = Ledger(world.db)
+    try:
+        assert len(ledger.get(scope, "slow_1").executions) == 1
+    finally:
+        ledger.close()
+
+
+# ------------------------------------------------------------------------------ proxy
+
+
+def invocations(log: Path) -> list[dict[str, Any]]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def proxy_argv(*options: str) -> list[str]:
+    return ["proxy", *options, "--", sys.executable, UPSTREAM]
+
+
+def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
+    world: Stack, tmp_path: Path
+) -> None:
+    log = tmp_path / "upstream.log"
+    scope = scope_of("proxy")
+    meta = {ID: "call_1", SCOPE: scope}
+    refused = {ID: "call_2", SCOPE: scope}
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(world, *proxy_argv(), MCP_UPSTREAM_LOG=str(log)) as s:
+            out["tools"] = {t.name: t for t in (await s.list_tools()).tools}
+            out["first"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+            out["second"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+            out["refused"] = await s.call_tool("refuse", {}, meta=refused)
+        argv = proxy_argv("--idempotent", "charge")
+        async with mcp_server(world, *argv, MCP_UPSTREAM_LOG=str(log)) as s:
+            out["relisted"] = {t.name: t for t in (await s.list_tools()).tools}
+            out["later"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+            out["refused_again"] = await s.call_tool("refuse", {}, meta=refused)
+        return out
+
+    out = run_async(go)
+    assert set(out["tools"]) == {"charge", "slow_charge", "refuse", "crash"}
+    # the upstream hints that charge is idempotent; the proxy believes --idempotent only
+    assert out["tools"]["charge"].annotations.idempotent_hint is False
+    assert out["relisted"]["charge"].annotations.idempotent_hint is True
+    first = out["first"]
+    assert not first.is_error and first.content[0].text == "charged 5"
+    assert first.structured_content == {"charged": 5, "key": "charge:call_1"}
+    assert first.meta["toolledger/status"] == "succeeded"
+    assert out["second"] == first and out["later"] == first  # replayed, not forwarded
+    assert out["refused"].is_error and out["refused"].content[0].text == "no"
+    assert out["refused_again"] == out["refused"]
+    calls = invocations(log)
+    assert [c["tool"] for c in calls] == ["charge", "refuse"]  # once each, over six answers
+    assert calls[0]["meta"] == {"toolledger/idempotency_key": "charge:call_1"}
+    assert calls[0]["arguments"] == {"amount": 5}
+    ledger = Ledger(world.db)
+    try:
+        view = ledger.get(scope, "call_1")
+        (ex,) = view.executions
+        assert ex.status.value == "succeeded" and ex.worker_id.startswith("mcp-proxy@")
+        assert ex.result == {
+            "content": [{"type": "text", "text": "charged 5"}],
+            "isError": False,
+            "structuredContent": {"charged": 5, "key": "charge:call_1"},
+        }
+        assert ledger.get(scope, "call_2").operation.status.value == "failed"
+    finally:
+        ledger.close()
+
+
+def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forwarded_again(
+    world: Stack, tmp_path: Path
+) -> None:
+    log, release = tmp_path / "upstream.log", tmp_path / "release"
+    scope = scope_of("cut")
+    meta = {ID: "cut_1", SCOPE: scope}
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release)}
+    upstream_pids: list[int] = []
+
+    async def cut_off() -> dict[str, Any]:
+        outcome: dict[str, Any] = {}
+        async with mcp_server(world, *proxy_argv("--lease", "1"), **env) as s:
+
+            async def call() -> None:
+                try:
+                    outcome["result"] = await s.call_tool("slow_charge", {"amount": 7}, meta=meta)
+                except Exception as exc:  # noqa: BLE001 - the connection died with the proxy
+                    outcome["error"] = exc
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while not invocations(log):  # the upstream is running the call
+                        await anyio.sleep(0.05)
+                    (line,) = invocations(log)
+                    upstream_pids.append(line["pid"])
+                    os.kill(line["ppid"], signal.SIGKILL)  # the proxy, mid-forward
+        return outcome
+
+    async def ask_again(*options: str) -> Any:
+        async with mcp_server(world, *proxy_argv(*options), **env) as s:
+            return await s.call_tool("slow_charge", {"amount": 7}, meta=meta)
+
+    try:
+        outcome = run_async(cut_off)
+        assert "result" not in outcome  # no answer was invented for the host
+        ledger = Ledger(world.db)
+        try:
+            view = ledger.get(scope, "cut_1")
+            assert view.operation.status.value == "running"
+            # still running (its lease not yet expired, or not yet swept): not forwarded again
+            pending = run_async(ask_again, "--timeout", "0.5")
+            assert not pending.is_error and text_of(pending)["status"] == "running"
+            assert len(invocations(log)) == 1
+            time.sleep(1.5)  # past the 1 s lease
+            swept = cli(world, "--json", "sweep", sweep_grace="0")
+            assert swept.returncode == 0, swept.stderr
+            summary = json.loads(swept.stdout)
+            assert summary["marked_unknown"] >= 1 and not summary["errors"]
+            assert ledger.get(scope, "cut_1").operation.status.value == "unknown"
+            again = cli(world, "--json", "sweep", sweep_grace="0")
+            assert again.returncode == 0, again.stderr  # no reconciler guesses: still unknown
+            assert ledger.get(scope, "cut_1").operation.status.value == "unknown"
+
+            answer = run_async(ask_again)
+            assert not answer.is_error  # unknown is not a failure: it may have happened
+            assert text_of(answer)["status"] == "unknown"
+            assert text_of(answer)["message"] == UNKNOWN_MESSAGE
+            assert answer.meta["toolledger/status"] == "unknown"
+            assert len(invocations(log)) == 1  # never forwarded again
+            (ex,) = ledger.get(scope, "cut_1").executions
+            assert ex.status.value == "unknown" and ex.result is None
+
+            # for a human: retry needs the tool in a registry (refused, nothing changes);
+            # resolve does not, and its decision is what the next answer says
+            retry = cli(world, "retry", "--scope", scope, "--tool-call-id", "cut_1", "--by", "al")
+            assert retry.returncode == 4 and "unknown tool 'slow_charge'" in retry.stderr
+            resolved = cli(
+                world, "resolve", "--execution-id", ex.execution_id, "--as", "failed",
+                "--by", "al", "--evidence", "no charge upstream",
+            )  # fmt: skip
+            assert resolved.returncode == 0, resolved.stderr
+            decided = run_async(ask_again)
+            assert decided.is_error and decided.meta["toolledger/status"] == "failed"
+            assert decided.meta["toolledger/reconciled"] is True
+            assert len(invocations(log)) == 1
+        finally:
+            ledger.close()
+        verify = cli(world, "verify")
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+    finally:
+        release.touch()  # the orphaned upstream finishes (its answer has nowhere to go)
+        for pid in upstream_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_proxy__an_upstream_that_dies_mid_call_leaves_it_unknown_and_stops_the_proxy(
+    world: Stack, tmp_path: Path
+) -> None:
+    log = tmp_path / "upstream.log"
+    scope = scope_of("crash")
+    meta = {ID: "crash_1", SCOPE: scope}
+    errlog = world.root / "mcp-stderr.log"
+    before = errlog.read_text() if errlog.exists() else ""
+
+    async def crash() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(world, *proxy_argv(), MCP_UPSTREAM_LOG=str(log)) as s:
+            try:
+                out["result"] = await s.call_tool("crash", {}, meta=meta)
+            except MCPError as exc:  # the proxy stopped before it could answer
+                out["error"] = exc
+        return out
+
+    async def ask_again() -> Any:
+        async with mcp_server(world, *proxy_argv(), MCP_UPSTREAM_LOG=str(log)) as s:
+            return await s.call_tool("crash", {}, meta=meta)
+
+    out = run_async(crash)
+    if "result" in out:  # answered before the proxy stopped: the unknown receipt
+        assert out["result"].meta["toolledger/status"] == "unknown"
+    said = (errlog.read_text() if errlog.exists() else "")[len(before) :]
+    assert "exited; the proxy stops with it" in said
+    answer = run_async(ask_again)
+    assert not answer.is_error and text_of(answer)["status"] == "unknown"
+    assert [c["tool"] for c in invocations(log)] == ["crash"]  # never forwarded again
+    ledger = Ledger(world.db)
+    try:
+        (ex,) = ledger.get(scope, "crash_1").executions
+        assert ex.status.value == "unknown"
+        (marked,) = [e for e in ledger.events(scope, "crash_1") if e.kind == "unknown"]
+        assert "upstream gave no result" in marked.detail["reason"]
+        assert marked.actor.startswith("mcp-proxy@")  # the proxy said so at once, no sweep
+    finally:
+        ledger.close()
+
+
+def test_proxy__refuses_upstream_tools_it_cannot_record(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
+    env.update(
+        TOOLLEDGER_HOME=str(tmp_path / "home"),
+        MCP_UPSTREAM_LOG=str(tmp_path / "upstream.log"),
+    )
+
+    def run(*argv: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*toolledger_argv(), "mcp", *argv],
+            env={**env, **extra},
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    bad = run(*proxy_argv(), MCP_UPSTREAM_BAD_NAME="1")
+    assert bad.returncode == 2, bad.stderr
+    assert "'bad.name' is not a toolledger tool name" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    unknown = run(*proxy_argv("--idempotent", "nope"))
+    assert unknown.returncode == 2 and "--idempotent 'nope'" in unknown.stderr
+    missing = run("proxy", "--", str(tmp_path / "no-such-server"))
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert not (tmp_path / "upstream.log").exists()  # nothing was called
+
+
+# ------------------------------------------------------------------------------ the rest
+
+
+def test_cli__help_does_not_import_mcp() -> None:
+    code = (
+        "import sys\n"
+        "from toolledger.cli import cli\n"
+        "try:\n    cli.main(['--help'], standalone_mode=False)\n"
+        "except SystemExit:\n    pass\n"
+        "assert not [m for m in sys.modules if m == 'mcp' or m.startswith('mcp.')], 'mcp loaded'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert " mcp " in done.stdout
+    sub = subprocess.run(
+        [*toolledger_argv(), "mcp", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert "serve" in sub.stdout and "proxy" in sub.stdout
+
+
+def test_example_mcp_session__runs_then_replays_without_running_again(world: Stack) -> None:
+    scope = scope_of("example")
+    argv = [sys.executable, str(ROOT / "examples" / "mcp_session.py"), "--scope", scope]
+    first = subprocess.run(
+        argv, env=world.env(), capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out["replayed"] is True and out["first"]["isError"] is False
+    assert out["tools"]["append_file"]["destructiveHint"] is True
+    again = subprocess.run(
+        argv, env=world.env(), capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert again.returncode == 0 and again.stdout == first.stdout  # the same answers
+    assert (world.sandbox / scope / "notes.txt").read_text() == "hello from MCP\n"  # once

@@ -1,0 +1,135 @@
+"""What ``serve`` and ``proxy`` share: which call a request is, and how a receipt is told.
+
+A call's identity comes from the wire, so every part of it goes through the ledger's input
+rules (``toolledger.ledger.inputs``) before anything is recorded; a refusal is answered as a
+tool error (``isError``, one line), never a crash of the server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mcp.types as types
+
+from toolledger.ledger.errors import InvalidIdentifier
+from toolledger.ledger.identity import check_scope, check_text_id
+from toolledger.ledger.records import Receipt
+from toolledger.mcp import (
+    META_EXECUTION_ID,
+    META_RECONCILED,
+    META_SCOPE,
+    META_STATUS,
+    META_TOOL_CALL_ID,
+)
+
+#: Longest tool_call_id accepted (as on the command line).
+MAX_TOOL_CALL_ID = 256
+
+
+def new_session() -> str:
+    """A name for this server's one stdio session: the default scope is ``mcp-<session>``."""
+    return secrets.token_hex(6)
+
+
+@dataclass(frozen=True)
+class CallIdentity:
+    """Where a call is recorded: its scope and its tool_call_id."""
+
+    scope: str
+    tool_call_id: str
+
+
+def call_identity(
+    meta: Mapping[str, Any] | None,
+    request_id: int | str | None,
+    *,
+    scope: str,
+    session: str,
+) -> CallIdentity:
+    """The call a ``tools/call`` request is: ``_meta["toolledger/tool_call_id"]`` if given,
+    else ``rpc-<session>-<request id>`` — JSON-RPC ids are unique only within one connection
+    (clients count from 0 again on each), so the session makes them unique across
+    connections; ``_meta["toolledger/scope"]`` if given, else ``scope``.
+
+    Raises InputError (nothing recorded) for an id or scope outside the input rules."""
+    raw_id = meta.get(META_TOOL_CALL_ID) if meta else None
+    if raw_id is None:
+        if request_id is None:
+            raise InvalidIdentifier(f"tool_call_id: no _meta {META_TOOL_CALL_ID!r}, no request id")
+        raw_id = f"rpc-{session}-{request_id}"
+    tool_call_id = check_text_id(raw_id, "tool_call_id", MAX_TOOL_CALL_ID)
+    raw_scope = meta.get(META_SCOPE) if meta else None
+    return CallIdentity(check_scope(scope if raw_scope is None else raw_scope), tool_call_id)
+
+
+def one_line(message: str) -> str:
+    """An error as one printable line, whatever it quotes."""
+    text = " ".join(str(message).split())
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_result(message: str) -> types.CallToolResult:
+    """A refusal the model can read: nothing was recorded, nothing ran."""
+    return types.CallToolResult(
+        content=[types.TextContent(text=one_line(message))],
+        is_error=True,
+    )
+
+
+def receipt_meta(receipt: Receipt) -> dict[str, Any]:
+    """The result's ``_meta``: which call this is and how it stands."""
+    return {
+        META_SCOPE: receipt.scope,
+        META_TOOL_CALL_ID: receipt.tool_call_id,
+        META_STATUS: receipt.status.value,
+        META_EXECUTION_ID: receipt.execution_id,
+        META_RECONCILED: receipt.reconciled,
+    }
+
+
+def receipt_result(receipt: Receipt) -> types.CallToolResult:
+    """A receipt as the tool result: its text, and ``isError`` as the receipt says (an
+    ``unknown`` receipt is not an error: it says the effect may have happened)."""
+    return types.CallToolResult(
+        content=[types.TextContent(text=receipt.text)],
+        structured_content=receipt.content,
+        is_error=receipt.is_error,
+        _meta=receipt_meta(receipt),
+    )
+
+
+def pending_result(ident: CallIdentity, status: str) -> types.CallToolResult:
+    """No receipt yet: the call's status, never an invented result. Not an error: the call
+    goes on, and the same tool_call_id later gets its receipt."""
+    content = {
+        "status": status,
+        "finished": False,
+        "message": (
+            f"This tool call has not finished yet: it is {status}. No result is available "
+            "now. Call the tool again with the same toolledger/tool_call_id to get its "
+            "result; it will not run again."
+        ),
+    }
+    return types.CallToolResult(
+        content=[types.TextContent(text=json.dumps(content, ensure_ascii=False))],
+        structured_content=content,
+        is_error=False,
+        _meta={
+            META_SCOPE: ident.scope,
+            META_TOOL_CALL_ID: ident.tool_call_id,
+            META_STATUS: status,
+        },
+    )
+
+
+def log_to_stderr(level: int = logging.WARNING) -> None:
+    """stdout is the protocol's: every log line goes to stderr (the host's log)."""
+    logging.basicConfig(
+        stream=sys.stderr, level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )

@@ -1,0 +1,537 @@
+"""``toolledger mcp proxy -- COMMAND``: another MCP server's tools, each call at most once.
+
+The proxy starts the upstream server as its child (stdio), lists its tools once, and serves
+them over its own stdio. A ``tools/call`` goes through the ledger as a worker's job would:
+
+1. **submit**, approved by ``approved_by`` (the MCP host decided before sending it): the
+   same call again (same scope and tool_call_id) finds the record, never a second one;
+2. **claim** under a lease, by this process (``running`` is committed before anything is
+   sent upstream); only the claim's winner forwards, so a call is forwarded at most once
+   per authorised attempt, whoever asks and however often;
+3. **forward** upstream with the idempotency key in ``_meta["toolledger/idempotency_key"]``,
+   renewing the lease every lease/3 while it runs;
+4. **finish** with the upstream's ``CallToolResult`` serialised as the result (``succeeded``,
+   or ``failed`` when it says ``isError``); an upstream that answers with a protocol error
+   or breaks the connection instead leaves the call ``unknown``: whether the tool ran
+   cannot be told from here.
+
+Every answer is the call's receipt, rebuilt from the ledger: the first answer and every
+replay are the same. A proxy killed mid-forward leaves its execution ``running``; once its
+lease expires the sweep marks it ``unknown`` (no reconciler knows an upstream tool, so it
+stays there for a human: ``toolledger resolve``), and the same call asked again is answered
+with that unknown receipt — it is never forwarded again.
+
+Upstream tools are not in the registry: the ledger and the sweep need nothing from it for
+them (an unknown tool has no reconciler and no fence, so its unknown calls wait for a human).
+A worker that is handed one (the sweep re-publishes approved work nobody claimed, e.g. after
+a proxy died between submit and claim) ends it ``failed`` without running anything: the
+worker does not know the tool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import AsyncIterable, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import mcp.types as types
+import pydantic
+import sqlalchemy as sa
+from anyio.streams.memory import MemoryObjectSendStream
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
+
+from toolledger.client import AsyncClient, ReceiptTimeout
+from toolledger.config import ConfigError, Settings
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import InputError, LedgerError, StaleFence
+from toolledger.ledger.identity import check_scope, check_text_id, check_tool_name
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.records import Claim, Receipt
+from toolledger.ledger.transitions import Status
+from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY
+from toolledger.mcp.common import (
+    call_identity,
+    error_result,
+    log_to_stderr,
+    new_session,
+    one_line,
+    pending_result,
+    receipt_meta,
+    receipt_result,
+)
+
+log = logging.getLogger("toolledger.mcp")
+T = TypeVar("T")
+
+#: How many times a terminal write is tried after a database error, and the first pause.
+RECORD_TRIES = 6
+RECORD_BACKOFF_SECONDS = 0.2
+
+_TOOL_NAME = "1-64 of [A-Za-z0-9_-]"
+
+
+class UpstreamError(Exception):
+    """The upstream server could not be started, initialised or listed."""
+
+
+def upstream_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the upstream server starts with: the proxy's own, without the
+    ``TOOLLEDGER_*`` settings (a ledger URL may hold a password; the upstream needs none)."""
+    env = base if base is not None else dict(os.environ)
+    return {k: v for k, v in env.items() if not k.startswith("TOOLLEDGER_")}
+
+
+def refusal(tools: Sequence[types.Tool], idempotent: set[str]) -> str | None:
+    """Why the proxy cannot serve these upstream tools (None: it can). A name the ledger
+    cannot record is refused, not mapped: a mapped name would differ from the one the model
+    was told and the one the upstream's own logs show."""
+    names = [t.name for t in tools]
+    bad = [n for n in names if not _valid_name(n)]
+    if bad:
+        return (
+            f"upstream tool name {bad[0]!r} is not a toolledger tool name ({_TOOL_NAME})"
+            + (f", nor are {len(bad) - 1} more" if len(bad) > 1 else "")
+            + ": the proxy cannot record its calls"
+        )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return f"the upstream lists the tool {twice[0]!r} more than once"
+    unknown = sorted(idempotent - set(names))
+    if unknown:
+        return f"--idempotent {unknown[0]!r}: the upstream has no such tool"
+    return None
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_tool_name(name)
+    except InputError:
+        return False
+    return True
+
+
+def stored_result(result: types.CallToolResult) -> dict[str, Any]:
+    """The upstream's result as the ledger keeps it: the ``CallToolResult``'s wire fields
+    (``content``, ``structuredContent``, ``isError``). A result outside the ledger's input
+    rules (a lone surrogate, an integer past 64 bits) is kept as a note saying so."""
+    content = [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content]
+    stored: dict[str, Any] = {"content": content, "isError": result.is_error}
+    if result.structured_content is not None:
+        stored["structuredContent"] = result.structured_content
+    try:
+        inputs.check_value(stored, "upstream result")
+    except InputError as exc:
+        note = f"the upstream's result could not be recorded as it was: {exc}"
+        stored = {"content": [{"type": "text", "text": note}], "isError": result.is_error}
+    return stored
+
+
+def reply(receipt: Receipt) -> types.CallToolResult:
+    """The answer for a receipt: the upstream's own result rebuilt when the receipt holds one,
+    else the receipt's text (unknown, rejected, a human's resolution)."""
+    content = receipt.content
+    if receipt.status in (Status.SUCCEEDED, Status.FAILED) and isinstance(
+        content.get("content"), list
+    ):
+        try:
+            rebuilt = types.CallToolResult.model_validate(
+                {
+                    "content": content["content"],
+                    "structuredContent": content.get("structuredContent"),
+                    "isError": receipt.is_error,
+                    "_meta": receipt_meta(receipt),
+                }
+            )
+        except pydantic.ValidationError:
+            pass
+        else:
+            return rebuilt
+    return receipt_result(receipt)
+
+
+class Proxy:
+    """The handlers of the proxy's own server, and the forwards it runs."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        ledger: Ledger,
+        upstream: ClientSession,
+        tools: Sequence[types.Tool],
+        forwards: anyio.abc.TaskGroup,
+        gone: anyio.Event,
+        *,
+        scope: str,
+        session: str,
+        approved_by: str,
+        idempotent: set[str],
+        lease: float,
+        timeout: float,
+    ) -> None:
+        self.client, self.ledger, self.upstream = client, ledger, upstream
+        self.forwards, self.gone = forwards, gone
+        self.scope, self.session, self.approved_by = scope, session, approved_by
+        self.idempotent, self.lease, self.timeout = idempotent, lease, timeout
+        self.tools = {t.name: self._relisted(t) for t in tools}
+        self.worker_id = f"mcp-proxy@{socket.gethostname()}:{os.getpid()}"
+
+    def _relisted(self, tool: types.Tool) -> types.Tool:
+        """The upstream tool as the proxy lists it: idempotent only if ``--idempotent`` says
+        so (the upstream's hints are hints)."""
+        hints = tool.annotations or types.ToolAnnotations()
+        idempotent = tool.name in self.idempotent
+        return tool.model_copy(
+            update={"annotations": hints.model_copy(update={"idempotent_hint": idempotent})}
+        )
+
+    def server(self) -> Server[Any]:
+        return Server(
+            "toolledger-proxy",
+            version=_version(),
+            on_list_tools=self.list_tools,
+            on_call_tool=self.call_tool,
+        )
+
+    async def _db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs))
+
+    # ------------------------------------------------------------------ handlers
+
+    async def list_tools(
+        self, _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=list(self.tools.values()))
+
+    async def call_tool(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        if params.name not in self.tools:
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
+        self._check_upstream()
+        try:
+            ident = call_identity(
+                params.meta, ctx.request_id, scope=self.scope, session=self.session
+            )
+            args = inputs.check_value(params.arguments or {}, "arguments")
+            submitted = await self._db(
+                self.ledger.submit,
+                ident.scope,
+                ident.tool_call_id,
+                params.name,
+                args,
+                approved_by=self.approved_by,
+                actor="mcp-proxy",
+            )
+        except LedgerError as exc:  # input refused, a conflict: nothing recorded
+            return error_result(str(exc))
+        except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
+            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        op = submitted.operation
+        try:
+            if op.status is Status.APPROVED:
+                self._check_upstream()  # recorded, not claimed: the next proxy sends it
+                claim = await self._db(
+                    self.ledger.claim,
+                    op.scope,
+                    op.idempotency_key,
+                    op.authorized_attempts,
+                    worker_id=self.worker_id,
+                    lease_seconds=self.lease,
+                )
+                if claim is not None:  # ours: forwarded once, in the background, so that
+                    self.forwards.start_soon(self._forward, claim)  # a timeout stops no one
+            receipt = await self.client.wait(ident.scope, ident.tool_call_id, timeout=self.timeout)
+        except ReceiptTimeout as exc:
+            return pending_result(ident, exc.status)
+        except sa.exc.SQLAlchemyError as exc:
+            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        return reply(receipt)
+
+    def _check_upstream(self) -> None:
+        if self.gone.is_set():
+            raise MCPError(
+                types.INTERNAL_ERROR, "the upstream server has exited: nothing was sent to it"
+            )
+
+    # ------------------------------------------------------------------ the forward
+
+    async def _forward(self, claim: Claim) -> None:
+        """Send the claimed call upstream once and record what came back."""
+        request = types.CallToolRequest(
+            params=types.CallToolRequestParams(
+                name=claim.tool,
+                arguments=claim.args,
+                _meta={META_IDEMPOTENCY_KEY: claim.idempotency_key},
+            )
+        )
+        result: types.CallToolResult | None = None
+        failure = ""
+        async with anyio.create_task_group() as leases:
+            leases.start_soon(self._keep_lease, claim)
+            try:
+                result = await self.upstream.send_request(request, types.CallToolResult)
+            except Exception as exc:  # noqa: BLE001 - no result: whether it ran is unknown
+                failure = one_line(f"{type(exc).__name__}: {exc}")
+            leases.cancel_scope.cancel()
+        if result is None:
+            log.warning(
+                "%s: the upstream gave no result (%s): unknown", claim.execution_id, failure
+            )
+            await self._record(claim, Status.UNKNOWN, None, f"upstream gave no result: {failure}")
+        else:
+            status = Status.FAILED if result.is_error else Status.SUCCEEDED
+            error = "the upstream tool reported an error" if result.is_error else None
+            await self._record(claim, status, stored_result(result), error)
+
+    async def _keep_lease(self, claim: Claim) -> None:
+        """Renew the claim's lease every lease/3 by the database clock while it runs. A lease
+        found lost (the sweep declared the call unknown: this process was frozen or cut off)
+        cannot stop a request already sent; its result will be recorded as evidence."""
+        while True:
+            await anyio.sleep(self.lease / 3)
+            try:
+                ours = await self._db(
+                    self.ledger.renew_lease, claim.execution_id, claim.lease_token, self.lease
+                )
+            except sa.exc.SQLAlchemyError as exc:
+                log.warning("lease renewal of %s failed: %s", claim.execution_id, _db_error(exc))
+                continue
+            if not ours:
+                log.warning("lease of %s lost while its forward runs", claim.execution_id)
+                return
+
+    async def _record(
+        self, claim: Claim, status: Status, result: dict[str, Any] | None, error: str | None
+    ) -> None:
+        """The terminal write, fenced by the lease token; after a database error the row is
+        read again before another try (a commit may succeed while the client sees it fail).
+        Revoked meanwhile: the result is kept as evidence (it reconciles an unknown call)."""
+        pause = RECORD_BACKOFF_SECONDS
+        for tries_left in range(RECORD_TRIES - 1, -1, -1):
+            try:
+                await self._db(self._write, claim, status, result, error)
+                return
+            except StaleFence:
+                break
+            except sa.exc.SQLAlchemyError as exc:
+                log.warning("terminal write of %s failed: %s", claim.execution_id, _db_error(exc))
+            if not tries_left:
+                log.error(
+                    "could not record %s of %s (result %s): it stays running until the sweep "
+                    "marks it unknown",
+                    status.value,
+                    claim.execution_id,
+                    result,
+                )
+                return
+            await anyio.sleep(pause)
+            pause *= 2
+            try:
+                state = await self._db(self.ledger.effect_states, [claim.execution_id])
+            except sa.exc.SQLAlchemyError:
+                continue
+            found = state.get(claim.execution_id)
+            if found is not None and found.status is not Status.RUNNING:
+                if found.status is status and not found.reconciled:
+                    return  # the earlier try committed
+                break
+        await self._late(claim, status, result, error)
+
+    def _write(
+        self, claim: Claim, status: Status, result: dict[str, Any] | None, error: str | None
+    ) -> None:
+        if status is Status.UNKNOWN:
+            self.ledger.mark_unknown(
+                claim.execution_id,
+                reason=error or "outcome unknown",
+                actor=self.worker_id,
+                lease_token=claim.lease_token,
+            )
+            return
+        assert result is not None
+        self.ledger.finish(claim.execution_id, claim.lease_token, status, result, error=error)
+
+    async def _late(
+        self, claim: Claim, status: Status, result: dict[str, Any] | None, error: str | None
+    ) -> None:
+        proves = status if status is not Status.UNKNOWN else None
+        detail: dict[str, Any] = {
+            "late_result": result,
+            "status": status.value,
+            "error": error,
+            "worker_id": self.worker_id,
+            "attempt": claim.attempt,
+            "staged": [],
+            "landed": False,
+            "proves": proves.value if proves else None,
+            "idempotent": claim.tool in self.idempotent,
+        }
+        log.warning("%s was revoked: its result is kept as evidence", claim.execution_id)
+        try:
+            await self._db(
+                self.ledger.record_late_result,
+                claim.execution_id,
+                detail,
+                actor=self.worker_id,
+                outcome=proves,
+                idempotent=claim.tool in self.idempotent,
+            )
+        except sa.exc.SQLAlchemyError as exc:
+            log.error(
+                "late result of %s not recorded (%s): %s",
+                claim.execution_id,
+                _db_error(exc),
+                detail,
+            )
+
+
+def _db_error(exc: sa.exc.SQLAlchemyError) -> str:
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return one_line(f"ledger unavailable: {detail[0] if detail else type(exc).__name__}")
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("toolledger")
+
+
+async def _list_all(upstream: ClientSession) -> list[types.Tool]:
+    tools: list[types.Tool] = []
+    cursor: str | None = None
+    while True:
+        params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
+        page = await upstream.list_tools(params=params)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
+def _only(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) single-member exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _relay(
+    source: AsyncIterable[SessionMessage | Exception],
+    sink: MemoryObjectSendStream[SessionMessage | Exception],
+    gone: anyio.Event,
+) -> None:
+    """Pass the upstream's messages on to its session; set ``gone`` when its stdout ends (it
+    exited): from then on the proxy sends it nothing (see ``Proxy.call_tool``)."""
+    try:
+        async with sink:
+            async for item in source:
+                await sink.send(item)
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+        pass
+    finally:
+        gone.set()
+
+
+async def proxy(
+    settings: Settings,
+    command: Sequence[str],
+    *,
+    scope: str | None = None,
+    approved_by: str = "mcp",
+    idempotent: Sequence[str] = (),
+    lease: float | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Start ``command`` as the upstream MCP server and serve its tools over stdio, every call
+    through the ledger, until the host closes stdin (in-flight forwards are finished and
+    recorded first) or the upstream exits (then UpstreamError: a proxy without its upstream
+    stops, so that the host sees it and starts it again).
+
+    Raises ConfigError (exit 2) for upstream tools the proxy cannot serve, UpstreamError when
+    the upstream does not start, answer, or stay."""
+    log_to_stderr()
+    if not command:
+        raise ConfigError("no upstream command: toolledger mcp proxy -- COMMAND [ARGS...]")
+    check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
+    lease = settings.lease_seconds if lease is None else lease
+    if not lease > 0:
+        raise ConfigError(f"--lease must be positive, not {lease}")
+    session = new_session()
+    default_scope = check_scope(scope if scope is not None else f"mcp-{session}")
+    params = StdioServerParameters(command=command[0], args=list(command[1:]), env=upstream_env())
+    client = AsyncClient(settings)  # waits for receipts
+    # the executor's side: every statement, lock wait and connect bounded, as a worker's are,
+    # so that a hung connection cannot hold a renewal or a terminal write past the lease
+    ledger = Ledger(
+        settings.db, max_args_bytes=settings.max_args_bytes, timeout=settings.db_timeout
+    )
+    problem: str | None = None
+    exited = False
+    gone = anyio.Event()
+    try:
+        async with stdio_client(params) as (up_read, up_write), anyio.create_task_group() as pipe:
+            sink, relayed = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+            pipe.start_soon(_relay, up_read, sink, gone)
+            async with ClientSession(relayed, up_write) as upstream:
+                try:
+                    await upstream.initialize()
+                    tools = await _list_all(upstream)
+                except Exception as exc:  # noqa: BLE001 - reported as the upstream's failure
+                    raise UpstreamError(f"upstream {command[0]!r} did not answer: {exc}") from None
+                problem = refusal(tools, set(idempotent))
+                if problem is None:
+                    async with anyio.create_task_group() as forwards:
+                        handlers = Proxy(
+                            client,
+                            ledger,
+                            upstream,
+                            tools,
+                            forwards,
+                            gone,
+                            scope=default_scope,
+                            session=session,
+                            approved_by=approved_by,
+                            idempotent=set(idempotent),
+                            lease=lease,
+                            timeout=timeout,
+                        )
+                        exited = await _serve(handlers.server(), gone)
+            pipe.cancel_scope.cancel()
+    except BaseException as exc:  # anyio wraps what its task groups raise
+        inner = _only(exc)
+        if isinstance(inner, UpstreamError | ConfigError | OSError) and inner is not exc:
+            raise inner from None
+        raise
+    finally:
+        await client.close()
+        ledger.close()
+    if problem is not None:
+        raise ConfigError(problem)
+    if exited:
+        raise UpstreamError(f"the upstream server {command[0]!r} exited; the proxy stops with it")
+
+
+async def _serve(server: Server[Any], gone: anyio.Event) -> bool:
+    """Serve over stdio until the host closes stdin (False) or the upstream exits (True)."""
+    async with stdio_server() as (read, write), anyio.create_task_group() as serving:
+
+        async def stop_when_gone() -> None:
+            await gone.wait()
+            serving.cancel_scope.cancel()
+
+        serving.start_soon(stop_when_gone)
+        await server.run(read, write, server.create_initialization_options())
+        serving.cancel_scope.cancel()
+    return gone.is_set()

@@ -1,0 +1,159 @@
+"""``toolledger mcp serve``: the registered tools as a stdio MCP server, every call through the
+ledger.
+
+A ``tools/call`` is submitted approved by the server's ``approved_by`` (the MCP host decides
+whether a call may run — its own approval prompt, its policy — before it sends it; this
+server records who let it through), executed by the workers like any other call, and
+answered with its receipt: the same receipt every time the same call is asked for, so a
+host that retries after a crash or a timeout gets the result back instead of a second
+effect. A call still running when ``timeout`` runs out is answered with its status, not an
+error and not an invented result; it goes on, and asking again gets its receipt.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import version
+from typing import Any
+
+import mcp.types as types
+import sqlalchemy as sa
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+
+from toolledger.client import AsyncClient, ReceiptTimeout
+from toolledger.config import Settings
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import LedgerError
+from toolledger.ledger.identity import check_scope, check_text_id
+from toolledger.mcp import DEFAULT_TIMEOUT, META_SCOPE, META_TOOL_CALL_ID
+from toolledger.mcp.common import (
+    call_identity,
+    error_result,
+    log_to_stderr,
+    new_session,
+    one_line,
+    pending_result,
+    receipt_result,
+)
+from toolledger.registry import load_registry
+from toolledger.tools import Registry, Tool
+
+log = logging.getLogger("toolledger.mcp")
+
+INSTRUCTIONS = (
+    "Every tool call runs at most once through the toolledger ledger. Send "
+    f"_meta[{META_TOOL_CALL_ID!r}] with the model's tool call id (and optionally "
+    f"_meta[{META_SCOPE!r}]): calling again with the same id returns the same result instead "
+    "of running the tool again. A result that says it has not finished is not a failure: "
+    "ask again with the same id."
+)
+
+
+def hints(tool: Tool) -> types.ToolAnnotations:
+    """The tool's contract as MCP hints: read-only, idempotent, and destructive when it is
+    neither; a sandboxed tool touches nothing outside its scope's sandbox (a closed world)."""
+    return types.ToolAnnotations(
+        read_only_hint=tool.read_only,
+        idempotent_hint=tool.idempotent,
+        destructive_hint=not tool.read_only and not tool.idempotent,
+        open_world_hint=False if tool.sandboxed else None,
+    )
+
+
+def mcp_tool(tool: Tool) -> types.Tool:
+    """A registered tool as ``tools/list`` lists it: its pydantic schema, its contract."""
+    return types.Tool(
+        name=tool.name,
+        description=tool.description,
+        input_schema=tool.json_schema(),
+        annotations=hints(tool),
+    )
+
+
+def build_server(
+    client: AsyncClient,
+    registry: Registry,
+    *,
+    scope: str,
+    session: str,
+    approved_by: str,
+    timeout: float,
+) -> Server[Any]:
+    """The MCP server: ``tools/list`` from ``registry``, ``tools/call`` through ``client``."""
+    listed = types.ListToolsResult(tools=[mcp_tool(t) for t in registry])
+
+    async def list_tools(
+        _ctx: ServerRequestContext[Any], _params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return listed
+
+    async def call_tool(
+        ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        if params.name not in registry:
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
+        try:
+            ident = call_identity(params.meta, ctx.request_id, scope=scope, session=session)
+            args = inputs.check_value(params.arguments or {}, "arguments")
+            handle = await client.submit(
+                ident.scope, ident.tool_call_id, params.name, args, approved_by=approved_by
+            )
+        except LedgerError as exc:  # input refused, a conflict: nothing recorded
+            return error_result(str(exc))
+        except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
+            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        try:
+            receipt = await handle.result(timeout=timeout)
+        except ReceiptTimeout as exc:
+            return pending_result(ident, exc.status)
+        except sa.exc.SQLAlchemyError as exc:
+            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        return receipt_result(receipt)
+
+    return Server(
+        "toolledger",
+        version=version("toolledger"),
+        instructions=INSTRUCTIONS,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+def _db_error(exc: sa.exc.SQLAlchemyError) -> str:
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return one_line(f"ledger unavailable: {detail[0] if detail else type(exc).__name__}")
+
+
+async def serve(
+    settings: Settings,
+    *,
+    scope: str | None = None,
+    approved_by: str = "mcp",
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Serve the registered tools over stdio until the host closes stdin.
+
+    ``scope``: where calls without ``_meta["toolledger/scope"]`` go (None: ``mcp-<session>``,
+    one scope per server process, i.e. per host connection)."""
+    log_to_stderr()
+    registry = load_registry(settings.tools)  # a tool module that does not load: exit 2
+    check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
+    session = new_session()
+    default_scope = check_scope(scope if scope is not None else f"mcp-{session}")
+    client = AsyncClient(settings)
+    try:
+        server = build_server(
+            client,
+            registry,
+            scope=default_scope,
+            session=session,
+            approved_by=approved_by,
+            timeout=timeout,
+        )
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+    finally:
+        await client.close()
