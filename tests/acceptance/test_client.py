@@ -198,14 +198,13 @@ def test_example_agent_loop__runs_then_replays_without_running_again(
     assert log.read_text() == "checked\n"  # appended once across both runs
 
 
+@pytest.mark.parametrize("world", ["postgres"], indirect=True)  # LISTEN/NOTIFY is Postgres's
 def test_listener__a_killed_listen_connection_reconnects_and_misses_nothing(
     world: Stack,
 ) -> None:
     """Postgres: the listener's connection is terminated while a call is waited for and
     finishes; the reconnect wakes every waiter to look, so the receipt is not left to the
     fallback read."""
-    if not world.db.startswith("postgresql"):
-        pytest.skip("LISTEN/NOTIFY is Postgres's; the embedded doorbell has no connection")
     import sqlalchemy as sa
 
     from toolledger.client import LISTENER_NAME
