@@ -45,6 +45,9 @@ T = TypeVar("T")
 
 #: Seconds between a waiter's re-reads when nothing woke it (insurance, not the mechanism).
 FALLBACK_POLL = 10.0
+#: Seconds between re-reads when no wake-up can come at all (``Notifier.unavailable``), or
+#: while the database does not answer.
+UNAVAILABLE_POLL = 0.05
 #: The channel the receipt trigger notifies (migration 0003).
 CHANNEL = "toolledger_receipts"
 #: The listener's application_name in pg_stat_activity.
@@ -101,6 +104,8 @@ class Notifier:
         self.woken = 0
         #: Seconds before the first reconnect of a lost listener (then doubling, up to 5).
         self.reconnect_pause = 0.2
+        #: No wake-ups can come (an in-memory database, no bell directory): waiters poll.
+        self.unavailable = False
 
     @property
     def postgres(self) -> bool:
@@ -115,7 +120,7 @@ class Notifier:
                     target=target, name="toolledger-notify", daemon=True
                 )
                 self._thread.start()
-        return self._ready.wait(wait)
+        return self._ready.wait(wait) and not self.unavailable
 
     @contextlib.contextmanager
     def watch(self, key: Key, wake: Callable[[], None]) -> Iterator[None]:
@@ -179,9 +184,16 @@ class Notifier:
         import sqlalchemy as sa
 
         database = sa.make_url(self.url).database
-        if not database or database == ":memory:":
-            return  # one process: nobody else can write a receipt; the fallback read does
-        with doorbell.Doorbell(doorbell.bell_dir(database)) as bell:
+        try:
+            if not database or database == ":memory:":
+                raise OSError("an in-memory database has no bell directory")
+            bell = doorbell.Doorbell(doorbell.bell_dir(database))
+        except OSError as exc:
+            log.warning("no wake-ups (%s): waiters poll every %s s", exc, UNAVAILABLE_POLL)
+            self.unavailable = True
+            self._ready.set()
+            return
+        with bell:
             self._ready.set()
             while not self._stop.is_set():
                 for payload in bell.wait(1.0):
@@ -362,12 +374,28 @@ class Client:
                     self.stats.add("timeouts")
                     status = view.operation.status.value
                     raise ReceiptTimeout(scope, tool_call_id, status, time.monotonic() - started)
-                wait = self.poll_interval if left is None else min(left, self.poll_interval)
+                wait = self._interval(left)
                 by_poll = not rung.wait(wait)
                 rung.clear()
                 if by_poll:
                     self.stats.add("fallback_reads")
-                view = self.ledger.get(scope, tool_call_id)
+                view = self._reread(view, scope, tool_call_id)
+
+    def _interval(self, left: float | None) -> float:
+        poll = UNAVAILABLE_POLL if self.notifier.unavailable else self.poll_interval
+        return poll if left is None else max(0.0, min(left, poll))
+
+    def _reread(self, view: CallView, scope: str, tool_call_id: str) -> CallView:
+        """The call again; while the database does not answer (a restart, a failover) the
+        wait goes on with what it knew, until its timeout."""
+        import sqlalchemy as sa
+
+        try:
+            return self.ledger.get(scope, tool_call_id)
+        except sa.exc.OperationalError as exc:
+            log.warning("waiting for %s/%s: %s", scope, tool_call_id, str(exc.orig).strip())
+            time.sleep(min(1.0, self.poll_interval))
+            return view
 
     def run_turn(
         self,
@@ -485,15 +513,14 @@ class AsyncClient:
                     sync.stats.add("timeouts")
                     status = view.operation.status.value
                     raise ReceiptTimeout(scope, tool_call_id, status, loop.time() - started)
-                wait = sync.poll_interval if left is None else min(left, sync.poll_interval)
                 try:
-                    await asyncio.wait_for(rung.wait(), wait)
+                    await asyncio.wait_for(rung.wait(), sync._interval(left))
                     by_poll = False
                 except TimeoutError:
                     by_poll = True
                     sync.stats.add("fallback_reads")
                 rung.clear()
-                view = await self._run(sync.ledger.get, scope, tool_call_id)
+                view = await self._run(sync._reread, view, scope, tool_call_id)
 
     async def run_turn(
         self,
