@@ -557,6 +557,14 @@ class Effects:
 
     # ------------------------------------------------------------------ settling
 
+    def has_pending(self) -> bool:
+        """Anything staged or spooled that a settle could act on (one directory listing)."""
+        try:
+            with os.scandir(self.pending_dir) as entries:
+                return any(not e.name.endswith(".refused") for e in entries)
+        except FileNotFoundError:
+            return False
+
     def settle(self, ledger: Ledger, *, actor: str = "settle") -> Landing:
         """Finish what crashes and freezes left: record spooled results, land committed
         effects, drop revoked ones. Leaves alone what is still running. Never runs a tool."""

@@ -515,9 +515,19 @@ class Executor:
     def run_read_only(
         self, scope: str, tool: Tool, args: dict[str, Any]
     ) -> tuple[Status, dict[str, Any] | None]:
-        """A read-only tool runs at once: no approval, no claim, nothing recorded."""
+        """A read-only tool runs at once: no approval, no claim, nothing recorded.
+
+        It reads what the ledger says happened: effects already committed but not yet landed
+        (a receipt is given at the commit; the bytes move a moment later, or after a crash at
+        the next settle) are landed first, so a read that follows a receipt sees its write."""
         if not tool.read_only:
             raise ValueError(f"{tool.name} is not read-only")
+        effects = effects_of(self.sandbox)
+        if effects.has_pending():
+            try:
+                effects.settle(self.ledger, actor="read")
+            except Exception as exc:  # noqa: BLE001 - a read still runs; it says what it saw
+                log.warning("could not settle pending effects before a read: %s", exc)
         status, result, _error = run_tool(tool, args, ToolContext(scope, self.sandbox))
         return status, result
 

@@ -233,3 +233,20 @@ def test_listener__a_killed_listen_connection_reconnects_and_misses_nothing(
         assert receipt.status is Status.SUCCEEDED
         assert client.stats.found_by_poll == 0
     admin.dispose()
+
+
+def test_read_after_receipt__sees_a_write_committed_but_not_yet_landed(world: Stack) -> None:
+    """A receipt is given at the commit; the bytes land a moment later. A read-only call that
+    follows the receipt lands what was committed first: here the worker dies between its
+    commit and the landing, so without that the read would find no file."""
+    for proc in world.workers:
+        proc.stop()
+    world.worker("w2", failpoints="before_publish=exit(23)")
+    with Client(world.settings()) as client:
+        wrote = client.submit(
+            "conv", "r1", "write_file", {"path": "r.txt", "content": "new"}, approved_by="a"
+        ).result(timeout=60)
+        assert wrote.status is Status.SUCCEEDED
+        assert not (world.sandbox / "conv" / "r.txt").exists()  # committed, not landed
+        read = client.submit("conv", "r2", "read_file", {"path": "r.txt"}).result()
+        assert read.status is Status.SUCCEEDED and read.content["content"] == "new"
