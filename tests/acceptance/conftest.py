@@ -101,3 +101,29 @@ def toolledger(stack: Stack, *argv: str, **env: str) -> tuple[int, str, str]:
         timeout=120,
     )
     return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(params=["postgres", "embedded"])
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
+    """A stack with one real worker, on each backend in turn: Postgres + Redis, and the
+    embedded default (SQLite + the embedded broker)."""
+    if request.param == "postgres":
+        pg_url = request.getfixturevalue("pg_url")
+        broker = request.getfixturevalue("redis_server")
+        prefix = request.getfixturevalue("redis_prefix")
+    else:
+        pg_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+        broker, prefix = f"embedded+sqlite:///{tmp_path / 'broker.db'}", ""
+    env = {
+        "db": pg_url,
+        "broker": broker,
+        "broker_prefix": prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "tools": "toolledger.harness.probe",
+        "home": str(tmp_path / "home"),
+    }
+    s = Stack(pg_url, broker, prefix, tmp_path, env)
+    s.worker("w1", concurrency=2)
+    yield s
+    for proc in s.workers:
+        proc.stop()

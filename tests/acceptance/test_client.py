@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +23,6 @@ from toolledger.ledger.transitions import Status
 from toolledger.recovery.transcript import repair_transcript
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(params=["postgres", "embedded"])
-def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
-    if request.param == "postgres":
-        pg_url = request.getfixturevalue("pg_url")
-        broker = request.getfixturevalue("redis_server")
-        prefix = request.getfixturevalue("redis_prefix")
-    else:
-        pg_url = f"sqlite:///{tmp_path / 'ledger.db'}"
-        broker, prefix = f"embedded+sqlite:///{tmp_path / 'broker.db'}", ""
-    env = {
-        "db": pg_url,
-        "broker": broker,
-        "broker_prefix": prefix,
-        "sandbox": str(tmp_path / "sandbox"),
-        "tools": "toolledger.harness.probe",
-        "home": str(tmp_path / "home"),
-    }
-    s = Stack(pg_url, broker, prefix, tmp_path, env)
-    s.worker("w1", concurrency=2)
-    yield s
-    for proc in s.workers:
-        proc.stop()
 
 
 def always(*_: Any) -> str:

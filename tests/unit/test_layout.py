@@ -45,6 +45,8 @@ ROOMS: list[tuple[str, int, tuple[str, ...]]] = [
             "toolledger.cli",
             "toolledger.client",
             "toolledger.mcp",
+            "toolledger.openai_agents",
+            "toolledger.langchain",
             "toolledger.turns",
             "toolledger.demo",
             "toolledger.harness",

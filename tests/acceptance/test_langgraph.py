@@ -1,0 +1,264 @@
+"""LangGraph on the ledger, against a real worker: a ToolNode of ``ledger_tools`` runs each
+ToolCall once; re-running the tools node (resumed after an interrupt, re-run from its
+checkpoint, or after a crash inside it) replays the receipts instead of running again; a
+call nobody approved comes back as pending and nothing runs; the example runs and replays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langgraph")
+
+from langchain_core.messages import HumanMessage, ToolCall, ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import MemorySaver
+from langgraph.graph import MessagesState
+from langgraph.prebuilt import ToolNode
+
+from examples.langgraph_agent import ScriptedModel, build_graph
+from tests.acceptance.conftest import Stack
+from toolledger import Client
+from toolledger.langchain import MissingCallIdentity, ledger_tools
+from toolledger.ledger.errors import NotFound
+from toolledger.turns import waiting_receipt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["embedded", pytest.param("postgres", marks=pytest.mark.postgres)])
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
+    """As in test_client: a real worker on the backend (postgres only where asked for)."""
+    if request.param == "postgres":
+        pg_url = request.getfixturevalue("pg_url")
+        broker = request.getfixturevalue("redis_server")
+        prefix = request.getfixturevalue("redis_prefix")
+    else:
+        pg_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+        broker, prefix = f"embedded+sqlite:///{tmp_path / 'broker.db'}", ""
+    env = {
+        "db": pg_url,
+        "broker": broker,
+        "broker_prefix": prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "home": str(tmp_path / "home"),
+    }
+    s = Stack(pg_url, broker, prefix, tmp_path, env)
+    s.worker("w1", concurrency=1)
+    yield s
+    for proc in s.workers:
+        proc.stop()
+
+
+def calls(tag: str) -> list[ToolCall]:
+    return [
+        ToolCall(
+            name="append_file",
+            args={"path": f"{tag}/log.txt", "content": "one line\n"},
+            id=f"{tag}_append",
+            type="tool_call",
+        ),
+        ToolCall(
+            name="write_file",
+            args={"path": f"{tag}/a.txt", "content": "hello\n"},
+            id=f"{tag}_write",
+            type="tool_call",
+        ),
+    ]
+
+
+def tool_messages(state: dict[str, Any]) -> list[ToolMessage]:
+    return [m for m in state["messages"] if isinstance(m, ToolMessage)]
+
+
+def executions(world: Stack, scope: str, call_id: str) -> int:
+    ledger = world.ledger()
+    try:
+        return len(ledger.get(scope, call_id).executions)
+    finally:
+        ledger.close()
+
+
+def receipt_texts(world: Stack, scope: str, ids: list[str]) -> list[str]:
+    ledger = world.ledger()
+    try:
+        return [ledger.receipt(scope, i).text for i in ids]
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("world", ["embedded", "postgres"], indirect=True)
+def test_interrupted_before_tools__resumed_then_rerun_from_checkpoint_replays(
+    world: Stack,
+) -> None:
+    """interrupt_before=["tools"]: nothing has run; resuming runs each call once; running
+    the tools node again from the same checkpoint (same thread, same ToolCall ids) gets
+    the same ToolMessages from the ledger and runs nothing."""
+    tag = "intr"
+    thread: RunnableConfig = {"configurable": {"thread_id": "lg-thread-1"}}
+    with Client(world.settings()) as client:
+        graph = build_graph(
+            ScriptedModel(calls=calls(tag)),
+            ledger_tools(client),
+            MemorySaver(),
+            interrupt_before=["tools"],
+        )
+        graph.invoke({"messages": [HumanMessage("go")]}, thread)
+        before_tools = graph.get_state(thread)
+        assert before_tools.next == ("tools",)
+        assert not (world.sandbox / "lg-thread-1").exists()  # interrupted: nothing ran
+
+        first = graph.invoke(None, thread)  # resume
+        again = graph.invoke(None, before_tools.config)  # the tools node again, same ids
+    ids = [f"{tag}_append", f"{tag}_write"]
+    expected = receipt_texts(world, "lg-thread-1", ids)
+    for state in (first, again):
+        msgs = tool_messages(state)
+        assert [m.tool_call_id for m in msgs] == ids
+        assert [m.content for m in msgs] == expected
+        assert [m.status for m in msgs] == ["success", "success"]
+        assert state["messages"][-1].content == "Done: 2 tool results, 0 failed."
+    log = world.sandbox / "lg-thread-1" / tag / "log.txt"
+    assert log.read_text() == "one line\n"  # appended once across both runs
+    assert [executions(world, "lg-thread-1", i) for i in ids] == [1, 1]
+
+
+class Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_crash_inside_the_tools_node__resume_replays_not_reruns(world: Stack) -> None:
+    """The tools node crashes after its tools ran, before LangGraph checkpointed its
+    writes; resuming the thread runs the node again: the receipts come back, nothing runs."""
+    tag = "crash"
+    scope = "lg-crash"
+    thread: RunnableConfig = {"configurable": {"thread_id": scope}}
+    seen: list[list[ToolMessage]] = []
+    with Client(world.settings()) as client:
+        node = ToolNode(ledger_tools(client))
+
+        def crashing_tools(state: MessagesState, config: RunnableConfig) -> Any:
+            out = node.invoke(state, config)
+            seen.append([m for m in out["messages"] if isinstance(m, ToolMessage)])
+            if len(seen) == 1:
+                raise Crash("the process died after the tools ran")
+            return out
+
+        graph = build_graph(
+            ScriptedModel(calls=calls(tag)), [], MemorySaver(), tools_node=crashing_tools
+        )
+        with pytest.raises(Crash):
+            graph.invoke({"messages": [HumanMessage("go")]}, thread)
+        assert graph.get_state(thread).next == ("tools",)  # its writes were never saved
+        final = graph.invoke(None, thread)
+    ids = [f"{tag}_append", f"{tag}_write"]
+    expected = receipt_texts(world, scope, ids)
+    assert [[m.content for m in run] for run in seen] == [expected, expected]
+    assert [m.content for m in tool_messages(final)] == expected
+    assert (world.sandbox / scope / tag / "log.txt").read_text() == "one line\n"
+    assert [executions(world, scope, i) for i in ids] == [1, 1]
+
+
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_not_approved__pending_text_and_nothing_runs(world: Stack) -> None:
+    """approve returns None: the call is recorded pending_approval, the ToolMessage says
+    so (the text run_turn gives), and no tool ran; a re-run says the same."""
+    scope = "lg-pending"
+    thread: RunnableConfig = {"configurable": {"thread_id": scope}}
+    pending = waiting_receipt("pending_approval").text
+    with Client(world.settings()) as client:
+        tools = ledger_tools(client, approve=lambda *_: None, tools=["append_file"])
+        graph = build_graph(
+            ScriptedModel(calls=calls("pend")[:1]),
+            tools,
+            MemorySaver(),
+            interrupt_before=["tools"],
+        )
+        graph.invoke({"messages": [HumanMessage("go")]}, thread)
+        before_tools = graph.get_state(thread)
+        first = graph.invoke(None, thread)
+        again = graph.invoke(None, before_tools.config)
+        assert client.status(scope, "pend_append") == "pending_approval"
+    for state in (first, again):
+        (msg,) = tool_messages(state)
+        assert msg.content == pending and msg.status == "success"
+        assert json.loads(str(msg.content))["status"] == "pending_approval"
+    assert not (world.sandbox / scope).exists()
+    assert executions(world, scope, "pend_append") == 0
+
+
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_failed_or_refused_calls_are_error_tool_messages(world: Stack) -> None:
+    """A receipt that is an error (the tool failed) gives ToolMessage status="error"; so
+    does a call the ledger refuses (a path outside the sandbox, the same id with other
+    arguments), and then nothing is recorded and nothing runs. ``ainvoke`` replays too."""
+    config: RunnableConfig = {"configurable": {"thread_id": "lg-err"}}
+    with Client(world.settings()) as client:
+        read, write = ledger_tools(client, tools=["read_file", "write_file"])
+        call = ToolCall(name="read_file", args={"path": "nope.txt"}, id="r1", type="tool_call")
+        msg = read.invoke(call, config)
+        assert isinstance(msg, ToolMessage) and msg.status == "error"
+        assert msg.tool_call_id == "r1" and "no such file" in str(msg.content)
+
+        escape = {"path": "../out.txt", "content": "x"}
+        call = ToolCall(name="write_file", args=escape, id="w1", type="tool_call")
+        msg = write.invoke(call, config)
+        assert isinstance(msg, ToolMessage) and msg.status == "error"
+        assert "toolledger refused the call" in str(msg.content)
+        with pytest.raises(NotFound):
+            client.status("lg-err", "w1")
+
+        ok = ToolCall(name="write_file", args={"path": "a.txt", "content": "a"}, id="w2")
+        assert write.invoke({**ok, "type": "tool_call"}, config).status == "success"
+        first = write.invoke({**ok, "type": "tool_call"}, config)
+        replayed = asyncio.run(write.ainvoke({**ok, "type": "tool_call"}, config))  # async too
+        assert replayed.content == first.content and replayed.status == "success"
+        other = {**ok, "args": {"path": "a.txt", "content": "b"}, "type": "tool_call"}
+        msg = write.invoke(other, config)
+        assert msg.status == "error" and "toolledger refused the call" in str(msg.content)
+    assert (world.sandbox / "lg-err" / "a.txt").read_text() == "a"
+    assert not (world.root / "out.txt").exists()
+    assert executions(world, "lg-err", "w2") == 1
+
+
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_no_call_id_or_no_thread__a_clear_error_and_nothing_recorded(world: Stack) -> None:
+    with Client(world.settings()) as client:
+        (append,) = ledger_tools(client, tools=["append_file"])
+        args = {"path": "x.txt", "content": "x\n"}
+        with pytest.raises(MissingCallIdentity, match="ToolCall that has an id"):
+            append.invoke(args, {"configurable": {"thread_id": "lg-id"}})
+        no_id: Any = {"type": "tool_call", "id": None, "name": "append_file", "args": args}
+        with pytest.raises(MissingCallIdentity, match="ToolCall that has an id"):
+            append.invoke(no_id, {"configurable": {"thread_id": "lg-id"}})
+        call = ToolCall(name="append_file", args=args, id="c1", type="tool_call")
+        with pytest.raises(MissingCallIdentity, match="thread id"):
+            append.invoke(call)
+        with pytest.raises(NotFound):
+            client.status("lg-id", "c1")
+    assert not world.sandbox.exists() or not any(world.sandbox.iterdir())
+
+
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_example_langgraph_agent__runs_then_replays_without_running_again(world: Stack) -> None:
+    argv = [sys.executable, str(ROOT / "examples" / "langgraph_agent.py"), "--thread", "ex-lg"]
+    env = world.env()
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    messages = json.loads(first.stdout)
+    assert messages[-1] == {"type": "ai", "content": "Done: 2 tool results, 0 failed."}
+    results = [m for m in messages if m["type"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == ["call_1", "call_2"]
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and again.stdout == first.stdout  # replayed, same bytes
+    log = world.sandbox / "ex-lg" / "report" / "log.txt"
+    assert log.read_text() == "checked\n"  # appended once across both runs
+    assert (world.sandbox / "ex-lg" / "report" / "summary.txt").read_text() == "all good\n"

@@ -1,0 +1,160 @@
+"""The OpenAI Agents SDK adapter against a real worker (embedded SQLite, offline: a scripted
+model): a run's tool call has one effect, and the same turn run again after a crash gets the
+first receipt back without running the tool; an approval-gated call pauses the run, and the
+resumed run after ``RunState.approve`` has one effect; a call without a receipt in time is
+answered with its status; the example runs, then replays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("agents")
+
+from agents import Agent, RunConfig, Runner
+
+from examples.openai_agents_loop import ScriptedModel
+from tests.acceptance.conftest import Stack
+from toolledger import AsyncClient, Client
+from toolledger.openai_agents import ledger_function_tools, strict_schema_ok
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_TRACE = RunConfig(tracing_disabled=True)
+
+
+def always(*_: Any) -> str:
+    return "policy"
+
+
+APPEND = ("call_a1", "append_file", {"path": "notes/log.txt", "content": "once\n"})
+
+
+async def one_turn(world: Stack, scope: str, approve: Any = always) -> tuple[Any, ScriptedModel]:
+    model = ScriptedModel([APPEND])
+    async with AsyncClient(world.settings()) as client:
+        tools = ledger_function_tools(client, scope=scope, approve=approve, timeout=60)
+        agent = Agent(name="t", model=model, tools=list(tools))
+        result = await Runner.run(agent, "go", run_config=NO_TRACE)
+    return result, model
+
+
+def executions(world: Stack, scope: str, call_id: str) -> int:
+    ledger = world.ledger()
+    try:
+        return len(ledger.get(scope, call_id).executions)
+    finally:
+        ledger.close()
+
+
+def test_run__one_effect_then_replay_returns_the_first_receipt(world: Stack) -> None:
+    first, model1 = asyncio.run(one_turn(world, "conv-1"))
+    assert first.final_output == "Done: 1 tool results."
+    log = world.sandbox / "conv-1" / "notes" / "log.txt"
+    assert log.read_text() == "once\n"
+    seen_first = model1.seen["call_a1"]
+    with Client(world.settings()) as client:
+        receipt = client.receipt("conv-1", "call_a1")
+    assert receipt is not None and receipt.text == seen_first and not receipt.is_error
+    # "crash" and resume: the same scripted turn, same call id, same scope
+    again, model2 = asyncio.run(one_turn(world, "conv-1"))
+    assert again.final_output == first.final_output
+    assert model2.seen["call_a1"] == seen_first  # the model saw the first receipt
+    assert log.read_text() == "once\n"  # appended once
+    assert executions(world, "conv-1", "call_a1") == 1
+
+
+def test_sync_client_and_scope_from_the_run_context(world: Stack) -> None:
+    async def go() -> ScriptedModel:
+        model = ScriptedModel([APPEND])
+        with Client(world.settings()) as client:
+            tools = ledger_function_tools(
+                client, scope=lambda ctx: f"ctx-{ctx.context['session']}", approve=always
+            )
+            agent: Agent[Any] = Agent(name="t", model=model, tools=list(tools))
+            await Runner.run(agent, "go", context={"session": "s1"}, run_config=NO_TRACE)
+        return model
+
+    model = asyncio.run(go())
+    assert json.loads(model.seen["call_a1"])["path"] == "notes/log.txt"
+    assert (world.sandbox / "ctx-s1" / "notes" / "log.txt").read_text() == "once\n"
+
+
+def test_approval__pauses_the_run_and_resumes_with_one_effect(world: Stack) -> None:
+    async def go() -> tuple[Any, Any, ScriptedModel]:
+        model = ScriptedModel([APPEND])
+        async with AsyncClient(world.settings()) as client:
+            tools = ledger_function_tools(client, scope="conv-2", approve=None)
+            agent = Agent(name="t", model=model, tools=list(tools))
+            paused = await Runner.run(agent, "go", run_config=NO_TRACE)
+            assert len(paused.interruptions) == 1
+            assert paused.interruptions[0].raw_item.call_id == "call_a1"  # type: ignore[union-attr]
+            with pytest.raises(Exception):  # noqa: B017 - nothing recorded while paused
+                client.sync.status("conv-2", "call_a1")
+            state = paused.to_state()
+            state.approve(paused.interruptions[0])
+            resumed = await Runner.run(agent, state, run_config=NO_TRACE)
+        return paused, resumed, model
+
+    _paused, resumed, model = asyncio.run(go())
+    assert resumed.final_output == "Done: 1 tool results."
+    assert (world.sandbox / "conv-2" / "notes" / "log.txt").read_text() == "once\n"
+    assert executions(world, "conv-2", "call_a1") == 1
+    ledger = world.ledger()
+    try:
+        op = ledger.get("conv-2", "call_a1").operation
+    finally:
+        ledger.close()
+    assert op.decided_by == "openai-agents"
+    # a replay after a crash needs no second approval: the ledger already has the call
+    again, model2 = asyncio.run(one_turn(world, "conv-2", approve=None))
+    assert not again.interruptions
+    assert model2.seen["call_a1"] == model.seen["call_a1"]
+    assert executions(world, "conv-2", "call_a1") == 1
+
+
+def test_schema__strict_only_when_every_property_is_required() -> None:
+    assert strict_schema_ok(
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    )
+    assert not strict_schema_ok(
+        {"type": "object", "properties": {"a": {"type": "string", "default": "x"}}}
+    )
+
+
+def test_example__runs_then_replays_without_running_again(world: Stack) -> None:
+    argv = [sys.executable, str(ROOT / "examples" / "openai_agents_loop.py"), "--scope", "ex"]
+    env = world.env()
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert out["final_output"] == "Done: 2 tool results."
+    assert set(out["tool_outputs"]) == {"call_1", "call_2"}
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and again.stdout == first.stdout  # replayed, same bytes
+    assert (world.sandbox / "ex" / "report" / "log.txt").read_text() == "checked\n"
+    assert (world.sandbox / "ex" / "report" / "summary.txt").read_text() == "all good\n"
+
+
+def test_no_receipt_in_time__the_model_gets_the_status_not_a_result(world: Stack) -> None:
+    with Client(world.settings()) as client:  # recorded earlier, waiting for a person
+        client.submit("conv-3", "call_a1", "append_file", APPEND[2])
+
+    async def go() -> ScriptedModel:
+        model = ScriptedModel([APPEND])
+        async with AsyncClient(world.settings()) as client:
+            tools = ledger_function_tools(client, scope="conv-3", approve=None, timeout=0.5)
+            agent = Agent(name="t", model=model, tools=list(tools))
+            result = await Runner.run(agent, "go", run_config=NO_TRACE)
+            assert not result.interruptions  # known to the ledger: its decision stands
+        return model
+
+    seen = json.loads(asyncio.run(go()).seen["call_a1"])
+    assert (seen["status"], seen["finished"]) == ("pending_approval", False)
+    assert not (world.sandbox / "conv-3" / "notes" / "log.txt").exists()
+    assert executions(world, "conv-3", "call_a1") == 0

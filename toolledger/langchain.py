@@ -1,0 +1,170 @@
+"""The registered tools as LangChain tools, every call through the ledger (extra ``langgraph``).
+
+    from langgraph.prebuilt import ToolNode
+    from toolledger import Client
+    from toolledger.langchain import ledger_tools
+
+    client = Client()
+    tools = ledger_tools(client, approve=lambda tool, call_id, args: "policy")
+    node = ToolNode(tools)          # in a graph compiled with a checkpointer
+    graph.invoke(state, {"configurable": {"thread_id": "run-42"}})
+
+A call is the model's ``ToolCall``: its ``id`` is the ledger's ``tool_call_id`` and the
+LangGraph thread (``config["configurable"]["thread_id"]``) is its scope. The tool submits
+it through ``Client.submit`` — approved by ``approve(tool, call_id, args)`` (default
+``"langgraph"``; None leaves it for a person) — waits for its receipt and answers with a
+``ToolMessage`` whose content is ``receipt.text``, ``status="error"`` when
+``receipt.is_error``, and ``artifact`` the receipt as JSON.
+
+A node run again after an interrupt or a crash sends the same ToolCall ids in the same
+thread: ``submit`` finds the recorded calls and the receipts come back; nothing runs twice.
+A call waiting for a person is answered at once with its status (the text
+``Client.run_turn`` gives), never an invented result; one still running when ``timeout``
+ends is answered with its status too. The same id later gets its receipt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any
+
+import pydantic
+from langchain_core.messages import ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException
+
+from toolledger.client import Client, ReceiptTimeout
+from toolledger.ledger.errors import LedgerError
+from toolledger.ledger.transitions import Status
+from toolledger.registry import load_registry
+from toolledger.tools import Registry, Tool
+from toolledger.turns import waiting_receipt
+
+#: ``approve(tool, tool_call_id, args) -> approver | None`` (None: a person decides).
+Approve = Callable[[str, str, dict[str, Any]], str | None]
+
+#: The hidden field LangChain fills with the ToolCall's id (never in the model's schema).
+CALL_ID_FIELD = "toolledger_tool_call_id"
+
+DEFAULT_APPROVER = "langgraph"
+
+
+class MissingCallIdentity(ValueError):
+    """The tool was invoked without a ToolCall id or outside a LangGraph thread."""
+
+
+def default_approve(_tool: str, _call_id: str, _args: dict[str, Any]) -> str | None:
+    return DEFAULT_APPROVER
+
+
+def _schema_with_call_id(tool: Tool) -> type[pydantic.BaseModel]:
+    """The tool's args model plus the injected ToolCall id (hidden from the model)."""
+    if CALL_ID_FIELD in tool.args_model.model_fields:
+        raise ValueError(f"{tool.name}: an argument may not be named {CALL_ID_FIELD!r}")
+    model: type[pydantic.BaseModel] = pydantic.create_model(
+        tool.args_model.__name__,
+        __base__=tool.args_model,
+        __doc__=tool.args_model.__doc__,
+        **{CALL_ID_FIELD: (Annotated[str, InjectedToolCallId], ...)},  # type: ignore[call-overload]
+    )
+    return model
+
+
+def thread_id(config: RunnableConfig | None) -> str:
+    """The LangGraph thread the call runs in: the ledger scope."""
+    configurable = (config or {}).get("configurable") or {}
+    found = configurable.get("thread_id")
+    if found is None or str(found) == "":
+        raise MissingCallIdentity(
+            "toolledger tools need a LangGraph thread id as their scope: invoke the graph with "
+            "config={'configurable': {'thread_id': ...}} (and a checkpointer)"
+        )
+    return str(found)
+
+
+class LedgerTool(BaseTool):
+    """One registered toolledger tool as a LangChain tool: executed by a worker, at most once."""
+
+    client: Client
+    ledger_tool: Tool
+    approve: Approve = default_approve
+    timeout: float = 60.0
+    handle_tool_error: bool = True  # a refusal by the ledger is a tool error the model reads
+
+    def invoke(
+        self, input: str | dict[str, Any] | Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Any:
+        self._check_call(input)
+        return super().invoke(input, config, **kwargs)
+
+    async def ainvoke(
+        self, input: str | dict[str, Any] | Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Any:
+        self._check_call(input)
+        return await super().ainvoke(input, config, **kwargs)
+
+    def _check_call(self, value: Any) -> None:
+        is_tool_call = isinstance(value, dict) and value.get("type") == "tool_call"
+        if not (is_tool_call and value.get("id")):
+            raise MissingCallIdentity(
+                f"toolledger tool {self.name!r} must be invoked with a ToolCall that has an id "
+                "(the model's tool call id is the ledger's tool_call_id), as a ToolNode does: "
+                "{'type': 'tool_call', 'id': ..., 'name': ..., 'args': {...}}"
+            )
+
+    def _run(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
+        call_id = str(kwargs.pop(CALL_ID_FIELD))
+        kwargs.pop("run_manager", None)
+        scope = thread_id(config)
+        spec = self.ledger_tool
+        # LangChain validated the arguments: the same JSON every time for the same ToolCall
+        args = spec.args_model.model_validate(kwargs).model_dump(mode="json", exclude_unset=True)
+        approver = self.approve(spec.name, call_id, args)
+        try:
+            handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)
+        except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
+            raise ToolException(f"toolledger refused the call: {exc}") from exc
+        if handle.status == Status.PENDING_APPROVAL.value:
+            receipt = waiting_receipt(handle.status)  # a person decides: nobody waits here
+        else:
+            try:
+                receipt = handle.result(timeout=self.timeout)
+            except ReceiptTimeout as exc:
+                receipt = waiting_receipt(exc.status)
+        return ToolMessage(
+            content=receipt.text,
+            tool_call_id=call_id,
+            name=self.name,
+            status="error" if receipt.is_error else "success",
+            artifact={**receipt.to_json(), "scope": scope, "tool_call_id": call_id},
+        )
+
+
+def ledger_tool(
+    client: Client, tool: Tool, *, approve: Approve | None = None, timeout: float = 60.0
+) -> LedgerTool:
+    """One registered tool as a LangChain tool (its pydantic schema, its description)."""
+    return LedgerTool(
+        name=tool.name,
+        description=tool.description or tool.name,
+        args_schema=_schema_with_call_id(tool),
+        client=client,
+        ledger_tool=tool,
+        approve=approve or default_approve,
+        timeout=timeout,
+    )
+
+
+def ledger_tools(
+    client: Client,
+    *,
+    registry: Registry | None = None,
+    approve: Approve | None = None,
+    timeout: float = 60.0,
+    tools: Iterable[str] | None = None,
+) -> list[BaseTool]:
+    """The registered tools (``registry``, default: the client's settings' registry; only
+    those named in ``tools`` if given) as LangChain tools that run through the ledger."""
+    reg = registry if registry is not None else load_registry(client.settings.tools)
+    chosen = [reg.get(name) for name in tools] if tools is not None else list(reg)
+    return [ledger_tool(client, t, approve=approve, timeout=timeout) for t in chosen]

@@ -1,0 +1,188 @@
+"""The registered tools as OpenAI Agents SDK function tools, every call through the ledger.
+
+    pip install 'toolledger[agents]'          # openai-agents >= 0.20 (tested with 0.24.0)
+
+    from agents import Agent, Runner
+    from toolledger import AsyncClient
+    from toolledger.openai_agents import ledger_function_tools
+
+    async with AsyncClient() as client:
+        tools = ledger_function_tools(client, scope="conversation-42", approve=policy)
+        result = await Runner.run(Agent(name="a", tools=tools), "Write the report.")
+
+Each ``FunctionTool.on_invoke_tool`` submits the model's call under the SDK's own tool call id
+(``ToolContext.tool_call_id``) in ``scope`` (the conversation or session id: a string, or a
+function of the run context), waits for its receipt and hands the model ``receipt.text``.
+Re-running the same turn after a crash (same call ids, same scope) finds the calls in the
+ledger: the recorded receipt comes back and the tool does not run again.
+
+Approval is the SDK's human-in-the-loop: a call that ``approve(tool, call_id, args)`` does
+not approve (it returns None; with no ``approve`` at all, every call that is not read-only)
+is a tool with ``needs_approval``: the run stops with an interruption, and once
+``RunState.approve`` lets it through, the resumed run submits it approved by
+``approved_by`` (default ``openai-agents``). A call the SDK rejects is never submitted:
+nothing is recorded. A call already in the ledger (a replay) needs no second approval.
+A call without a receipt within ``timeout`` is answered with its status, never an invented
+result; asking again with the same id later returns its receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from agents import FunctionTool, RunContextWrapper
+from agents.tool_context import ToolContext
+
+from toolledger.client import AsyncClient, Client, ReceiptTimeout
+from toolledger.ledger.errors import LedgerError
+from toolledger.tools import Registry, Tool
+
+Scope = str | Callable[[RunContextWrapper[Any]], str]
+Approve = Callable[[str, str, dict[str, Any]], str | None]
+
+#: Who a call the SDK's approval let through is recorded as approved by.
+SDK_APPROVER = "openai-agents"
+
+
+def pending_text(scope: str, tool_call_id: str, status: str) -> str:
+    """No receipt yet: the call's status, never an invented result."""
+    content = {
+        "status": status,
+        "finished": False,
+        "message": (
+            f"This tool call has not finished yet: it is {status}. No result is available "
+            "now. It will not run again: the same call later returns its result."
+        ),
+        "scope": scope,
+        "tool_call_id": tool_call_id,
+    }
+    return json.dumps(content, ensure_ascii=False)
+
+
+def strict_schema_ok(schema: dict[str, Any]) -> bool:
+    """Strict mode only for a flat schema whose every property is required (strict mode
+    would otherwise make optional arguments required, or refuse the schema)."""
+    props = schema.get("properties", {})
+    return (
+        schema.get("type") == "object"
+        and "$defs" not in schema
+        and set(schema.get("required", [])) == set(props)
+        and all(isinstance(p, dict) and "default" not in p for p in props.values())
+        and schema.get("additionalProperties") in (None, False)
+    )
+
+
+class _Ledger:
+    """Both clients behind one awaitable interface."""
+
+    def __init__(self, client: AsyncClient | Client) -> None:
+        self.sync = client.sync if isinstance(client, AsyncClient) else client
+        self.client = client
+
+    @property
+    def registry(self) -> Registry:
+        return self.sync._submitter.registry
+
+    async def known(self, scope: str, tool_call_id: str) -> bool:
+        try:
+            await asyncio.to_thread(self.sync.status, scope, tool_call_id)
+        except LedgerError:  # not recorded (or an id the ledger refuses: submit will say so)
+            return False
+        return True
+
+    async def call(
+        self, scope: str, tool_call_id: str, tool: str, args: dict[str, Any], **kw: Any
+    ) -> str:
+        timeout: float = kw.pop("timeout")
+        try:
+            if isinstance(self.client, AsyncClient):
+                handle = await self.client.submit(scope, tool_call_id, tool, args, **kw)
+                receipt = await handle.result(timeout=timeout)
+            else:
+                sync_handle = await asyncio.to_thread(
+                    self.client.submit, scope, tool_call_id, tool, args, **kw
+                )
+                receipt = await asyncio.to_thread(sync_handle.result, timeout)
+        except ReceiptTimeout as exc:
+            return pending_text(scope, tool_call_id, exc.status)
+        except LedgerError as exc:  # refused input, a conflict: nothing recorded
+            return " ".join(f"error: {exc}".split())
+        return receipt.text
+
+
+def ledger_function_tools(
+    client: AsyncClient | Client,
+    *,
+    scope: Scope,
+    tools: Iterable[Tool] | Iterable[str] | None = None,
+    approve: Approve | None = None,
+    timeout: float = 60.0,
+    approved_by: str = SDK_APPROVER,
+) -> list[FunctionTool]:
+    """One ``FunctionTool`` per registered tool (``tools``: a subset, as Tools or names).
+
+    ``scope``: the conversation or session id, or a function of the run context giving it.
+    ``approve(tool, call_id, args)``: who approves a call (None: the SDK's approval decides,
+    the run pauses). ``timeout``: seconds to wait for a receipt before answering with the
+    call's status."""
+    ledger = _Ledger(client)
+    registry = ledger.registry
+    chosen = (
+        list(registry)
+        if tools is None
+        else [t if isinstance(t, Tool) else registry.get(t) for t in tools]
+    )
+    return [_function_tool(ledger, t, scope, approve, timeout, approved_by) for t in chosen]
+
+
+def _function_tool(
+    ledger: _Ledger,
+    tool: Tool,
+    scope: Scope,
+    approve: Approve | None,
+    timeout: float,
+    sdk_approver: str,
+) -> FunctionTool:
+    def scope_of(ctx: RunContextWrapper[Any]) -> str:
+        return scope if isinstance(scope, str) else scope(ctx)
+
+    def policy(call_id: str, args: dict[str, Any]) -> str | None:
+        if tool.read_only:
+            return None  # runs at once, never recorded: nothing to approve
+        return approve(tool.name, call_id, args) if approve is not None else None
+
+    async def needs_approval(
+        ctx: RunContextWrapper[Any], args: dict[str, Any], call_id: str
+    ) -> bool:
+        if tool.read_only or policy(call_id, args) is not None:
+            return False
+        return not await ledger.known(scope_of(ctx), call_id)  # a replay: decided before
+
+    async def invoke(ctx: ToolContext[Any], args_json: str) -> str:
+        try:
+            args = json.loads(args_json) if args_json.strip() else {}
+        except ValueError as exc:
+            return f"error: arguments are not JSON: {exc}"
+        if not isinstance(args, dict):
+            return "error: arguments must be a JSON object"
+        call_id = ctx.tool_call_id
+        # reached without a policy approver: the SDK's approval let it through (or a replay)
+        by = None if tool.read_only else (policy(call_id, args) or sdk_approver)
+        return await ledger.call(
+            scope_of(ctx), call_id, tool.name, args, approved_by=by, timeout=timeout
+        )
+
+    schema = tool.json_schema()
+    approval: bool | Callable[[RunContextWrapper[Any], dict[str, Any], str], Awaitable[bool]]
+    approval = False if tool.read_only else needs_approval
+    return FunctionTool(
+        name=tool.name,
+        description=tool.description,
+        params_json_schema=schema,
+        on_invoke_tool=invoke,
+        strict_json_schema=strict_schema_ok(schema),
+        needs_approval=approval,
+    )
