@@ -276,6 +276,8 @@ class Proxy:
                 _meta={META_IDEMPOTENCY_KEY: claim.idempotency_key},
             )
         )
+        if not await self._still_ours(claim):
+            return
         result: types.CallToolResult | None = None
         failure = ""
         async with anyio.create_task_group() as leases:
@@ -294,6 +296,38 @@ class Proxy:
             status = Status.FAILED if result.is_error else Status.SUCCEEDED
             error = "the upstream tool reported an error" if result.is_error else None
             await self._record(claim, status, stored_result(result), error)
+
+    async def _still_ours(self, claim: Claim) -> bool:
+        """Confirm the lease right before the request goes out: a proxy frozen between its
+        claim and its send, whose call the sweep revoked meanwhile, sends nothing — and says
+        so, which proves the call not applied (the next sweep reconciles it ``failed``).
+        What no lease can close is a freeze between this commit and the send itself: the
+        upstream gets the idempotency key in ``_meta`` to refuse a second effect with."""
+        try:
+            if await self._db(
+                self.ledger.renew_lease, claim.execution_id, claim.lease_token, self.lease
+            ):
+                return True
+        except sa.exc.SQLAlchemyError as exc:  # cannot confirm: do not send
+            log.warning(
+                "%s not sent: the lease could not be confirmed (%s)",
+                claim.execution_id,
+                _db_error(exc),
+            )
+            return False
+        log.warning("%s not sent: revoked before its forward", claim.execution_id)
+        not_sent = {"not_started": True, "absent": True, "worker_id": self.worker_id}
+        try:
+            await self._db(
+                self.ledger.record_late_result,
+                claim.execution_id,
+                not_sent,
+                actor=self.worker_id,
+                outcome=None,
+            )
+        except sa.exc.SQLAlchemyError as exc:
+            log.error("%s: 'not sent' not recorded: %s", claim.execution_id, _db_error(exc))
+        return False
 
     async def _keep_lease(self, claim: Claim) -> None:
         """Renew the claim's lease every lease/3 by the database clock while it runs. A lease
