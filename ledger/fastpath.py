@@ -140,10 +140,9 @@ def psycopg_statements() -> tuple[str, str, dict[str, str]]:
     return _psycopg_sql(_CLAIM), _psycopg_sql(_FINISH), dict(_STATUSES)
 
 
-class PostgresStore(Store):
-    """Claim, finish and the submit of a new call as single autocommit statements."""
-
-    creates = True
+class HeldConnectionStore(Store):
+    """A store whose statements go straight to a DB-API connection each thread keeps checked
+    out of the engine's pool (``ledger.fastpath_sqlite`` shares this with Postgres)."""
 
     def __init__(self, ledger: LedgerBase) -> None:
         super().__init__(ledger)
@@ -151,20 +150,17 @@ class PostgresStore(Store):
         self._local = threading.local()
         self._held: list[Any] = []
         self._lock = threading.Lock()
-        statements = (_CLAIM, _FINISH, _SUBMIT)
-        self._sql = {id(s): _psycopg_sql(s) for s in statements}
-        self._columns = {id(s): [c.name for c in s.selected_columns] for s in statements}
+
+    def _setup(self, dbapi: Any) -> None:
+        """Configure a connection once, when a thread first takes it."""
 
     def connection(self) -> Any:
-        """This thread's connection (checked out of the engine's pool, kept, autocommit)."""
+        """This thread's connection (checked out of the engine's pool, kept)."""
         pooled = getattr(self._local, "pooled", None)
         if pooled is None:
             pooled = self.engine.raw_connection()
-            dbapi = pooled.dbapi_connection
             try:
-                dbapi.autocommit = True  # type: ignore[union-attr]
-                # Cached generic plans are safe here (see above) and save planning each call.
-                dbapi.execute("SET plan_cache_mode = auto")  # type: ignore[union-attr]
+                self._setup(pooled.dbapi_connection)
             except Exception:
                 pooled.invalidate()
                 raise
@@ -200,6 +196,23 @@ class PostgresStore(Store):
             with contextlib.suppress(Exception):
                 pooled.invalidate()
         self._local = threading.local()
+
+
+class PostgresStore(HeldConnectionStore):
+    """Claim, finish and the submit of a new call as single autocommit statements."""
+
+    creates = True
+
+    def __init__(self, ledger: LedgerBase) -> None:
+        super().__init__(ledger)
+        statements = (_CLAIM, _FINISH, _SUBMIT)
+        self._sql = {id(s): _psycopg_sql(s) for s in statements}
+        self._columns = {id(s): [c.name for c in s.selected_columns] for s in statements}
+
+    def _setup(self, dbapi: Any) -> None:
+        dbapi.autocommit = True
+        # Cached generic plans are safe here (see above) and save planning each call.
+        dbapi.execute("SET plan_cache_mode = auto")
 
     def _one(self, statement: sa.TextualSelect, params: dict[str, Any]) -> dict[str, Any] | None:
         import psycopg

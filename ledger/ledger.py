@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger import db, inputs
+from toolledger.ledger import db, inputs, metrics
 from toolledger.ledger.base import event
 from toolledger.ledger.errors import ConflictError, InvalidTransition
 from toolledger.ledger.events import VerifyReport, verify
@@ -24,7 +24,7 @@ from toolledger.ledger.identity import MAX_ARGS_BYTES, check_call, check_text_id
 from toolledger.ledger.models import operations, tool_calls
 from toolledger.ledger.outbox import LedgerOutbox
 from toolledger.ledger.reads import op_key
-from toolledger.ledger.records import OperationRecord, Submitted
+from toolledger.ledger.records import ExecutionRecord, OperationRecord, Submitted
 from toolledger.ledger.resolution import LedgerResolution
 from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import RETRYABLE, EventKind, Status, check_transition
@@ -63,6 +63,11 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
             from toolledger.ledger.fastpath import PostgresStore
 
             self.store = PostgresStore(self)
+        elif fast_path and self.dialect == "sqlite":
+            from toolledger.ledger.fastpath_sqlite import SqliteStore
+
+            if SqliteStore.fits(self.engine):
+                self.store = SqliteStore(self)
 
     def close(self) -> None:
         self.store.close()
@@ -126,6 +131,7 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
                     }
                 )
                 if created is not None:
+                    metrics.transition(tool, status)
                     return Submitted(created, tool_call_id, "created")
         with self._write() as conn:
             created = self._insert_operation(
@@ -156,6 +162,7 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
                 event(EventKind.SUBMITTED, scope, key, actor, submitted),
                 event(status, scope, key, approved_by or actor, decision),
             )
+        metrics.transition(tool, status)
         return Submitted(op, tool_call_id, "created")
 
     def _insert_operation(
@@ -281,6 +288,7 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
             self._append(conn, event(new, scope, key, by, detail))
             if new is Status.REJECTED:
                 db.receipt_written(conn, scope, key)
+        metrics.transition(row.tool, new)
         return OperationRecord.from_row(row)
 
     def authorize_retry(
@@ -312,7 +320,17 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
             retried = self._authorize_next(conn, op, by, detail)
             if retried is None:
                 raise InvalidTransition(op.status, Status.APPROVED, "a concurrent change")
+        metrics.transition(op.tool, Status.APPROVED)
         return retried
+
+    def resolve(
+        self, execution_id: str, status: Status, *, by: str, evidence: str
+    ) -> ExecutionRecord:
+        """A human's resolution (see ``LedgerResolution.resolve``), counted as a transition."""
+        done = super().resolve(execution_id, status, by=by, evidence=evidence)
+        if metrics.active() is not None:  # the tool is on the operation: read it only then
+            metrics.transition(self.operation(done.scope, done.idempotency_key).tool, status)
+        return done
 
     def verify(self, page_size: int = 1000) -> VerifyReport:
         """Rebuild current state from the events alone and report every difference."""

@@ -1,17 +1,29 @@
-"""The Postgres store (one statement per hot step) writes exactly what the generic store writes."""
+"""The fast stores write exactly what the generic store writes: on Postgres one statement per
+hot step (``PostgresStore``), on SQLite one BEGIN IMMEDIATE … COMMIT of prepared statements
+(``SqliteStore``). Every comparison is also shown to fail against a fast store that was
+broken on purpose (a forgotten event, a row not moved, a doorbell not rung)."""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
+from tests.conftest import fresh_pg_database, fresh_sqlite_database
+from toolledger.ledger import doorbell, fastpath, fastpath_sqlite
 from toolledger.ledger.fastpath import PostgresStore
+from toolledger.ledger.fastpath_sqlite import SqliteStore
 from toolledger.ledger.ledger import Ledger
-from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.models import execution_events, executions, operations, tool_calls
 from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import Status
+
+FAST = {"postgresql": PostgresStore, "sqlite": SqliteStore}
 
 VOLATILE = {
     "execution_id",
@@ -66,14 +78,15 @@ def _state(ledger: Ledger, scope: str) -> dict[str, Any]:
 
         return {
             "operations": rows(operations, operations.c.idempotency_key),
-            "executions": rows(executions, executions.c.idempotency_key),
+            "tool_calls": rows(tool_calls, tool_calls.c.tool_call_id),
+            "executions": rows(executions, executions.c.idempotency_key, executions.c.attempt),
             "events": rows(execution_events, execution_events.c.seq),
         }
 
 
-def test_fastpath__same_rows_and_events_as_the_generic_path(pg_url):
-    fast, generic = Ledger(pg_url, fast_path=True), Ledger(pg_url, fast_path=False)
-    assert type(fast.store) is PostgresStore and type(generic.store) is Store
+def test_fastpath__same_rows_and_events_as_the_generic_path(db_url):
+    fast, generic = Ledger(db_url, fast_path=True), Ledger(db_url, fast_path=False)
+    assert type(fast.store) is FAST[fast.dialect] and type(generic.store) is Store
     _flow(fast, "fast")
     _flow(generic, "generic")
     assert _state(fast, "fast") == _state(generic, "generic")
@@ -151,24 +164,180 @@ def _every_path(ledger: Ledger, scope: str) -> list[Any]:
     return steps
 
 
-def test_fastpath__every_path_ends_as_the_generic_one(pg_url):
-    """Same outcomes (returns and errors) and the same rows and events, path by path."""
-    fast, generic = Ledger(pg_url, fast_path=True), Ledger(pg_url, fast_path=False)
+@contextmanager
+def _rings(ledger: Ledger) -> Iterator[list[Any]]:
+    """The receipts rung on the ledger file's doorbell while the block runs (SQLite; Postgres
+    notifies from a trigger, whichever store wrote the row)."""
+    heard: list[Any] = []
+    database = ledger.engine.url.database
+    if ledger.dialect != "sqlite" or not database:
+        yield heard
+        return
+    with doorbell.Doorbell(doorbell.bell_dir(database)) as bell:
+        yield heard
+        heard.extend(json.loads(payload) for payload in bell.drain())
+
+
+def _differences(fast: Ledger, generic: Ledger, label: str) -> list[str]:
+    """Every way the fast store's run of every path differs from the generic store's."""
+    scopes = (f"{label}-fast", f"{label}-generic")
+    with _rings(generic) as generic_rings:
+        got_generic = _every_path(generic, scopes[1])
+    found = []
+    with _rings(fast) as fast_rings:
+        try:
+            got_fast = _every_path(fast, scopes[0])
+        except AssertionError as exc:  # a step the generic path takes failed
+            return [f"run: the fast run broke: {exc!r}"]
+    if got_fast != got_generic:
+        found.append(f"outcomes: {got_fast} != {got_generic}")
+    fast_state, generic_state = _state(fast, scopes[0]), _state(generic, scopes[1])
+    for table, rows in fast_state.items():
+        if rows != generic_state[table]:
+            found.append(f"{table}: {rows} != {generic_state[table]}")
+    # the same receipts rung, in the same order, each in its own run's scope
+    rung = [
+        [[(s == scope, key) for s, key in ring] for ring in rings]
+        for scope, rings in zip(scopes, (fast_rings, generic_rings), strict=True)
+    ]
+    if rung[0] != rung[1]:
+        found.append(f"doorbell: {fast_rings} != {generic_rings}")
+    report = fast.verify()
+    if not report.ok:
+        found.append(f"verify: {report.differences}")
+    return found
+
+
+def test_fastpath__every_path_ends_as_the_generic_one(db_url):
+    """Same outcomes (returns and errors), the same rows and events and the same doorbell
+    rings, path by path."""
+    fast, generic = Ledger(db_url, fast_path=True), Ledger(db_url, fast_path=False)
     try:
-        got_fast = _every_path(fast, "fast-all")
-        got_generic = _every_path(generic, "generic-all")
-        assert got_fast == got_generic
-        assert ("raised", "ConflictError") in got_fast and ("raised", "StaleFence") in got_fast
-        assert _state(fast, "fast-all") == _state(generic, "generic-all")
-        assert fast.verify().ok
+        assert type(fast.store) is FAST[fast.dialect]
+        with _rings(fast) as rings:
+            got = _every_path(fast, "probe")
+        assert ("raised", "ConflictError") in got and ("raised", "StaleFence") in got
+        if fast.dialect == "sqlite":  # the check below is not empty: receipts were rung
+            assert [["probe", "k1"]] in rings and [["probe", "k3"]] in rings
+        assert _differences(fast, generic, "all") == []
     finally:
         fast.close()
         generic.close()
 
 
-def test_fastpath__the_comparison_sees_a_difference(pg_url):
+def _patched_sql(module: Any, name: str, edits: list[tuple[str, str]]) -> Any:
+    statement = getattr(module, name)
+    text = statement if isinstance(statement, str) else str(statement)
+    for old, new in edits:
+        assert text.count(old) == 1, (name, old)
+        text = text.replace(old, new)
+    if isinstance(statement, str):
+        return text
+    return sa.text(text).columns(*statement.selected_columns)
+
+
+#: Fast stores broken on purpose, one fault each: dialect, the check that must see it (the
+#: first word of a ``_differences`` line), module, statement, the statement's edits.
+MUTANTS: dict[str, tuple[str, str, Any, str, list[tuple[str, str]]]] = {
+    "pg-claim-forgets-its-event": ("postgresql", "events", fastpath, "_CLAIM", [(
+        "INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, "
+        "detail)\n    SELECT :scope, :key, :execution_id, 'running', :worker_id, now(), "
+        "CAST(:detail AS json)\n    FROM claimed",
+        "SELECT 1 FROM claimed",
+    )]),
+    "pg-claim-ignores-authorization": ("postgresql", "outcomes", fastpath, "_CLAIM", [
+        ("AND authorized_attempts = :attempt AND review", "AND review")
+    ]),
+    "pg-claim-not-fenced": (
+        "postgresql", "executions", fastpath, "_CLAIM", [("false, true", "false, false")]
+    ),
+    "pg-finish-leaves-operation-running": ("postgresql", "run", fastpath, "_FINISH", [
+        ("UPDATE operations o SET status = :status", "UPDATE operations o SET status = o.status")
+    ]),
+    "pg-finish-drops-effects": ("postgresql", "executions", fastpath, "_FINISH", [
+        ("effects = CAST(:effects AS json)", "effects = NULL")
+    ]),
+    "pg-submit-forgets-the-decider": (
+        "postgresql", "operations", fastpath, "_SUBMIT", [(":attempts, :decided_by,", ":attempts, NULL,")]
+    ),
+    "pg-submit-forgets-decision-event": (
+        "postgresql", "verify", fastpath, "_SUBMIT", [("ORDER BY v.n", "WHERE v.n = 1 ORDER BY v.n")]
+    ),
+    "sqlite-claim-forgets-its-event": ("sqlite", "events", fastpath_sqlite, "_EVENT", [
+        ("VALUES (", "SELECT "), (":detail)", ":detail WHERE :kind <> 'running'")
+    ]),
+    "sqlite-claim-ignores-authorization": ("sqlite", "outcomes", fastpath_sqlite, "_CLAIM_READ", [
+        ("AND authorized_attempts = :attempt", "")
+    ]),
+    "sqlite-claim-not-fenced": (
+        "sqlite", "executions", fastpath_sqlite, "_CLAIM_INSERT", [(":false, :true)", ":false, :false)")]
+    ),
+    "sqlite-finish-leaves-operation-running": ("sqlite", "run", fastpath_sqlite, "_MOVE", [
+        ("SET status = :new", "SET status = status")
+    ]),
+    "sqlite-finish-drops-effects": (
+        "sqlite", "executions", fastpath_sqlite, "_FINISH", [("effects = :effects", "effects = NULL")]
+    ),
+    "sqlite-submit-forgets-the-decider": (
+        "sqlite", "operations", fastpath_sqlite, "_SUBMIT", [(":attempts, :decided_by,", ":attempts, NULL,")]
+    ),
+    "sqlite-submit-binds-another-hash": (
+        "sqlite", "tool_calls", fastpath_sqlite, "_SUBMIT_CALL", [(":key, :sha,", ":key, 'x',")]
+    ),
+    "sqlite-submit-forgets-the-call": ("sqlite", "run", fastpath_sqlite, "_SUBMIT_CALL", [
+        ("VALUES (", "SELECT "), ("'000'))", "'000') WHERE 0")
+    ]),
+}  # fmt: skip
+NO_RING = "sqlite-finish-rings-no-doorbell"
+
+
+def _mutant(name: str) -> Any:
+    dialect = MUTANTS[name][0] if name in MUTANTS else "sqlite"
+    marks = [pytest.mark.postgres] if dialect == "postgresql" else []
+    return pytest.param(name, dialect, marks=marks, id=name)
+
+
+@pytest.mark.parametrize(("mutant", "dialect"), [_mutant(m) for m in (*MUTANTS, NO_RING)])
+def test_fastpath__a_broken_fast_store_is_caught(request, mutant, dialect, monkeypatch, tmp_path):
+    """Each comparison above can fail: a fast store with one fault differs from the generic,
+    and the check meant for that fault is among those that see it. (A database of its own
+    each: one mutant's rows must not make the next one's verify fail.)"""
+    with _fresh_database(request, dialect, tmp_path) as url:
+        expected = _break(mutant, monkeypatch)
+        fast = Ledger(url, fast_path=True)  # built after the patch: it prepares what it runs
+        generic = Ledger(url, fast_path=False)
+        try:
+            assert type(fast.store) is FAST[dialect]
+            found = _differences(fast, generic, mutant)
+            assert expected in {line.split(":")[0] for line in found}, found
+        finally:
+            fast.close()
+            generic.close()
+
+
+@contextmanager
+def _fresh_database(request: Any, dialect: str, tmp_path: Any) -> Iterator[str]:
+    if dialect == "postgresql":
+        server, template = (request.getfixturevalue(f) for f in ("pg_server", "pg_template"))
+        with fresh_pg_database(server, template) as url:
+            yield url
+    else:
+        yield fresh_sqlite_database(request.getfixturevalue("sqlite_template"), tmp_path / "db")
+
+
+def _break(mutant: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Apply the mutant; the check that must see it."""
+    if mutant == NO_RING:
+        monkeypatch.setattr(SqliteStore, "_ring", lambda self, scope, key: None)
+        return "doorbell"
+    _, expected, module, name, edits = MUTANTS[mutant]
+    monkeypatch.setattr(module, name, _patched_sql(module, name, edits))
+    return expected
+
+
+def test_fastpath__the_comparison_sees_a_difference(db_url):
     """The state comparison is not blind: one differing event detail is found."""
-    ledger = Ledger(pg_url, fast_path=False)
+    ledger = Ledger(db_url, fast_path=False)
     try:
         _every_path(ledger, "same-a")
         _every_path(ledger, "same-b")
@@ -201,3 +370,28 @@ def test_fastpath__plans_cannot_flip_to_a_partial_index(pg_url):
         assert not re.search(r"(WHERE|AND)\s+(\w+\.)?status = '", sql)  # no literal predicate
         assert re.search(r"(WHERE|AND)\s+(\w+\.)?status = %\(", sql)
     ledger.close()
+
+
+PRAGMAS = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
+
+
+def test_fastpath__sqlite_store_and_bench_baseline_run_with_the_ledgers_pragmas(sqlite_url):
+    """Durability is not traded for speed: the fast store's connections are the engine's
+    (WAL, synchronous=FULL), and the benchmark's hand-written sqlite3 loop runs with the same."""
+    from toolledger.harness.bench.protocol import _sqlite_connect
+
+    ledger = Ledger(sqlite_url)
+    try:
+        assert isinstance(ledger.store, SqliteStore)
+        with ledger.engine.connect() as conn:
+            engine = {p: conn.exec_driver_sql(f"PRAGMA {p}").scalar() for p in PRAGMAS}
+        fast = ledger.store.connection().dbapi_connection
+        store = {p: fast.execute(f"PRAGMA {p}").fetchone()[0] for p in PRAGMAS}
+        baseline = _sqlite_connect(sa.make_url(sqlite_url).database or "")
+        bench = {p: baseline.execute(f"PRAGMA {p}").fetchone()[0] for p in PRAGMAS}
+        baseline.close()
+        assert engine == {"journal_mode": "wal", "synchronous": 2, "foreign_keys": 1,
+                          "busy_timeout": 30_000}  # fmt: skip
+        assert store == engine and bench == engine
+    finally:
+        ledger.close()

@@ -253,8 +253,8 @@ def test_transitions__the_api_covers_exactly_the_table():
 
 @pytest.fixture(params=["default", "generic"])
 def either_store(request, db_url):
-    """The ledger as configured (Postgres: PostgresStore) and with the generic store: the
-    matrix holds for both (on SQLite both are the generic one)."""
+    """The ledger as configured (Postgres: PostgresStore; a SQLite file: SqliteStore) and with
+    the generic store: the matrix holds for both."""
     led = Ledger(db_url, fast_path=request.param == "default")
     yield led
     led.close()
