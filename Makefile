@@ -14,7 +14,7 @@ REDIS_URL ?= redis://127.0.0.1:6379/0
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-	$(PIP) install -e '.[dev,bench,mcp,agents,langgraph]' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) install -e '.[dev,bench,mcp,agents,langgraph,serve,otel]' 2>&1 | grep -v '^WARNING: Location' || true
 	$(BIN)/python -c "import toolledger.cli, toolledger.harness.bench.runner, celery, sqlalchemy, psycopg"
 	touch $(STAMP)
 

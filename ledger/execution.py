@@ -14,6 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger.ledger import metrics
 from toolledger.ledger.base import LedgerBase
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition
 from toolledger.ledger.identity import check_attempt, new_execution_id, new_lease_token
@@ -55,9 +56,12 @@ class LedgerExecution(LedgerBase):
             "worker_id": worker_id,
             "fenced": True,
         }  # both stores write it
-        return self.store.claim(
+        claim = self.store.claim(
             scope, key, attempt, worker_id, lease_seconds, execution_id, token, detail
         )
+        if claim is not None:
+            metrics.transition(claim.tool, Status.RUNNING)
+        return claim
 
     def claimed(self, execution_id: str, lease_token: str) -> Claim | None:
         """The claim ``execution_id`` if it exists under ``lease_token`` (after an ambiguous

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import EventRecord, ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import TERMINAL, Status
+from toolledger.observability import logs, tracing
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Absent, Evidence, Finding, Registry, Tool, ToolContext, UnknownTool
 
@@ -109,16 +112,41 @@ def reconcile_unknown(
     while page := ledger.unknown_executions(page_size, after):
         evidence = ledger.evidence_for([ex for ex, _ in page])
         for ex, op in page:
-            events = evidence.get(ex.execution_id, [])
-            found = _findings(registry, sandbox, ex, op, events, tally)
-            # StaleFence: another sweep (or a human) resolved it first; each row changes once
-            with contextlib.suppress(StaleFence):
-                if found is not None:
-                    retry = ex.attempt <= max_auto_retries
-                    _decide(ledger, ex, *found, actor, tally, retry)
+            with _observed(ex, op) as span:
+                events = evidence.get(ex.execution_id, [])
+                found = _findings(registry, sandbox, ex, op, events, tally)
+                # StaleFence: another sweep (or a human) resolved it first; each row changes once
+                with contextlib.suppress(StaleFence):
+                    if found is not None:
+                        retry = ex.attempt <= max_auto_retries
+                        outcome = _decide(ledger, ex, *found, actor, tally, retry)
+                        tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
         last = page[-1][0]
         after = (last.scope, last.idempotency_key, last.execution_id)
     return tally
+
+
+@contextlib.contextmanager
+def _observed(ex: ExecutionRecord, op: OperationRecord) -> Iterator[Any]:
+    """A span and the log ids for one reconciliation."""
+    attrs = {
+        "gen_ai.tool.name": op.tool,
+        "toolledger.scope": ex.scope,
+        "toolledger.idempotency_key": ex.idempotency_key,
+        "toolledger.execution_id": ex.execution_id,
+        "toolledger.attempt": ex.attempt,
+    }
+    with (
+        tracing.span(f"reconcile {op.tool}", attrs) as span,
+        logs.bind(
+            scope=ex.scope,
+            idempotency_key=ex.idempotency_key,
+            execution_id=ex.execution_id,
+            attempt=ex.attempt,
+            tool=op.tool,
+        ),
+    ):
+        yield span
 
 
 def _findings(
@@ -154,7 +182,10 @@ def _decide(
     actor: str,
     tally: ReconcileTally,
     retry_allowed: bool,
-) -> None:
+) -> str:
+    """Settle ``ex`` by the evidence; what happened: succeeded, failed, not_applied, or
+    still_unknown."""
+    name = tool.name if tool is not None else ""
     proof = own if isinstance(own, Evidence) else world
     if isinstance(proof, Evidence):
         idempotent = tool is not None and tool.idempotent  # both ran: twice is once
@@ -171,11 +202,13 @@ def _decide(
             tally.from_late_result += 1
         else:
             tally.from_reconciler += 1
-        return
+        metrics.transition(name, proof.status)
+        metrics.reconciled(proof.status.value)
+        return proof.status.value
     absent = own if isinstance(own, Absent) else _fence(tool, ex)
     if absent is None:
         tally.still_unknown += 1
-        return
+        return "still_unknown"
     # Automatic retry only on the reconciler's word that applying it now is right.
     retry = retry_allowed and tool is not None and tool.auto_retry and isinstance(world, Absent)
     evidence: dict[str, Any] = {**absent.detail}
@@ -186,8 +219,12 @@ def _decide(
     )
     tally.reconciled += 1
     tally.not_applied += 1
+    metrics.transition(name, Status.FAILED)
+    metrics.reconciled("not_applied")
     if retry:
         op = ledger.operation(ex.scope, ex.idempotency_key)
         if op.status is Status.APPROVED and op.authorized_attempts == ex.attempt + 1:
+            metrics.transition(name, Status.APPROVED)
             tally.auto_retried += 1
             tally.to_publish.append((op.scope, op.idempotency_key, op.authorized_attempts))
+    return "not_applied"

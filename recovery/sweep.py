@@ -24,7 +24,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from toolledger.effects import effects_of
+from toolledger.ledger import metrics
 from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import operations
+from toolledger.ledger.records import ExecutionRecord
+from toolledger.ledger.transitions import Status
+from toolledger.observability import logs, tracing
 from toolledger.recovery.reconcile import MAX_AUTO_RETRIES, reconcile_unknown
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry
@@ -71,9 +76,71 @@ def sweep(
 ) -> SweepSummary:
     """One recovery pass. Never executes a tool."""
     began = time.perf_counter()
+    with tracing.span("sweep", {"toolledger.actor": actor}) as span, logs.bind(sweep=actor):
+        summary = _sweep(
+            ledger,
+            registry,
+            sandbox,
+            grace_seconds=grace_seconds,
+            requeue_after=requeue_after,
+            publish=publish,
+            batch=batch,
+            actor=actor,
+            max_auto_retries=max_auto_retries,
+        )
+        summary.duration_s = round(time.perf_counter() - began, 4)
+        metrics.sweep_finished(time.perf_counter() - began, ok=not summary.errors)
+        tracing.annotate(
+            span,
+            {
+                "toolledger.sweep.marked_unknown": summary.marked_unknown,
+                "toolledger.sweep.reconciled": summary.reconciled,
+                "toolledger.sweep.still_unknown": summary.still_unknown,
+                "toolledger.sweep.requeued": summary.requeued,
+                "toolledger.sweep.errors": len(summary.errors),
+            },
+        )
+    return summary
+
+
+def _count_expired(ledger: Ledger, marked: list[ExecutionRecord]) -> None:
+    """Lease expirations and their running -> unknown transitions, by tool (one query, only
+    when this process counts)."""
+    metrics.lease_expired(len(marked))
+    if metrics.active() is None or not marked:
+        return
+    pairs = sorted({(ex.scope, ex.idempotency_key) for ex in marked})
+    o = operations.c
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(o.scope, o.idempotency_key, o.tool).where(
+                sa.tuple_(o.scope, o.idempotency_key).in_(pairs)
+            )
+        ).all()
+    tools = {(r.scope, r.idempotency_key): r.tool for r in rows}
+    for ex in marked:
+        metrics.transition(tools.get((ex.scope, ex.idempotency_key), ""), Status.UNKNOWN)
+
+
+def _sweep(
+    ledger: Ledger,
+    registry: Registry,
+    sandbox: Sandbox,
+    *,
+    grace_seconds: float,
+    requeue_after: float,
+    publish: Publish | None,
+    batch: int,
+    actor: str,
+    max_auto_retries: int,
+) -> SweepSummary:
     summary = SweepSummary()
     while marked := ledger.mark_expired(grace_seconds=grace_seconds, limit=batch, actor=actor):
         summary.marked_unknown += len(marked)
+        try:
+            _count_expired(ledger, marked)
+        except sa.exc.SQLAlchemyError as exc:  # a count is not worth failing the pass
+            log.warning("counting expired leases failed: %s", type(exc).__name__)
         if len(marked) < batch:
             break
     try:
@@ -98,7 +165,6 @@ def sweep(
             if _publish_one(publish, scope, key, attempt, summary.errors):
                 ledger.mark_enqueued(scope, key, attempt)
         summary.requeued = requeue_lost(ledger, publish, requeue_after, batch, summary.errors)
-    summary.duration_s = round(time.perf_counter() - began, 4)
     return summary
 
 

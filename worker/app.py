@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,48 @@ def create_app(settings: Settings | None = None) -> Celery:
         if getattr(sender, "app", None) is app:
             settle_at_start(settings)
 
+    observe(app, settings)
     return app
+
+
+def observe(app: Celery, settings: Settings) -> None:
+    """Metrics, traces and log format for this app's worker and beat processes.
+
+    The worker's main process opens the metrics endpoint of its whole process group before
+    the pool forks (the children count into multiprocess files); each child sets up its own
+    tracer (an exporter thread does not survive a fork). TOOLLEDGER_LOG_FORMAT=json makes
+    Celery's handlers write JSON lines with the call's ids."""
+    from toolledger.observability import logs, metrics, tracing
+
+    fmt = logs.log_format()
+
+    @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _metrics(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            metrics.start_worker_metrics()
+
+    @signals.worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _child(**_: Any) -> None:
+        tracing.configure()
+
+    @signals.worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _child_exit(pid: int | None = None, **_: Any) -> None:
+        metrics.worker_child_exited(pid or os.getpid())
+
+    @signals.beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _beat(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            from toolledger.ledger.ledger import Ledger
+
+            tracing.configure()
+            ledger = Ledger(settings.db, timeout=settings.db_timeout)
+            metrics.start_beat_metrics(ledger, settings.sweep_interval)
+
+    @signals.after_setup_logger.connect(weak=False)  # type: ignore[untyped-decorator]
+    @signals.after_setup_task_logger.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _logs(logger: logging.Logger | None = None, **_: Any) -> None:
+        if logger is not None and fmt == "json":  # text: Celery's own format, unchanged
+            logs.restyle(fmt, logger)
 
 
 def settle_at_start(settings: Settings) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,11 +34,13 @@ from toolledger.effects import (
     effects_of,
     lock_keys,
 )
+from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.identity import new_execution_id, new_lease_token
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim
 from toolledger.ledger.transitions import Status
+from toolledger.observability import logs, tracing
 from toolledger.sandbox import Sandbox, SandboxError
 from toolledger.tools import (
     Absent,
@@ -201,14 +204,62 @@ class Executor:
         self.worker_id, self.lease_seconds = worker_id, lease_seconds
         self.leases = leases or LeaseKeeper(ledger, lease_seconds)
 
-    def execute(self, scope: str, key: str, attempt: int) -> Outcome:
+    def execute(
+        self,
+        scope: str,
+        key: str,
+        attempt: int,
+        *,
+        tool_call_id: str | None = None,
+        published_at: float | None = None,
+        parent: Any = None,
+        report: Callable[[Outcome], None] | None = None,
+    ) -> Outcome:
+        """Run attempt ``attempt`` of ``scope``/``key`` if this delivery wins its claim.
+
+        ``tool_call_id`` and ``published_at`` (Unix time), when the message carried them,
+        label the span and the schedule-to-start histogram; ``parent``: the trace context
+        the message carried (the submitter's span); ``report`` is called with the outcome
+        while the span is current and the call's ids are bound (its log lines carry them)."""
+        ids = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.call.id": tool_call_id,
+            "toolledger.scope": scope,
+            "toolledger.idempotency_key": key,
+            "toolledger.attempt": attempt,
+        }
+        with (
+            tracing.span("execute_tool", ids, parent=parent) as span,
+            logs.bind(scope=scope, idempotency_key=key, attempt=attempt, tool_call_id=tool_call_id),
+        ):
+            outcome = self._execute(scope, key, attempt, span, tool_call_id, published_at)
+            status = outcome.status.value if outcome.status else None
+            tracing.annotate(
+                span, {"toolledger.status": status, "toolledger.outcome": outcome.state}
+            )
+            if report is not None:
+                report(outcome)
+            return outcome
+
+    def _execute(
+        self,
+        scope: str,
+        key: str,
+        attempt: int,
+        span: Any,
+        tool_call_id: str | None,
+        published_at: float | None,
+    ) -> Outcome:
         # 1+2. The claim reads the operation and inserts the execution row in one commit:
         # not approved, not this attempt, or someone else's → nothing runs.
         claimed = self._claim(scope, key, attempt)
         if isinstance(claimed, Outcome):
+            if claimed.state == "lost":
+                metrics.claim_lost()
             return claimed
         claim, sent_at = claimed
         eid = claim.execution_id
+        self._observe_claim(claim, span, tool_call_id, published_at)
         # running is durable now: a crash from here on leaves evidence the effect may have begun.
         failpoints.hit("after_claim", eid)
         watch = self.leases.track(claim, sent_at)
@@ -224,9 +275,25 @@ class Executor:
         finally:
             self.leases.untrack(claim)
         outcome = self._record(claim, status, result, error, staged)
+        metrics.execution_finished(claim.tool, time.monotonic() - sent_at)
         # Committed (or not): a crash here leaves staged effects that settle lands (or drops).
         failpoints.hit("after_terminal", eid)
         return self._land(claim, outcome, staged)
+
+    @staticmethod
+    def _observe_claim(
+        claim: Claim, span: Any, tool_call_id: str | None, published_at: float | None
+    ) -> None:
+        metrics.scheduled_started(claim.tool, published_at)
+        if tool_call_id is None and claim.idempotency_key.startswith(f"{claim.tool}:"):
+            tool_call_id = claim.idempotency_key[len(claim.tool) + 1 :]  # the default key
+        logs.bind_more(execution_id=claim.execution_id, tool=claim.tool, tool_call_id=tool_call_id)
+        attrs = {
+            "gen_ai.tool.name": claim.tool,
+            "gen_ai.tool.call.id": tool_call_id,
+            "toolledger.execution_id": claim.execution_id,
+        }
+        tracing.annotate(span, attrs, name=f"execute_tool {claim.tool}")
 
     # ------------------------------------------------------------------ claim
 
@@ -363,6 +430,7 @@ class Executor:
                 actor=self.worker_id,
                 lease_token=claim.lease_token,
             )
+            metrics.transition(claim.tool, status)
             return Outcome("unknown", claim.execution_id, status, None)
         assert result is not None
         effects = [s.to_json() for s in staged] or None
@@ -375,6 +443,7 @@ class Executor:
             effects=effects,
             lock_keys=lock_keys(claim.scope, staged),
         )
+        metrics.transition(claim.tool, status)
         return Outcome("finished", claim.execution_id, status, result, done.seq)
 
     def _already_written(
@@ -392,6 +461,7 @@ class Executor:
         if state is None or state.status is Status.RUNNING:
             return None  # not written yet: try again
         if state.status is status and not state.reconciled:
+            metrics.transition(claim.tool, status)  # our commit did land
             return Outcome("finished", claim.execution_id, status, result, state.seq)
         return self._late(claim, status, result, error, staged)
 
@@ -405,6 +475,7 @@ class Executor:
     ) -> Outcome:
         """The row is no longer ours: the execution was revoked. Its staged effects will be
         dropped, never landed; its result is kept as evidence for recovery."""
+        metrics.stale_result()
         detail = self._late_detail(claim, status, result, error, staged)
         try:
             self.ledger.record_late_result(
@@ -548,6 +619,8 @@ def run_tool(
         return Status.UNKNOWN, None, f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001 - any other error is the tool reporting failure
         message = f"{type(exc).__name__}: {exc}"
-        log.warning("tool %s failed in %s: %s", tool.name, ctx.execution_id, message)
+        # the class only at WARNING: an exception's text may quote the call's arguments
+        log.warning("tool %s failed in %s: %s", tool.name, ctx.execution_id, type(exc).__name__)
+        log.debug("tool %s failed in %s: %s", tool.name, ctx.execution_id, message)
         return Status.FAILED, {"error": type(exc).__name__, "message": str(exc)}, message
     return Status.SUCCEEDED, result, None

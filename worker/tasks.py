@@ -4,14 +4,19 @@ carries pointers, the ledger carries truth — arguments are read from the ledge
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery, Task
 
 from toolledger.config import Settings
 from toolledger.ledger.errors import InputError, InvalidArguments
 from toolledger.ledger.identity import check_attempt, check_scope, check_text_id
+from toolledger.observability import tracing
 from toolledger.worker.runtime import default_worker_id, runtime
+
+if TYPE_CHECKING:
+    from toolledger.worker.pipeline import Outcome
 
 log = logging.getLogger("toolledger.worker")
 
@@ -20,6 +25,20 @@ EXECUTE = "toolledger.execute"
 
 
 _FIELDS = ("scope", "idempotency_key", "attempt")
+#: Message headers (never arguments): when it was published (Unix time, for the
+#: schedule-to-start histogram) and the tool_call_id the submitter knew (for the span); the
+#: W3C ``traceparent``/``tracestate`` headers carry the submitter's trace context.
+PUBLISHED_AT = "toolledger_published_at"
+TOOL_CALL_ID = "toolledger_tool_call_id"
+
+
+def message_headers(request: Any) -> dict[str, Any]:
+    """The custom headers of the message being run (Celery merges them into the request)."""
+    headers = dict(getattr(request, "headers", None) or {})
+    for name in (PUBLISHED_AT, TOOL_CALL_ID, "traceparent", "tracestate"):
+        if name not in headers and (value := getattr(request, name, None)) is not None:
+            headers[name] = value
+    return headers
 
 
 def parse_message(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str, int]:
@@ -55,35 +74,65 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             log.error("%s %s: rejected: %s", EXECUTE, task.request.id, exc)
             return "rejected"
         worker_id = default_worker_id(task.request.hostname or "")
-        outcome = runtime(settings).executor(worker_id).execute(scope, idempotency_key, attempt)
-        if outcome.state == "lost":
-            log.info(
-                "%s %s/%s#%s: not claimed (not approved, or already claimed): nothing ran",
-                EXECUTE,
+        headers = message_headers(task.request)
+        call_id = headers.get(TOOL_CALL_ID)  # a label only, never trusted: a bounded string
+        if not isinstance(call_id, str) or not 0 < len(call_id) <= 256:
+            call_id = None
+
+        def report(outcome: Outcome) -> None:  # inside the span: the line carries its ids
+            if outcome.state == "lost":
+                log.info(
+                    "%s %s/%s#%s: not claimed (not approved, or already claimed): nothing ran",
+                    EXECUTE,
+                    scope,
+                    idempotency_key,
+                    attempt,
+                )
+            else:
+                log.info(
+                    "%s %s/%s#%s: %s %s (%s)",
+                    EXECUTE,
+                    scope,
+                    idempotency_key,
+                    attempt,
+                    outcome.state,
+                    outcome.status,
+                    outcome.execution_id,
+                )
+
+        outcome = (
+            runtime(settings)
+            .executor(worker_id)
+            .execute(
                 scope,
                 idempotency_key,
                 attempt,
+                tool_call_id=call_id,
+                published_at=headers.get(PUBLISHED_AT),
+                parent=tracing.extract(headers),
+                report=report,
             )
-        else:
-            log.info(
-                "%s %s/%s#%s: %s %s (%s)",
-                EXECUTE,
-                scope,
-                idempotency_key,
-                attempt,
-                outcome.state,
-                outcome.status,
-                outcome.execution_id,
-            )
+        )
         return outcome.state
 
     _ = execute
 
 
 def publish(
-    app: Celery, settings: Settings, scope: str, key: str, attempt: int, **options: Any
+    app: Celery,
+    settings: Settings,
+    scope: str,
+    key: str,
+    attempt: int,
+    *,
+    tool_call_id: str | None = None,
+    **options: Any,
 ) -> None:
     """Send one job; a few quick retries, then the error goes to the caller (the outbox)."""
+    headers: dict[str, Any] = {PUBLISHED_AT: time.time()}
+    if tool_call_id is not None:
+        headers[TOOL_CALL_ID] = tool_call_id
+    tracing.inject(headers)
     app.send_task(
         EXECUTE,
         args=(scope, key, attempt),
@@ -95,5 +144,6 @@ def publish(
             "interval_step": 0.2,
             "interval_max": 0.5,
         },
+        headers=headers,
         **options,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import click
@@ -71,6 +72,20 @@ def _after(ledger: Ledger, scope: str, tool_call_id: str) -> dict[str, Any]:
     return view.to_json(receipt)
 
 
+log_format_option = click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default=None,
+    help="Log lines as text or JSON objects with the call's ids [env TOOLLEDGER_LOG_FORMAT, text].",
+)
+
+
+def _use_log_format(log_format: str | None) -> None:
+    """The option wins over the environment; the pool's children inherit it."""
+    if log_format is not None:
+        os.environ["TOOLLEDGER_LOG_FORMAT"] = log_format
+
+
 def _given(args: tuple[str, ...], *names: str) -> bool:
     return any(a in names or a.startswith(tuple(f"{n}=" for n in names)) for a in args)
 
@@ -79,9 +94,10 @@ def _given(args: tuple[str, ...], *names: str) -> bool:
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     add_help_option=False,
 )
+@log_format_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
-def worker(c: Context, celery_args: tuple[str, ...]) -> None:
+def worker(c: Context, log_format: str | None, celery_args: tuple[str, ...]) -> None:
     """Run a Celery worker with toolledger's app and defaults.
 
     Celery's worker options pass through (--concurrency, --pool, --loglevel, -n, -Q, …);
@@ -89,6 +105,7 @@ def worker(c: Context, celery_args: tuple[str, ...]) -> None:
     """
     from toolledger.worker.app import check_worker_start, create_app
 
+    _use_log_format(log_format)
     settings = c.settings
     check_worker_start(settings)
     app = create_app(settings)
@@ -109,13 +126,17 @@ def worker(c: Context, celery_args: tuple[str, ...]) -> None:
     default=None,
     help="Seconds between sweeps [env TOOLLEDGER_SWEEP_INTERVAL, 10].",
 )
+@log_format_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
-def beat(c: Context, interval: float | None, celery_args: tuple[str, ...]) -> None:
+def beat(
+    c: Context, interval: float | None, log_format: str | None, celery_args: tuple[str, ...]
+) -> None:
     """Run the one beat that schedules the sweep on its own queue (Celery beat options pass
     through). Run exactly one; two are safe, only wasteful."""
     from toolledger.worker.app import check_worker_start, create_app
 
+    _use_log_format(log_format)
     settings = c.settings.with_(sweep_interval=interval)
     check_worker_start(settings)
     app = create_app(settings)

@@ -1,0 +1,435 @@
+"""Metrics agree with the ledger after a small chaos run: a real prefork worker whose children
+are SIGKILLed at random mid-call (failpoints), a real beat sweeping every second, the
+worker's and the beat's endpoints and the /metrics ASGI app (uvicorn, in a thread) scraped
+at the end and compared with the ledger's own account.
+
+Each agreement check is also shown failing on a scrape made to disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from toolledger.config import Settings
+from toolledger.harness.processes import beat_process, service_env, stop_all, worker_process
+from toolledger.ledger import metrics as counters
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import execution_events, executions
+from toolledger.ledger.transitions import EventKind, Status
+from toolledger.observability.metrics import OPEN_STATUSES, asgi_app
+from toolledger.worker.submit import Submitter
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(url: str) -> Scrape:
+    """Every sample at ``url`` by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - a local test URL
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(samples: Scrape, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+# ------------------------------------------------------------------------ the agreement
+
+
+def ledger_facts(ledger: Ledger, sweep_marked: int) -> dict[str, Any]:
+    """The ledger's own account: calls by status (``list``), executions by status, the
+    unknown events the sweep wrote for expired leases, the review flags."""
+    calls = Counter(c.status.value for c in ledger.list_calls(limit=0))
+    flagged = Counter(c.review for c in ledger.list_calls(review=True, limit=0))
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(sa.select(executions.c.status, sa.func.count()).group_by("status"))
+        runs = {str(s): int(n) for s, n in rows}
+        expired = conn.execute(
+            sa.select(sa.func.count()).where(
+                execution_events.c.kind == EventKind.UNKNOWN,
+                execution_events.c.actor == "sweep",
+            )
+        ).scalar_one()
+    return {
+        "calls": dict(calls),
+        "executions": runs,
+        "claims": sum(runs.values()),
+        "lease_expired_events": int(expired),
+        "sweep_marked": sweep_marked,
+        "contradicted": flagged.get("contradicted", 0),
+    }
+
+
+def disagreements(gauges: Scrape, worker: Scrape, facts: dict[str, Any]) -> list[str]:
+    """Every way the scraped values differ from the ledger's account (empty: they agree)."""
+    bad = []
+
+    def check(what: str, scraped: float, truth: float) -> None:
+        if scraped != truth:
+            bad.append(f"{what}: scraped {scraped}, ledger {truth}")
+
+    for status in OPEN_STATUSES:
+        check(
+            f"toolledger_calls{{status={status}}}",
+            total(gauges, "toolledger_calls", status=status),
+            facts["calls"].get(status, 0),
+        )
+    check(
+        "toolledger_inbox{kind=unknown}",
+        total(gauges, "toolledger_inbox", kind="unknown"),
+        facts["calls"].get("unknown", 0),
+    )
+    check(
+        "toolledger_inbox{kind=pending_approval}",
+        total(gauges, "toolledger_inbox", kind="pending_approval"),
+        facts["calls"].get("pending_approval", 0),
+    )
+    check(
+        "toolledger_inbox{kind=contradicted}",
+        total(gauges, "toolledger_inbox", kind="contradicted"),
+        facts["contradicted"],
+    )
+    expired = total(worker, "toolledger_lease_expired_total")
+    check("toolledger_lease_expired_total vs the sweeps' marked", expired, facts["sweep_marked"])
+    check("toolledger_lease_expired_total vs events", expired, facts["lease_expired_events"])
+    # transitions counted in the worker processes, against the executions they left
+    check("claims (calls_total running)", total(worker, "toolledger_calls_total", status="running"), facts["claims"])  # fmt: skip
+    for status in ("succeeded", "failed"):
+        check(
+            f"toolledger_calls_total{{status={status}}}",
+            total(worker, "toolledger_calls_total", status=status),
+            facts["executions"].get(status, 0),
+        )
+    check(
+        "toolledger_calls_total{status=unknown}",
+        total(worker, "toolledger_calls_total", status="unknown"),
+        facts["lease_expired_events"],
+    )
+    return bad
+
+
+def sweep_marked(log_text: str) -> int:
+    """The sum of marked_unknown over every sweep summary a worker logged."""
+    found = re.findall(r"toolledger\.sweep: (\{.*\})", log_text)
+    return sum(json.loads(s)["marked_unknown"] for s in found)
+
+
+# ------------------------------------------------------------------------ the run
+
+
+@pytest.fixture
+def metrics_app_url(pg_url: str) -> Iterator[str]:
+    """The /metrics ASGI app served by uvicorn in a thread of this process."""
+    import uvicorn
+
+    counters.disable()
+    ledger = Ledger(pg_url)
+    port = free_port()
+    config = uvicorn.Config(asgi_app(ledger, ttl=0.5), port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 20, "uvicorn started")
+    yield f"http://127.0.0.1:{port}/metrics"
+    server.should_exit = True
+    thread.join(10)
+    ledger.close()
+    counters.disable()
+
+
+def test_metrics__agree_with_the_ledger_after_a_small_chaos_run(
+    pg_url, redis_server, redis_prefix, tmp_path, metrics_app_url
+):
+    # Given a worker whose children are SIGKILLed before or after about 1 in 4 effects, and a beat
+    # sweeping every second with 2-second leases
+    settings_env = {
+        "db": pg_url,
+        "broker": redis_server,
+        "broker_prefix": redis_prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "tools": "toolledger.harness.probe",
+        "home": str(tmp_path / "home"),
+        "lease_seconds": "2",
+        "sweep_interval": "1",
+        "sweep_grace": "0",
+        "requeue_after": "3",
+    }
+    worker_port, beat_port = free_port(), free_port()
+    env = service_env(**settings_env, failpoints="before_effect=15%kill;after_effect=15%kill")
+    worker = worker_process(
+        "w1", {**env, "TOOLLEDGER_METRICS_PORT": str(worker_port)}, tmp_path / "logs"
+    )
+    beat = beat_process(
+        "beat",
+        service_env(**settings_env, metrics_port=str(beat_port)),
+        tmp_path / "logs",
+        "--interval",
+        "1",
+    )
+    procs = [worker.start(), beat.start()]
+    try:
+        worker.wait_ready(60)
+        beat.wait_ready(60)
+        settings = Settings.from_env(
+            {f"TOOLLEDGER_{k.upper()}": v for k, v in settings_env.items()}
+        )
+        sub = Submitter(settings)
+        # When 40 calls are submitted approved and 3 wait for approval
+        for i in range(43):
+            args = {"path": f"out/{i}.txt", "content": f"c{i}", "hold_ms": 40}
+            call = sub.prepare("chaos", f"call_{i}", "probe_write", args)
+            sub.submit(call, approved_by="alice" if i < 40 else None)
+        ledger = Ledger(pg_url)
+
+        def settled() -> bool:
+            now = Counter(c.status for c in ledger.list_calls(limit=0))
+            return now[Status.APPROVED] == now[Status.RUNNING] == 0
+
+        wait_for(settled, 120, "every approved call settled")
+        time.sleep(2.5)  # one more sweep pass finds nothing left; the gauges' cache expires
+        wait_for(lambda: settled() and "toolledger.sweep" in worker.log_text(), 10, "a sweep")
+        # Then the scraped values agree with the ledger's account
+        worker_samples = scrape(f"http://127.0.0.1:{worker_port}/metrics")
+        beat_samples = scrape(f"http://127.0.0.1:{beat_port}/metrics")
+        app_samples = scrape(metrics_app_url)
+        facts = ledger_facts(ledger, sweep_marked(worker.log_text()))
+        print(json.dumps(facts))
+        assert facts["claims"] > 40, "the run must have redelivered or retried something"
+        assert disagreements(beat_samples, worker_samples, facts) == []
+        assert disagreements(app_samples, worker_samples, facts) == []
+        # and the transitions counted in this process (submit) are served by the app
+        assert total(app_samples, "toolledger_calls_total", status="pending_approval") == 3
+        assert total(app_samples, "toolledger_calls_total", status="approved") == 40
+        # the histograms saw every claim and the sweep ran and succeeded
+        assert total(worker_samples, "toolledger_execution_duration_seconds_count") >= 40
+        assert total(worker_samples, "toolledger_schedule_to_start_seconds_count") >= 40
+        assert total(worker_samples, "toolledger_sweep_duration_seconds_count") >= 1
+        assert total(worker_samples, "toolledger_sweep_last_success_timestamp_seconds") > 0
+        assert total(beat_samples, "toolledger_sweep_interval_seconds") == 1.0
+        sub.close()
+        ledger.close()
+    finally:
+        stop_all(procs)
+
+
+# ------------------------------------------------------------------------ the checks can fail
+
+
+AGREEING: dict[str, Any] = {
+    "calls": {"succeeded": 5, "unknown": 2, "pending_approval": 1},
+    "executions": {"succeeded": 5, "failed": 1, "unknown": 2},
+    "claims": 8,
+    "lease_expired_events": 3,
+    "sweep_marked": 3,
+    "contradicted": 0,
+}
+
+
+def crafted() -> tuple[Scrape, Scrape]:
+    def k(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return name, tuple(sorted(labels.items()))
+
+    gauges = {
+        k("toolledger_calls", status="unknown"): 2.0,
+        k("toolledger_calls", status="pending_approval"): 1.0,
+        k("toolledger_calls", status="approved"): 0.0,
+        k("toolledger_calls", status="running"): 0.0,
+        k("toolledger_inbox", kind="unknown"): 2.0,
+        k("toolledger_inbox", kind="pending_approval"): 1.0,
+        k("toolledger_inbox", kind="contradicted"): 0.0,
+    }
+    worker = {
+        k("toolledger_lease_expired_total"): 3.0,
+        k("toolledger_calls_total", tool="w", status="running"): 8.0,
+        k("toolledger_calls_total", tool="w", status="succeeded"): 5.0,
+        k("toolledger_calls_total", tool="w", status="failed"): 1.0,
+        k("toolledger_calls_total", tool="w", status="unknown"): 3.0,
+    }
+    return gauges, worker
+
+
+WRONG = [
+    ("calls gauge", "gauges", ("toolledger_calls", (("status", "unknown"),)), 3.0),
+    ("inbox unknown", "gauges", ("toolledger_inbox", (("kind", "unknown"),)), 1.0),
+    ("inbox pending", "gauges", ("toolledger_inbox", (("kind", "pending_approval"),)), 0.0),
+    ("inbox contradicted", "gauges", ("toolledger_inbox", (("kind", "contradicted"),)), 1.0),
+    ("lease expirations", "worker", ("toolledger_lease_expired_total", ()), 2.0),
+    ("claims", "worker", ("toolledger_calls_total", (("status", "running"), ("tool", "w"))), 9.0),
+    (
+        "succeeded",
+        "worker",
+        ("toolledger_calls_total", (("status", "succeeded"), ("tool", "w"))),
+        4.0,
+    ),
+]
+
+
+def test_disagreements__none_on_agreeing_values():
+    gauges, worker = crafted()
+    assert disagreements(gauges, worker, AGREEING) == []
+
+
+@pytest.mark.parametrize(("what", "which", "key", "value"), WRONG, ids=[w[0] for w in WRONG])
+def test_disagreements__each_check_fails_on_a_wrong_value(what, which, key, value):
+    gauges, worker = crafted()
+    (gauges if which == "gauges" else worker)[key] = value
+    found = disagreements(gauges, worker, AGREEING)
+    assert len(found) >= 1, what
+    assert key[0] in " ".join(found) or what == "claims"
+
+
+def test_disagreements__sweep_marked_differs_from_the_counter():
+    gauges, worker = crafted()
+    facts = {**AGREEING, "sweep_marked": 4}
+    assert disagreements(gauges, worker, facts) == [
+        "toolledger_lease_expired_total vs the sweeps' marked: scraped 3.0, ledger 4"
+    ]
+
+
+def test_sweep_marked__sums_the_summaries_a_worker_logged(tmp_path: Path):
+    log = (
+        'x toolledger.sweep: {"marked_unknown": 2, "errors": []}\n'
+        "unrelated line\n"
+        'y toolledger.sweep: {"marked_unknown": 1, "errors": []}\n'
+    )
+    assert sweep_marked(log) == 3
+    assert sweep_marked("") == 0
+
+
+# ------------------------------------------------------------------------ cost
+
+
+def test_state_counts__each_part_can_use_a_partial_index(pg_url):
+    """With sequential scans priced out, every part of the gauges' statement is answered
+    from a partial index: their predicates match, so the cost follows the open calls."""
+    from toolledger.observability import metrics
+
+    ledger = Ledger(pg_url)
+    captured: list[str] = []
+
+    @sa.event.listens_for(ledger.engine, "before_cursor_execute", retval=True)
+    def explain(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("SELECT") and "operations" in statement:
+            cursor.execute("SET enable_seqscan = off")
+            cursor.execute("EXPLAIN " + statement, parameters)
+            captured.extend(row[0] for row in cursor.fetchall())
+        return statement, parameters
+
+    try:
+        counts = metrics.state_counts(ledger)
+    finally:
+        ledger.close()
+    plan = "\n".join(captured)
+    assert set(counts["calls"]) == {s.value for s in OPEN_STATUSES}
+    for index in ("ix_operations_waiting", "ix_operations_approved_unclaimed"):
+        assert index in plan, plan
+    assert "ix_operations_review" in plan, plan
+    assert "Seq Scan" not in plan, plan
+
+
+def test_collector__cached_for_its_ttl(sqlite_url):
+    from toolledger.observability.metrics import LedgerStateCollector
+
+    ledger = Ledger(sqlite_url)
+    collector = LedgerStateCollector(ledger, ttl=3600)
+    before = collector.counts()
+    ledger.submit("cache", "c1", "write_file", {"path": "a", "content": "x"})
+    assert collector.counts() == before  # served from cache
+    collector.ttl = 0
+    after = collector.counts()
+    ledger.close()
+    assert after is not None and before is not None
+    assert after["calls"]["pending_approval"] == before["calls"]["pending_approval"] + 1
+
+
+def test_cold_paths__import_neither_prometheus_client_nor_opentelemetry():
+    """The CLI's read paths, the worker's pipeline and the submitter import neither library
+    (prometheus_client alone costs ~150 ms): they load when a process turns metrics on."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, toolledger.cli, toolledger.worker.pipeline, toolledger.worker.submit, "
+        "toolledger.recovery.sweep, toolledger.observability\n"
+        "bad = [m for m in sys.modules if m.startswith(('prometheus_client', 'opentelemetry'))]\n"
+        "assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_metrics_off__no_endpoint_and_no_counting(monkeypatch):
+    from toolledger.observability import metrics
+
+    monkeypatch.setenv("TOOLLEDGER_METRICS", "off")
+    counters.disable()
+    assert metrics.start_worker_metrics() is None
+    assert counters.active() is None
+    counters.transition("write_file", "running")  # a no-op
+
+
+def test_ledger__counts_its_own_transitions_where_they_commit(sqlite_url):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    counters.disable()
+    counters.enable(registry)
+    try:
+        ledger = Ledger(sqlite_url)
+        ledger.submit("count", "c1", "write_file", {"path": "a", "content": "x"})
+        ledger.submit("count", "c1", "write_file", {"path": "a", "content": "x"})  # existing
+        ledger.approve("count", "c1", by="alice")
+        claim = ledger.claim("count", "write_file:c1", 1, worker_id="w")
+        assert claim is not None
+        assert ledger.claim("count", "write_file:c1", 1, worker_id="w2") is None  # lost
+        ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": True})
+        ledger.submit("count", "c2", "write_file", {"path": "b", "content": "x"}, approved_by="a")
+        ledger.close()
+    finally:
+        counters.disable()
+
+    def calls(status: str) -> float | None:
+        labels = {"tool": "write_file", "status": status}
+        return registry.get_sample_value("toolledger_calls_total", labels)
+
+    assert calls("pending_approval") == 1  # the repeated submit changed nothing
+    assert calls("approved") == 2
+    assert calls("running") == 1  # the lost claim is no transition
+    assert calls("succeeded") is None  # the executor counts its terminal write (pipeline)

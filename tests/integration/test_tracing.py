@@ -1,0 +1,252 @@
+"""Traces: the submit span in this process and the ``execute_tool`` span of a real prefork
+Celery worker process are one trace (the context travels in the message's headers), with
+every attribute; the worker's JSON log lines carry the same ids; the sweep's passes and its
+reconciliations are spans too.
+
+The worker runs under a launcher that installs an SDK tracer provider whose in-memory span
+exporter also ships each finished span as a JSON line to a file (a pool child's memory is
+not ours to read); this process's spans go to an ``InMemorySpanExporter``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+
+from toolledger.config import Settings
+from toolledger.harness.processes import ManagedProcess, service_env, stop_all
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.worker.submit import Submitter
+
+LAUNCHER = """
+import json, os, runpy, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+class Shipping(InMemorySpanExporter):
+    def export(self, spans):
+        done = super().export(spans)
+        with open(os.environ["SPANS_OUT"], "a") as out:
+            for span in spans:
+                out.write(json.dumps(json.loads(span.to_json())) + "\\n")
+        return done
+
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(Shipping()))
+trace.set_tracer_provider(provider)
+sys.argv = ["toolledger", *sys.argv[1:]]
+runpy.run_module("toolledger", run_name="__main__")
+"""
+
+EXECUTE_ATTRIBUTES = {
+    "gen_ai.operation.name",
+    "gen_ai.tool.name",
+    "gen_ai.tool.call.id",
+    "toolledger.scope",
+    "toolledger.idempotency_key",
+    "toolledger.execution_id",
+    "toolledger.attempt",
+    "toolledger.status",
+}
+
+
+@pytest.fixture(scope="module")
+def exporter() -> Iterator[InMemorySpanExporter]:
+    """This process's spans (one SDK provider per process: added to it if one is set); shut
+    down afterwards, so that the rest of the session's spans are not kept."""
+    memory = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    yield memory
+    memory.shutdown()
+
+
+@pytest.fixture
+def spans(exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    exporter.clear()
+    yield exporter
+    exporter.clear()
+
+
+def read_spans(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_trace__submit_span_is_the_parent_of_the_worker_span(
+    pg_url, redis_server, redis_prefix, tmp_path, spans
+):
+    settings_env = {
+        "db": pg_url,
+        "broker": redis_server,
+        "broker_prefix": redis_prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "home": str(tmp_path / "home"),
+        "metrics": "off",
+    }
+    out = tmp_path / "worker-spans.jsonl"
+    env = {**service_env(**settings_env), "SPANS_OUT": str(out)}
+    argv = [sys.executable, "-c", LAUNCHER, "worker", "--pool", "prefork", "--concurrency", "1"]
+    argv += ["--without-gossip", "--without-mingle", "--log-format", "json"]
+    worker = ManagedProcess("w1", "worker", argv, env, tmp_path / "w1.log")
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        settings = Settings.from_env(
+            {f"TOOLLEDGER_{k.upper()}": v for k, v in settings_env.items()}
+        )
+        sub = Submitter(settings)
+        # When a call is submitted, approved, in this process
+        call = sub.prepare("traced", "call_1", "write_file", {"path": "a.txt", "content": "x"})
+        sub.submit(call, approved_by="alice")
+        ledger = Ledger(pg_url)
+        wait_for(
+            lambda: ledger.get("traced", "call_1").operation.status is Status.SUCCEEDED,
+            60,
+            "the call to succeed",
+        )
+        done = wait_for(
+            lambda: [s for s in read_spans(out) if s["name"].startswith("execute_tool")],
+            20,
+            "the worker's span",
+        )
+        eid = ledger.get("traced", "call_1").executions[-1].execution_id
+        sub.close()
+        ledger.close()
+    finally:
+        stop_all([worker])
+    # Then this process exported the submit span, the worker its child
+    (submit,) = [s for s in spans.get_finished_spans() if s.name == "submit_tool write_file"]
+    (child,) = done
+    ctx = submit.get_span_context()
+    assert child["context"]["trace_id"] == f"0x{ctx.trace_id:032x}"
+    assert child["parent_id"] == f"0x{ctx.span_id:016x}"
+    assert child["name"] == "execute_tool write_file"
+    attrs = child["attributes"]
+    assert set(attrs) >= EXECUTE_ATTRIBUTES, EXECUTE_ATTRIBUTES - set(attrs)
+    assert attrs["gen_ai.operation.name"] == "execute_tool"
+    assert attrs["gen_ai.tool.name"] == "write_file"
+    assert attrs["gen_ai.tool.call.id"] == "call_1"
+    assert attrs["toolledger.scope"] == "traced"
+    assert attrs["toolledger.idempotency_key"] == "write_file:call_1"
+    assert attrs["toolledger.execution_id"] == eid
+    assert attrs["toolledger.attempt"] == 1
+    assert attrs["toolledger.status"] == "succeeded"
+    assert submit.attributes["gen_ai.tool.call.id"] == "call_1"
+    # and the worker's JSON log line about it carries the same ids
+    lines = [json.loads(x) for x in worker.log_text().splitlines() if x.startswith("{")]
+    about = [x for x in lines if x.get("execution_id") == eid]
+    assert about, worker.log_text()[-3000:]
+    line = about[-1]
+    assert line["trace_id"] == f"{ctx.trace_id:032x}"
+    assert (line["scope"], line["idempotency_key"], line["attempt"]) == (
+        "traced",
+        "write_file:call_1",
+        1,
+    )
+    assert (line["tool"], line["tool_call_id"]) == ("write_file", "call_1")
+    assert '"x"' not in line["message"]  # no argument contents
+
+
+def test_trace__a_sweep_and_its_reconciliation_are_spans(sqlite_url, tmp_path, spans):
+    from toolledger.recovery.sweep import sweep
+    from toolledger.registry import load_registry
+    from toolledger.sandbox import Sandbox
+
+    ledger = Ledger(sqlite_url)
+    ledger.submit("sw", "c1", "write_file", {"path": "a.txt", "content": "x"}, approved_by="a")
+    claim = ledger.claim("sw", "write_file:c1", 1, worker_id="gone", lease_seconds=0.01)
+    assert claim is not None
+    time.sleep(0.05)
+    settings = Settings.from_env({"TOOLLEDGER_SANDBOX": str(tmp_path / "sb")})
+    summary = sweep(
+        ledger,
+        load_registry(""),
+        Sandbox.configured(settings),
+        grace_seconds=0,
+        requeue_after=3600,
+        publish=None,
+    )
+    ledger.close()
+    assert summary.marked_unknown == 1
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    assert finished["sweep"].attributes["toolledger.sweep.marked_unknown"] == 1
+    rec = finished["reconcile write_file"]
+    assert rec.parent is not None and rec.parent.span_id == finished["sweep"].context.span_id
+    assert rec.attributes["toolledger.execution_id"] == claim.execution_id
+    assert rec.attributes["toolledger.reconcile.outcome"] == "not_applied"
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_trace__configured_by_the_standard_variables_alone(
+    pg_url, redis_server, redis_prefix, tmp_path
+):
+    """No launcher: OTEL_TRACES_EXPORTER=console and OTEL_SERVICE_NAME set up each pool
+    child's own provider after the fork (the console exporter writes to the worker's log)."""
+    from toolledger.harness.processes import worker_process
+
+    settings_env = {
+        "db": pg_url,
+        "broker": redis_server,
+        "broker_prefix": redis_prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "home": str(tmp_path / "home"),
+        "metrics": "off",
+    }
+    otel = {
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "OTEL_SERVICE_NAME": "tl-test-worker",
+    }
+    worker = worker_process(
+        "w1", {**service_env(**settings_env), **otel}, tmp_path / "logs", concurrency=1
+    )
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        settings = Settings.from_env(
+            {f"TOOLLEDGER_{k.upper()}": v for k, v in settings_env.items()}
+        )
+        sub = Submitter(settings)
+        sub.submit(
+            sub.prepare("env", "c1", "write_file", {"path": "a", "content": "x"}),
+            approved_by="alice",
+        )
+        wait_for(lambda: '"execute_tool write_file"' in worker.log_text(), 30, "a console span")
+        sub.close()
+    finally:
+        stop_all([worker])
+    log = worker.log_text()
+    assert '"service.name": "tl-test-worker"' in log
+    assert '"gen_ai.tool.call.id": "c1"' in log

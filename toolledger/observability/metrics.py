@@ -1,0 +1,288 @@
+"""Where the metrics are exposed, and the gauges read from the ledger's current state.
+
+Prefork: a Celery worker's children count into prometheus_client's multiprocess files
+(``PROMETHEUS_MULTIPROC_DIR``; a fresh temporary directory per worker unless set, wiped at
+start), and the worker's main process serves them all, summed, on one endpoint — so a
+child killed mid-task keeps what it counted. The beat and ``toolledger serve`` also serve
+the ledger's gauges (``toolledger_calls{status}``, ``toolledger_inbox{kind}``), read through
+the partial indexes and cached for ``CACHE_SECONDS``; workers do not (N workers would each
+query the ledger per scrape).
+
+Environment (read by the process entry points): ``TOOLLEDGER_METRICS=off`` turns every
+counter and endpoint off; ``TOOLLEDGER_METRICS_PORT`` is the port of a worker's or the
+beat's endpoint (defaults ``WORKER_PORT``/``BEAT_PORT``; 0 = any free port, logged).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from toolledger.ledger import metrics as counters
+from toolledger.ledger.models import operations
+from toolledger.ledger.transitions import Status
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
+
+    from toolledger.ledger.ledger import Ledger
+
+log = logging.getLogger("toolledger.metrics")
+
+#: Default ports of the endpoints a worker process group and the beat open.
+WORKER_PORT = 9808
+BEAT_PORT = 9809
+#: How long the ledger's gauges are served from cache: a scrape storm costs one query.
+CACHE_SECONDS = 5.0
+#: Statuses the calls gauge reports: those the partial indexes serve. Terminal statuses grow
+#: without bound (counting them is a scan): their rates are toolledger_calls_total's.
+OPEN_STATUSES = (Status.PENDING_APPROVAL, Status.APPROVED, Status.RUNNING, Status.UNKNOWN)
+_WAITING = (Status.PENDING_APPROVAL, Status.RUNNING, Status.UNKNOWN)  # ix_operations_waiting
+
+
+def metrics_on(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process counts and serves metrics (TOOLLEDGER_METRICS, default on)."""
+    value = (env if env is not None else os.environ).get("TOOLLEDGER_METRICS", "on")
+    return value.strip().lower() not in ("off", "0", "false", "no")
+
+
+def metrics_port(default: int, env: Mapping[str, str] | None = None) -> int:
+    return int((env if env is not None else os.environ).get("TOOLLEDGER_METRICS_PORT", default))
+
+
+# ------------------------------------------------------------------------ the ledger's gauges
+
+
+def state_counts(ledger: Ledger) -> dict[str, dict[str, int]]:
+    """{"calls": {status: n}, "inbox": {kind: n}} from current state, one statement whose
+    parts each match a partial index's predicate (so none scans the table)."""
+    o = operations.c
+    waiting = (
+        sa.select(sa.literal("calls"), o.status, sa.func.count())
+        .where(o.status.in_([s.value for s in _WAITING]))
+        .group_by(o.status)
+    )
+    approved = sa.select(sa.literal("calls"), sa.literal("approved"), sa.func.count()).where(
+        o.status == Status.APPROVED.value
+    )
+    review = (
+        sa.select(sa.literal("review"), o.review, sa.func.count())
+        .where(o.review.is_not(None))
+        .group_by(o.review)
+    )
+    calls = {s.value: 0 for s in OPEN_STATUSES}
+    flagged: dict[str, int] = {}
+    with ledger.engine.connect() as conn:
+        for part, name, n in conn.execute(sa.union_all(waiting, approved, review)):
+            (calls if part == "calls" else flagged)[str(name)] = int(n)
+    inbox = {
+        "pending_approval": calls[Status.PENDING_APPROVAL],
+        "unknown": calls[Status.UNKNOWN],
+        "contradicted": flagged.pop("contradicted", 0),
+    }
+    inbox.update(flagged)  # both_ran, not_landed: also waiting on a human
+    return {"calls": calls, "inbox": inbox}
+
+
+class LedgerStateCollector:
+    """The gauges read from the ledger, cached ``ttl`` seconds (one query per ttl at most)."""
+
+    def __init__(self, ledger: Ledger, ttl: float = CACHE_SECONDS) -> None:
+        self.ledger, self.ttl = ledger, ttl
+        self._lock = threading.Lock()
+        self._cached: tuple[float, dict[str, dict[str, int]]] | None = None
+
+    def counts(self) -> dict[str, dict[str, int]] | None:
+        with self._lock:
+            now = time.monotonic()
+            if self._cached is None or now - self._cached[0] >= self.ttl:
+                try:
+                    self._cached = (now, state_counts(self.ledger))
+                except sa.exc.SQLAlchemyError as exc:
+                    log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
+                    return self._cached[1] if self._cached else None
+            return self._cached[1]
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # not known before the first scrape; nothing to check for clashes
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        counts = self.counts()
+        if counts is None:
+            return
+        calls = GaugeMetricFamily(
+            "toolledger_calls", "Calls by status now (open statuses).", labels=["status"]
+        )
+        for status, n in counts["calls"].items():
+            calls.add_metric([status], n)
+        inbox = GaugeMetricFamily(
+            "toolledger_inbox", "Calls waiting on a human, by why.", labels=["kind"]
+        )
+        for kind, n in counts["inbox"].items():
+            inbox.add_metric([kind], n)
+        yield calls
+        yield inbox
+
+
+# ------------------------------------------------------------------------ registries
+
+
+class _Chained:
+    """Another registry's metrics, served from this one (its names are its own business)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.inner.collect()
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def process_registry(*extra: Any) -> CollectorRegistry:
+    """A registry serving this process's counters (all processes' of its group, in
+    multiprocess mode) plus ``extra`` collectors."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    directory = multiprocess_dir()
+    if directory:
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    else:
+        own = counters.enable()
+        registry.register(_Chained(own.registry))
+    for collector in extra:
+        registry.register(collector)
+    return registry
+
+
+def asgi_app(ledger: Ledger, *, ttl: float = CACHE_SECONDS) -> Any:
+    """The /metrics ASGI app for ``toolledger serve``: this process's counters and the
+    ledger's gauges. Counting starts here (unless TOOLLEDGER_METRICS=off: then only the
+    gauges are served)."""
+    from prometheus_client import CollectorRegistry, make_asgi_app
+
+    if not metrics_on():
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(LedgerStateCollector(ledger, ttl))
+        return make_asgi_app(registry=registry)
+    counters.enable()
+    return make_asgi_app(registry=process_registry(LedgerStateCollector(ledger, ttl)))
+
+
+# ------------------------------------------------------------------------ worker and beat
+
+
+def use_multiprocess(directory: str | None = None, *, wipe: bool = True) -> str:
+    """Switch this process (and the children it will fork) to multiprocess counting in
+    ``directory`` (PROMETHEUS_MULTIPROC_DIR, or a new temporary one). Must run before any
+    metric is built: prometheus_client picks its value class from the environment."""
+    directory = directory or multiprocess_dir()
+    if directory is None:  # ours: removed when this process exits (not when a child does)
+        directory = tempfile.mkdtemp(prefix="toolledger-metrics-")
+        atexit.register(_cleanup, directory, os.getpid())
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    if wipe:  # the files of a previous run would be summed in (prometheus_client's rule)
+        for old in path.glob("*.db"):
+            old.unlink(missing_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    return str(path)
+
+
+def serve_http(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> int:  # noqa: S104
+    """Serve ``registry`` at http://addr:port/metrics in a daemon thread; the bound port."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    bound = int(server.server_address[1])
+    log.info("metrics at http://%s:%s/metrics", addr, bound)
+    return bound
+
+
+def start_worker_metrics(default_port: int = WORKER_PORT) -> int | None:
+    """In a worker's main process, before its pool forks: multiprocess counting, the
+    endpoint for the whole group. None when metrics are off or the port is taken (the
+    worker runs on; a warning says why)."""
+    if not metrics_on():
+        return None
+    use_multiprocess()
+    counters.enable()
+    try:
+        return serve_http(process_registry(), metrics_port(default_port))
+    except OSError as exc:
+        log.warning("metrics endpoint not started: %s", exc)
+        return None
+
+
+def worker_child_exited(pid: int) -> None:
+    """A pool child exits: its live gauges leave the sum (its counters stay)."""
+    directory = multiprocess_dir()
+    if directory and counters.active() is not None:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+class Constant:
+    """A gauge whose value is known at start (the sweep interval the beat schedules)."""
+
+    def __init__(self, name: str, documentation: str, value: float) -> None:
+        self.name, self.documentation, self.value = name, documentation, value
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
+def start_beat_metrics(
+    ledger: Ledger, sweep_interval: float, default_port: int = BEAT_PORT
+) -> int | None:
+    """The beat's endpoint: the ledger's gauges (one beat runs: one source of them) and the
+    sweep interval it schedules (the stalled-sweep alert counts in intervals)."""
+    if not metrics_on():
+        return None
+    counters.enable()
+    interval = Constant(
+        "toolledger_sweep_interval_seconds",
+        "Seconds between sweeps the beat schedules.",
+        sweep_interval,
+    )
+    try:
+        registry = process_registry(LedgerStateCollector(ledger), interval)
+        return serve_http(registry, metrics_port(default_port))
+    except OSError as exc:
+        log.warning("metrics endpoint not started: %s", exc)
+        return None
+
+
+def _cleanup(directory: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,143 @@
+"""OpenTelemetry spans, optional: no-ops unless OpenTelemetry is installed and in use.
+
+"In use" means a process imported ``opentelemetry.trace`` — an application that set its own
+tracer provider, or ``configure()`` here, which sets up the SDK from the standard ``OTEL_*``
+variables when one of ``OTEL_TRACES_EXPORTER`` / ``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT`` is
+set (nothing of toolledger's own). Until then nothing is imported and every helper returns
+at once, so the CLI's cold start and a worker without tracing pay nothing.
+
+The trace context of the submitting process travels in the Celery message's headers (W3C
+``traceparent``), so a worker's ``execute_tool`` span is a child of the submit span.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+log = logging.getLogger("toolledger.tracing")
+
+_ENDPOINTS = (
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+)
+_configured_pid: int | None = None
+
+
+def _trace() -> Any:
+    """The ``opentelemetry.trace`` module if this process uses OpenTelemetry, else None."""
+    return sys.modules.get("opentelemetry.trace")
+
+
+def active() -> bool:
+    return _trace() is not None
+
+
+def configure(env: Mapping[str, str] | None = None) -> bool:
+    """Set up the SDK's tracer provider from the OTEL_* variables, once per process (again
+    in a forked child: the exporter's thread does not survive a fork). False if not asked
+    for, not installed, or an application already set a provider."""
+    global _configured_pid
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    wanted = any(env.get(name) for name in _ENDPOINTS)
+    if not wanted or env.get("OTEL_TRACES_EXPORTER", "").lower() == "none":
+        return False
+    if _configured_pid == os.getpid():
+        return True
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        log.warning("OTEL_* is set but opentelemetry-sdk is not installed: no traces")
+        return False
+    current = trace.get_tracer_provider()
+    if _configured_pid is None and not isinstance(current, trace.ProxyTracerProvider):
+        return False  # the application's own provider wins
+    exporter = _exporter(env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")[0].strip())
+    if exporter is None:
+        return False
+    provider = TracerProvider(resource=Resource.create({}))  # OTEL_SERVICE_NAME, _RESOURCE_…
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    if _configured_pid is None:
+        trace.set_tracer_provider(provider)
+    else:  # a forked child: replace the parent's (its exporter thread is gone)
+        trace._TRACER_PROVIDER = provider
+    _configured_pid = os.getpid()
+    return True
+
+
+def _exporter(name: str) -> Any:
+    try:
+        if name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            return ConsoleSpanExporter()
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    except ImportError:
+        log.warning("the %s span exporter is not installed (extra 'otel'): no traces", name)
+        return None
+
+
+@contextlib.contextmanager
+def span(
+    name: str, attributes: Mapping[str, Any] | None = None, *, parent: Any = None
+) -> Iterator[Any]:
+    """A span, current while the block runs; None when tracing is not in use. An
+    exception leaving the block is recorded on it."""
+    trace = _trace()
+    if trace is None:
+        yield None
+        return
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    tracer = trace.get_tracer("toolledger")
+    with tracer.start_as_current_span(name, context=parent, attributes=attrs) as current:
+        yield current
+
+
+def annotate(current: Any, attributes: Mapping[str, Any], name: str | None = None) -> None:
+    """Set attributes (None values skipped) and optionally rename; a no-op without a span."""
+    if current is None:
+        return
+    current.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    if name is not None:
+        current.update_name(name)
+
+
+def inject(headers: MutableMapping[str, Any]) -> None:
+    """Write the current trace context into a message's headers (nothing if not in use)."""
+    if _trace() is None:
+        return
+    from opentelemetry.propagate import inject as _inject
+
+    _inject(headers)
+
+
+def extract(headers: Mapping[str, Any]) -> Any:
+    """The trace context a message carries, or None."""
+    if _trace() is None or not headers.get("traceparent"):
+        return None
+    from opentelemetry.propagate import extract as _extract
+
+    return _extract(dict(headers))
+
+
+def current_ids() -> tuple[str, str] | None:
+    """(trace_id, span_id) of the current span as hex, for log lines; None if none."""
+    trace = _trace()
+    if trace is None:
+        return None
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
