@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from toolledger.ledger import db
 from toolledger.ledger.errors import NotFound
@@ -55,8 +54,16 @@ class LedgerBase(LedgerReads):
             yield conn
 
     def _insert(self, table: sa.Table) -> Any:
-        dialect = postgresql if self.dialect == "postgresql" else sqlite
-        return dialect.insert(table)
+        """``INSERT`` with this dialect's ``ON CONFLICT``, its module imported here, where it
+        is used. (Both dialect packages are still loaded by ``models``: SQLAlchemy imports
+        one to check a partial index's ``postgresql_where`` / ``sqlite_where``.)"""
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects import postgresql
+
+            return postgresql.insert(table)
+        from sqlalchemy.dialects import sqlite
+
+        return sqlite.insert(table)
 
     @staticmethod
     def _append(conn: sa.Connection, *events: Event) -> None:

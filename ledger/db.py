@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 
 from toolledger.ledger import doorbell
 from toolledger.ledger.types import dumps
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 #: Where the embedded default keeps its files (the ledger, the broker, the sandbox).
 DEFAULT_HOME = Path(".toolledger")
@@ -143,9 +143,18 @@ def receipt_written(conn: sa.Connection, scope: str, key: str) -> None:
     conn.info.setdefault(_RECEIPTS, []).append([scope, key])
 
 
+# Alembic is imported by the functions that migrate, never at module level: importing it costs
+# a CLI command more than its whole query, and a ledger at head needs none of it (ensure_schema).
+MIGRATIONS = Path(__file__).parent / "migrations"
+#: Alembic's table of the revision a database is at (its default name, which env.py keeps).
+VERSION_TABLE = "alembic_version"
+
+
 def alembic_config(engine: sa.Engine | None = None) -> Config:
+    from alembic.config import Config
+
     config = Config()
-    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    config.set_main_option("script_location", str(MIGRATIONS))
     if engine is not None:
         config.attributes["engine"] = engine
     return config
@@ -153,20 +162,65 @@ def alembic_config(engine: sa.Engine | None = None) -> Config:
 
 def upgrade(engine: sa.Engine, revision: str = "head") -> None:
     """Create or migrate the schema (``toolledger db upgrade``)."""
+    from alembic import command
+
     command.upgrade(alembic_config(engine), revision)
 
 
 def downgrade(engine: sa.Engine, revision: str = "base") -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(engine), revision)
 
 
 def current_revision(engine: sa.Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
 
 def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def stored_revision(engine: sa.Engine) -> str | None:
+    """The revision the database says it is at, read without Alembic (None: no version table,
+    or not exactly one row: Alembic's ``current_revision`` then says what that means)."""
+    with engine.connect() as conn:
+        if not sa.inspect(conn).has_table(VERSION_TABLE):
+            return None
+        rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
+    return str(rows[0][0]) if len(rows) == 1 else None
+
+
+_REVISION = re.compile(r"""^revision(?:\s*:[^=\n]*)?\s*=\s*["']([^"'\n]+)["']\s*$""", re.M)
+_DOWN = re.compile(
+    r"""^down_revision(?:\s*:[^=\n]*)?\s*=\s*(?:None|["']([^"'\n]+)["'])\s*$""", re.M
+)
+
+
+def files_head(versions: Path = MIGRATIONS / "versions") -> str | None:
+    """The head revision, read from the migration files as text (no Alembic); None unless
+    they form one straight line, each with one plain ``revision`` and ``down_revision``
+    (a merge, a branch or any other spelling is left to Alembic's ``head_revision``)."""
+    revisions: set[str] = set()
+    parents: set[str | None] = set()
+    for path in versions.glob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        found, down = _REVISION.findall(text), _DOWN.findall(text)
+        if not found and not down:
+            continue  # not a revision (__init__.py)
+        if len(found) != 1 or len(down) != 1 or found[0] in revisions:
+            return None
+        revisions.add(found[0])
+        parents.add(down[0] or None)
+    heads = revisions - parents
+    if len(heads) != 1 or len(parents) != len(revisions) or not parents <= revisions | {None}:
+        return None
+    return heads.pop()
 
 
 class SchemaError(RuntimeError):
@@ -176,6 +230,9 @@ class SchemaError(RuntimeError):
 def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
     """Check the schema is at head. An empty embedded SQLite ledger is created on the spot;
     anything else (Postgres, or an older revision) must be migrated on purpose."""
+    stored = stored_revision(engine)
+    if stored is not None and stored == files_head():
+        return  # the usual case, settled without importing Alembic
     current, head = current_revision(engine), head_revision()
     if current == head:
         return

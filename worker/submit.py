@@ -14,18 +14,20 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
-
-from celery import Celery
+from typing import TYPE_CHECKING, Any
 
 from toolledger.config import Settings
 from toolledger.ledger.identity import check_call
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import OperationRecord
 from toolledger.ledger.transitions import Status
+from toolledger.observability import tracing
 from toolledger.registry import load_registry
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry, ToolContext
+
+if TYPE_CHECKING:
+    from celery import Celery  # imported by ``app`` and ``enqueue``: a call left pending needs none
 
 log = logging.getLogger("toolledger.submit")
 
@@ -71,6 +73,7 @@ class Submitter:
         self.registry = registry or load_registry(settings.tools)
         self.sandbox = Sandbox.configured(settings)
         self._app = app
+        tracing.configure()  # OTEL_* set: the submit spans are exported (else nothing)
 
     @property
     def ledger(self) -> Ledger:
@@ -106,11 +109,32 @@ class Submitter:
         return PreparedCall(scope, tool_call_id, tool, args, key, sha, spec.read_only)
 
     def submit(
-        self, call: PreparedCall, *, approved_by: str | None = None, reason: str | None = None
+        self,
+        call: PreparedCall,
+        *,
+        approved_by: str | None = None,
+        reason: str | None = None,
+        actor: str = "agent",
     ) -> dict[str, Any]:
-        """Record the call (or run it, if read-only) and enqueue it if approved."""
+        """Record the call (or run it, if read-only) and enqueue it if approved; ``actor``
+        is who submitted it (the HTTP API: the token's name)."""
         if call.read_only:
             return self._read_only(call)
+        attrs = {
+            "gen_ai.operation.name": "submit_tool",
+            "gen_ai.tool.name": call.tool,
+            "gen_ai.tool.call.id": call.tool_call_id,
+            "toolledger.scope": call.scope,
+            "toolledger.idempotency_key": call.key,
+        }
+        with tracing.span(f"submit_tool {call.tool}", attrs) as span:
+            out = self._submit(call, approved_by, reason, actor)
+            tracing.annotate(span, {"toolledger.status": out["status"]})
+            return out
+
+    def _submit(
+        self, call: PreparedCall, approved_by: str | None, reason: str | None, actor: str
+    ) -> dict[str, Any]:
         submitted = self.ledger.submit(
             call.scope,
             call.tool_call_id,
@@ -119,17 +143,21 @@ class Submitter:
             key=call.key,
             approved_by=approved_by,
             reason=reason,
+            actor=actor,
             stamp_enqueued=True,
         )
         op = submitted.operation
         out = _summary(op, call.scope, call.tool_call_id)
         out["outcome"] = submitted.outcome
+        attempt, call_id = op.authorized_attempts, call.tool_call_id
         if op.status is Status.APPROVED and submitted.outcome == "created":
             out.update(
-                self.enqueue(op.scope, op.idempotency_key, op.authorized_attempts, stamped=True)
+                self.enqueue(
+                    op.scope, op.idempotency_key, attempt, stamped=True, tool_call_id=call_id
+                )
             )
         elif op.status is Status.APPROVED and not op.enqueued_at:
-            out.update(self.enqueue(op.scope, op.idempotency_key, op.authorized_attempts))
+            out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
         return out
 
     def _read_only(self, call: PreparedCall) -> dict[str, Any]:
@@ -160,6 +188,16 @@ class Submitter:
         self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool
     ) -> dict[str, Any]:
         """Approve (and enqueue) or reject a pending call."""
+        attrs = {"toolledger.scope": scope, "gen_ai.tool.call.id": tool_call_id}
+        name = "approve_tool" if approve else "reject_tool"
+        with tracing.span(name, attrs) as span:
+            out = self._decide(scope, tool_call_id, by, reason, approve=approve)
+            tracing.annotate(span, {"toolledger.status": out["status"]}, f"{name} {out['tool']}")
+            return out
+
+    def _decide(
+        self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool
+    ) -> dict[str, Any]:
         if approve:
             op = self.ledger.approve(scope, tool_call_id, by=by, reason=reason, stamp_enqueued=True)
         else:
@@ -167,12 +205,24 @@ class Submitter:
         out = _summary(op, scope, tool_call_id)
         if op.status is Status.APPROVED:
             out.update(
-                self.enqueue(scope, op.idempotency_key, op.authorized_attempts, stamped=True)
+                self.enqueue(
+                    scope,
+                    op.idempotency_key,
+                    op.authorized_attempts,
+                    stamped=True,
+                    tool_call_id=tool_call_id,
+                )
             )
         return out
 
     def enqueue(
-        self, scope: str, key: str, attempt: int, *, stamped: bool = False
+        self,
+        scope: str,
+        key: str,
+        attempt: int,
+        *,
+        stamped: bool = False,
+        tool_call_id: str | None = None,
     ) -> dict[str, Any]:
         """Publish the job and keep the outbox stamp true; a failure is reported, not raised.
 
@@ -181,7 +231,15 @@ class Submitter:
 
         try:
             with self.app.producer_or_acquire() as producer:  # pooled: no client per call
-                publish(self.app, self.settings, scope, key, attempt, producer=producer)
+                publish(
+                    self.app,
+                    self.settings,
+                    scope,
+                    key,
+                    attempt,
+                    tool_call_id=tool_call_id,
+                    producer=producer,
+                )
         except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry
             log.warning("enqueue of %s/%s failed: %s", scope, key, exc)
             if stamped:

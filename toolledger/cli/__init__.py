@@ -1,34 +1,131 @@
 """``toolledger``: the command line users and their scripts drive (DESIGN §9).
 
-One module per group of commands; every command is registered here, in ``COMMANDS``.
+One module per group of commands; every command is registered here, in ``COMMANDS``, and
+its module is imported only when that command runs: ``toolledger --help`` loads no command,
+``show`` / ``list`` / ``events`` load the ledger's reads but neither Celery nor Alembic.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 import click
-import sqlalchemy as sa
 
-from toolledger.cli import admin, calls, harness, mcp, recovery, run
-from toolledger.cli.common import (
-    EXIT_FAILURE,
-    EXIT_OK,
-    EXIT_USAGE,
-    CliError,
-    Context,
-    exit_code_of,
-    fail,
-)
-from toolledger.config import ConfigError, Settings
-from toolledger.ledger.db import SchemaError
-from toolledger.ledger.errors import LedgerError
+from toolledger.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, exit_code_of, fail
+
+#: Every command: its name -> where it is defined ("module:attribute") and the first paragraph
+#: of its help, which ``toolledger --help`` shows without importing the module (a test holds
+#: each to the command's own docstring).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "submit": (
+        "toolledger.cli.calls:submit",
+        "Record a call; approved at once with --approved-by, else pending_approval.",
+    ),
+    "approve": ("toolledger.cli.calls:approve", "The human decision: approve a pending call."),
+    "reject": ("toolledger.cli.calls:reject", "The human decision: reject a pending call."),
+    "show": (
+        "toolledger.cli.calls:show",
+        "One call: its action, every attempt and the receipt the model would get.",
+    ),
+    "events": ("toolledger.cli.calls:events", "The call's event history, in order."),
+    "list": ("toolledger.cli.calls:list_", "Calls from current state (never from the history)."),
+    "wait": (
+        "toolledger.cli.calls:wait",
+        "Wait for the call's receipt (woken by the database) and print it.",
+    ),
+    "execute": (
+        "toolledger.cli.run:execute",
+        "Run an approved call now, in this process, through the same pipeline as a worker.",
+    ),
+    "worker": (
+        "toolledger.cli.run:worker",
+        "Run a Celery worker with toolledger's app and defaults.",
+    ),
+    "beat": (
+        "toolledger.cli.run:beat",
+        "Run the one beat that schedules the sweep on its own queue (Celery beat options pass "
+        "through). Run exactly one; two are safe, only wasteful.",
+    ),
+    "sweep": (
+        "toolledger.cli.recovery:sweep",
+        "One recovery pass: expired running -> unknown, reconcile, re-enqueue lost work.",
+    ),
+    "resolve": (
+        "toolledger.cli.recovery:resolve",
+        "A human's resolution of an unknown execution, recorded with its evidence.",
+    ),
+    "retry": (
+        "toolledger.cli.recovery:retry",
+        "A new attempt under the same key (unknown or failed calls), authorised by a person.",
+    ),
+    "repair": (
+        "toolledger.cli.recovery:repair",
+        "Insert the missing tool results into a transcript, by replay (never re-execution).",
+    ),
+    "db": ("toolledger.cli.admin:db", "The ledger's schema."),
+    "verify": (
+        "toolledger.cli.admin:verify",
+        "Rebuild current state from the events alone; exit 1 on any difference.",
+    ),
+    "tools": (
+        "toolledger.cli.admin:tools",
+        "The registered tools: their JSON schemas and their contracts.",
+    ),
+    "serve": (
+        "toolledger.cli.serve:serve",
+        "Serve the JSON API, the console and /metrics (tokens: TOOLLEDGER_API_TOKENS).",
+    ),
+    "mcp": (
+        "toolledger.cli.mcp:mcp",
+        "Serve the tools over MCP, or put the ledger in front of another MCP server.",
+    ),
+    "demo": (
+        "toolledger.cli.harness:demo",
+        "The showcase: an agent session, a worker crash, recovery — on the embedded default.",
+    ),
+    "chaos": (
+        "toolledger.cli.harness:chaos",
+        "Kill, freeze, partition and crash the world mid-task; check nothing was duplicated, "
+        "lost, stuck, landed after its revocation or hidden from the model.",
+    ),
+    "bench": (
+        "toolledger.cli.harness:bench",
+        "Benchmarks, every figure a median of interleaved rounds; JSON, Markdown and a PNG.",
+    ),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def load_command(name: str) -> click.Command:
+    """The command ``name`` of ``COMMANDS``, its module imported now."""
+    module, _, attribute = COMMANDS[name][0].partition(":")
+    command: click.Command = getattr(importlib.import_module(module), attribute)
+    return command
+
+
+class LazyGroup(click.Group):
+    """A group whose commands come from ``COMMANDS``, each imported when it is resolved."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return load_command(cmd_name) if cmd_name in COMMANDS else None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Click's own listing, written from the table: no command's module is imported."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        stubs = [click.Command(name, help=COMMANDS[name][1]) for name in names]
+        rows = [(stub.name or "", stub.get_short_help_str(limit)) for stub in stubs]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--db", envvar="TOOLLEDGER_DB", help="Ledger URL [env TOOLLEDGER_DB].")
 @click.option("--broker", envvar="TOOLLEDGER_BROKER", help="Broker URL [env TOOLLEDGER_BROKER].")
 @click.option(
@@ -45,40 +142,12 @@ def cli(
     as_json: bool,
 ) -> None:
     """Run AI agents' side-effecting tool calls at most once, through any crash."""
+    from toolledger.cli.common import Context
+    from toolledger.config import Settings
+
     settings = Settings.from_env(db=db, broker=broker, sandbox=Path(sandbox) if sandbox else None)
     ctx.obj = Context(settings, json=as_json)
     ctx.call_on_close(ctx.obj.close)
-
-
-# ------------------------------------------------------------------------------ db
-
-
-#: Every command, in the order ``--help`` lists them.
-COMMANDS: list[click.Command] = [
-    calls.submit,
-    calls.approve,
-    calls.reject,
-    calls.show,
-    calls.events,
-    calls.list_,
-    calls.wait,
-    run.execute,
-    run.worker,
-    run.beat,
-    recovery.sweep,
-    recovery.resolve,
-    recovery.retry,
-    recovery.repair,
-    admin.db,
-    admin.verify,
-    admin.tools,
-    mcp.mcp,
-    harness.demo,
-    harness.chaos,
-    harness.bench,
-]
-for _command in COMMANDS:
-    cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -98,18 +167,39 @@ def main(argv: list[str] | None = None) -> NoReturn:
         fail(exc.format_message() + hint, EXIT_USAGE, as_json)
     except click.ClickException as exc:
         fail(exc.format_message(), exc.exit_code, as_json)
-    except (LedgerError, ConfigError, SchemaError) as exc:
-        fail(str(exc), exit_code_of(exc), as_json)
-    except sa.exc.OperationalError as exc:
-        fail(f"database unavailable: {str(exc.orig).strip()}", EXIT_FAILURE, as_json)
-    except sa.exc.SQLAlchemyError as exc:
-        if os.environ.get("TOOLLEDGER_DEBUG"):
-            raise
-        fail(f"database error: {str(getattr(exc, 'orig', exc)).strip()}", EXIT_FAILURE, as_json)
-    except OSError as exc:
-        fail(f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "), EXIT_FAILURE, as_json)
     except Exception as exc:  # the promise is: never a traceback
-        if os.environ.get("TOOLLEDGER_DEBUG"):
+        message, code, debug = _describe(exc)
+        if debug and os.environ.get("TOOLLEDGER_DEBUG"):
             raise
-        fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_FAILURE, as_json)
+        fail(message, code, as_json)
     sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+#: Errors told as their own message and exit code, even under TOOLLEDGER_DEBUG.
+_DOMAIN_ERRORS = [
+    ("toolledger.ledger.errors", "LedgerError"),
+    ("toolledger.config", "ConfigError"),
+    ("toolledger.ledger.db", "SchemaError"),
+]
+
+
+def _describe(exc: Exception) -> tuple[str, int, bool]:
+    """An error's one line, its exit code, and whether TOOLLEDGER_DEBUG shows its traceback."""
+    if any(_is(exc, module, name) for module, name in _DOMAIN_ERRORS):
+        return str(exc), exit_code_of(exc), False
+    orig = str(getattr(exc, "orig", exc)).strip()
+    if _is(exc, "sqlalchemy.exc", "OperationalError"):
+        return f"database unavailable: {orig}", EXIT_FAILURE, False
+    if _is(exc, "sqlalchemy.exc", "SQLAlchemyError"):
+        return f"database error: {orig}", EXIT_FAILURE, True
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "), EXIT_FAILURE, False
+    return f"internal error: {type(exc).__name__}: {exc}", EXIT_FAILURE, True
+
+
+def _is(exc: Exception, module: str, name: str) -> bool:
+    """``isinstance(exc, module.name)``, importing nothing: no class of a module that was
+    never imported can have raised ``exc`` (and ``--help`` imports neither the ledger nor
+    SQLAlchemy)."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(exc, getattr(loaded, name))

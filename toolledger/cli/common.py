@@ -4,6 +4,9 @@ Exit codes: 0 ok, 1 failure (verify found differences, a service is unreachable,
 call failed), 2 usage or configuration, 3 conflict, 4 not found, 5 state does not allow it,
 6 input refused, 7 timed out (``wait``). Errors are one line on stderr (a JSON object with
 ``error`` under ``--json``), never a traceback.
+
+Light on purpose: ``toolledger --help`` imports this module and nothing of the ledger, the
+settings or the worker; those are imported where they are first used.
 """
 
 from __future__ import annotations
@@ -12,32 +15,37 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from toolledger.config import ConfigError, Settings
-from toolledger.ledger import inputs
-from toolledger.ledger.db import SchemaError, ensure_schema
-from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
-from toolledger.ledger.identity import check_scope, check_text_id
-from toolledger.ledger.ledger import Ledger
-from toolledger.worker.submit import Submitter
+if TYPE_CHECKING:
+    from toolledger.config import Settings
+    from toolledger.ledger.ledger import Ledger
+    from toolledger.worker.submit import Submitter
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT, EXIT_TIMEOUT = 3, 4, 5, 6, 7
 
-#: Domain errors and the exit code each one means; the first match wins.
-EXIT_CODES: list[tuple[type[BaseException], int]] = [
-    (ConflictError, EXIT_CONFLICT),
-    (NotFound, EXIT_NOT_FOUND),
-    (StateError, EXIT_STATE),
-    (InputError, EXIT_INPUT),
-    (ConfigError, EXIT_USAGE),
-    (SchemaError, EXIT_FAILURE),
-]
+
+@cache
+def exit_codes() -> list[tuple[type[BaseException], int]]:
+    """Domain errors and the exit code each one means; the first match wins. Built on first
+    use: an error to map means the ledger is loaded already, ``--help`` never loads it."""
+    from toolledger.config import ConfigError
+    from toolledger.ledger.db import SchemaError
+    from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
+
+    return [
+        (ConflictError, EXIT_CONFLICT),
+        (NotFound, EXIT_NOT_FOUND),
+        (StateError, EXIT_STATE),
+        (InputError, EXIT_INPUT),
+        (ConfigError, EXIT_USAGE),
+        (SchemaError, EXIT_FAILURE),
+    ]
 
 
 class CliError(click.ClickException):
@@ -58,6 +66,8 @@ class Context:
     @cached_property
     def ledger(self) -> Ledger:
         """The ledger, its schema checked (and created, on the embedded default)."""
+        from toolledger.ledger.db import ensure_schema
+
         ledger = self.unchecked_ledger
         ensure_schema(ledger.engine)
         return ledger
@@ -66,6 +76,8 @@ class Context:
     def unchecked_ledger(self) -> Ledger:
         # Lock waits and idle transactions bounded: a human's command frozen mid-transaction
         # (a laptop put to sleep) must not hold a call's row for longer than a worker would.
+        from toolledger.ledger.ledger import Ledger
+
         return Ledger(
             self.settings.db,
             max_args_bytes=self.settings.max_args_bytes,
@@ -75,6 +87,8 @@ class Context:
 
     @cached_property
     def submitter(self) -> Submitter:
+        from toolledger.worker.submit import Submitter  # Celery: only commands that enqueue
+
         return Submitter(self.settings, ledger=lambda: self.ledger)
 
     def close(self) -> None:
@@ -114,6 +128,8 @@ def parse_json_object(raw: str, what: str) -> dict[str, Any]:
     """JSON from the command line (or ``@file``, ``-`` for stdin) under the input layer's
     rules (``toolledger.ledger.inputs``): an object, strict UTF-8, no duplicate keys, no NaN,
     bounded depth and integers. Files and stdin are read as bytes and decoded strictly."""
+    from toolledger.ledger import inputs
+
     data: str | bytes = raw
     if raw == "-":
         data = sys.stdin.buffer.read()
@@ -130,10 +146,14 @@ def parse_json_object(raw: str, what: str) -> dict[str, Any]:
 def scope_option_check(
     _ctx: click.Context, _param: click.Parameter, value: str | None
 ) -> str | None:
+    from toolledger.ledger.identity import check_scope
+
     return None if value is None else check_scope(value)
 
 
 def call_id_option_check(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from toolledger.ledger.identity import check_text_id
+
     return check_text_id(value, "tool_call_id", 256)
 
 
@@ -164,4 +184,4 @@ def fail(message: str, code: int, as_json: bool) -> NoReturn:
 
 
 def exit_code_of(exc: BaseException) -> int:
-    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_FAILURE)
+    return next((code for cls, code in exit_codes() if isinstance(exc, cls)), EXIT_FAILURE)

@@ -147,9 +147,23 @@ def _default(env: str, prefixes: tuple[str, ...], fallback: str) -> str:
     default=None,
     help="Report directory [default: bench/out/<time>].",
 )
+@click.option(
+    "--only",
+    type=click.Choice(["cli_start"]),
+    default=None,
+    help="Run this section alone, in seconds (cli_start: Postgres too unless --pg '').",
+)
 @json_option
 @pass_ctx
-def bench(c: Context, quick: bool, rounds: int, pg: str, redis: str, out: Path | None) -> int:
+def bench(
+    c: Context,
+    quick: bool,
+    rounds: int,
+    pg: str,
+    redis: str,
+    out: Path | None,
+    only: str | None,
+) -> int:
     """Benchmarks, every figure a median of interleaved rounds; JSON, Markdown and a PNG."""
     from toolledger.harness.bench.report import markdown, write_all
     from toolledger.harness.bench.runner import BenchConfig, run_bench
@@ -157,8 +171,11 @@ def bench(c: Context, quick: bool, rounds: int, pg: str, redis: str, out: Path |
     out = out or Path("bench/out") / time.strftime("%Y%m%d-%H%M%S")
     say = (lambda _t: None) if c.json else (lambda t: click.echo(t, err=True))
     report = run_bench(
-        BenchConfig(pg=pg, redis=redis, out=out, quick=quick, rounds=rounds, progress=say)
+        BenchConfig(
+            pg=pg, redis=redis, out=out, quick=quick, rounds=rounds, only=only, progress=say
+        )
     )
     report["files"] = write_all(report, out)
-    c.emit(report, lambda r: markdown(r) + f"\nreport: {out} (bench.json, bench.md, bench.png)")
+    names = ", ".join(Path(f).name for f in report["files"].values())
+    c.emit(report, lambda r: markdown(r) + f"\nreport: {out} ({names})")
     return 0

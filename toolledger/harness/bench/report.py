@@ -22,6 +22,8 @@ def _fmt(summary: dict[str, Any] | None, unit: str = "") -> str:
 
 
 def markdown(r: dict[str, Any]) -> str:
+    if "raw" not in r:  # one section, run alone (bench --only)
+        return "\n".join(_cli_start(r["cli_start"])) + "\n"
     raw = r["raw"]
     lines = ["| ratio (median of rounds, min-max) | value | goal | met |", "|---|---|---|---|"]
     for name in HEADLINES:
@@ -79,7 +81,25 @@ def markdown(r: dict[str, Any]) -> str:
         f"Claim contention: {c['processes']} processes over the same {c['keys']} keys: "
         f"{_fmt(c['attempts_per_s'])} attempts/s, exactly {c['keys']} wins.",
     ]
+    if "cli_start" in r:
+        lines += ["", *_cli_start(r["cli_start"])]
     return "\n".join(lines) + "\n"
+
+
+def _cli_start(c: dict[str, Any]) -> list[str]:
+    lines = [
+        f"CLI cold start, seconds (median of {c['runs_per_round']} starts per round; "
+        "median of rounds, min-max):",
+        "",
+        "| command | seconds | goal | met |",
+        "|---|---|---|---|",
+        f"| python -c pass | {_fmt(c['python_pass'])} | | |",
+    ]
+    for name, s in c["commands"].items():
+        met = {True: "yes", False: "**no**", None: "-"}[s["met"]]
+        label = "toolledger --help" if name == "help" else f"toolledger show ({name[5:]})"
+        lines.append(f"| {label} | {_fmt(s)} | <= {c['goal_seconds']} | {met} |")
+    return lines
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
@@ -141,5 +161,8 @@ def write_all(r: dict[str, Any], out: Path) -> dict[str, str]:
     files = {"json": out / "bench.json", "markdown": out / "bench.md", "png": out / "bench.png"}
     files["json"].write_text(json.dumps(r, indent=2, default=str) + "\n")
     files["markdown"].write_text(markdown(r))
-    plot(r, files["png"])
+    if "raw" not in r:  # one section alone: no plot
+        del files["png"]
+    else:
+        plot(r, files["png"])
     return {k: str(v) for k, v in files.items()}

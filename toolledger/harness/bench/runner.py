@@ -14,6 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from toolledger.harness.bench import cli_start
 from toolledger.harness.bench.common import Figures, ratio, scratch_postgres
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
@@ -34,6 +35,8 @@ GOALS = {
     "vs_dbos": (">=", 1.0),
     "sweep_1m_vs_10k": ("<=", 1.5),
 }
+#: Sections that can also run alone (``toolledger bench --only NAME``), in seconds.
+ALONE = ("cli_start",)
 
 
 @dataclass
@@ -51,6 +54,8 @@ class BenchConfig:
     contention_keys: int = 10_000
     roundtrip_calls: int = 100
     idle_seconds: float = 10.0
+    cli_runs: int = cli_start.RUNS
+    only: str | None = None  # one of ALONE: that section alone
     progress: Callable[[str], Any] = print
 
     def __post_init__(self) -> None:
@@ -60,9 +65,12 @@ class BenchConfig:
             self.sweep_sizes = {"10k": 1_000, "1M": 5_000}  # same keys, tiny sizes
             self.contention_keys = 300
             self.roundtrip_calls, self.idle_seconds = 10, 1.0
+            self.cli_runs = 3
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    if cfg.only is not None:
+        return run_alone(cfg)
     began = time.time()
     figures = Figures()
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -86,6 +94,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         peers_stack, e2e_dbs = peer_databases(cfg.pg)
         stack.enter_context(peers_stack)
         e2e = E2E(cfg.pg, cfg.redis, work / "e2e", cfg.e2e_jobs, cfg.progress)
+        cli_dbs = {
+            "embedded": f"sqlite:///{work / 'cli' / 'ledger.db'}",
+            "postgres": stack.enter_context(scratch_postgres(cfg.pg, "cli")),
+        }
         for r in range(cfg.rounds):
             cfg.progress(f"round {r + 1}/{cfg.rounds}: the ledger protocol")
             run_protocol(
@@ -116,16 +128,50 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                         cfg.progress,
                         cfg.idle_seconds,
                     )
+            cfg.progress(f"round {r + 1}/{cfg.rounds}: CLI cold start")
+            cli_start.run_cli_start(figures, cli_dbs, work / "cli", cfg.cli_runs)
         version = _pg_version(pg)
     report = summarise(cfg, figures, e2e.missing)
-    report["machine"] = {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "postgres": version,
-        "platform": platform.platform(),
-    }
+    report["machine"] = _machine(version)
     report["duration_s"] = round(time.time() - began, 1)
     return report
+
+
+def run_alone(cfg: BenchConfig) -> dict[str, Any]:
+    """One section of ``ALONE``, on ledgers of its own (Postgres: only if ``cfg.pg``)."""
+    if cfg.only not in ALONE:
+        raise ValueError(f"bench: {cfg.only!r} cannot run alone (one of {', '.join(ALONE)})")
+    began = time.time()
+    figures = Figures()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="toolledger-bench-"))
+    with contextlib.ExitStack() as stack:
+        dbs = {"embedded": f"sqlite:///{work / 'cli' / 'ledger.db'}"}
+        if cfg.pg:
+            dbs["postgres"] = stack.enter_context(scratch_postgres(cfg.pg, "cli"))
+        for r in range(cfg.rounds):
+            cfg.progress(f"round {r + 1}/{cfg.rounds}: CLI cold start")
+            medians = cli_start.run_cli_start(figures, dbs, work / "cli", cfg.cli_runs)
+            cfg.progress("  " + ", ".join(f"{k} {v:.3f}s" for k, v in medians.items()))
+        version = _pg_version(dbs["postgres"]) if cfg.pg else None
+    report: dict[str, Any] = {
+        "only": cfg.only,
+        "cli_start": cli_start.summarise(figures, cfg.cli_runs),
+        "quick": cfg.quick,
+        "rounds": cfg.rounds,
+        "machine": _machine(version),
+        "duration_s": round(time.time() - began, 1),
+    }
+    return report
+
+
+def _machine(postgres: str | None) -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "postgres": postgres,
+        "platform": platform.platform(),
+    }
 
 
 def _roundtrip_stacks(cfg: BenchConfig, pg: str, root: Path) -> dict[str, dict[str, str]]:
@@ -225,6 +271,7 @@ def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str
             }
             for label, goal in (("postgres", 8.0), ("embedded", 15.0))
         },
+        "cli_start": cli_start.summarise(f, cfg.cli_runs),
         "quick": cfg.quick,
         "rounds": cfg.rounds,
         "raw": {
