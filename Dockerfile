@@ -1,4 +1,4 @@
-# toolledger: one image for the migration, the workers and the beat.
+# toolledger: one image for the migration, the workers, the beat and the server (serve).
 # BASE is any Debian-like image with python3 (>= 3.11) and its venv module: the default is
 # what users pull; the compose test builds on a local debootstrapped base (no registry there).
 ARG BASE=python:3.11.10-slim-bookworm
@@ -15,7 +15,7 @@ COPY toolledger ./toolledger
 # A virtual environment of its own: the same on python:*-slim and on Debian's python3,
 # whose system site-packages pip may not touch (PEP 668).
 RUN python3 -m venv /opt/toolledger \
- && /opt/toolledger/bin/pip install . \
+ && /opt/toolledger/bin/pip install '.[serve]' \
  && useradd --system --create-home --home-dir /home/toolledger toolledger \
  && mkdir -p /data/sandbox \
  && chown -R toolledger /data

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -93,6 +94,27 @@ class LedgerReads:
             ).all()
         return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
 
+    def history(self, scope: str, tool_call_id: str) -> tuple[CallView, list[EventRecord]]:
+        """The call and its event history, read on one connection (a console's page)."""
+        with self._read() as conn:
+            key = self._key_for(conn, scope, tool_call_id)
+            op = self._operation(conn, scope, key)
+            rows = conn.execute(
+                sa.select(executions)
+                .where(executions.c.scope == scope, executions.c.idempotency_key == key)
+                .order_by(executions.c.attempt)
+            ).all()
+            events = conn.execute(
+                sa.select(execution_events)
+                .where(
+                    execution_events.c.scope == scope,
+                    execution_events.c.idempotency_key == key,
+                )
+                .order_by(execution_events.c.seq)
+            ).all()
+        view = CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
+        return view, [EventRecord.from_row(r) for r in events]
+
     def events(self, scope: str, tool_call_id: str) -> list[EventRecord]:
         """The history of the call's action, in order."""
         with self._read() as conn:
@@ -119,11 +141,15 @@ class LedgerReads:
         scope: str | None = None,
         limit: int = LIST_LIMIT,
         review: bool = False,
+        scopes: Collection[str] | None = None,
+        after: tuple[datetime, str, str] | None = None,
     ) -> list[ListedCall]:
         """Calls from current state (never from the history), oldest first.
 
         ``review``: only calls flagged for a human (``operations.review``), whatever their
-        status; with ``status=unknown`` as well, this is the humans' whole inbox."""
+        status; with ``status=unknown`` as well, this is the humans' whole inbox.
+        ``scopes``: only calls in one of these scopes (a token limited to them).
+        ``after``: the page after this row's ``ListedCall.position`` (a keyset cursor)."""
         first_call = (
             sa.select(sa.func.min(tool_calls.c.tool_call_id))
             .where(
@@ -155,13 +181,38 @@ class LedgerReads:
             query = query.where(operations.c.review.is_not(None))
         if scope is not None:
             query = query.where(operations.c.scope == scope)
-        query = query.order_by(
-            operations.c.created_at, operations.c.scope, operations.c.idempotency_key
-        )
+        if scopes is not None:
+            query = query.where(operations.c.scope.in_(sorted(scopes)))
+        order = (operations.c.created_at, operations.c.scope, operations.c.idempotency_key)
+        if after is not None:
+            bound = [sa.literal(v, type_=c.type) for v, c in zip(after, order, strict=True)]
+            query = query.where(sa.tuple_(*order) > sa.tuple_(*bound))
+        query = query.order_by(*order)
         if limit:
             query = query.limit(limit)
         with self._read() as conn:
             return [ListedCall.from_row(r) for r in conn.execute(query)]
+
+    def inbox_counts(self, scopes: Collection[str] | None = None) -> dict[str, int]:
+        """What waits on a person, counted: pending approval, unknown, flagged for review.
+
+        Served by the partial indexes on waiting and flagged rows: its cost follows them."""
+        waiting = sa.select(operations.c.status, sa.func.count()).where(
+            operations.c.status.in_([Status.PENDING_APPROVAL, Status.UNKNOWN])
+        )
+        flagged = sa.select(sa.func.count()).where(operations.c.review.is_not(None))
+        if scopes is not None:
+            waiting = waiting.where(operations.c.scope.in_(sorted(scopes)))
+            flagged = flagged.where(operations.c.scope.in_(sorted(scopes)))
+        with self._read() as conn:
+            grouped = conn.execute(waiting.group_by(operations.c.status)).all()
+            counts: dict[str, int] = {str(k): int(v) for k, v in grouped}
+            review = conn.execute(flagged).scalar_one()
+        return {
+            "pending_approval": int(counts.get(Status.PENDING_APPROVAL, 0)),
+            "unknown": int(counts.get(Status.UNKNOWN, 0)),
+            "review": int(review),
+        }
 
     def unknown_executions(
         self, limit: int = 1000, after: tuple[str, str, str] | None = None

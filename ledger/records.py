@@ -279,6 +279,11 @@ class ListedCall:
     created_at: datetime
     review: str | None = None
 
+    @property
+    def position(self) -> tuple[datetime, str, str]:
+        """Where this row sits in ``list``'s order: the keyset cursor to the next page."""
+        return (self.created_at, self.scope, self.idempotency_key)
+
     @classmethod
     def from_row(cls, row: Any) -> ListedCall:
         m = row._mapping

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.acceptance.compose_judge import judge
+from tests.acceptance.compose_judge import host_of, judge
 from tests.conftest import docker_engine_runs, missing_service
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
@@ -45,6 +45,7 @@ APPEND_EVERY = 2  # every other call is probe_append (not idempotent, not reconc
 HOLD_MS = 300  # probe_write holds each execution this long, so that kills meet work
 SUBMIT_RATE = 30.0  # calls per second from the host: ~33 s of submitting
 SETTLE_TIMEOUT = 240.0
+VIEWER_SECRET = "compose-test-viewer-secret-0123456789"
 
 
 def log(text: str) -> None:
@@ -63,10 +64,13 @@ class Stack:
     def __init__(self) -> None:
         self.project = f"tltest{uuid.uuid4().hex[:8]}"
         self.pg_port, self.redis_port = free_port(), free_port()
+        self.serve_port = free_port()
         self.env = {
             **os.environ,
             "TOOLLEDGER_TEST_PG_PORT": str(self.pg_port),
             "TOOLLEDGER_TEST_REDIS_PORT": str(self.redis_port),
+            "TOOLLEDGER_SERVE_PORT": str(self.serve_port),
+            "TOOLLEDGER_API_TOKENS": f"compose-test:viewer:{VIEWER_SECRET}",
         }
         self.timings: dict[str, float] = {}
 
@@ -225,6 +229,27 @@ def cli(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def api_counts(stack: Stack) -> dict[str, Any]:
+    """Calls by status and the inbox, as ``toolledger serve`` in the stack reports them."""
+    import httpx
+
+    base = f"http://127.0.0.1:{stack.serve_port}"
+    headers = {"Authorization": f"Bearer {VIEWER_SECRET}"}
+    assert httpx.get(base + "/api/inbox", timeout=10).status_code == 401
+    by_status: Counter[str] = Counter()
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 500, **({"cursor": cursor} if cursor else {})}
+        page = httpx.get(base + "/api/calls", params=params, headers=headers, timeout=30)
+        assert page.status_code == 200, page.text
+        by_status.update(c["status"] for c in page.json()["calls"])
+        cursor = page.json()["next_cursor"]
+        if cursor is None:
+            break
+    inbox = httpx.get(base + "/api/inbox", headers=headers, timeout=10).json()
+    return {"by_status": dict(by_status), "inbox": inbox}
+
+
 def rows(engine: sa.Engine, sql: str) -> list[dict[str, Any]]:
     with engine.connect() as conn:
         return [dict(r._mapping) for r in conn.execute(sa.text(sql))]
@@ -256,6 +281,18 @@ def test_compose_stack__kills_and_a_postgres_restart_leave_no_duplicate_and_noth
     killed = random.Random(7).sample(workers, 2)
     killed_hosts = {hostname_of(c) for c in killed}
     at(6)
+    # A kill that meets no work proves nothing: on a loaded machine the workers may still be
+    # starting at 6 s, so wait (up to a minute) until both have an execution in progress.
+    watch = sa.create_engine(stack.db_url.replace("postgresql://", "postgresql+psycopg://"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        running = rows(watch, "SELECT worker_id FROM executions WHERE status = 'running'")
+        busy = {host_of(r["worker_id"]) for r in running} & killed_hosts
+        if busy == killed_hosts:
+            break
+        time.sleep(0.1)
+    watch.dispose()
+    started = time.monotonic() - 6  # the rest of the schedule counts from this kill
     for c in killed:
         docker("kill", c)  # SIGKILL: the worker and its pool children die at once
         fault("kill worker", c)
@@ -327,6 +364,11 @@ def test_compose_stack__kills_and_a_postgres_restart_leave_no_duplicate_and_noth
     # And the ledger's own check, from the host.
     verify = cli(stack, "verify", "--json")
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    # The server the stack publishes tells the same story, read through its API.
+    served = api_counts(stack)
+    assert served["by_status"] == counts, (served, counts)
+    assert served["inbox"]["unknown"] == counts.get("unknown", 0)
 
     summary = {
         "timings_s": stack.timings,

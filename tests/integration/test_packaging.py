@@ -50,6 +50,8 @@ def test_wheel__installs_exactly_one_top_level_name(wheel):
         "toolledger/recovery/sweep.py",
         "toolledger/ledger/migrations/versions/0001_initial.py",
         "toolledger/ledger/migrations/script.py.mako",
+        "toolledger/server/templates/call.html",  # the console's pages, in any install
+        "toolledger/server/templates/inbox.html",
     ):
         assert must in names, must
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -58,6 +60,8 @@ def test_wheel__installs_exactly_one_top_level_name(wheel):
     core = [r for r in requires if "extra ==" not in r]
     assert not any(lib in r for r in core for lib in ("matplotlib", "procrastinate", "dbos"))
     assert any("matplotlib" in r and 'extra == "harness"' in r for r in requires)
+    assert not any(lib in r for r in core for lib in ("fastapi", "uvicorn", "opentelemetry"))
+    assert any("fastapi" in r and 'extra == "serve"' in r for r in requires)
 
 
 def test_import__of_every_module_creates_nothing(tmp_path):

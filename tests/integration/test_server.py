@@ -1,0 +1,509 @@
+"""The HTTP API and the console's forms (toolledger serve), on both backends.
+
+Every endpoint; every role against every action, allowed and refused; the actor is always
+the token's name; scopes a token may not see are 404; CSRF and login; bodies go through the
+same input layer as the CLI's."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from toolledger.config import ConfigError, Settings
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
+from toolledger.server.app import create_app
+from toolledger.server.auth import Authenticator, Token, parse_tokens
+
+SECRETS = {
+    "vera": "viewer-secret-0123456789",
+    "agent-7": "agent-secret-0123456789",
+    "ann": "approver-secret-0123456789",
+    "otto": "operator-secret-0123456789",
+    "scoped": "scoped-secret-0123456789",
+}
+TOKENS = (
+    f"vera:viewer:{SECRETS['vera']},agent-7:agent:{SECRETS['agent-7']},"
+    f"ann:approver:{SECRETS['ann']},otto:operator:{SECRETS['otto']},"
+    f"scoped:operator:{SECRETS['scoped']}:mine|other"
+)
+
+
+def bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {SECRETS[name]}"}
+
+
+@pytest.fixture
+def server(fresh_db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledger]]:
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",  # no worker here: enqueue fails
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_TOOLS": "tests.external_tools",
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    app = create_app(settings, parse_tokens(TOKENS, "test"), metrics=False)
+    ledger = Ledger(fresh_db_url)
+    with TestClient(app) as client:
+        yield client, ledger
+    ledger.close()
+
+
+def pending(ledger: Ledger, scope: str, call: str, path: str = "a.txt") -> None:
+    ledger.submit(scope, call, "write_file", {"path": path, "content": "hello"})
+
+
+def unknown(ledger: Ledger, scope: str, call: str) -> str:
+    ledger.submit(
+        scope, call, "write_file", {"path": f"{call}.txt", "content": "x"}, approved_by="setup"
+    )
+    claim = ledger.claim(scope, f"write_file:{call}", 1, worker_id="w")
+    assert claim is not None
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    return claim.execution_id
+
+
+# ----------------------------------------------------------------------------- endpoints
+
+
+def test_submit_show_events_list__the_cli_shapes(server: Any, scope: str) -> None:
+    client, _ = server
+    body = {
+        "scope": scope,
+        "tool_call_id": "c1",
+        "tool": "write_file",
+        "args": {"path": "a.txt", "content": "hi"},
+    }
+    r = client.post("/api/calls", json=body, headers=bearer("agent-7"))
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "pending_approval" and r.json()["outcome"] == "created"
+    shown = client.get(f"/api/calls/{scope}/c1", headers=bearer("vera")).json()
+    assert set(shown) >= {
+        "scope",
+        "tool_call_id",
+        "tool",
+        "idempotency_key",
+        "args_sha256",
+        "status",
+        "executions",
+        "receipt",
+    }
+    assert shown["args"] == body["args"]
+    events = client.get(f"/api/calls/{scope}/c1/events", headers=bearer("vera")).json()
+    assert [e["kind"] for e in events["events"]] == ["submitted", "pending_approval"]
+    assert events["events"][0]["actor"] == "agent-7"  # the token's name, not a field
+    listed = client.get("/api/calls", params={"scope": scope}, headers=bearer("vera")).json()
+    assert listed["count"] == 1 and listed["calls"][0]["tool_call_id"] == "c1"
+    inbox = client.get("/api/inbox", headers=bearer("vera")).json()
+    assert inbox["pending_approval"] >= 1
+
+
+def test_list__pages_with_a_cursor(server: Any, scope: str) -> None:
+    client, ledger = server
+    for i in range(7):
+        pending(ledger, scope, f"c{i}", f"f{i}.txt")
+    seen, cursor = [], None
+    while True:
+        params = {"scope": scope, "limit": 3, **({"cursor": cursor} if cursor else {})}
+        page = client.get("/api/calls", params=params, headers=bearer("vera")).json()
+        seen += [c["tool_call_id"] for c in page["calls"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert sorted(seen) == [f"c{i}" for i in range(7)] and len(seen) == 7
+    bad = client.get("/api/calls", params={"cursor": "garbage"}, headers=bearer("vera"))
+    assert bad.status_code == 422 and bad.json()["kind"] == "input"
+
+
+def test_approve_reject__recorded_in_the_tokens_name(server: Any, scope: str) -> None:
+    client, ledger = server
+    pending(ledger, scope, "a")
+    pending(ledger, scope, "b", "b.txt")
+    r = client.post(
+        f"/api/calls/{scope}/a/approve",
+        json={"reason": "looks right", "by": "someone-else"},
+        headers=bearer("ann"),
+    )
+    assert r.status_code == 422 and "by" in r.json()["error"]  # no actor from the request
+    r = client.post(
+        f"/api/calls/{scope}/a/approve", json={"reason": "looks right"}, headers=bearer("ann")
+    )
+    assert r.status_code == 200 and r.json()["status"] == "approved"
+    assert r.json()["enqueued"] is False  # no broker here: reported, the sweep re-publishes
+    r = client.post(f"/api/calls/{scope}/b/reject", json={}, headers=bearer("ann"))
+    assert r.status_code == 200 and r.json()["status"] == "rejected"
+    assert ledger.get(scope, "a").operation.decided_by == "ann"
+    assert ledger.get(scope, "b").operation.decided_by == "ann"
+    again = client.post(f"/api/calls/{scope}/a/approve", json={}, headers=bearer("ann"))
+    assert again.status_code == 409 and again.json()["kind"] == "state"
+
+
+def test_resolve_and_retry(server: Any, scope: str) -> None:
+    client, ledger = server
+    eid = unknown(ledger, scope, "u1")
+    r = client.post(
+        f"/api/executions/{eid}/resolve",
+        json={"as": "failed", "evidence": " "},
+        headers=bearer("otto"),
+    )
+    assert r.status_code == 422 and "evidence" in r.json()["error"]
+    r = client.post(
+        f"/api/executions/{eid}/resolve",
+        json={"as": "failed", "evidence": "u1.txt does not exist"},
+        headers=bearer("otto"),
+    )
+    assert r.status_code == 200 and r.json()["status"] == "failed"
+    last = ledger.events(scope, "u1")[-1]
+    assert last.actor == "otto" and "u1.txt" in json.dumps(last.detail)
+    r = client.post(
+        f"/api/calls/{scope}/u1/retry", json={"reason": "try again"}, headers=bearer("otto")
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["attempt"] == 2 and r.json()["authorized_by"] == "otto"
+    eid2 = unknown(ledger, scope, "u2")
+    r = client.post(f"/api/calls/{scope}/u2/retry", json={}, headers=bearer("otto"))
+    # write_file is idempotent: no duplicate to accept; the unknown attempt must be settled
+    assert r.status_code in (200, 409), r.text
+    assert eid2
+
+
+def test_errors__json_with_the_clis_kinds(server: Any, scope: str) -> None:
+    client, ledger = server
+    h = bearer("otto")
+    assert client.get(f"/api/calls/{scope}/nope", headers=h).status_code == 404
+    r = client.post("/api/calls", content=b'{"scope": "s", "scope": "t"}', headers=h)
+    assert r.status_code == 422 and "duplicate" in r.json()["error"]
+    r = client.post("/api/calls", content=b"\xff\xfe", headers=h)
+    assert r.status_code == 422 and r.json()["exit_code"] == 6
+    r = client.post("/api/calls", content=b"[1]", headers=h)
+    assert r.status_code == 422
+    body = {"scope": scope, "tool_call_id": "x", "tool": "no_such_tool", "args": {}}
+    assert client.post("/api/calls", json=body, headers=h).status_code == 404
+    body = {
+        "scope": scope,
+        "tool_call_id": "x",
+        "tool": "write_file",
+        "args": {"path": "../escape", "content": "x"},
+    }
+    r = client.post("/api/calls", json=body, headers=h)
+    assert r.status_code == 422 and r.json()["kind"] == "input"
+    body = {
+        "scope": scope,
+        "tool_call_id": "k",
+        "tool": "write_file",
+        "args": {"path": "k.txt", "content": "one"},
+    }
+    assert client.post("/api/calls", json=body, headers=h).status_code == 200
+    body["args"] = {"path": "k.txt", "content": "two"}
+    r = client.post("/api/calls", json=body, headers=h)
+    assert r.status_code == 409 and r.json()["kind"] == "conflict"
+    huge = b'{"x": "' + b"a" * (8 << 20) + b'"}'
+    r = client.post("/api/calls", content=huge, headers=h)
+    assert r.status_code == 413
+    chunks = iter([b'{"x": "', *([b"a" * (1 << 20)] * 8), b'"}'])  # no length declared
+    r = client.post("/api/calls", content=chunks, headers=h)
+    assert r.status_code == 413
+    assert ledger.list_calls(scope=scope)[0].tool_call_id == "k"
+    assert len(ledger.list_calls(scope=scope)) == 1  # nothing else was recorded
+
+
+# ----------------------------------------------------------------------------- auth
+
+#: action -> (method, path template, body); {s} scope, {e} execution id.
+ACTIONS: dict[str, tuple[str, str, dict[str, Any] | None]] = {
+    "list": ("GET", "/api/calls?scope={s}", None),
+    "inbox": ("GET", "/api/inbox", None),
+    "show": ("GET", "/api/calls/{s}/p", None),
+    "events": ("GET", "/api/calls/{s}/p/events", None),
+    "submit": (
+        "POST",
+        "/api/calls",
+        {"tool_call_id": "new", "tool": "write_file", "args": {"path": "new.txt", "content": "n"}},
+    ),
+    "submit_approved": (
+        "POST",
+        "/api/calls",
+        {
+            "tool_call_id": "new2",
+            "tool": "write_file",
+            "args": {"path": "n2.txt", "content": "n"},
+            "approve": True,
+        },
+    ),
+    "approve": ("POST", "/api/calls/{s}/p/approve", {"reason": "ok"}),
+    "reject": ("POST", "/api/calls/{s}/p/reject", {"reason": "no"}),
+    "retry": ("POST", "/api/calls/{s}/u/retry", {"reason": "again"}),
+    "resolve": ("POST", "/api/executions/{e}/resolve", {"as": "failed", "evidence": "absent"}),
+}
+ALLOWED = {
+    "vera": {"list", "inbox", "show", "events"},
+    "agent-7": {"list", "inbox", "show", "events", "submit"},
+    "ann": {"list", "inbox", "show", "events", "approve", "reject"},
+    "otto": set(ACTIONS),
+}
+
+
+@pytest.mark.parametrize("action", sorted(ACTIONS))
+@pytest.mark.parametrize("who", sorted(ALLOWED))
+def test_every_role_against_every_action(server: Any, scope: str, who: str, action: str) -> None:
+    client, ledger = server
+    pending(ledger, scope, "p")
+    eid = unknown(ledger, scope, "u")
+    method, path, body = ACTIONS[action]
+    if body is not None and method == "POST" and path == "/api/calls":
+        body = {**body, "scope": scope}
+    url = path.format(s=scope, e=eid)
+    r = client.request(method, url, json=body, headers=bearer(who))
+    before = ledger.events(scope, "p") + ledger.events(scope, "u")
+    if action in ALLOWED[who]:
+        assert r.status_code == 200, (who, action, r.text)
+        if method == "POST":
+            actors = {e.actor for e in ledger.events(scope, "p") + ledger.events(scope, "u")}
+            new_calls = [
+                c
+                for c in ledger.list_calls(scope=scope)
+                if c.tool_call_id and c.tool_call_id.startswith("new")
+            ]
+            for c in new_calls:
+                actors |= {e.actor for e in ledger.events(scope, c.tool_call_id)}
+            assert who in actors  # recorded in the token's name
+    else:
+        assert r.status_code == 403, (who, action, r.text)
+        assert r.json()["kind"] == "forbidden"
+        after = ledger.events(scope, "p") + ledger.events(scope, "u")
+        assert after == before and not [
+            c for c in ledger.list_calls(scope=scope) if c.tool_call_id.startswith("new")
+        ]
+
+
+def test_no_token__401_and_wrong_token__401(server: Any, scope: str) -> None:
+    client, ledger = server
+    pending(ledger, scope, "p")
+    for headers in (
+        {},
+        {"Authorization": "Bearer not-a-token-at-all-000"},
+        {"Authorization": f"Basic {SECRETS['otto']}"},
+    ):
+        r = client.get(f"/api/calls/{scope}/p", headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = client.post(f"/api/calls/{scope}/p/approve", json={}, headers=headers)
+        assert r.status_code == 401
+    assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
+
+
+def test_scoped_token__other_scopes_do_not_exist(server: Any) -> None:
+    client, ledger = server
+    pending(ledger, "mine", "p")
+    pending(ledger, "theirs", "p")
+    eid = unknown(ledger, "theirs", "u")
+    h = bearer("scoped")
+    assert client.get("/api/calls/mine/p", headers=h).status_code == 200
+    missing = client.get("/api/calls/theirs/nope", headers=h)
+    hidden = client.get("/api/calls/theirs/p", headers=h)
+    assert hidden.status_code == 404 and hidden.json()["kind"] == "not_found"
+    assert hidden.json()["error"].replace("'p'", "'nope'") == missing.json()["error"]
+    assert client.get("/api/calls/theirs/p/events", headers=h).status_code == 404
+    assert client.post("/api/calls/theirs/p/approve", json={}, headers=h).status_code == 404
+    assert (
+        client.post(
+            f"/api/executions/{eid}/resolve", json={"as": "failed", "evidence": "x"}, headers=h
+        ).status_code
+        == 404
+    )
+    listed = client.get("/api/calls", headers=h).json()
+    assert {c["scope"] for c in listed["calls"]} == {"mine"}
+    assert client.get("/api/calls?scope=theirs", headers=h).json()["count"] == 0
+    assert client.get("/api/inbox", headers=h).json()["pending_approval"] == 1
+    body = {
+        "scope": "theirs",
+        "tool_call_id": "z",
+        "tool": "write_file",
+        "args": {"path": "z.txt", "content": "z"},
+    }
+    assert client.post("/api/calls", json=body, headers=h).status_code == 404
+    assert ledger.get("theirs", "p").operation.status is Status.PENDING_APPROVAL
+
+
+def test_tokens__parsing_refuses_what_is_unsafe() -> None:
+    ok = parse_tokens("a:viewer:0123456789abcdef # comment\nb:agent:fedcba9876543210:s1|s2", "t")
+    assert [(t.name, t.role.value, t.scopes) for t in ok] == [
+        ("a", "viewer", None),
+        ("b", "agent", frozenset({"s1", "s2"})),
+    ]
+    for bad in (
+        "a:viewer",
+        "a:root:0123456789abcdef",
+        "a:viewer:short",
+        "a:viewer:0123456789abcdef,a:agent:fedcba9876543210",
+        "a:viewer:0123456789abcdef,b:agent:0123456789abcdef",
+        "a:viewer:0123456789abcdef:bad/scope",
+        "a\x00:viewer:0123456789abcdef",
+    ):
+        with pytest.raises(ConfigError):
+            parse_tokens(bad, "t")
+
+
+def test_no_tokens__refuses_to_build_unless_insecure_local(tmp_path: Path) -> None:
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": f"sqlite:///{tmp_path}/l.db", "TOOLLEDGER_HOME": str(tmp_path)}
+    )
+    with pytest.raises(ConfigError, match="no API tokens"):
+        create_app(settings, [], metrics=False)
+
+
+def test_sessions__signed_expiring_and_ended_by_rotation() -> None:
+    t = Token("ann", parse_tokens("ann:approver:0123456789abcdef", "t")[0].role, "0123456789abcdef")
+    auth = Authenticator([t], b"k" * 32)
+    cookie = auth.session_for(t, now=1000.0)
+    assert auth.by_session(cookie, now=1001.0) == t
+    assert auth.by_session(cookie, now=1000.0 + 9 * 3600) is None  # expired
+    assert auth.by_session(cookie[:-2] + "AA", now=1001.0) is None  # forged signature
+    rotated = Authenticator([Token("ann", t.role, "another-secret-0123")], b"k" * 32)
+    assert rotated.by_session(cookie, now=1001.0) is None
+    assert Authenticator([t], b"j" * 32).by_session(cookie, now=1001.0) is None
+    assert auth.check_csrf(cookie, auth.csrf_for(cookie))
+    assert not auth.check_csrf(cookie, auth.csrf_for(cookie + "x"))
+    assert not auth.check_csrf(cookie, None)
+
+
+# ----------------------------------------------------------------------------- console
+
+
+def login(client: TestClient, who: str) -> None:
+    page = client.get("/login")
+    nonce = re.search(r'name="nonce" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
+    r = client.post(
+        "/login", data={"nonce": nonce, "token": SECRETS[who], "next": "/"}, follow_redirects=False
+    )
+    assert r.status_code == 303 and "toolledger_session" in r.cookies
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)  # type: ignore[union-attr]
+
+
+def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
+    client, ledger = server
+    pending(ledger, scope, "p")
+    assert client.get("/", follow_redirects=False).status_code == 303  # to /login
+    r = client.post("/login", data={"nonce": "x", "token": SECRETS["ann"]}, follow_redirects=False)
+    assert r.status_code == 403  # no login nonce cookie: a forged login form
+    login(client, "ann")
+    page = client.get(f"/calls/{scope}/p")
+    assert page.status_code == 200 and "Approve" in page.text
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+    url = f"/calls/{scope}/p/approve"
+    r = client.post(url, data={"reason": "fine"}, follow_redirects=False)
+    assert r.status_code == 403  # no CSRF token: refused, nothing done
+    r = client.post(url, data={"reason": "fine", "csrf": "forged"}, follow_redirects=False)
+    assert r.status_code == 403
+    assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
+    token = csrf_of(page.text)
+    r = client.post(url, data={"reason": "", "csrf": token}, follow_redirects=False)
+    assert r.status_code == 422  # a reason is required
+    r = client.post(url, data={"reason": "fine", "csrf": token}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"].endswith("?done=approved")
+    op = ledger.get(scope, "p").operation
+    assert (op.status, op.decided_by, op.reason) == (Status.APPROVED, "ann", "fine")
+
+
+def test_console__viewer_sees_no_forms_and_cannot_post(server: Any, scope: str) -> None:
+    client, ledger = server
+    pending(ledger, scope, "p")
+    login(client, "vera")
+    page = client.get(f"/calls/{scope}/p")
+    assert page.status_code == 200 and "approve-form" not in page.text
+    inbox = client.get("/")
+    r = client.post(
+        f"/calls/{scope}/p/approve",
+        data={"reason": "x", "csrf": csrf_of(inbox.text)},
+        follow_redirects=False,
+    )
+    assert r.status_code == 403
+    assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
+
+
+def test_console__resolve_requires_evidence(server: Any, scope: str) -> None:
+    client, ledger = server
+    eid = unknown(ledger, scope, "u")
+    login(client, "otto")
+    page = client.get(f"/calls/{scope}/u")
+    token = csrf_of(page.text)
+    url = f"/calls/{scope}/u/resolve"
+    r = client.post(
+        url,
+        data={"csrf": token, "execution_id": eid, "as": "failed", "evidence": ""},
+        follow_redirects=False,
+    )
+    assert r.status_code == 422
+    r = client.post(
+        url,
+        data={"csrf": token, "execution_id": "e-not-this-calls", "as": "failed", "evidence": "x"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 422
+    r = client.post(
+        url,
+        data={"csrf": token, "execution_id": eid, "as": "failed", "evidence": "u.txt is absent"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 303
+    assert ledger.get(scope, "u").current.status is Status.FAILED
+
+
+def test_console__open_redirect_refused(server: Any) -> None:
+    client, _ = server
+    for target in ("//evil.example/x", "/\\evil.example", "https://evil.example", "/a\r\nb"):
+        page = client.get("/login", params={"next": target})
+        assert 'name="next" value="/"' in page.text, target
+    page = client.get("/login", params={"next": "/calls?status=unknown"})
+    assert 'name="next" value="/calls?status=unknown"' in page.text
+
+
+def test_console__forms_are_bounded(server: Any) -> None:
+    client, _ = server
+    r = client.post("/login", data={"token": "x" * (300 * 1024)})
+    assert r.status_code == 413
+
+
+def test_serve__refuses_to_start_exposed_without_tokens(
+    capsys: Any, monkeypatch: Any, tmp_path: Path
+) -> None:
+    from tests.helpers import run_cli
+
+    monkeypatch.delenv("TOOLLEDGER_API_TOKENS", raising=False)
+    monkeypatch.delenv("TOOLLEDGER_API_TOKENS_FILE", raising=False)
+    db = f"sqlite:///{tmp_path}/l.db"
+    code, _, err = run_cli(capsys, "--db", db, "serve", "--port", "0")
+    assert code == 2 and "no API tokens" in err
+    code, _, err = run_cli(capsys, "--db", db, "serve", "--insecure-local", "--host", "0.0.0.0")  # noqa: S104 - refused, never bound
+    assert code == 2 and "loopback" in err
+    monkeypatch.setenv("TOOLLEDGER_API_TOKENS", "a:admin:0123456789abcdef")
+    code, _, err = run_cli(capsys, "--db", db, "serve")
+    assert code == 2 and "role 'admin'" in err
+    monkeypatch.setenv("TOOLLEDGER_API_TOKENS_FILE", str(tmp_path / "missing"))
+    code, _, err = run_cli(capsys, "--db", db, "serve")
+    assert code == 2 and "cannot read" in err
+
+
+def test_metrics__served_without_a_token_counts_only(fresh_db_url: str, tmp_path: Path) -> None:
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": fresh_db_url, "TOOLLEDGER_HOME": str(tmp_path / "home")}
+    )
+    ledger = Ledger(fresh_db_url)
+    pending(ledger, "s1", "secret-call-id")
+    app = create_app(settings, parse_tokens(TOKENS, "test"))
+    with TestClient(app) as client:
+        r = client.get("/metrics", follow_redirects=False)
+    assert r.status_code == 200
+    assert 'toolledger_inbox{kind="pending_approval"} 1.0' in r.text
+    assert "secret-call-id" not in r.text and "s1" not in r.text  # counts, never ids
+    ledger.close()

@@ -1,0 +1,173 @@
+"""The JSON API: the CLI's ``--json`` shapes over HTTP, every action in the token's name.
+
+Bodies are read as bytes through the ledger's input layer (strict UTF-8, no duplicate keys,
+bounded depth and size), so the API refuses exactly what the CLI refuses."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field
+
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import InvalidArguments
+from toolledger.server.auth import Token
+from toolledger.server.deps import api_token, desk_of, read_body
+
+router = APIRouter(prefix="/api")
+Who = Annotated[Token, Depends(api_token)]
+
+
+# The bodies, for the OpenAPI document; parsing itself goes through the input layer.
+class SubmitBody(BaseModel):
+    scope: str
+    tool_call_id: str
+    tool: str
+    args: dict[str, Any]
+    key: str | None = Field(None, description="Idempotency key [default: TOOL:TOOL_CALL_ID].")
+    approve: bool = Field(False, description="Approve at once in the token's name.")
+    reason: str | None = None
+
+
+class DecisionBody(BaseModel):
+    reason: str | None = None
+
+
+class RetryBody(BaseModel):
+    accept_duplicate: bool = False
+    reason: str | None = None
+
+
+class ResolveBody(BaseModel):
+    as_: str = Field(alias="as", description="succeeded or failed")
+    evidence: str = Field(description="What you saw that proves it (required).")
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+def _fields(body: dict[str, Any], allowed: set[str]) -> None:
+    extra = sorted(set(body) - allowed)
+    if extra:
+        raise InvalidArguments(f"unknown field(s): {', '.join(extra)}")
+
+
+def _opt_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArguments(f"{name} must be a string")
+    if value is not None:
+        inputs.check_text(value, name)
+    return value
+
+
+@router.get("/calls")
+def list_calls(
+    request: Request,
+    who: Who,
+    status: str | None = None,
+    scope: str | None = None,
+    review: bool = False,
+    limit: Annotated[int, Query()] = 100,
+    cursor: str | None = None,
+) -> dict[str, Any]:
+    """Calls from current state, oldest first; ``next_cursor`` fetches the next page."""
+    page = desk_of(request).list_calls(
+        who, status=status, scope=scope, review=review, limit=limit, cursor=cursor
+    )
+    return page.to_json()
+
+
+@router.get("/inbox")
+def inbox(request: Request, who: Who) -> dict[str, int]:
+    """What waits on a person: pending approvals, unknown calls, calls flagged for review."""
+    return desk_of(request).inbox(who)
+
+
+@router.post("/calls", openapi_extra=_body(SubmitBody))
+async def submit(request: Request, who: Who) -> Any:
+    """Record a call (the CLI's ``submit``); runs it at once if the tool is read-only."""
+    body = await read_body(request)
+    return await _threaded(request, lambda: desk_of(request).submit(who, body))
+
+
+@router.post("/executions/{execution_id}/resolve", openapi_extra=_body(ResolveBody))
+async def resolve(request: Request, who: Who, execution_id: str) -> Any:
+    """A person's resolution of an unknown execution, with the evidence."""
+    body = await read_body(request)
+    _fields(body, {"as", "evidence"})
+    as_, evidence = body.get("as"), body.get("evidence")
+    if not isinstance(as_, str) or not isinstance(evidence, str):
+        raise InvalidArguments("as and evidence are required strings")
+    return await _threaded(
+        request, lambda: desk_of(request).resolve(who, execution_id, as_, evidence)
+    )
+
+
+# A tool_call_id may hold "/": the routes with a suffix come before the bare one.
+@router.get("/calls/{scope}/{tool_call_id:path}/events")
+def events(request: Request, who: Who, scope: str, tool_call_id: str) -> dict[str, Any]:
+    """The call's event history, in order (the CLI's ``events``)."""
+    return desk_of(request).events(who, scope, tool_call_id)
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/approve", openapi_extra=_body(DecisionBody))
+async def approve(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
+    """Approve a pending call in the token's name, and enqueue it."""
+    return await _decide(request, who, scope, tool_call_id, approve=True)
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/reject", openapi_extra=_body(DecisionBody))
+async def reject(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
+    """Reject a pending call in the token's name."""
+    return await _decide(request, who, scope, tool_call_id, approve=False)
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/retry", openapi_extra=_body(RetryBody))
+async def retry(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
+    """A new attempt under the same key; ``accept_duplicate`` for a tool that is not
+    idempotent."""
+    body = await read_body(request, empty_ok=True)
+    _fields(body, {"accept_duplicate", "reason"})
+    accept = body.get("accept_duplicate", False)
+    if not isinstance(accept, bool):
+        raise InvalidArguments("accept_duplicate must be true or false")
+    reason = _opt_str(body, "reason")
+    return await _threaded(
+        request,
+        lambda: desk_of(request).retry(
+            who, scope, tool_call_id, accept_duplicate=accept, reason=reason
+        ),
+    )
+
+
+@router.get("/calls/{scope}/{tool_call_id:path}")
+def show(request: Request, who: Who, scope: str, tool_call_id: str) -> dict[str, Any]:
+    """One call: its action, every attempt and the receipt (the CLI's ``show``)."""
+    return desk_of(request).show(who, scope, tool_call_id)
+
+
+async def _decide(
+    request: Request, who: Token, scope: str, tool_call_id: str, *, approve: bool
+) -> Any:
+    body = await read_body(request, empty_ok=True)
+    _fields(body, {"reason"})
+    reason = _opt_str(body, "reason")
+    return await _threaded(
+        request,
+        lambda: desk_of(request).decide(who, scope, tool_call_id, reason, approve=approve),
+    )
+
+
+async def _threaded(request: Request, work: Any) -> Any:
+    """The ledger is synchronous: run it on the thread pool, not the event loop."""
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(work)

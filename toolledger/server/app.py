@@ -1,0 +1,117 @@
+"""The ASGI application: the API, the console and /metrics behind one authenticator."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from toolledger.config import ConfigError, Settings
+from toolledger.ledger.db import ensure_schema
+from toolledger.ledger.errors import LedgerError
+from toolledger.server import api, console
+from toolledger.server.auth import LOCAL, Authenticator, Token
+from toolledger.server.deps import BodyLimit, error_response, max_body_for
+from toolledger.server.state import Desk
+from toolledger.worker.submit import Submitter
+
+
+def create_app(
+    settings: Settings,
+    tokens: list[Token],
+    *,
+    insecure_local: bool = False,
+    session_key: bytes | None = None,
+    submitter: Submitter | None = None,
+    metrics: bool = True,
+) -> FastAPI:
+    """The server for these settings. Without tokens only ``insecure_local`` runs it, and
+    then every request is the local operator (``run`` binds it to 127.0.0.1 only)."""
+    if not tokens and not insecure_local:
+        raise ConfigError(
+            "no API tokens: set TOOLLEDGER_API_TOKENS (name:role:secret,...) or "
+            "TOOLLEDGER_API_TOKENS_FILE, or run with --insecure-local on 127.0.0.1"
+        )
+    sub = submitter or Submitter(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if submitter is None:
+            sub.close()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="toolledger",
+        summary="Side-effecting tool calls of AI agents, at most once: the humans' side.",
+        version="1",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    ensure_schema(sub.ledger.engine)
+    app.state.desk = Desk(settings, Authenticator(tokens, session_key), submitter=sub)
+    app.state.local = LOCAL if insecure_local and not tokens else None
+    app.include_router(api.router)
+    app.include_router(console.router)
+    app.add_middleware(BodyLimit, api_limit=max_body_for(settings))
+
+    @app.exception_handler(LedgerError)
+    async def ledger_error(request: Request, exc: LedgerError) -> Response:
+        if not request.url.path.startswith("/api/"):
+            return console.render(
+                request, "error.html", console._status_of(exc), who=None, error=str(exc)
+            )
+        return error_response(exc)
+
+    @app.exception_handler(ConfigError)
+    async def config_error(_request: Request, exc: ConfigError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> Response:
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = f"{where}: {first.get('msg', 'invalid request')}".strip(": ")
+        return JSONResponse({"error": message, "kind": "input", "exit_code": 6}, 422)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Response:
+        return JSONResponse(
+            {"error": str(exc.detail), "kind": "http", "exit_code": 1},
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    if metrics:
+        _mount_metrics(app, sub)
+
+    return app
+
+
+def _mount_metrics(app: FastAPI, sub: Submitter) -> None:
+    """``/metrics`` for Prometheus: this process's counters and the ledger's gauges, cached a
+    few seconds. Unauthenticated, like every exporter: counts by tool and status, no
+    contents, no ids."""
+    from starlette.routing import Route
+
+    from toolledger.observability.metrics import asgi_app
+
+    app.router.routes.append(
+        Route("/metrics", _AsgiEndpoint(asgi_app(sub.ledger)), include_in_schema=False)
+    )
+
+
+class _AsgiEndpoint:
+    """An ASGI app as a route's endpoint (a plain function would be taken for a request
+    handler), so that /metrics answers without a redirect to /metrics/."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)

@@ -1,0 +1,210 @@
+"""Who is asking: API tokens, their roles and scopes, browser sessions and CSRF tokens.
+
+Tokens come from ``TOOLLEDGER_API_TOKENS`` (comma-separated ``name:role:secret`` or
+``name:role:secret:scope1|scope2``) and/or the file named by ``TOOLLEDGER_API_TOKENS_FILE``
+(the same entries, one per line or comma-separated; ``#`` starts a comment). The token's
+*name* is the actor the ledger records; nothing in a request can change it.
+
+A browser logs in with a token once and then holds a signed session cookie (HttpOnly,
+SameSite=Strict) naming the token; rotating or removing the token ends its sessions. Every
+form carries a CSRF token derived from the session.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from toolledger.config import ConfigError
+from toolledger.ledger.errors import LedgerError
+from toolledger.ledger.identity import check_scope, check_text_id
+
+
+class Role(StrEnum):
+    VIEWER = "viewer"  # reads
+    AGENT = "agent"  # submits and reads: never decides on its own calls
+    APPROVER = "approver"  # reads, approves and rejects
+    OPERATOR = "operator"  # everything: also submits, resolves and retries
+
+
+class Action(StrEnum):
+    READ = "read"
+    SUBMIT = "submit"
+    DECIDE = "decide"  # approve / reject (and submit approved at once)
+    RESOLVE = "resolve"
+    RETRY = "retry"
+
+
+#: What each role may do; anything else is 403.
+ALLOWED: Mapping[Role, frozenset[Action]] = {
+    Role.VIEWER: frozenset({Action.READ}),
+    Role.AGENT: frozenset({Action.READ, Action.SUBMIT}),
+    Role.APPROVER: frozenset({Action.READ, Action.DECIDE}),
+    Role.OPERATOR: frozenset(Action),
+}
+
+#: Shortest secret accepted: a token is a password nobody types, so it can be long.
+MIN_SECRET = 16
+SESSION_SECONDS = 8 * 3600
+SESSION_COOKIE = "toolledger_session"
+LOGIN_COOKIE = "toolledger_login"
+
+
+class Forbidden(LedgerError):
+    """This token's role may not do that."""
+
+
+@dataclass(frozen=True)
+class Token:
+    name: str
+    role: Role
+    secret: str
+    scopes: frozenset[str] | None = None  # None: every scope
+
+    def may(self, action: Action) -> bool:
+        return action in ALLOWED[self.role]
+
+    def require(self, action: Action) -> None:
+        if not self.may(action):
+            raise Forbidden(f"token {self.name!r} ({self.role}) may not {action}")
+
+    def sees(self, scope: str) -> bool:
+        return self.scopes is None or scope in self.scopes
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes when the secret does: a rotated token's sessions end."""
+        return hashlib.sha256(f"{self.name}\0{self.secret}".encode()).hexdigest()[:32]
+
+
+#: The one identity of ``serve --insecure-local`` (loopback only, no tokens configured).
+LOCAL = Token("local", Role.OPERATOR, secrets.token_urlsafe(32))
+
+
+def parse_tokens(text: str, source: str) -> list[Token]:
+    """Entries ``name:role:secret[:scope|scope]`` separated by commas or newlines."""
+    tokens: list[Token] = []
+    lines = [line.split("#", 1)[0] for line in text.splitlines()]
+    entries = [e.strip() for line in lines for e in line.split(",") if e.strip()]
+    for n, entry in enumerate(entries, 1):
+        where = f"{source}, entry {n}"
+        parts = entry.split(":")
+        if len(parts) not in (3, 4):
+            raise ConfigError(f"{where}: expected name:role:secret[:scope1|scope2]")
+        name, role, secret = (p.strip() for p in parts[:3])
+        try:
+            check_text_id(name, "token name", 256)
+            scopes = (
+                frozenset(check_scope(s.strip()) for s in parts[3].split("|") if s.strip())
+                if len(parts) == 4
+                else None
+            )
+        except LedgerError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if role not in Role.__members__.values():
+            raise ConfigError(f"{where}: role {role!r} is not one of {', '.join(Role)}")
+        if len(secret) < MIN_SECRET:
+            raise ConfigError(f"{where}: secret of {name!r} is shorter than {MIN_SECRET}")
+        if scopes is not None and not scopes:
+            raise ConfigError(f"{where}: empty scope list for {name!r}")
+        tokens.append(Token(name, Role(role), secret, scopes))
+    names = [t.name for t in tokens]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{source}: two tokens share a name")
+    if len({t.secret for t in tokens}) != len(tokens):
+        raise ConfigError(f"{source}: two tokens share a secret")
+    return tokens
+
+
+def load_tokens(env: Mapping[str, str] | None = None) -> list[Token]:
+    """The tokens configured in the environment (both variables may be set)."""
+    env = os.environ if env is None else env
+    text, sources = "", []
+    if env.get("TOOLLEDGER_API_TOKENS"):
+        text += env["TOOLLEDGER_API_TOKENS"] + "\n"
+        sources.append("TOOLLEDGER_API_TOKENS")
+    if env.get("TOOLLEDGER_API_TOKENS_FILE"):
+        path = Path(env["TOOLLEDGER_API_TOKENS_FILE"])
+        try:
+            text += path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"TOOLLEDGER_API_TOKENS_FILE: cannot read {path}: {exc}") from None
+        sources.append(str(path))
+    return parse_tokens(text, " + ".join(sources) or "tokens")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class Authenticator:
+    """Finds the token behind a request: a bearer secret, or a session cookie."""
+
+    def __init__(self, tokens: list[Token], session_key: bytes | None = None) -> None:
+        self.tokens = tokens
+        self._by_name = {t.name: t for t in tokens}
+        # Sessions last as long as the key: a restart logs everyone out unless it is given.
+        self._key = session_key or secrets.token_bytes(32)
+        self._digests = [(hashlib.sha256(t.secret.encode()).digest(), t) for t in tokens]
+
+    def by_secret(self, secret: str) -> Token | None:
+        """Constant-time in the secret: every token is compared, equal-length digests."""
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for known, token in self._digests:
+            if hmac.compare_digest(known, digest):
+                found = token
+        return found
+
+    def _sign(self, payload: str) -> str:
+        return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
+
+    def session_for(self, token: Token, now: float | None = None) -> str:
+        body = json.dumps(
+            {
+                "n": token.name,
+                "f": token.fingerprint,
+                "e": int((now or time.time()) + SESSION_SECONDS),
+            },
+            separators=(",", ":"),
+        )
+        payload = _b64(body.encode())
+        return f"{payload}.{self._sign(payload)}"
+
+    def by_session(self, cookie: str | None, now: float | None = None) -> Token | None:
+        if not cookie or cookie.count(".") != 1:
+            return None
+        payload, mac = cookie.split(".")
+        if not hmac.compare_digest(self._sign(payload), mac):
+            return None
+        try:
+            body = json.loads(_unb64(payload))
+            name, fingerprint, expires = body["n"], body["f"], body["e"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        token = self._by_name.get(name) if isinstance(name, str) else None
+        if token is None or token.fingerprint != fingerprint:
+            return None  # removed or rotated since
+        if not isinstance(expires, int) or expires < (now or time.time()):
+            return None
+        return token
+
+    def csrf_for(self, session: str) -> str:
+        """The CSRF token of a session: forms carry it, a forged cross-site post cannot."""
+        return self._sign(f"csrf\0{session}")
+
+    def check_csrf(self, session: str, given: str | None) -> bool:
+        return bool(given) and hmac.compare_digest(self.csrf_for(session), given or "")

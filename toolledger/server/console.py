@@ -1,0 +1,363 @@
+"""The console: server-rendered pages for the people who approve calls and settle unknowns.
+
+No script at all (the Content-Security-Policy forbids any), forms only. Everything an agent
+produced — arguments, results, evidence, ids — is untrusted text: Jinja's autoescape is on
+for every template and nothing is marked safe."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.concurrency import run_in_threadpool
+
+from toolledger.ledger.errors import InvalidArguments, LedgerError
+from toolledger.server.auth import (
+    LOGIN_COOKIE,
+    SESSION_COOKIE,
+    SESSION_SECONDS,
+    Action,
+    Token,
+)
+from toolledger.server.deps import ERRORS, desk_of, token_of
+
+router = APIRouter(include_in_schema=False)
+
+#: Nothing but this origin's styles and forms; no script, no frame, no plugin.
+CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
+
+#: The messages a redirect may ask for (the query names one; it never carries text).
+DONE = {
+    "approved": "Approved and enqueued.",
+    "rejected": "Rejected.",
+    "retried": "A new attempt was authorised and enqueued.",
+    "resolved": "Resolved, with your evidence recorded.",
+}
+#: Rows per inbox section; the counts above say how many there are, the list pages show all.
+INBOX_LIMIT = 25
+
+env = Environment(
+    loader=FileSystemLoader(Path(__file__).parent / "templates"),
+    autoescape=select_autoescape(default=True, default_for_string=True),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+env.filters["pretty"] = lambda v: json.dumps(v, ensure_ascii=False, indent=2, default=str)
+env.filters["q"] = lambda v: quote(str(v), safe="")
+
+
+def call_url(scope: str, tool_call_id: str, suffix: str = "") -> str:
+    return f"/calls/{quote(scope, safe='')}/{quote(tool_call_id, safe='')}{suffix}"
+
+
+env.globals["call_url"] = call_url
+
+
+def _session(request: Request) -> str:
+    if request.app.state.local is not None:
+        return "local"
+    return request.cookies.get(SESSION_COOKIE, "")
+
+
+def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
+    who: Token | None = context.get("who")
+    session = _session(request)
+    context.setdefault("csrf", desk_of(request).auth.csrf_for(session) if session else "")
+    context.setdefault("local", request.app.state.local is not None)
+    context.setdefault("may", {a.value: bool(who and who.may(a)) for a in Action})
+    html = env.get_template(name).render(request=request, **context)
+    return HTMLResponse(html, status_code=status, headers=secure_headers())
+
+
+def secure_headers() -> dict[str, str]:
+    return {
+        "Content-Security-Policy": CSP,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store",
+    }
+
+
+def _login_redirect(request: Request) -> RedirectResponse:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse("/login?" + urlencode({"next": target}), status_code=303)
+
+
+def _who(request: Request) -> Token | None:
+    return token_of(request, cookie=True)
+
+
+async def _form(request: Request, who: Token) -> dict[str, str]:
+    """The posted form, once its CSRF token proved it came from one of our pages."""
+    form = await request.form()
+    fields = {k: v for k, v in form.items() if isinstance(v, str)}
+    if not desk_of(request).auth.check_csrf(_session(request), fields.get("csrf")):
+        raise CsrfRefused()
+    return fields
+
+
+class CsrfRefused(LedgerError):
+    """The form did not carry this session's CSRF token: nothing was done."""
+
+
+def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, CsrfRefused):
+        return 403
+    return next((status for cls, status, _, _ in ERRORS if isinstance(exc, cls)), 500)
+
+
+# ---------------------------------------------------------------------------- login
+
+
+@router.get("/login")
+def login_page(request: Request, next: str = "/") -> Response:
+    nonce = secrets.token_urlsafe(24)
+    response: Response = render(
+        request, "login.html", who=None, nonce=nonce, next=_local_path(next)
+    )
+    response.set_cookie(
+        LOGIN_COOKIE, nonce, max_age=600, httponly=True, samesite="strict", path="/login"
+    )
+    return response
+
+
+def _local_path(target: str) -> str:
+    """Only a path on this server: never an open redirect (browsers read ``/\\host`` as
+    ``//host``, so no backslash either, nor a control character)."""
+    local = target.startswith("/") and not target.startswith("//")
+    if not local or "\\" in target or any(ord(c) < 0x20 or ord(c) == 0x7F for c in target):
+        return "/"
+    return target
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = await request.form()
+    nonce, secret = form.get("nonce"), form.get("token")
+    target = _local_path(str(form.get("next") or "/"))
+    expected = request.cookies.get(LOGIN_COOKIE)
+    if not (isinstance(nonce, str) and expected and secrets.compare_digest(nonce, expected)):
+        return render(
+            request,
+            "login.html",
+            403,
+            who=None,
+            nonce="",
+            next=target,
+            error="The login form expired or was not ours; reload and try again.",
+        )
+    auth = desk_of(request).auth
+    token = auth.by_secret(secret) if isinstance(secret, str) and secret else None
+    if token is None:
+        fresh = secrets.token_urlsafe(24)
+        refused = render(
+            request,
+            "login.html",
+            401,
+            who=None,
+            nonce=fresh,
+            next=target,
+            error="That token is not valid.",
+        )
+        refused.set_cookie(
+            LOGIN_COOKIE, fresh, max_age=600, httponly=True, samesite="strict", path="/login"
+        )
+        return refused
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(
+        SESSION_COOKIE,
+        auth.session_for(token),
+        max_age=SESSION_SECONDS,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path="/",
+    )
+    response.delete_cookie(LOGIN_COOKIE, path="/login")
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    who = _who(request)
+    if who is None:
+        return _login_redirect(request)
+    try:
+        await _form(request, who)
+    except CsrfRefused as exc:
+        return render(request, "error.html", 403, who=who, error=str(exc))
+    response = RedirectResponse("/login", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
+
+
+# ---------------------------------------------------------------------------- pages
+
+
+@router.get("/")
+async def inbox(request: Request) -> Response:
+    who = _who(request)
+    if who is None:
+        return _login_redirect(request)
+    desk = desk_of(request)
+
+    def read() -> dict[str, Any]:
+        return {
+            "counts": desk.inbox(who),
+            "pending": desk.list_calls(who, status="pending_approval", limit=INBOX_LIMIT).calls,
+            "unknown": desk.list_calls(who, status="unknown", limit=INBOX_LIMIT).calls,
+            "review": desk.list_calls(who, review=True, limit=INBOX_LIMIT).calls,
+        }
+
+    return render(request, "inbox.html", who=who, **await run_in_threadpool(read))
+
+
+@router.get("/calls")
+async def calls(
+    request: Request,
+    status: str | None = None,
+    scope: str | None = None,
+    review: bool = False,
+    cursor: str | None = None,
+) -> Response:
+    who = _who(request)
+    if who is None:
+        return _login_redirect(request)
+    status, scope = status or None, scope or None
+    try:
+        page = await run_in_threadpool(
+            lambda: desk_of(request).list_calls(
+                who, status=status, scope=scope, review=review, limit=100, cursor=cursor
+            )
+        )
+    except LedgerError as exc:
+        return render(request, "error.html", _status_of(exc), who=who, error=str(exc))
+    query = {"status": status, "scope": scope, "review": "1" if review else None}
+    more = None
+    if page.next_cursor:
+        more = "/calls?" + urlencode(
+            {k: v for k, v in {**query, "cursor": page.next_cursor}.items() if v}
+        )
+    return render(
+        request,
+        "list.html",
+        who=who,
+        page=page,
+        status_filter=status or "",
+        scope=scope or "",
+        review=review,
+        more=more,
+    )
+
+
+async def _call_page(
+    request: Request,
+    who: Token,
+    scope: str,
+    tool_call_id: str,
+    *,
+    status: int = 200,
+    error: str | None = None,
+) -> Response:
+    try:
+        data = await run_in_threadpool(lambda: desk_of(request).page(who, scope, tool_call_id))
+    except LedgerError as exc:
+        return render(request, "error.html", _status_of(exc), who=who, error=str(exc))
+    done = DONE.get(request.query_params.get("done", ""))
+    return render(request, "call.html", status, who=who, error=error, done=done, **data)
+
+
+@router.get("/calls/{scope}/{tool_call_id:path}")
+async def call(request: Request, scope: str, tool_call_id: str) -> Response:
+    who = _who(request)
+    if who is None:
+        return _login_redirect(request)
+    return await _call_page(request, who, scope, tool_call_id)
+
+
+# ---------------------------------------------------------------------------- actions
+
+
+async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> Response:
+    who = _who(request)
+    if who is None:
+        return _login_redirect(request)
+    desk = desk_of(request)
+    try:
+        form = await _form(request, who)
+        reason = form.get("reason", "").strip()
+        if not reason:
+            raise InvalidArguments("a reason is required")
+        if action in ("approve", "reject"):
+            approve = action == "approve"
+
+            def work() -> Any:
+                return desk.decide(who, scope, tool_call_id, reason, approve=approve)
+
+            done = "approved" if approve else "rejected"
+        elif action == "retry":
+            accept = form.get("accept_duplicate") == "yes"
+
+            def work() -> Any:
+                return desk.retry(who, scope, tool_call_id, accept_duplicate=accept, reason=reason)
+
+            done = "retried"
+        else:  # pragma: no cover - the routes name the actions
+            raise InvalidArguments(f"no action {action!r}")
+        await run_in_threadpool(work)
+    except LedgerError as exc:
+        return await _call_page(
+            request, who, scope, tool_call_id, status=_status_of(exc), error=str(exc)
+        )
+    return RedirectResponse(call_url(scope, tool_call_id, f"?done={done}"), status_code=303)
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/approve")
+async def approve(request: Request, scope: str, tool_call_id: str) -> Response:
+    return await _act(request, scope, tool_call_id, "approve")
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/reject")
+async def reject(request: Request, scope: str, tool_call_id: str) -> Response:
+    return await _act(request, scope, tool_call_id, "reject")
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/retry")
+async def retry(request: Request, scope: str, tool_call_id: str) -> Response:
+    return await _act(request, scope, tool_call_id, "retry")
+
+
+@router.post("/calls/{scope}/{tool_call_id:path}/resolve")
+async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
+    """Resolve one execution of this call (the form names it) with evidence."""
+    who = _who(request)
+    if who is None:
+        return _login_redirect(request)
+    desk = desk_of(request)
+    try:
+        form = await _form(request, who)
+        execution_id, as_ = form.get("execution_id", ""), form.get("as", "")
+        evidence = form.get("evidence", "")
+
+        def work() -> Any:
+            desk.check_visible(who, scope, tool_call_id)
+            view = desk.ledger.get(scope, tool_call_id)
+            if execution_id not in {e.execution_id for e in view.executions}:
+                raise InvalidArguments("that execution is not one of this call's")
+            return desk.resolve(who, execution_id, as_, evidence)
+
+        await run_in_threadpool(work)
+    except LedgerError as exc:
+        return await _call_page(
+            request, who, scope, tool_call_id, status=_status_of(exc), error=str(exc)
+        )
+    return RedirectResponse(call_url(scope, tool_call_id, "?done=resolved"), status_code=303)

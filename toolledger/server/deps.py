@@ -1,0 +1,148 @@
+"""Request plumbing shared by the API and the console: who is asking, the body, the errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from toolledger.config import ConfigError, Settings
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import (
+    ConflictError,
+    InputError,
+    InvalidArguments,
+    LedgerError,
+    NotFound,
+    StateError,
+)
+from toolledger.server.auth import SESSION_COOKIE, Forbidden, Token
+from toolledger.server.state import Desk
+
+#: The ledger's errors as HTTP statuses, with the CLI's kind and exit code; first match wins.
+ERRORS: list[tuple[type[BaseException], int, str, int]] = [
+    (Forbidden, 403, "forbidden", 5),
+    (ConflictError, 409, "conflict", 3),
+    (NotFound, 404, "not_found", 4),
+    (StateError, 409, "state", 5),
+    (InputError, 422, "input", 6),
+    (ConfigError, 422, "input", 6),
+]
+
+
+class Unauthorized(LedgerError):
+    """No valid token: send ``Authorization: Bearer SECRET``."""
+
+
+class BodyTooLarge(InputError):
+    """The request body is larger than any call may be."""
+
+
+def desk_of(request: Request) -> Desk:
+    desk: Desk = request.app.state.desk
+    return desk
+
+
+def token_of(request: Request, *, cookie: bool) -> Token | None:
+    """The token behind the request: a bearer secret, else (console) a session cookie."""
+    state = request.app.state
+    if state.local is not None:
+        return state.local  # type: ignore[no-any-return]
+    auth = desk_of(request).auth
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() == "bearer" and secret.strip():
+        return auth.by_secret(secret.strip())
+    if cookie:
+        return auth.by_session(request.cookies.get(SESSION_COOKIE))
+    return None
+
+
+def api_token(request: Request) -> Token:
+    token = token_of(request, cookie=False)
+    if token is None:
+        raise Unauthorized()
+    return token
+
+
+def max_body_for(settings: Settings) -> int:
+    """The largest body worth reading: the arguments' limit as JSON may spell it (a byte
+    escaped as ``\\u0001`` takes six) plus room for the envelope."""
+    return int(settings.max_args_bytes) * 6 + 64 * 1024
+
+
+def max_body(request: Request) -> int:
+    return max_body_for(desk_of(request).settings)
+
+
+async def read_body(request: Request, *, empty_ok: bool = False) -> dict[str, Any]:
+    """The body as a JSON object under the input layer's rules, read up to a bound."""
+    limit = max_body(request)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        if empty_ok:
+            return {}
+        raise InvalidArguments("request body: a JSON object is required")
+    return inputs.loads_object(raw, "request body")
+
+
+#: The largest form the console accepts (a reason, some evidence, a token).
+FORM_LIMIT = 256 * 1024
+
+
+class BodyLimit:
+    """Bounds every request body before anything parses it: the API's to what a call may
+    carry, the console's forms (and the login) to ``FORM_LIMIT``; a declared length over the
+    bound is refused at once, a chunked body as soon as it passes it."""
+
+    def __init__(self, app: Any, api_limit: int, form_limit: int = FORM_LIMIT) -> None:
+        self.app, self.api_limit, self.form_limit = app, api_limit, form_limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.api_limit if scope["path"].startswith("/api/") else self.form_limit
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            message = f"request body of {int(declared)} bytes is over the {limit}-byte limit"
+            await error_response(BodyTooLarge(message))(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(f"request body is over the {limit}-byte limit")
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, Unauthorized):
+        return JSONResponse(
+            {"error": str(exc), "kind": "unauthorized", "exit_code": 2},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if isinstance(exc, BodyTooLarge):
+        return JSONResponse({"error": str(exc), "kind": "input", "exit_code": 6}, 413)
+    for cls, status, kind, code in ERRORS:
+        if isinstance(exc, cls):
+            message = " ".join(str(exc).split())
+            return JSONResponse({"error": message, "kind": kind, "exit_code": code}, status)
+    raise exc

@@ -1,0 +1,98 @@
+"""Start the server under uvicorn, refusing to expose a ledger without tokens."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+from typing import Any
+
+from toolledger.config import ConfigError, Settings
+from toolledger.server.auth import load_tokens
+
+log = logging.getLogger("toolledger.serve")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(
+    settings: Settings,
+    *,
+    host: str,
+    port: int,
+    insecure_local: bool,
+    workers: int = 1,
+    log_format: str | None = None,
+) -> None:
+    import uvicorn
+
+    from toolledger.observability.logs import configure_logging
+    from toolledger.server.app import create_app
+
+    # One format for ours and uvicorn's lines (log_config=None: uvicorn's loggers propagate
+    # to the root, which this configures); the processes of --workers read it from the env.
+    if log_format is not None:
+        os.environ["TOOLLEDGER_LOG_FORMAT"] = log_format
+    configure_logging(log_format)
+
+    tokens = load_tokens()
+    if not tokens:
+        if not insecure_local:
+            raise ConfigError(
+                "no API tokens: set TOOLLEDGER_API_TOKENS (name:role:secret,...) or "
+                "TOOLLEDGER_API_TOKENS_FILE, or pass --insecure-local (127.0.0.1 only)"
+            )
+        if not _loopback(host):
+            raise ConfigError(f"--insecure-local binds a loopback address only, not {host!r}")
+        log.warning("serving without tokens (--insecure-local): every request is an operator")
+    key = os.environ.get("TOOLLEDGER_API_SESSION_KEY") or ""
+    if workers > 1:
+        # Each worker process builds its app from the environment: the settings as resolved
+        # here (the command line's --db/--broker/--sandbox included) and one session key, so
+        # that a session cookie from one process is good in every other.
+        os.environ.update(
+            {
+                "TOOLLEDGER_DB": settings.db,
+                "TOOLLEDGER_BROKER": settings.broker,
+                "TOOLLEDGER_SANDBOX": str(settings.sandbox),
+                "TOOLLEDGER_API_SESSION_KEY": key or secrets.token_hex(32),
+                "TOOLLEDGER_SERVE_INSECURE_LOCAL": "1" if insecure_local else "",
+            }
+        )
+        uvicorn.run(
+            "toolledger.server.run:app_from_env",
+            factory=True,
+            workers=workers,
+            host=host,
+            port=port,
+            log_level="info",
+            log_config=None,
+            proxy_headers=False,
+        )
+        return
+    app = create_app(
+        settings, tokens, insecure_local=insecure_local, session_key=key.encode() or None
+    )
+    uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, proxy_headers=False)
+
+
+def app_from_env() -> Any:
+    """The app of one of ``serve --workers N``'s processes (uvicorn's factory)."""
+    from toolledger.observability.logs import configure_logging
+    from toolledger.server.app import create_app
+
+    configure_logging()
+    return create_app(
+        Settings.from_env(),
+        load_tokens(),
+        insecure_local=os.environ.get("TOOLLEDGER_SERVE_INSECURE_LOCAL") == "1",
+        session_key=os.environ["TOOLLEDGER_API_SESSION_KEY"].encode(),
+    )

@@ -1,0 +1,257 @@
+"""What the API and the console share: the ledger, the submitter, the authenticator, and the
+operations a person may perform, each checked against the token's role and scopes."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from toolledger.config import Settings
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import InvalidArguments, NotFound, StateError
+from toolledger.ledger.identity import check_text_id
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.receipts import receipt_for
+from toolledger.ledger.records import CallView, EventRecord, ListedCall
+from toolledger.ledger.transitions import TERMINAL, Status, parse_status
+from toolledger.recovery.humans import resolve as resolve_call
+from toolledger.recovery.humans import retry as retry_call
+from toolledger.server.auth import Action, Authenticator, Token
+from toolledger.worker.submit import Submitter
+
+#: Rows a page of the list holds at most.
+PAGE_LIMIT = 500
+
+
+def encode_cursor(position: tuple[datetime, str, str]) -> str:
+    at, scope, key = position
+    raw = json.dumps([at.isoformat(), scope, key], ensure_ascii=False).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        at, scope, key = inputs.loads(raw, "cursor")
+        return datetime.fromisoformat(at), str(scope), str(key)
+    except (ValueError, TypeError, InvalidArguments):
+        raise InvalidArguments("cursor is not one this server gave out") from None
+
+
+@dataclass
+class Page:
+    calls: list[ListedCall]
+    next_cursor: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "count": len(self.calls),
+            "calls": [c.to_json() for c in self.calls],
+            "next_cursor": self.next_cursor,
+        }
+
+
+class Desk:
+    """The operations of the API and the console, as one token may perform them."""
+
+    def __init__(self, settings: Settings, auth: Authenticator, *, submitter: Submitter) -> None:
+        self.settings = settings
+        self.auth = auth
+        self.submitter = submitter
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.submitter.ledger
+
+    # ------------------------------------------------------------------ reads
+
+    @staticmethod
+    def check_visible(who: Token, scope: str, tool_call_id: str) -> None:
+        if not who.sees(scope):  # as if it did not exist: the same words as the ledger's
+            raise NotFound(f"no call {tool_call_id!r} in scope {scope!r}")
+
+    def list_calls(
+        self,
+        who: Token,
+        *,
+        status: str | None = None,
+        scope: str | None = None,
+        review: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page:
+        who.require(Action.READ)
+        if not 1 <= limit <= PAGE_LIMIT:
+            raise InvalidArguments(f"limit must be 1..{PAGE_LIMIT}")
+        wanted = parse_status(status) if status else None
+        after = decode_cursor(cursor) if cursor else None
+        if scope is not None and not who.sees(scope):
+            return Page([], None)
+        rows = self.ledger.list_calls(
+            status=wanted,
+            scope=scope,
+            review=review,
+            limit=limit + 1,
+            scopes=who.scopes,
+            after=after,
+        )
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page(rows, encode_cursor(rows[-1].position) if more else None)
+
+    def inbox(self, who: Token) -> dict[str, int]:
+        who.require(Action.READ)
+        return self.ledger.inbox_counts(who.scopes)
+
+    def show(self, who: Token, scope: str, tool_call_id: str) -> dict[str, Any]:
+        """The CLI's ``show --json``: the call, its attempts, the receipt."""
+        who.require(Action.READ)
+        self.check_visible(who, scope, tool_call_id)
+        return self._show(*self.ledger.history(scope, tool_call_id))
+
+    @staticmethod
+    def _show(view: CallView, history: list[EventRecord]) -> dict[str, Any]:
+        try:
+            receipt = receipt_for(view.operation, view.current)
+        except StateError:
+            receipt = None
+        data = view.to_json(receipt)
+        if view.operation.review:
+            flags = [e for e in history if e.kind == "flagged"]
+            data["review_detail"] = flags[-1].detail if flags else None
+        return data
+
+    def page(self, who: Token, scope: str, tool_call_id: str) -> dict[str, Any]:
+        """Everything the console's call page shows: the call, the history, the evidence and,
+        for a sandbox tool, the file as it is now against what was asked."""
+        who.require(Action.READ)
+        self.check_visible(who, scope, tool_call_id)
+        view, history = self.ledger.history(scope, tool_call_id)
+        return {
+            "call": self._show(view, history),
+            "events": [e.to_json() for e in history],
+            "file": self._file_check(view),
+            "view": view,
+        }
+
+    def _file_check(self, view: CallView) -> dict[str, Any] | None:
+        import hashlib
+
+        op = view.operation
+        try:
+            tool = self.submitter.registry.get(op.tool)
+        except Exception:  # noqa: BLE001 - a tool no longer registered: no file to compare
+            return None
+        path, content = op.args.get("path"), op.args.get("content")
+        if not (tool.sandboxed and isinstance(path, str)):
+            return None
+        try:
+            current = self.submitter.sandbox.read(op.scope, path, max_bytes=64 << 20)
+        except Exception as exc:  # noqa: BLE001 - shown as it is: the file cannot be read
+            return {"path": path, "error": f"{type(exc).__name__}: {exc}"}
+        out: dict[str, Any] = {
+            "path": path,
+            "exists": current is not None,
+            "sha256": hashlib.sha256(current).hexdigest() if current is not None else None,
+            "size": len(current) if current is not None else None,
+        }
+        if isinstance(content, str):
+            wanted = content.encode()
+            out["requested_sha256"] = hashlib.sha256(wanted).hexdigest()
+            out["matches"] = current == wanted
+            out["contains"] = current is not None and wanted in current
+        return out
+
+    def events(self, who: Token, scope: str, tool_call_id: str) -> dict[str, Any]:
+        """The CLI's ``events --json``."""
+        who.require(Action.READ)
+        self.check_visible(who, scope, tool_call_id)
+        history = self.ledger.events(scope, tool_call_id)
+        return {
+            "scope": scope,
+            "tool_call_id": tool_call_id,
+            "idempotency_key": history[0].idempotency_key if history else None,
+            "events": [e.to_json() for e in history],
+        }
+
+    # ------------------------------------------------------------------ writes
+
+    def submit(self, who: Token, body: dict[str, Any]) -> dict[str, Any]:
+        """The CLI's ``submit --json``; ``approve: true`` approves at once in the token's name
+        (a role that may decide only: an agent never approves its own calls)."""
+        who.require(Action.SUBMIT)
+        known = {"scope", "tool_call_id", "tool", "args", "key", "approve", "reason"}
+        extra = sorted(set(body) - known)
+        if extra:
+            raise InvalidArguments(f"unknown field(s): {', '.join(extra)}")
+        scope, call_id, tool, args = (
+            body.get(f) for f in ("scope", "tool_call_id", "tool", "args")
+        )
+        for name, value in (("scope", scope), ("tool_call_id", call_id), ("tool", tool)):
+            if not isinstance(value, str):
+                raise InvalidArguments(f"{name} must be a string")
+        if not isinstance(args, dict):
+            raise InvalidArguments("args must be a JSON object")
+        key, approve, reason = body.get("key"), body.get("approve", False), body.get("reason")
+        if key is not None and not isinstance(key, str):
+            raise InvalidArguments("key must be a string")
+        if not isinstance(approve, bool):
+            raise InvalidArguments("approve must be true or false")
+        if reason is not None and not isinstance(reason, str):
+            raise InvalidArguments("reason must be a string")
+        assert isinstance(scope, str) and isinstance(call_id, str) and isinstance(tool, str)
+        if not who.sees(scope):
+            raise NotFound(f"no scope {scope!r} for token {who.name!r}")
+        if approve:
+            who.require(Action.DECIDE)
+        call = self.submitter.prepare(scope, call_id, tool, args, key)
+        return self.submitter.submit(
+            call, approved_by=who.name if approve else None, reason=reason, actor=who.name
+        )
+
+    def decide(
+        self, who: Token, scope: str, tool_call_id: str, reason: str | None, *, approve: bool
+    ) -> dict[str, Any]:
+        who.require(Action.DECIDE)
+        self.check_visible(who, scope, tool_call_id)
+        out = self.submitter.decide(scope, tool_call_id, who.name, reason, approve=approve)
+        out["outcome"] = "decided"
+        return out
+
+    def retry(
+        self,
+        who: Token,
+        scope: str,
+        tool_call_id: str,
+        *,
+        accept_duplicate: bool,
+        reason: str | None,
+    ) -> dict[str, Any]:
+        who.require(Action.RETRY)
+        self.check_visible(who, scope, tool_call_id)
+        sub = self.submitter
+        return retry_call(
+            sub.ledger,
+            sub.registry,
+            sub.enqueue,
+            scope,
+            tool_call_id,
+            by=who.name,
+            accept_duplicate=accept_duplicate,
+            reason=reason,
+        )
+
+    def resolve(self, who: Token, execution_id: str, as_: str, evidence: str) -> dict[str, Any]:
+        who.require(Action.RESOLVE)
+        check_text_id(execution_id, "execution_id", 64)
+        execution = self.ledger.execution(execution_id)  # NotFound if there is none
+        if not who.sees(execution.scope):
+            raise NotFound(f"no execution {execution_id!r}")
+        if as_ not in {s.value for s in TERMINAL}:
+            raise InvalidArguments("as must be succeeded or failed")
+        if not isinstance(evidence, str) or not evidence.strip():
+            raise InvalidArguments("evidence is required: what did you see that proves it?")
+        return resolve_call(self.ledger, execution_id, Status(as_), by=who.name, evidence=evidence)
