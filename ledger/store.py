@@ -3,11 +3,12 @@ submit of a new call — behind one object.
 
 ``Store`` runs them with SQLAlchemy Core inside the ledger's own transactions, on either
 dialect. ``PostgresStore`` (``ledger.fastpath``) overrides each with a single data-modifying
-statement, ``SqliteStore`` (``ledger.fastpath_sqlite``) with one ``BEGIN IMMEDIATE`` … ``COMMIT``
-of prepared statements on a connection each thread keeps; ``tests/integration/test_fastpath.py``
-holds them to the same returns, errors, rows, events and doorbells on every path. Everything else the ledger does (decisions, recovery, reads)
-is generic SQL on the facade. Event details are built by the facade and handed in, so both
-stores write the same ones.
+statement, ``SqliteStore`` (``ledger.fastpath_sqlite``) with one ``BEGIN IMMEDIATE`` …
+``COMMIT`` of prepared statements on a connection each thread keeps;
+``tests/integration/test_fastpath.py`` holds them to the same returns, errors, rows, events and
+doorbells on every path. Everything else the ledger does (decisions, recovery, reads) is generic
+SQL on the facade. Event details are built by the facade and handed in, so both stores write
+the same ones.
 """
 
 from __future__ import annotations
