@@ -41,9 +41,13 @@ def bearer(name: str) -> dict[str, str]:
 
 @pytest.fixture
 def server(fresh_db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledger]]:
+    yield from serving(fresh_db_url, tmp_path)
+
+
+def serving(db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledger]]:
     settings = Settings.from_env(
         {
-            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_DB": db_url,
             "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",  # no worker here: enqueue fails
             "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
             "TOOLLEDGER_TOOLS": "tests.external_tools",
@@ -51,7 +55,7 @@ def server(fresh_db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledg
         }
     )
     app = create_app(settings, parse_tokens(TOKENS, "test"), metrics=False)
-    ledger = Ledger(fresh_db_url)
+    ledger = Ledger(db_url)
     with TestClient(app) as client:
         yield client, ledger
     ledger.close()
@@ -507,3 +511,30 @@ def test_metrics__served_without_a_token_counts_only(fresh_db_url: str, tmp_path
     assert 'toolledger_inbox{kind="pending_approval"} 1.0' in r.text
     assert "secret-call-id" not in r.text and "s1" not in r.text  # counts, never ids
     ledger.close()
+
+
+def test_reads__survive_postgres_dropping_every_connection(
+    pg_url: str, tmp_path: Path, scope: str
+) -> None:
+    """The reader pool pings nothing at checkout: a dropped connection fails its statement,
+    and the read is tried once more on a fresh one."""
+    served = serving(pg_url, tmp_path)
+    client, ledger = next(served)
+    try:
+        _reads_after_a_drop(client, ledger, scope)
+    finally:
+        served.close()
+
+
+def _reads_after_a_drop(client: TestClient, ledger: Ledger, scope: str) -> None:
+    pending(ledger, scope, "p")
+    h = bearer("vera")
+    assert client.get(f"/api/calls/{scope}/p", headers=h).status_code == 200
+    with ledger.engine.connect() as conn:
+        conn.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    for _ in range(3):
+        r = client.get(f"/api/calls/{scope}/p", headers=h)
+        assert r.status_code == 200, r.text

@@ -42,6 +42,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
+        app.state.desk.close()
         if submitter is None:
             sub.close()
 
