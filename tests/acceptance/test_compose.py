@@ -29,7 +29,25 @@ def compose() -> dict:
 
 
 def test_compose__validates_with_the_services_of_the_stack(compose):
-    assert set(compose["services"]) == {"postgres", "redis", "migrate", "worker", "beat"}
+    assert set(compose["services"]) == {
+        "postgres",
+        "redis",
+        "migrate",
+        "worker",
+        "beat",
+        "serve",
+        "prometheus",
+    }
+    # Prometheus only on request (docker compose --profile monitoring up)
+    assert compose["services"]["prometheus"]["profiles"] == ["monitoring"]
+
+
+def test_compose__serve_on_loopback_with_tokens_from_the_environment(compose):
+    serve = compose["services"]["serve"]
+    assert serve["command"][:1] == ["serve"] and "--insecure-local" not in serve["command"]
+    assert all(p.startswith("127.0.0.1:") for p in serve["ports"]), serve["ports"]
+    assert "TOOLLEDGER_API_TOKENS" in serve["environment"]
+    assert serve["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
 
 
 def test_compose__images_pinned_and_health_checked(compose):
