@@ -1,0 +1,40 @@
+"""The end-to-end path alone, for a profiler: a producer submitting approved calls to two
+prefork workers x 2 over Postgres and Redis, in a database of its own.
+
+    py-spy record --subprocesses -o docs/bench/e2e-flame.svg -- \\
+        python -m toolledger.harness.bench.profile_e2e --jobs 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from toolledger.harness import scratch
+from toolledger.harness.bench.e2e import E2E
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--jobs", type=int, default=1500)
+    a = p.parse_args(argv)
+    name = scratch.new_name("tl_prof")
+    scratch.create_database(a.pg, name, migrate=True)
+    try:
+        root = Path(tempfile.mkdtemp(prefix="toolledger-profile-"))
+        started = time.monotonic()
+        result = E2E(a.pg, a.redis, root, a.jobs, print).toolledger(
+            a.pg.rsplit("/", 1)[0] + "/" + name
+        )
+        print(f"{a.jobs} calls in {time.monotonic() - started:.1f} s: {result}")
+    finally:
+        scratch.drop_database(a.pg, name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
