@@ -85,48 +85,36 @@ class LedgerReads:
     def get(self, scope: str, tool_call_id: str) -> CallView:
         """The call, its action and every attempt at it."""
         with self._read() as conn:
-            key = self._key_for(conn, scope, tool_call_id)
-            op = self._operation(conn, scope, key)
-            rows = conn.execute(
-                sa.select(executions)
-                .where(executions.c.scope == scope, executions.c.idempotency_key == key)
-                .order_by(executions.c.attempt)
-            ).all()
-        return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
+            return self._view(conn, scope, tool_call_id, self._key_for(conn, scope, tool_call_id))
 
     def history(self, scope: str, tool_call_id: str) -> tuple[CallView, list[EventRecord]]:
         """The call and its event history, read on one connection (a console's page)."""
         with self._read() as conn:
             key = self._key_for(conn, scope, tool_call_id)
-            op = self._operation(conn, scope, key)
-            rows = conn.execute(
-                sa.select(executions)
-                .where(executions.c.scope == scope, executions.c.idempotency_key == key)
-                .order_by(executions.c.attempt)
-            ).all()
-            events = conn.execute(
-                sa.select(execution_events)
-                .where(
-                    execution_events.c.scope == scope,
-                    execution_events.c.idempotency_key == key,
-                )
-                .order_by(execution_events.c.seq)
-            ).all()
-        view = CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
-        return view, [EventRecord.from_row(r) for r in events]
+            return self._view(conn, scope, tool_call_id, key), self._events(conn, scope, key)
 
     def events(self, scope: str, tool_call_id: str) -> list[EventRecord]:
         """The history of the call's action, in order."""
         with self._read() as conn:
-            key = self._key_for(conn, scope, tool_call_id)
-            rows = conn.execute(
-                sa.select(execution_events)
-                .where(
-                    execution_events.c.scope == scope,
-                    execution_events.c.idempotency_key == key,
-                )
-                .order_by(execution_events.c.seq)
-            ).all()
+            return self._events(conn, scope, self._key_for(conn, scope, tool_call_id))
+
+    @classmethod
+    def _view(cls, conn: sa.Connection, scope: str, tool_call_id: str, key: str) -> CallView:
+        op = cls._operation(conn, scope, key)
+        rows = conn.execute(
+            sa.select(executions)
+            .where(executions.c.scope == scope, executions.c.idempotency_key == key)
+            .order_by(executions.c.attempt)
+        ).all()
+        return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
+
+    @staticmethod
+    def _events(conn: sa.Connection, scope: str, key: str) -> list[EventRecord]:
+        rows = conn.execute(
+            sa.select(execution_events)
+            .where(execution_events.c.scope == scope, execution_events.c.idempotency_key == key)
+            .order_by(execution_events.c.seq)
+        ).all()
         return [EventRecord.from_row(r) for r in rows]
 
     def receipt(self, scope: str, tool_call_id: str) -> Receipt:
