@@ -2,7 +2,11 @@
 
 ``TOOLLEDGER_FAILPOINTS="after_effect=exit(23)"`` — points are separated by ``;``, each
 ``point=[P%][N*]action``, as in fail-rs: ``5%exit(23)`` fires with probability 5 %,
-``2*raise`` fires the first two times only. Actions: ``exit(N)`` (os._exit: no cleanup, no
+``2*raise`` fires the first two times only. A leading ``first+`` (``first+5%kill``) also fires
+the first hit of the point across every process that shares the failpoint log (one marker
+file, created with O_EXCL, claims it), so a short chaos run covers each window at least once
+instead of hoping the percentage does; without a log it is the first hit of this process.
+Actions: ``exit(N)`` (os._exit: no cleanup, no
 finally blocks), ``kill`` (SIGKILL to self), ``raise``, ``sleep(S)``, ``stop`` (SIGSTOP to
 self: a zombie until someone sends SIGCONT), ``off``.
 
@@ -38,7 +42,7 @@ POINTS = (
 ENV = "TOOLLEDGER_FAILPOINTS"
 
 _SPEC = re.compile(
-    r"^(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|kill|raise|sleep|stop|off)"
+    r"^(?P<first>first\+)?(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|kill|raise|sleep|stop|off)"
     r"(?:\((?P<arg>[^)]*)\))?$"
 )
 
@@ -57,8 +61,13 @@ class Action:
     arg: float = 0.0
     probability: float = 1.0
     remaining: int | None = None  # None: every time
+    first: bool = False  # the first hit fires, fleet-wide when there is a log to share
 
-    def should_fire(self) -> bool:
+    def should_fire(self, point: str) -> bool:
+        if self.first:
+            self.first = False
+            if _claim_first(point):
+                return True
         if self.remaining is not None:
             if self.remaining <= 0:
                 return False
@@ -103,6 +112,7 @@ def parse(spec: str) -> dict[str, Action]:
             arg=float(arg) if arg else 0.0,
             probability=float(match["pct"]) / 100 if match["pct"] else 1.0,
             remaining=int(match["count"]) if match["count"] else None,
+            first=bool(match["first"]),
         )
     return actions
 
@@ -110,6 +120,23 @@ def parse(spec: str) -> dict[str, Action]:
 _lock = threading.Lock()
 _active: dict[str, Action] = {}
 _log_path = ""
+
+
+def first_markers(log_path: str) -> list[str]:
+    """The marker files ``first+`` leaves beside ``log_path`` (a new run removes them)."""
+    folder, name = os.path.split(os.path.abspath(log_path))
+    return [os.path.join(folder, f"{name}.first-{point}") for point in POINTS]
+
+
+def _claim_first(point: str) -> bool:
+    if not _log_path:
+        return True
+    try:
+        fd = os.open(f"{os.path.abspath(_log_path)}.first-{point}", os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
 
 
 def _off(point: str, ref: str | None = None) -> None:
@@ -121,7 +148,7 @@ def _on(point: str, ref: str | None = None) -> None:
     if action is None or action.kind == "off":
         return
     with _lock:  # counters are shared by the threads of one process
-        fire = action.should_fire()
+        fire = action.should_fire(point)
     if fire:
         action.record(point, ref)
         action.perform(point)

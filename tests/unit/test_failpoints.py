@@ -105,3 +105,32 @@ def test_failpoints__kill_is_a_real_sigkill():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
     assert proc.returncode == -9
+
+
+def test_failpoints__first_fires_the_first_hit_then_the_percentage():
+    failpoints.configure("after_stage=first+0%raise")  # 0 %: only the first hit can fire
+    with pytest.raises(FailpointError):
+        failpoints.hit("after_stage")
+    for _ in range(50):
+        failpoints.hit("after_stage")
+    assert parse("after_claim=first+2.5%kill")["after_claim"].probability == 0.025
+    with pytest.raises(FailpointSpecError):
+        parse("after_claim=2.5%first+kill")
+
+
+def test_failpoints__first_is_once_across_processes_sharing_the_log(tmp_path):
+    """Each new worker child configures afresh: only the fleet's first hit may fire for sure."""
+    log = tmp_path / "fp.log"
+    code = (
+        "import sys; from toolledger import failpoints;"
+        f"failpoints.configure('after_stage=first+0%exit(23)', {str(log)!r});"
+        "failpoints.hit('after_stage', sys.argv[1]); print('survived')"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", code, f"p{i}"], capture_output=True, timeout=30)
+        for i in range(3)
+    ]
+    assert [r.returncode for r in runs] == [23, 0, 0]
+    assert [line["ref"] for line in jsonlines.read(log)] == ["p0"]
+    marker = failpoints.first_markers(str(log))[failpoints.POINTS.index("after_stage")]
+    assert (tmp_path / "fp.log.first-after_stage").exists() and marker.endswith("first-after_stage")

@@ -14,6 +14,7 @@ records; the checker reads the ledger afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -32,7 +33,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger import jsonlines
+from toolledger import failpoints, jsonlines
 from toolledger.harness import scratch
 from toolledger.harness.chaos import partition as partitions
 from toolledger.harness.chaos.faults import EXTERNAL
@@ -115,8 +116,19 @@ class Code:
         return [sys.executable, "-m", "worker" if self.legacy else "toolledger"]
 
     def failpoints(self) -> list[str]:
+        return self._probe_failpoints()[0]
+
+    def first_failpoints(self) -> bool:
+        """Whether this version's failpoints know ``first+`` (older baselines do not)."""
+        return self._probe_failpoints()[1]
+
+    @functools.cache  # noqa: B019 - a handful of Code objects per run, each probed once
+    def _probe_failpoints(self) -> tuple[list[str], bool]:
         where = "worker.failpoints" if self.legacy else "toolledger.failpoints"
-        probe = f"from {where} import POINTS; print(','.join(POINTS))"
+        probe = (
+            f"import {where} as f; print(','.join(f.POINTS)); "
+            "print(int(hasattr(f, 'first_markers')))"
+        )
         out = subprocess.run(
             [sys.executable, "-c", probe],
             env={**os.environ, **self.env()},
@@ -125,7 +137,8 @@ class Code:
             text=True,
             check=True,
         )
-        return out.stdout.strip().split(",")
+        points, first = out.stdout.split()
+        return points.split(","), first == "1"
 
 
 class ChaosRun:
@@ -209,7 +222,10 @@ class ChaosRun:
 
     def _failpoints(self) -> str:
         pct = self.cfg.failpoint_percent
-        return ";".join(f"{point}={pct}%kill" for point in self.code.failpoints())
+        # first+: the fleet's first hit of each point fires for sure, then pct of the rest; a
+        # short run then covers every window instead of hoping the percentage reaches each.
+        first = "first+" if self.code.first_failpoints() else ""
+        return ";".join(f"{point}={first}{pct}%kill" for point in self.code.failpoints())
 
     def _partitions(self) -> None:
         why = partitions.unavailable() if "partition" in self.kinds else "not asked for"
@@ -244,6 +260,8 @@ class ChaosRun:
         for name in ("effects.log", "failpoints.log", "faults.log", "charges.log",
                      "operator.log", "submitted.log", "finish", "operator.done"):  # fmt: skip
             (self.out / name).unlink(missing_ok=True)
+        for marker in failpoints.first_markers(str(self.out / "failpoints.log")):
+            Path(marker).unlink(missing_ok=True)
         self.db_url = self._postgres()
         self._start_downstream()
         self._cli("db", "upgrade")  # by the version under test
