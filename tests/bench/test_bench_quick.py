@@ -11,7 +11,10 @@ from tests.helpers import run_cli
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 HEADLINES = (
     "ledger_vs_handwritten",
+    "sqlite_vs_handwritten",
     "celery_vs_noop",
+    "vs_celery_write",
+    "added_cpu_ms_per_call",
     "vs_procrastinate",
     "vs_dbos",
     "sweep_1m_vs_10k",
@@ -34,7 +37,7 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     )
     assert code == 0, stderr
     report = json.loads(stdout)
-    assert list(report)[:5] == list(HEADLINES)  # the headline ratios come first
+    assert list(report)[: len(HEADLINES)] == list(HEADLINES)  # the headline ratios come first
     for name in HEADLINES:
         figure = report[name]
         assert figure["goal"] and "met" in figure
@@ -45,6 +48,34 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
         f"{d}/{i}" for d in ("postgres", "sqlite") for i in ("toolledger", "handwritten", "insert")
     }
     assert {"toolledger", "celery_noop", "celery_write"} <= set(raw["e2e"])
+    for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
+        assert e2e["cpu_ms_per_call"]["median"] > 0, name
     assert raw["claim_contention"]["attempts_per_s"]["rounds"] >= 1
     for name in ("bench.json", "bench.md", "bench.png"):
         assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("section", "headlines", "raw"),
+    [
+        ("protocol", HEADLINES[:2], {"protocol_jobs_per_s", "jobs"}),
+        ("e2e", HEADLINES[2:7], {"e2e", "e2e_not_run", "jobs"}),
+    ],
+)
+def test_bench__one_section_alone(
+    pg_server, redis_server, tmp_path, capsys, section, headlines, raw
+):
+    out = tmp_path / "bench"
+    argv = ["bench", "--only", section, "--quick", "--rounds", "1", "--pg", pg_server]
+    code, stdout, stderr = run_cli(
+        capsys, *argv, "--redis", redis_server, "--out", str(out), "--json"
+    )
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["only"] == section and set(report["raw"]) == raw
+    assert [k for k in report if k in HEADLINES] == list(headlines)
+    for name in headlines:
+        assert report[name]["median"] is not None or report[name].get("why"), name
+    markdown = (out / "bench.md").read_text()
+    assert all(f"| {name}" in markdown for name in headlines)
+    assert not (out / "bench.png").exists()

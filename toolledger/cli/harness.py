@@ -149,9 +149,10 @@ def _default(env: str, prefixes: tuple[str, ...], fallback: str) -> str:
 )
 @click.option(
     "--only",
-    type=click.Choice(["cli_start"]),
+    type=click.Choice(["cli_start", "e2e", "protocol"]),
     default=None,
-    help="Run this section alone, in seconds (cli_start: Postgres too unless --pg '').",
+    help="Run this section alone, with its headline figures (cli_start: Postgres too "
+    "unless --pg '').",
 )
 @json_option
 @pass_ctx

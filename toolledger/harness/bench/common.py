@@ -48,6 +48,12 @@ def ratio(a: Series, b: Series) -> dict[str, Any]:
     return Series(pairs).summary(3)
 
 
+def difference(a: Series, b: Series) -> dict[str, Any]:
+    """a-b round by round (the rounds were interleaved), then median, min, max."""
+    pairs = [x - y for x, y in zip(a.values, b.values, strict=False)]
+    return Series(pairs).summary(3)
+
+
 @dataclass
 class Figures:
     """Named series, filled round by round."""
@@ -91,6 +97,31 @@ def atomic_write(directory: str, name: str, data: bytes) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+class CpuMeter:
+    """The whole machine's busy CPU (every process: producer, workers, Postgres, Redis)
+    between ``start`` and ``stop``: what a call costs across all processes, not only the
+    ones a profiler is attached to. The bench runs alone on the machine, as it asks."""
+
+    def __init__(self) -> None:
+        self.began = self.busy = 0.0
+
+    @staticmethod
+    def _busy() -> float:
+        import psutil
+
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    def start(self) -> None:
+        self.began = self._busy()
+
+    def stop(self) -> None:
+        self.busy = self._busy() - self.began
+
+    def ms_per(self, n: int) -> float:
+        return self.busy * 1000 / max(1, n)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

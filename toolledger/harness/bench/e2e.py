@@ -10,7 +10,6 @@ dbos           DBOSClient.enqueue -> DBOS queue -> workflow with one step -> the
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
@@ -23,6 +22,7 @@ import sqlalchemy as sa
 
 from toolledger.config import Settings
 from toolledger.harness.bench.common import (
+    CpuMeter,
     Figures,
     percentile,
     plain_url,
@@ -40,12 +40,18 @@ class Result:
     throughput: float
     p50_ms: float
     p99_ms: float
+    cpu_ms_per_call: float  # busy CPU of the whole machine, first submit to last done
 
 
-def _result(submitted: dict[str, float], done: dict[str, float]) -> Result:
+def _result(submitted: dict[str, float], done: dict[str, float], cpu: CpuMeter) -> Result:
     latencies = [(done[k] - submitted[k]) * 1000 for k in submitted if k in done]
     span = max(done.values()) - min(submitted.values())
-    return Result(len(done) / span, percentile(latencies, 0.5), percentile(latencies, 0.99))
+    return Result(
+        len(done) / span,
+        percentile(latencies, 0.5),
+        percentile(latencies, 0.99),
+        cpu.ms_per(len(done)),
+    )
 
 
 class E2E:
@@ -90,6 +96,8 @@ class E2E:
                 Settings.from_env({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
             )
             submitted: dict[str, float] = {}
+            cpu = CpuMeter()
+            cpu.start()
             for i in range(self.jobs):
                 cid = f"c{i}"
                 submitted[f"write_file:{cid}"] = time.time()
@@ -103,17 +111,26 @@ class E2E:
                 "WHERE scope = :s AND status = 'succeeded'"
             )
 
+            count = sa.text(
+                "SELECT count(*) FROM executions WHERE scope = :s AND status = 'succeeded'"
+            )
+
             def finished() -> dict[str, float]:
                 with engine.connect() as conn:
                     return {k: t.timestamp() for k, t in conn.execute(query, {"s": scope})}
 
-            wait_for(lambda: len(finished()) == self.jobs, 300, "toolledger's jobs")
+            def counted() -> int:  # polled: a count, not the rows, to cost the machine little
+                with engine.connect() as conn:
+                    return int(conn.execute(count, {"s": scope}).scalar_one())
+
+            wait_for(lambda: counted() == self.jobs, 300, "toolledger's jobs")
+            cpu.stop()
             done = finished()
             engine.dispose()
             sub.close()
         finally:
             stop_all(procs)
-        return _result(submitted, done)
+        return _result(submitted, done, cpu)
 
     # ------------------------------------------------------------------ plain Celery
 
@@ -155,6 +172,8 @@ class E2E:
         app = make_app(Settings(broker=self.redis, broker_prefix=prefix))
         try:
             submitted: dict[str, float] = {}
+            cpu = CpuMeter()
+            cpu.start()
             with app.producer_or_acquire() as producer:
                 for i in range(self.jobs):
                     job = f"j{i}"
@@ -168,12 +187,16 @@ class E2E:
                 pairs = (line.split() for line in done_log.read_text().splitlines())
                 return {k: float(t) for k, t in pairs}
 
-            wait_for(lambda: len(done()) == self.jobs, 300, f"celery {task} jobs")
+            def counted() -> int:
+                return done_log.read_bytes().count(b"\n") if done_log.exists() else 0
+
+            wait_for(lambda: counted() >= self.jobs, 300, f"celery {task} jobs")
+            cpu.stop()
             finished = done()
         finally:
             app.close()
             stop_all(procs)
-        return _result(submitted, finished)
+        return _result(submitted, finished, cpu)
 
     # ------------------------------------------------------------------ peers
 
@@ -193,15 +216,18 @@ class E2E:
     def procrastinate(self, db: str) -> Result:
         from toolledger.harness.bench import peer_procrastinate as peer
 
-        os.environ["BENCH_PG"] = plain_url(db)
         directory = self._sandbox(f"proc-{uuid.uuid4().hex[:6]}")
         procs = self._peer("peer_procrastinate", db)
+        app = peer.make_app(plain_url(db))
         try:
             submitted: dict[str, float] = {}
-            with peer.app.open():
+            cpu = CpuMeter()
+            cpu.start()
+            with app.open():
+                task = app.tasks[peer.TASK]
                 for i in range(self.jobs):
                     submitted[f"f{i}"] = time.time()
-                    peer.write.defer(directory=str(directory), name=f"f{i}", content="done")
+                    task.defer(directory=str(directory), name=f"f{i}", content="done")
             engine = create_engine(db)
             query = sa.text(
                 "SELECT j.args->>'name', e.at FROM procrastinate_jobs j JOIN "
@@ -209,16 +235,26 @@ class E2E:
                 "WHERE e.type = 'succeeded' AND j.args->>'directory' = :d"
             )
 
+            count = sa.text(
+                "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded' "
+                "AND args->>'directory' = :d"
+            )
+
             def done() -> dict[str, float]:
                 with engine.connect() as conn:
                     return {n: t.timestamp() for n, t in conn.execute(query, {"d": str(directory)})}
 
-            wait_for(lambda: len(done()) == self.jobs, 300, "procrastinate's jobs")
+            def counted() -> int:
+                with engine.connect() as conn:
+                    return int(conn.execute(count, {"d": str(directory)}).scalar_one())
+
+            wait_for(lambda: counted() == self.jobs, 300, "procrastinate's jobs")
+            cpu.stop()
             finished = done()
             engine.dispose()
         finally:
             stop_all(procs)
-        return _result(submitted, finished)
+        return _result(submitted, finished, cpu)
 
     def dbos(self, db: str) -> Result:
         from dbos import DBOSClient
@@ -229,6 +265,8 @@ class E2E:
         try:
             began_ms = time.time() * 1000
             submitted: dict[str, float] = {}
+            cpu = CpuMeter()
+            cpu.start()
             for i in range(self.jobs):
                 submitted[f"f{i}"] = time.time()
                 client.enqueue(
@@ -245,11 +283,21 @@ class E2E:
                 "dbos.workflow_status WHERE status = 'SUCCESS' AND created_at >= :t"
             )
 
+            count = sa.text(
+                "SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS' "
+                "AND created_at >= :t"
+            )
+
             def done() -> list[tuple[str, int, int]]:
                 with engine.connect() as conn:
                     return [tuple(r) for r in conn.execute(query, {"t": began_ms})]
 
-            wait_for(lambda: len(done()) == self.jobs, 600, "DBOS's workflows")
+            def counted() -> int:
+                with engine.connect() as conn:
+                    return int(conn.execute(count, {"t": began_ms}).scalar_one())
+
+            wait_for(lambda: counted() == self.jobs, 600, "DBOS's workflows")
+            cpu.stop()
             rows = done()
             engine.dispose()
         finally:
@@ -257,7 +305,12 @@ class E2E:
             stop_all(procs)
         latencies = [updated - created for _, created, updated in rows]
         span = max(updated for _, _, updated in rows) / 1000 - min(submitted.values())
-        return Result(len(rows) / span, percentile(latencies, 0.5), percentile(latencies, 0.99))
+        return Result(
+            len(rows) / span,
+            percentile(latencies, 0.5),
+            percentile(latencies, 0.99),
+            cpu.ms_per(len(rows)),
+        )
 
     # ------------------------------------------------------------------ a round
 
@@ -280,9 +333,10 @@ class E2E:
             figures.add(f"e2e/{name}/throughput", result.throughput)
             figures.add(f"e2e/{name}/p50_ms", result.p50_ms)
             figures.add(f"e2e/{name}/p99_ms", result.p99_ms)
+            figures.add(f"e2e/{name}/cpu_ms_per_call", result.cpu_ms_per_call)
             self.progress(
                 f"  {name}: {result.throughput:.0f} calls/s, p50 {result.p50_ms:.0f} "
-                f"ms, p99 {result.p99_ms:.0f} ms"
+                f"ms, p99 {result.p99_ms:.0f} ms, {result.cpu_ms_per_call:.2f} ms CPU/call"
             )
 
 
@@ -295,11 +349,11 @@ def peer_databases(pg_server: str) -> Any:
     dbs["procrastinate"] = stack.enter_context(scratch_postgres(pg_server, "proc", migrate=False))
     dbs["dbos"] = stack.enter_context(scratch_postgres(pg_server, "dbos", migrate=False))
     try:
-        os.environ["BENCH_PG"] = plain_url(dbs["procrastinate"])
         from toolledger.harness.bench import peer_procrastinate
 
-        with peer_procrastinate.app.open():
-            peer_procrastinate.app.schema_manager.apply_schema()
+        app = peer_procrastinate.make_app(plain_url(dbs["procrastinate"]))
+        with app.open():
+            app.schema_manager.apply_schema()
     except ImportError:
         pass
     return stack, dbs

@@ -9,17 +9,23 @@ import procrastinate
 
 from toolledger.harness.bench.common import atomic_write
 
-app = procrastinate.App(
-    connector=procrastinate.PsycopgConnector(conninfo=os.environ.get("BENCH_PG", ""))
-)
+TASK = "bench_write"
 
 
-@app.task(queue="bench", name="bench_write")
-def write(directory: str, name: str, content: str) -> None:
-    atomic_write(directory, name, content.encode())
+def make_app(conninfo: str) -> procrastinate.App:
+    """An app on ``conninfo`` with the bench's one task. Built per database: a module-level
+    app would keep the first database's pool for every later run in the same process."""
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo))
+
+    @app.task(queue="bench", name=TASK)
+    def write(directory: str, name: str, content: str) -> None:
+        atomic_write(directory, name, content.encode())
+
+    return app
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    app = make_app(os.environ.get("BENCH_PG", ""))
     with app.open():
         print("bench-peer ready", flush=True)
         app.run_worker(queues=["bench"], concurrency=int(os.environ.get("BENCH_CONCURRENCY", 2)))

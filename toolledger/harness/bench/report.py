@@ -8,7 +8,10 @@ from typing import Any
 
 HEADLINES = (
     "ledger_vs_handwritten",
+    "sqlite_vs_handwritten",
     "celery_vs_noop",
+    "vs_celery_write",
+    "added_cpu_ms_per_call",
     "vs_procrastinate",
     "vs_dbos",
     "sweep_1m_vs_10k",
@@ -22,68 +25,75 @@ def _fmt(summary: dict[str, Any] | None, unit: str = "") -> str:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    if "raw" not in r:  # one section, run alone (bench --only)
-        return "\n".join(_cli_start(r["cli_start"])) + "\n"
-    raw = r["raw"]
-    lines = ["| ratio (median of rounds, min-max) | value | goal | met |", "|---|---|---|---|"]
-    for name in HEADLINES:
+    """Every section the report holds (all of them, or the one run with ``--only``)."""
+    raw = r.get("raw", {})
+    lines: list[str] = []
+    headlines = [name for name in HEADLINES if name in r]
+    if headlines:
+        lines += ["| ratio (median of rounds, min-max) | value | goal | met |", "|---|---|---|---|"]
+    for name in headlines:
         h = r[name]
         met = {True: "yes", False: "**no**", None: "-"}[h["met"]]
         note = f" {h['why']}" if h.get("why") else ""
-        label = f"{name} ({h['processes']} processes)" if name == "ledger_vs_handwritten" else name
+        label = f"{name} ({h['processes']} processes)" if "processes" in h else name
         lines.append(f"| {label} | {_fmt(h)}{note} | {h['goal']} | {met} |")
-    lines += [
-        "",
-        "Ledger protocol, jobs/s (claim + running, atomic file write, terminal + result):",
-        "",
-        "| backend | processes | toolledger | hand-written | bare INSERT |",
-        "|---|---|---|---|---|",
-    ]
-    proto = raw["protocol_jobs_per_s"]
-    for dialect in ("postgres", "sqlite"):
-        for p in proto[f"{dialect}/toolledger"]:
-            lines.append(
-                f"| {dialect} | {p} | "
-                + " | ".join(
-                    _fmt(proto[f"{dialect}/{impl}"][p])
-                    for impl in ("toolledger", "handwritten", "insert")
+    if "protocol_jobs_per_s" in raw:
+        lines += [
+            "",
+            "Ledger protocol, jobs/s (claim + running, atomic file write, terminal + result):",
+            "",
+            "| backend | processes | toolledger | hand-written | bare INSERT |",
+            "|---|---|---|---|---|",
+        ]
+        proto = raw["protocol_jobs_per_s"]
+        for dialect in ("postgres", "sqlite"):
+            for p in proto[f"{dialect}/toolledger"]:
+                lines.append(
+                    f"| {dialect} | {p} | "
+                    + " | ".join(
+                        _fmt(proto[f"{dialect}/{impl}"][p])
+                        for impl in ("toolledger", "handwritten", "insert")
+                    )
+                    + " |"
                 )
-                + " |"
+    if "e2e" in raw:
+        lines += [
+            "",
+            "End to end, 2 workers x concurrency 2, same file write:",
+            "",
+            "| system | calls/s | p50 ms | p99 ms | CPU ms/call (all processes) |",
+            "|---|---|---|---|---|",
+        ]
+        for name, e in raw["e2e"].items():
+            lines.append(
+                f"| {name} | {_fmt(e['throughput'])} | {_fmt(e['p50_ms'])} | "
+                f"{_fmt(e['p99_ms'])} | {_fmt(e.get('cpu_ms_per_call'))} |"
             )
-    lines += [
-        "",
-        "End to end, 2 workers x concurrency 2, same file write:",
-        "",
-        "| system | calls/s | p50 ms | p99 ms |",
-        "|---|---|---|---|",
-    ]
-    for name, e in raw["e2e"].items():
-        lines.append(
-            f"| {name} | {_fmt(e['throughput'])} | {_fmt(e['p50_ms'])} | {_fmt(e['p99_ms'])} |"
-        )
-    for name, why in raw["e2e_not_run"].items():
-        lines.append(f"| {name} | {why} | | |")
-    lines += [
-        "",
-        f"Sweep of {r['sweep_1m_vs_10k']['stale_rows']} stale rows:",
-        "",
-        "| ledger size | seconds | mark rows/s | reconcile rows/s |",
-        "|---|---|---|---|",
-    ]
-    for size, s in raw["sweep"].items():
-        lines.append(
-            f"| {size} | {_fmt(s['seconds'])} | {_fmt(s['mark_rows_per_s'])} | "
-            f"{_fmt(s['reconcile_rows_per_s'])} |"
-        )
-    c = raw["claim_contention"]
-    lines += [
-        "",
-        f"Claim contention: {c['processes']} processes over the same {c['keys']} keys: "
-        f"{_fmt(c['attempts_per_s'])} attempts/s, exactly {c['keys']} wins.",
-    ]
+        for name, why in raw["e2e_not_run"].items():
+            lines.append(f"| {name} | {why} | | | |")
+    if "sweep" in raw:
+        lines += [
+            "",
+            f"Sweep of {r['sweep_1m_vs_10k']['stale_rows']} stale rows:",
+            "",
+            "| ledger size | seconds | mark rows/s | reconcile rows/s |",
+            "|---|---|---|---|",
+        ]
+        for size, s in raw["sweep"].items():
+            lines.append(
+                f"| {size} | {_fmt(s['seconds'])} | {_fmt(s['mark_rows_per_s'])} | "
+                f"{_fmt(s['reconcile_rows_per_s'])} |"
+            )
+    if "claim_contention" in raw:
+        c = raw["claim_contention"]
+        lines += [
+            "",
+            f"Claim contention: {c['processes']} processes over the same {c['keys']} keys: "
+            f"{_fmt(c['attempts_per_s'])} attempts/s, exactly {c['keys']} wins.",
+        ]
     if "cli_start" in r:
         lines += ["", *_cli_start(r["cli_start"])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def _cli_start(c: dict[str, Any]) -> list[str]:
@@ -161,7 +171,7 @@ def write_all(r: dict[str, Any], out: Path) -> dict[str, str]:
     files = {"json": out / "bench.json", "markdown": out / "bench.md", "png": out / "bench.png"}
     files["json"].write_text(json.dumps(r, indent=2, default=str) + "\n")
     files["markdown"].write_text(markdown(r))
-    if "raw" not in r:  # one section alone: no plot
+    if r.get("only"):  # one section alone: no plot
         del files["png"]
     else:
         plot(r, files["png"])

@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from toolledger.harness.bench import cli_start
-from toolledger.harness.bench.common import Figures, ratio, scratch_postgres
+from toolledger.harness.bench.common import Figures, difference, ratio, scratch_postgres
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
 from toolledger.harness.bench.protocol import run_protocol
@@ -30,13 +30,27 @@ from toolledger.ledger.db import create_engine, upgrade
 
 GOALS = {
     "ledger_vs_handwritten": (">=", 0.7),
+    "sqlite_vs_handwritten": (">=", 0.7),
     "celery_vs_noop": (">=", 0.6),
+    "vs_celery_write": (">=", 0.6),
+    "added_cpu_ms_per_call": ("<=", 1.2),
     "vs_procrastinate": (">=", 1.0),
     "vs_dbos": (">=", 1.0),
     "sweep_1m_vs_10k": ("<=", 1.5),
 }
-#: Sections that can also run alone (``toolledger bench --only NAME``), in seconds.
-ALONE = ("cli_start",)
+#: The headline figures, in the report's order (each against its goal).
+HEADLINE_ORDER = (
+    "ledger_vs_handwritten",
+    "sqlite_vs_handwritten",
+    "celery_vs_noop",
+    "vs_celery_write",
+    "added_cpu_ms_per_call",
+    "vs_procrastinate",
+    "vs_dbos",
+)
+#: Sections that can also run alone (``toolledger bench --only NAME``): cli_start in
+#: seconds, the two others in minutes rather than the whole bench's hour.
+ALONE = ("cli_start", "e2e", "protocol")
 
 
 @dataclass
@@ -138,30 +152,72 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def run_alone(cfg: BenchConfig) -> dict[str, Any]:
-    """One section of ``ALONE``, on ledgers of its own (Postgres: only if ``cfg.pg``)."""
+    """One section of ``ALONE``, on ledgers of its own (cli_start: Postgres only if
+    ``cfg.pg``), with the headline figures that section measures."""
     if cfg.only not in ALONE:
         raise ValueError(f"bench: {cfg.only!r} cannot run alone (one of {', '.join(ALONE)})")
     began = time.time()
     figures = Figures()
     cfg.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="toolledger-bench-"))
+    report: dict[str, Any] = {"only": cfg.only}
     with contextlib.ExitStack() as stack:
-        dbs = {"embedded": f"sqlite:///{work / 'cli' / 'ledger.db'}"}
-        if cfg.pg:
-            dbs["postgres"] = stack.enter_context(scratch_postgres(cfg.pg, "cli"))
-        for r in range(cfg.rounds):
-            cfg.progress(f"round {r + 1}/{cfg.rounds}: CLI cold start")
-            medians = cli_start.run_cli_start(figures, dbs, work / "cli", cfg.cli_runs)
-            cfg.progress("  " + ", ".join(f"{k} {v:.3f}s" for k, v in medians.items()))
-        version = _pg_version(dbs["postgres"]) if cfg.pg else None
-    report: dict[str, Any] = {
-        "only": cfg.only,
-        "cli_start": cli_start.summarise(figures, cfg.cli_runs),
-        "quick": cfg.quick,
-        "rounds": cfg.rounds,
-        "machine": _machine(version),
-        "duration_s": round(time.time() - began, 1),
-    }
+        version = None
+        if cfg.only == "cli_start":
+            dbs = {"embedded": f"sqlite:///{work / 'cli' / 'ledger.db'}"}
+            if cfg.pg:
+                dbs["postgres"] = stack.enter_context(scratch_postgres(cfg.pg, "cli"))
+                version = _pg_version(dbs["postgres"])
+            for r in range(cfg.rounds):
+                cfg.progress(f"round {r + 1}/{cfg.rounds}: CLI cold start")
+                medians = cli_start.run_cli_start(figures, dbs, work / "cli", cfg.cli_runs)
+                cfg.progress("  " + ", ".join(f"{k} {v:.3f}s" for k, v in medians.items()))
+            report["cli_start"] = cli_start.summarise(figures, cfg.cli_runs)
+        elif cfg.only == "e2e":
+            peers_stack, e2e_dbs = peer_databases(cfg.pg)
+            stack.enter_context(peers_stack)
+            e2e = E2E(cfg.pg, cfg.redis, work / "e2e", cfg.e2e_jobs, cfg.progress)
+            for r in range(cfg.rounds):
+                cfg.progress(f"round {r + 1}/{cfg.rounds}: end to end")
+                e2e.round(figures, e2e_dbs)
+            report.update(_e2e_summary(figures, e2e.missing))
+            report["raw"] = {
+                "e2e": _e2e_raw(figures, e2e.missing),
+                "e2e_not_run": e2e.missing,
+                "jobs": {"e2e": cfg.e2e_jobs},
+            }
+            version = _pg_version(e2e_dbs["toolledger"])
+        else:  # protocol
+            group = Group(max(8, max(cfg.processes)))
+            stack.callback(group.close)
+            pg = stack.enter_context(scratch_postgres(cfg.pg, "proto"))
+            sqlite = f"sqlite:///{work / 'ledger.db'}"
+            engine = create_engine(sqlite)
+            upgrade(engine)
+            engine.dispose()
+            for r in range(cfg.rounds):
+                cfg.progress(f"round {r + 1}/{cfg.rounds}: the ledger protocol")
+                run_protocol(
+                    group,
+                    figures,
+                    {"postgres": pg, "sqlite": sqlite},
+                    cfg.processes,
+                    cfg.protocol_jobs,
+                    work / "sandbox",
+                    cfg.progress,
+                )
+            report.update(_protocol_summary(cfg, figures))
+            report["raw"] = {
+                "protocol_jobs_per_s": _protocol_raw(cfg, figures),
+                "jobs": {"protocol": cfg.protocol_jobs},
+            }
+            version = _pg_version(pg)
+    report.update(
+        quick=cfg.quick,
+        rounds=cfg.rounds,
+        machine=_machine(version),
+        duration_s=round(time.time() - began, 1),
+    )
     return report
 
 
@@ -213,37 +269,75 @@ def _goal(name: str, value: dict[str, Any] | None, missing: str | None = None) -
     return {**value, "goal": f"{op} {target}", "met": met}
 
 
-def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str, Any]:
+def _protocol_summary(cfg: BenchConfig, f: Figures) -> dict[str, Any]:
     n = 4 if 4 in cfg.processes else max(cfg.processes)
-    tl = "e2e/toolledger/throughput"
-    protocol = {
+    by_processes = {
+        dialect: {
+            p: ratio(f[f"{dialect}/toolledger/{p}"], f[f"{dialect}/handwritten/{p}"])
+            for p in cfg.processes
+        }
+        for dialect in ("postgres", "sqlite")
+    }
+    return {
+        "ledger_vs_handwritten": {
+            **_goal("ledger_vs_handwritten", by_processes["postgres"][n]),
+            "processes": n,
+            "by_processes": by_processes["postgres"],
+            "sqlite_by_processes": by_processes["sqlite"],
+        },
+        "sqlite_vs_handwritten": {
+            **_goal("sqlite_vs_handwritten", by_processes["sqlite"][n]),
+            "processes": n,
+            "by_processes": by_processes["sqlite"],
+        },
+    }
+
+
+def _protocol_raw(cfg: BenchConfig, f: Figures) -> dict[str, Any]:
+    return {
         f"{d}/{impl}": {p: f[f"{d}/{impl}/{p}"].summary() for p in cfg.processes}
         for d in ("postgres", "sqlite")
         for impl in ("toolledger", "handwritten", "insert")
     }
-    by_processes = {
-        p: ratio(f[f"postgres/toolledger/{p}"], f[f"postgres/handwritten/{p}"])
-        for p in cfg.processes
-    }
-    sizes = list(cfg.sweep_sizes)
-    big, small = sizes[-1], sizes[0]
-    report: dict[str, Any] = {
-        "ledger_vs_handwritten": {
-            **_goal("ledger_vs_handwritten", by_processes[n]),
-            "processes": n,
-            "by_processes": by_processes,
-            "sqlite_by_processes": {
-                p: ratio(f[f"sqlite/toolledger/{p}"], f[f"sqlite/handwritten/{p}"])
-                for p in cfg.processes
-            },
-        },
+
+
+def _e2e_summary(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
+    tl = "e2e/toolledger/throughput"
+    return {
         "celery_vs_noop": _goal("celery_vs_noop", ratio(f[tl], f["e2e/celery_noop/throughput"])),
+        "vs_celery_write": _goal("vs_celery_write", ratio(f[tl], f["e2e/celery_write/throughput"])),
+        # The whole machine's busy CPU per call, toolledger's minus the plain Celery write's:
+        # what the ledger adds across producer, workers, Postgres and Redis.
+        "added_cpu_ms_per_call": _goal(
+            "added_cpu_ms_per_call",
+            difference(f["e2e/toolledger/cpu_ms_per_call"], f["e2e/celery_write/cpu_ms_per_call"]),
+        ),
         "vs_procrastinate": _goal(
             "vs_procrastinate",
             ratio(f[tl], f["e2e/procrastinate/throughput"]),
             missing.get("procrastinate"),
         ),
         "vs_dbos": _goal("vs_dbos", ratio(f[tl], f["e2e/dbos/throughput"]), missing.get("dbos")),
+    }
+
+
+def _e2e_raw(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
+    return {
+        v: {
+            m: f[f"e2e/{v}/{m}"].summary(2 if m == "cpu_ms_per_call" else 1)
+            for m in ("throughput", "p50_ms", "p99_ms", "cpu_ms_per_call")
+        }
+        for v in VARIANTS
+        if v not in missing
+    }
+
+
+def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str, Any]:
+    sizes = list(cfg.sweep_sizes)
+    big, small = sizes[-1], sizes[0]
+    protocol, e2e = _protocol_summary(cfg, f), _e2e_summary(f, missing)
+    report: dict[str, Any] = {
+        **{name: {**protocol, **e2e}[name] for name in HEADLINE_ORDER if name in protocol | e2e},
         "sweep_1m_vs_10k": {
             **_goal(
                 "sweep_1m_vs_10k", ratio(f[f"sweep/{big}/seconds"], f[f"sweep/{small}/seconds"])
@@ -275,12 +369,8 @@ def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str
         "quick": cfg.quick,
         "rounds": cfg.rounds,
         "raw": {
-            "protocol_jobs_per_s": protocol,
-            "e2e": {
-                v: {m: f[f"e2e/{v}/{m}"].summary() for m in ("throughput", "p50_ms", "p99_ms")}
-                for v in VARIANTS
-                if v not in missing
-            },
+            "protocol_jobs_per_s": _protocol_raw(cfg, f),
+            "e2e": _e2e_raw(f, missing),
             "e2e_not_run": missing,
             "sweep": {
                 s: {
