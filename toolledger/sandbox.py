@@ -161,16 +161,36 @@ def split_path(path: str) -> list[str]:
     return parts
 
 
+def alias_among(names: list[str], name: str) -> str | None:
+    """The first of ``names`` (a directory's listing) other than ``name`` that is one file
+    with it where names fold case, or None. A listing of ASCII names, the common case, is
+    folded in one pass (its lower case, searched as one string, in C): a folder of ten
+    thousand files is one ``lower`` and one ``count``, not ten thousand comparisons; each
+    landing of a new name lists its folder, so this decided a write's cost as folders grew."""
+    key = alias_key(name)
+    # each name between separators of its own: count() does not overlap its matches
+    joined = "\0" + "\0\0".join(names) + "\0"
+    if joined.isascii():
+        if not key.isascii():  # an ASCII name's key is ASCII: none of these can match
+            return None
+        found = joined.lower().count(f"\0{key}\0")
+        if found == 0 or (found == 1 and f"\0{name}\0" in joined):
+            return None
+    for other in names:
+        if other != name and _folds_to(other, key):
+            return other
+    return None
+
+
 def refuse_alias(parent: int, name: str, what: str) -> None:
     """AliasRefused if a sibling of ``name`` in the directory ``parent`` differs from it only
     by case or Unicode normalisation. One listdir: called only for names about to be made."""
-    key = alias_key(name)
-    for other in os.listdir(parent):
-        if other != name and _folds_to(other, key):
-            raise AliasRefused(
-                f"{what}: {name!r} and the existing {other!r} differ only by letter case or "
-                "Unicode normalisation (one name where names fold case); refusing it"
-            )
+    other = alias_among(os.listdir(parent), name)
+    if other is not None:
+        raise AliasRefused(
+            f"{what}: {name!r} and the existing {other!r} differ only by letter case or "
+            "Unicode normalisation (one name where names fold case); refusing it"
+        )
 
 
 def kind_of(mode: int) -> str:

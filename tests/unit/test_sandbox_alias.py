@@ -6,7 +6,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from toolledger.sandbox import _folds_to, alias_key
+from toolledger.sandbox import _folds_to, alias_among, alias_key
 
 #: Names that fold onto ASCII ones (a ligature, the Kelvin sign, sharp s, a dotted capital I,
 #: a combining accent): the cases an ASCII-only shortcut would get wrong.
@@ -38,3 +38,36 @@ def test_the_property_catches_an_ascii_only_shortcut() -> None:
         return other.lower() == key
 
     assert shortcut("ﬁle", alias_key("file")) != (alias_key("ﬁle") == alias_key("file"))
+
+
+def _slow_alias_among(names: list[str], name: str) -> str | None:
+    key = alias_key(name)
+    return next((o for o in names if o != name and alias_key(o) == key), None)
+
+
+listings = st.lists(names, max_size=12, unique=True)
+
+
+@given(listings, names)
+@example(["file", "other"], "FILE")
+@example(["FILE"], "FILE")  # the name itself is not its own alias
+@example(["FILE", "file"], "FILE")
+@example(["key"], "\u212aey")  # a non-ASCII name that folds onto an ASCII sibling
+@example(["a", "ab", "b"], "AB")
+@example(["xab", "abx"], "ab")  # a key inside a longer name is not a match
+def test_alias_among__the_one_pass_fold_agrees_with_comparing_each_name(
+    listing: list[str], name: str
+) -> None:
+    found = alias_among(listing, name)
+    expected = _slow_alias_among(listing, name)
+    assert (found is None) == (expected is None), (listing, name, found, expected)
+    if found is not None:
+        assert found != name and alias_key(found) == alias_key(name)
+
+
+def test_alias_among__a_substring_search_would_be_caught() -> None:
+    """The property above can fail: searching for the key without its separators matches
+    'ab' inside 'xab', which no filesystem folds together."""
+    listing, name = ["xab"], "AB"
+    assert alias_among(listing, name) is None
+    assert ("ab" in "\0".join(listing).lower()) != (_slow_alias_among(listing, name) is not None)
