@@ -52,6 +52,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -112,6 +113,7 @@ class LeaseWatch:
     execution_id: str
     deadline: float
     lost: threading.Event = field(default_factory=threading.Event)
+    renew_until: float = math.inf  # the keeper stops renewing then (the time limit)
 
     def valid(self) -> bool:
         if self.lost.is_set():

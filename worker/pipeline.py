@@ -104,10 +104,15 @@ class LeaseKeeper:
     finds the row no longer ours or the deadline passes without one — a worker cut off from
     the database stops itself before the sweep could revoke it. Renewals run with the
     ledger's statement and connect timeouts, so a hung connection cannot stall this thread.
+
+    ``time_limit`` (seconds, 0: none): a claim held longer is no longer renewed and is treated
+    as lost, as a prefork child past Celery's hard limit would be killed. On a pool that
+    cannot kill its tool (threads), a hung tool is then revoked by the sweep one lease later
+    and fenced, instead of renewed for ever: it keeps its thread, never its claim.
     """
 
-    def __init__(self, ledger: Ledger, lease_seconds: float) -> None:
-        self.ledger, self.lease_seconds = ledger, lease_seconds
+    def __init__(self, ledger: Ledger, lease_seconds: float, time_limit: float = 0.0) -> None:
+        self.ledger, self.lease_seconds, self.time_limit = ledger, lease_seconds, time_limit
         self.interval = lease_seconds / 3
         self.keep = lease_seconds * (1 - SELF_FENCE_MARGIN)
         self._cv = threading.Condition()
@@ -117,6 +122,8 @@ class LeaseKeeper:
     def track(self, claim: Claim, sent_at: float) -> LeaseWatch:
         """Watch ``claim``, whose claim statement was sent at ``sent_at`` (monotonic)."""
         watch = LeaseWatch(claim.execution_id, sent_at + self.keep)
+        if self.time_limit:
+            watch.renew_until = sent_at + self.time_limit
         with self._cv:
             idle = not self._due
             self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, watch)
@@ -144,10 +151,19 @@ class LeaseKeeper:
                     if not watch.valid():
                         log.warning("lease of %s not renewed in time: claim treated as lost", eid)
                         del self._due[eid]
+                    elif now >= watch.renew_until:
+                        log.warning(
+                            "%s ran past the time limit (%s s): its lease is no longer renewed",
+                            eid,
+                            self.time_limit,
+                        )
+                        watch.lost.set()
+                        del self._due[eid]
                 due = [entry for entry in self._due.values() if entry[1] <= now]
                 if not due:
                     wake = min(
-                        (min(e[1], e[2].deadline) for e in self._due.values()), default=now + 60
+                        (min(e[1], e[2].deadline, e[2].renew_until) for e in self._due.values()),
+                        default=now + 60,
                     )
                     self._cv.wait(timeout=max(0.0, wake - now))
                     continue

@@ -44,7 +44,9 @@ class Runtime:
 
     def executor(self, worker_id: str | None = None) -> Executor:
         if self.leases is None:  # one renewal thread per process, shared by its executions
-            self.leases = LeaseKeeper(self.ledger, self.settings.lease_seconds)
+            self.leases = LeaseKeeper(
+                self.ledger, self.settings.lease_seconds, self.settings.time_limit
+            )
         return Executor(
             self.ledger,
             self.registry,

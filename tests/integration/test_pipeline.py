@@ -21,7 +21,7 @@ from toolledger.ledger.transitions import Status
 from toolledger.recovery.sweep import sweep
 from toolledger.sandbox import Sandbox
 from toolledger.tools import OutcomeUnknown, Registry, ToolContext, ToolError, make_tool
-from toolledger.worker.pipeline import Executor
+from toolledger.worker.pipeline import Executor, LeaseKeeper
 
 
 class NoArgs(BaseModel):
@@ -84,6 +84,7 @@ def run(ledger, scope, tmp_path):
         args: dict[str, Any] | None = None,
         lease: float = 30.0,
         executor_ledger: Ledger | None = None,
+        time_limit: float = 0.0,
     ) -> tuple[Any, Any]:
         cid = f"c{time.monotonic_ns()}"
         ledger.submit(scope, cid, tool, args or {}, approved_by="al")
@@ -93,6 +94,7 @@ def run(ledger, scope, tmp_path):
             Sandbox(tmp_path),
             worker_id="w",
             lease_seconds=lease,
+            leases=LeaseKeeper(executor_ledger or ledger, lease, time_limit),
         )
         outcome = executor.execute(scope, f"{tool}:{cid}", 1)
         return outcome, ledger.get(scope, cid)
@@ -417,5 +419,31 @@ def test_pipeline__a_worker_that_cannot_renew_stops_itself_before_its_lease_expi
     unknown = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "unknown"]
     assert unknown[-1].actor == "w" and "LeaseLost" in unknown[-1].detail["reason"]
     assert unknown[-1].at < ex.lease_expires_at
+    assert not (tmp_path / view.scope / "late.txt").exists()
+    assert pending_files(Sandbox(tmp_path)) == []
+
+
+@pytest.mark.parametrize("time_limit", [0.0, 0.8])
+def test_pipeline__a_tool_past_the_time_limit_keeps_its_thread_never_its_claim(
+    run, ledger, tmp_path, time_limit
+):
+    """On a pool that cannot kill a tool (threads), the lease keeper stops renewing a claim
+    held past the time limit and treats it as lost, as Celery's hard limit would kill a
+    prefork child: the tool is told, its write refused, the call unknown. Without the limit
+    (the control) the same tool renews its lease, writes and succeeds."""
+    began = time.monotonic()
+    wait = 10 if time_limit else 1  # how long the tool waits to be told before it writes
+    outcome, view = run(
+        "writes_after_lease_loss", {"seconds": wait}, lease=3.0, time_limit=time_limit
+    )
+    took = time.monotonic() - began
+    if not time_limit:
+        assert view.operation.status is Status.SUCCEEDED
+        assert (tmp_path / view.scope / "late.txt").read_bytes() == b"late"
+        return
+    assert (outcome.state, outcome.status) == ("unknown", Status.UNKNOWN)
+    unknown = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "unknown"]
+    assert "LeaseLost" in unknown[-1].detail["reason"]
+    assert took < 8  # told at the limit (0.8 s), not when it gave up waiting (10 s)
     assert not (tmp_path / view.scope / "late.txt").exists()
     assert pending_files(Sandbox(tmp_path)) == []
