@@ -55,6 +55,36 @@ def test_chaos__small_run_every_fault_kind_every_invariant(
     print(json.dumps({k: report[k] for k in KEYS}, indent=1))
 
 
+def test_chaos__threads_pool_every_fault_kind_every_invariant(
+    pg_server, redis_server, tmp_path, record_property
+):
+    """The threads pool (issue 18: I/O-bound tools, one process per worker) under the same
+    faults: failpoints and kills take the whole worker, frozen ones are fenced as before."""
+    cfg = ChaosConfig(
+        out=tmp_path / "chaos",
+        db=pg_server,
+        broker=redis_server,
+        workers=2,
+        concurrency=4,
+        pool="threads",
+        jobs=240,
+        duration=36,
+        seed=11,
+        # a firing ends the whole worker (every thread's execution) and a restart takes
+        # seconds: 1 % each, first+ still fires every point once
+        failpoint_percent=1.0,
+        progress=print,
+    )
+    report = run_chaos(cfg)
+    assert_clean(report)
+    assert report["pool"] == "threads"
+    assert report["fault_kinds_skipped"] == ["kill_child"]  # no pool child to kill
+    faults = report["faults"]
+    for kind in (*(k for k in EXTERNAL if k != "kill_child"), *(f"failpoint:{p}" for p in POINTS)):
+        assert faults.get(kind, 0) >= 1, (kind, faults)
+    record_property("faults", json.dumps(faults))
+
+
 @pytest.mark.large
 def test_chaos__large_run_with_baseline(pg_server, redis_server, tmp_path):
     cfg = ChaosConfig(

@@ -203,6 +203,23 @@ def test_checker__an_unknown_with_its_own_cause_is_explained():
         assert "every unknown lines up with a fault on that execution" not in broken(f), cause
 
 
+def test_checker__a_failpoint_that_ended_the_process_explains_its_other_executions():
+    """On a threads pool one process holds several executions: a kill or exit failpoint on
+    one of them explains the others of that pid, and only those, and only if it ended it."""
+    name = "every unknown lines up with a fault on that execution"
+    for firing, explained in (
+        ({"ref": "other", "point": "after_stage", "action": "kill", "pid": 101}, True),
+        ({"ref": "other", "point": "after_claim", "action": "exit", "pid": 101}, True),
+        ({"ref": "other", "point": "after_stage", "action": "raise", "pid": 101}, False),
+        ({"ref": "other", "point": "after_stage", "action": "kill", "pid": 202}, False),
+    ):
+        w = World()
+        _unknown_without_a_fault(w)
+        f = copy.copy(w.facts())
+        f.firings = [firing]
+        assert (name not in broken(f)) == explained, firing
+
+
 def test_checker__a_fault_that_cannot_stop_a_worker_explains_no_unknown():
     """Only kinds whose entry says they blame a process explain an unknown on it: a Redis
     flush or a duplicate publication at the same pid or host does not."""

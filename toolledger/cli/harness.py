@@ -33,6 +33,13 @@ def demo(c: Context) -> int:
 @click.command()
 @click.option("--workers", type=click.IntRange(1, 32), default=2, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 16), default=2, show_default=True)
+@click.option(
+    "--pool",
+    type=click.Choice(["prefork", "threads"]),
+    default="prefork",
+    show_default=True,
+    help="The workers' Celery pool (threads: one process each, no pool child to kill).",
+)
 @click.option("--jobs", type=click.IntRange(1), default=300, show_default=True)
 @click.option(
     "--duration",
@@ -73,6 +80,7 @@ def chaos(
     c: Context,
     workers: int,
     concurrency: int,
+    pool: str,
     jobs: int,
     duration: float,
     faults: int,
@@ -95,6 +103,7 @@ def chaos(
         broker=settings.broker,
         workers=workers,
         concurrency=concurrency,
+        pool=pool,
         jobs=jobs,
         duration=duration,
         faults=faults,

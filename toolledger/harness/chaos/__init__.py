@@ -49,6 +49,7 @@ def run_chaos(cfg: ChaosConfig, *, baseline: bool = False) -> dict[str, Any]:
         "mix": dict(Counter(j.kind for j in run.workload.jobs)),
         "workers": cfg.workers,
         "concurrency": cfg.concurrency,
+        "pool": cfg.pool,
         "seed": cfg.seed,
         "hold_ms": cfg.hold_ms,
         "lease_s": cfg.lease_seconds,

@@ -177,10 +177,15 @@ def _effect_present(f: Facts, job: Job) -> bool:
     return False
 
 
+#: Failpoint actions that end the whole process, not only the execution that hit them.
+PROCESS_ENDING = ("kill", "exit")
+
+
 def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
     """Every execution that went unknown lines up with a fault on that very execution: a
-    failpoint that fired on it, a kill or freeze of its worker process, a partition of its
-    worker, or its own record of losing the database."""
+    failpoint that fired on it or ended its process (a threads pool's process holds several),
+    a kill or freeze of its worker process, a partition of its worker, or its own record of
+    losing the database."""
     reasons: Counter[str] = Counter()
     bad = []
     for ex in f.execs:
@@ -201,6 +206,9 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
         if fp.get("ref") == eid:
             return f"failpoint {fp['point']}"
     pid, host = _pid(ex["worker_id"]), _host(ex["worker_id"])
+    for fp in f.firings:  # one that ended the process ended every execution it held (threads)
+        if pid is not None and fp.get("pid") == pid and fp.get("action") in PROCESS_ENDING:
+            return f"failpoint {fp['point']} ended its process"
     for fault in f.faults:
         kind = KINDS.get(fault["kind"])
         blames = kind.blames if kind else None

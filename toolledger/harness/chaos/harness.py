@@ -55,6 +55,7 @@ class ChaosConfig:
     broker: str  # a Redis URL: the run uses its own key prefix
     workers: int = 2
     concurrency: int = 2
+    pool: str = "prefork"  # Celery's worker pool: prefork, or threads (no children to kill)
     jobs: int = 300
     duration: float = 60.0  # seconds during which faults are injected
     faults: int = 0  # external faults to inject (0: one every ~duration/24 s, at least 24)
@@ -165,6 +166,8 @@ class ChaosRun:
         self._stopping = threading.Event()
         self._paused: set[str] = set()
         self.kinds = list(config.kinds)
+        if config.pool != "prefork":  # one process per worker: no pool child to kill
+            self.kinds = [k for k in self.kinds if k != "kill_child"]
 
     # ------------------------------------------------------------------ setup
 
@@ -274,7 +277,11 @@ class ChaosRun:
             part = self.partitions.get(name)
             extra = {"db": part.url} if part else {}  # type: ignore[attr-defined]
             env = self.settings_env(failpoints=self._failpoints(), **extra)
-            self.workers.append(worker_process(name, env, logs, concurrency=self.cfg.concurrency))
+            self.workers.append(
+                worker_process(
+                    name, env, logs, concurrency=self.cfg.concurrency, pool=self.cfg.pool
+                )
+            )
         self.beat = beat_process("chaos-beat", self.settings_env(), logs)
         for p in [*self.workers, self.beat]:
             p.cwd = self.code.tree

@@ -22,7 +22,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Chaos run {report['scope']}",
         "",
         f"{report['jobs']} jobs ({_counts(report['mix'])}), "
-        f"{report['workers']} workers x {report['concurrency']}, "
+        f"{report['workers']} workers x {report['concurrency']} "
+        f"({report.get('pool', 'prefork')} pool), "
         f"{sum(report['faults'].values())} faults over {report['fault_window_s']} s "
         f"(seed {report['seed']}, lease {report['lease_s']} s); code under test: "
         f"{report['code']}; recovered {report['recovered_s']} s after the last fault; "
