@@ -16,6 +16,7 @@ HEADLINES = (
     "vs_celery_write",
     "added_cpu_ms_per_call",
     "vs_procrastinate",
+    "threads_vs_procrastinate",
     "vs_dbos",
     "sweep_1m_vs_10k",
 )
@@ -47,7 +48,7 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     assert set(raw["protocol_jobs_per_s"]) == {
         f"{d}/{i}" for d in ("postgres", "sqlite") for i in ("toolledger", "handwritten", "insert")
     }
-    assert {"toolledger", "celery_noop", "celery_write"} <= set(raw["e2e"])
+    assert {"toolledger", "toolledger_threads", "celery_noop", "celery_write"} <= set(raw["e2e"])
     for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
         assert e2e["cpu_ms_per_call"]["median"] > 0, name
     assert raw["claim_contention"]["attempts_per_s"]["rounds"] >= 1
@@ -59,7 +60,7 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     ("section", "headlines", "raw"),
     [
         ("protocol", HEADLINES[:2], {"protocol_jobs_per_s", "jobs"}),
-        ("e2e", HEADLINES[2:7], {"e2e", "e2e_not_run", "jobs"}),
+        ("e2e", HEADLINES[2:8], {"e2e", "e2e_not_run", "jobs"}),
     ],
 )
 def test_bench__one_section_alone(

@@ -2,6 +2,7 @@
 calls/s from the first submit to the last completion, and p50/p99 latency submit -> done.
 
 toolledger     submit (ledger + outbox) -> Redis -> Celery worker -> claim, write, terminal
+toolledger_threads  the same on Celery's threads pool (one process per worker, 2 threads)
 celery_noop    the same Celery app settings, a task that does nothing
 celery_write   the same Celery app settings, the file write with no ledger
 procrastinate  defer -> Postgres queue -> procrastinate worker -> the file write
@@ -32,7 +33,14 @@ from toolledger.harness.bench.common import (
 from toolledger.harness.processes import ManagedProcess, service_env, stop_all, worker_process
 from toolledger.ledger.db import create_engine
 
-VARIANTS = ("toolledger", "celery_noop", "celery_write", "procrastinate", "dbos")
+VARIANTS = (
+    "toolledger",
+    "toolledger_threads",
+    "celery_noop",
+    "celery_write",
+    "procrastinate",
+    "dbos",
+)
 
 
 @dataclass
@@ -77,7 +85,7 @@ class E2E:
 
     # ------------------------------------------------------------------ toolledger
 
-    def toolledger(self, db: str) -> Result:
+    def toolledger(self, db: str, pool: str = "prefork") -> Result:
         from toolledger.worker.submit import Submitter
 
         prefix, scope = f"bench-{uuid.uuid4().hex[:8]}:", f"e2e-{uuid.uuid4().hex[:6]}"
@@ -89,7 +97,9 @@ class E2E:
             "home": str(self.root / "home"),
         }
         procs = self._procs(
-            lambda i: worker_process(f"bench-tl{i}", service_env(None, **env), self.root / "logs")
+            lambda i: worker_process(
+                f"bench-tl{i}", service_env(None, **env), self.root / "logs", pool=pool
+            )
         )
         try:
             sub = Submitter(
@@ -317,6 +327,7 @@ class E2E:
     def round(self, figures: Figures, dbs: dict[str, str]) -> None:
         runs: dict[str, Callable[[], Result]] = {
             "toolledger": lambda: self.toolledger(dbs["toolledger"]),
+            "toolledger_threads": lambda: self.toolledger(dbs["toolledger"], "threads"),
             "celery_noop": lambda: self.celery("noop"),
             "celery_write": lambda: self.celery("write"),
             "procrastinate": lambda: self.procrastinate(dbs["procrastinate"]),

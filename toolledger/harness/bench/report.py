@@ -13,6 +13,7 @@ HEADLINES = (
     "vs_celery_write",
     "added_cpu_ms_per_call",
     "vs_procrastinate",
+    "threads_vs_procrastinate",
     "vs_dbos",
     "sweep_1m_vs_10k",
 )

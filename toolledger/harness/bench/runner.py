@@ -35,6 +35,7 @@ GOALS = {
     "vs_celery_write": (">=", 0.6),
     "added_cpu_ms_per_call": ("<=", 1.2),
     "vs_procrastinate": (">=", 1.0),
+    "threads_vs_procrastinate": (">=", 1.0),
     "vs_dbos": (">=", 1.0),
     "sweep_1m_vs_10k": ("<=", 1.5),
 }
@@ -46,6 +47,7 @@ HEADLINE_ORDER = (
     "vs_celery_write",
     "added_cpu_ms_per_call",
     "vs_procrastinate",
+    "threads_vs_procrastinate",
     "vs_dbos",
 )
 #: Sections that can also run alone (``toolledger bench --only NAME``): cli_start in
@@ -315,6 +317,12 @@ def _e2e_summary(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
         "vs_procrastinate": _goal(
             "vs_procrastinate",
             ratio(f[tl], f["e2e/procrastinate/throughput"]),
+            missing.get("procrastinate"),
+        ),
+        # The threads pool, the configuration for I/O-bound tools (docs/operations.md).
+        "threads_vs_procrastinate": _goal(
+            "threads_vs_procrastinate",
+            ratio(f["e2e/toolledger_threads/throughput"], f["e2e/procrastinate/throughput"]),
             missing.get("procrastinate"),
         ),
         "vs_dbos": _goal("vs_dbos", ratio(f[tl], f["e2e/dbos/throughput"]), missing.get("dbos")),
