@@ -101,6 +101,18 @@ class LeaseLost(Exception):
     """This process no longer holds the execution's lease: it stops writing."""
 
 
+def _open_made(path: Path, flags: int, mode: int = 0o777) -> int:
+    """``os.open(path)``, making its missing directories first only when it has to: three
+    opens per write found them there, and a ``mkdir(exist_ok=True)`` each cost two system
+    calls and an exception. ``path`` itself is made by the open (O_CREAT) or is the
+    directory to open."""
+    try:
+        return os.open(path, flags, mode)
+    except FileNotFoundError:
+        (path if flags & os.O_DIRECTORY else path.parent).mkdir(parents=True, exist_ok=True)
+        return os.open(path, flags, mode)
+
+
 @dataclass
 class LeaseWatch:
     """One claim's lease as this process sees it, on its own monotonic clock.
@@ -261,8 +273,7 @@ class Effects:
 
     @contextlib.contextmanager
     def _pending(self) -> Iterator[int]:
-        self.pending_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.pending_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = _open_made(self.pending_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             yield fd
         finally:
@@ -330,9 +341,8 @@ class Effects:
     def _path_lock(self, h: str) -> Iterator[None]:
         """The path's exclusive flock; PathBusy after the sandbox's ``lock_wait``. The kernel
         drops it when its holder dies; a frozen holder keeps it (that path waits)."""
-        directory = self.paths_dir / h[:2]
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / f"{h}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        lock = self.paths_dir / h[:2] / f"{h}.lock"
+        fd = _open_made(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             deadline = time.monotonic() + self.sandbox.lock_wait
             while True:
