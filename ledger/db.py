@@ -64,6 +64,13 @@ def create_engine(
         return _sqlite_engine(parsed, timeout=timeout, **kwargs)
     kwargs.setdefault("pool_size", 4)
     kwargs.setdefault("max_overflow", 8)
+    if timeout is not None:
+        # A worker: the fast path keeps one connection per thread out of this pool for the
+        # thread's life (a threads pool: one per thread, for good), so leave room for the
+        # lease keeper and the rest; and a checkout waits at most ``timeout``, never
+        # SQLAlchemy's 30 s default, so no renewal waits past the lease for a connection.
+        kwargs["max_overflow"] = max(kwargs["max_overflow"], 40)
+        kwargs.setdefault("pool_timeout", timeout)
     # A connection the server killed (pg_terminate_backend, a restart) is noticed at checkout,
     # not by the statement that needed it; the hot path keeps its own connections (fastpath).
     kwargs.setdefault("pool_pre_ping", True)

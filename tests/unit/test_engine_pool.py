@@ -1,0 +1,19 @@
+"""A worker's engine (one built with a timeout) leaves room for the connections the fast path
+keeps per thread, and never waits longer than the timeout for one from the pool."""
+
+from __future__ import annotations
+
+from toolledger.ledger.db import create_engine
+
+URL = "postgresql://nobody@127.0.0.1:1/none"  # never connected to: the pool's settings only
+
+
+def test_engine__a_workers_pool_has_room_for_its_threads_and_a_bounded_wait() -> None:
+    worker = create_engine(URL, timeout=7.5)
+    assert worker.pool.timeout() == 7.5  # not SQLAlchemy's 30 s: a renewal waits no longer
+    assert worker.pool.size() + worker.pool._max_overflow >= 44  # type: ignore[attr-defined]
+
+
+def test_engine__a_humans_engine_keeps_the_small_pool() -> None:
+    cli = create_engine(URL)
+    assert cli.pool.size() + cli.pool._max_overflow == 12  # type: ignore[attr-defined]
