@@ -101,6 +101,12 @@ class LeaseLost(Exception):
     """This process no longer holds the execution's lease: it stops writing."""
 
 
+class TimeLimitPassed(LeaseLost):
+    """The execution ran past the time limit: its claim was given up (as Celery's hard limit
+    kills a prefork child), not lost to the database. Told apart so that a run's checker
+    cannot mistake one for the other."""
+
+
 def _open_made(path: Path, flags: int, mode: int = 0o777) -> int:
     """``os.open(path)``, making its missing directories first only when it has to: three
     opens per write found them there, and a ``mkdir(exist_ok=True)`` each cost two system
@@ -126,6 +132,7 @@ class LeaseWatch:
     deadline: float
     lost: threading.Event = field(default_factory=threading.Event)
     renew_until: float = math.inf  # the keeper stops renewing then (the time limit)
+    timed_out: bool = False  # lost because the time limit passed, not the database
 
     def valid(self) -> bool:
         if self.lost.is_set():
@@ -137,7 +144,15 @@ class LeaseWatch:
 
     def check(self) -> None:
         if not self.valid():
-            raise LeaseLost(f"the lease of {self.execution_id} is lost: no more effects")
+            raise self.error()
+
+    def error(self) -> LeaseLost:
+        """What a write (or a result) after the loss is told: TimeLimitPassed or LeaseLost."""
+        if self.timed_out:
+            return TimeLimitPassed(
+                f"{self.execution_id} ran past the time limit: its claim is given up"
+            )
+        return LeaseLost(f"the lease of {self.execution_id} is lost: no more effects")
 
 
 @dataclass(frozen=True)

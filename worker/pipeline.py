@@ -134,8 +134,8 @@ class LeaseKeeper:
                 self._thread.start()
             elif idle:
                 # Only an idle keeper sleeps past this claim's first renewal (a new claim is
-                # never due before the ones already tracked); waking it for every claim would
-                # cost a thread switch per job.
+                # never due, nor past the time limit, before the ones already tracked);
+                # waking it for every claim would cost a thread switch per job.
                 self._cv.notify()
         return watch
 
@@ -152,13 +152,7 @@ class LeaseKeeper:
                         log.warning("lease of %s not renewed in time: claim treated as lost", eid)
                         del self._due[eid]
                     elif now >= watch.renew_until:
-                        log.warning(
-                            "%s ran past the time limit (%s s): its lease is no longer renewed",
-                            eid,
-                            self.time_limit,
-                        )
-                        watch.lost.set()
-                        del self._due[eid]
+                        self._give_up(eid, watch)
                 due = [entry for entry in self._due.values() if entry[1] <= now]
                 if not due:
                     wake = min(
@@ -170,8 +164,21 @@ class LeaseKeeper:
             for claim, _, watch in due:
                 self._renew(claim, watch)
 
+    def _give_up(self, eid: str, watch: LeaseWatch) -> None:
+        """The claim ran past the time limit: no more renewals, and it is lost (under _cv)."""
+        limit = self.time_limit
+        log.warning("%s ran past the time limit (%s s): its lease is no longer renewed", eid, limit)
+        watch.timed_out = True
+        watch.lost.set()
+        del self._due[eid]
+
     def _renew(self, claim: Claim, watch: LeaseWatch) -> None:
         sent = time.monotonic()
+        if sent >= watch.renew_until:  # passed while earlier renewals of this round ran
+            with self._cv:
+                if claim.execution_id in self._due:
+                    self._give_up(claim.execution_id, watch)
+            return
         ours: bool | None
         try:
             ours = self.ledger.renew_lease(
@@ -284,6 +291,13 @@ class Executor:
             ctx = ToolContext(claim.scope, staging, eid, key, attempt, watch.lost, watch)
             failpoints.hit("before_effect", eid)
             status, result, error = self._run_tool(claim, ctx)
+            if status is not Status.UNKNOWN and watch.timed_out:
+                # Returned after its claim was given up at the time limit (a threads pool:
+                # nothing killed it): recorded as a prefork child killed at the hard limit
+                # would leave it, unknown, its staged effects dropped. (A lease lost to the
+                # database is different: a late result is evidence, see _late.)
+                late = watch.error()
+                status, result, error = Status.UNKNOWN, None, f"{type(late).__name__}: {late}"
             staged = staging.seal()
             # The tool ran; its sandbox effects are staged, nothing of them has landed, and
             # nothing records the outcome yet: a crash here leaves the call to the sweep.

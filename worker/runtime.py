@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass
 
 from toolledger import failpoints
@@ -43,10 +44,11 @@ class Runtime:
         )
 
     def executor(self, worker_id: str | None = None) -> Executor:
-        if self.leases is None:  # one renewal thread per process, shared by its executions
-            self.leases = LeaseKeeper(
-                self.ledger, self.settings.lease_seconds, self.settings.time_limit
-            )
+        with _build_lock:  # one renewal thread per process, shared by its executions
+            if self.leases is None:
+                self.leases = LeaseKeeper(
+                    self.ledger, self.settings.lease_seconds, self.settings.time_limit
+                )
         return Executor(
             self.ledger,
             self.registry,
@@ -65,11 +67,17 @@ def default_worker_id(prefix: str = "") -> str:
 
 
 _runtime: tuple[int, Runtime] | None = None
+_build_lock = threading.Lock()
 
 
 def runtime(settings: Settings) -> Runtime:
-    """This process's runtime (built on first use, and again after a fork)."""
+    """This process's runtime (built on first use, and again after a fork). Once, under a
+    lock: a threads pool's first tasks arrive together."""
     global _runtime
-    if _runtime is None or _runtime[0] != os.getpid():
-        _runtime = (os.getpid(), Runtime.build(settings))
-    return _runtime[1]
+    built = _runtime
+    if built is None or built[0] != os.getpid():
+        with _build_lock:
+            built = _runtime
+            if built is None or built[0] != os.getpid():
+                built = _runtime = (os.getpid(), Runtime.build(settings))
+    return built[1]

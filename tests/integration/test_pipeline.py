@@ -443,7 +443,23 @@ def test_pipeline__a_tool_past_the_time_limit_keeps_its_thread_never_its_claim(
         return
     assert (outcome.state, outcome.status) == ("unknown", Status.UNKNOWN)
     unknown = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "unknown"]
-    assert "LeaseLost" in unknown[-1].detail["reason"]
+    assert unknown[-1].detail["reason"].startswith("TimeLimitPassed")  # not the database
     assert took < 8  # told at the limit (0.8 s), not when it gave up waiting (10 s)
     assert not (tmp_path / view.scope / "late.txt").exists()
     assert pending_files(Sandbox(tmp_path)) == []
+
+
+@pytest.mark.parametrize("time_limit", [0.0, 0.5])
+def test_pipeline__a_result_returned_past_the_time_limit_is_not_recorded_as_the_tools(
+    run, ledger, time_limit
+):
+    """A tool that returns success after its claim was given up (nothing killed it: a
+    threads pool) is recorded unknown, with the time limit as the reason and not the
+    database (a chaos run's checker tells them apart); the control, with no limit, succeeds."""
+    outcome, view = run("sleeps", {"seconds": 1.5}, lease=3.0, time_limit=time_limit)
+    if not time_limit:
+        assert view.operation.status is Status.SUCCEEDED
+        return
+    assert (outcome.state, outcome.status) == ("unknown", Status.UNKNOWN)
+    (unknown,) = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "unknown"]
+    assert unknown.detail["reason"].startswith("TimeLimitPassed") and view.current.result is None
