@@ -4,6 +4,7 @@ fail it — and only it — while the clean facts pass every one."""
 from __future__ import annotations
 
 import copy
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -205,18 +206,28 @@ def test_checker__an_unknown_with_its_own_cause_is_explained():
 
 def test_checker__a_failpoint_that_ended_the_process_explains_its_other_executions():
     """On a threads pool one process holds several executions: a kill or exit failpoint on
-    one of them explains the others of that pid, and only those, and only if it ended it."""
+    one of them explains the others of that pid — only those, only if it ended the process,
+    and only if it fired while the execution was held (claimed, not yet unknown)."""
     name = "every unknown lines up with a fault on that execution"
+    began = datetime(2026, 12, 2, 4, 0, 0, tzinfo=UTC)
+    went_unknown = began + timedelta(seconds=20)
+    t = (began + timedelta(seconds=5)).timestamp()
     for firing, explained in (
-        ({"ref": "other", "point": "after_stage", "action": "kill", "pid": 101}, True),
-        ({"ref": "other", "point": "after_claim", "action": "exit", "pid": 101}, True),
-        ({"ref": "other", "point": "after_stage", "action": "raise", "pid": 101}, False),
-        ({"ref": "other", "point": "after_stage", "action": "kill", "pid": 202}, False),
+        ({"point": "after_stage", "action": "kill", "pid": 101, "t": t}, True),
+        ({"point": "after_claim", "action": "exit", "pid": 101, "t": t}, True),
+        ({"point": "after_stage", "action": "raise", "pid": 101, "t": t}, False),
+        ({"point": "after_stage", "action": "kill", "pid": 202, "t": t}, False),
+        ({"point": "after_stage", "action": "kill", "pid": 101, "t": t + 60}, False),  # after
+        ({"point": "after_stage", "action": "kill", "pid": 101, "t": t - 60}, False),  # before
+        ({"point": "after_stage", "action": "kill", "pid": 101}, False),  # no time
     ):
         w = World()
         _unknown_without_a_fault(w)
+        (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+        held["started_at"] = began
+        w.events[-1]["at"] = went_unknown
         f = copy.copy(w.facts())
-        f.firings = [firing]
+        f.firings = [{"ref": "other", **firing}]
         assert (name not in broken(f)) == explained, firing
 
 

@@ -181,6 +181,15 @@ def _effect_present(f: Facts, job: Job) -> bool:
 PROCESS_ENDING = ("kill", "exit")
 
 
+def _while_held(t: float | None, began: Any, went_unknown: Any) -> bool:
+    """Whether a firing at Unix time ``t`` fell while the execution was held: after its claim,
+    before it was declared unknown (one second of slack each side for the clocks' rounding).
+    Without both times it explains nothing."""
+    if t is None or began is None or went_unknown is None:
+        return False
+    return bool(began.timestamp() - 1.0 <= t <= went_unknown.timestamp() + 1.0)
+
+
 def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
     """Every execution that went unknown lines up with a fault on that very execution: a
     failpoint that fired on it or ended its process (a threads pool's process holds several),
@@ -207,7 +216,12 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
             return f"failpoint {fp['point']}"
     pid, host = _pid(ex["worker_id"]), _host(ex["worker_id"])
     for fp in f.firings:  # one that ended the process ended every execution it held (threads)
-        if pid is not None and fp.get("pid") == pid and fp.get("action") in PROCESS_ENDING:
+        if (
+            pid is not None
+            and fp.get("pid") == pid
+            and fp.get("action") in PROCESS_ENDING
+            and _while_held(fp.get("t"), ex.get("started_at"), unknown.get("at"))
+        ):
             return f"failpoint {fp['point']} ended its process"
     for fault in f.faults:
         kind = KINDS.get(fault["kind"])
