@@ -86,6 +86,18 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 START_WAIT_SECONDS = 120.0
 
 
+def forks_children(worker: Any) -> bool:
+    """Whether the worker's pool runs tasks in forked children (prefork), where tracing is
+    set up in each child (worker_process_init); other pools (threads, solo) run them in the
+    process that starts, which is where it must be set up then."""
+    from celery.concurrency import get_implementation
+
+    pool = getattr(worker, "pool_cls", None) or "prefork"
+    if isinstance(pool, str):  # not resolved yet when worker_init is sent
+        pool = get_implementation(pool)
+    return str(getattr(pool, "__module__", "")).endswith(".prefork")
+
+
 def check_worker_start(settings: Settings) -> None:
     """Refuse to start on inconsistent limits or a schema not at head (created if embedded).
     A database that does not answer yet (restarting, a partition healing) is waited for:
@@ -155,6 +167,8 @@ def observe(app: Celery, settings: Settings) -> None:
     def _metrics(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:
             metrics.start_worker_metrics()
+            if not forks_children(sender):
+                tracing.configure()  # the executions run in this process (threads, solo)
 
     @signals.worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _child(**_: Any) -> None:

@@ -209,11 +209,13 @@ def test_trace__a_sweep_and_its_reconciliation_are_spans(sqlite_url, tmp_path, s
 
 @pytest.mark.postgres
 @pytest.mark.redis
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_trace__configured_by_the_standard_variables_alone(
-    pg_url, redis_server, redis_prefix, tmp_path
+    pg_url, redis_server, redis_prefix, tmp_path, pool
 ):
     """No launcher: OTEL_TRACES_EXPORTER=console and OTEL_SERVICE_NAME set up each pool
-    child's own provider after the fork (the console exporter writes to the worker's log)."""
+    child's own provider after the fork (the console exporter writes to the worker's log);
+    on the threads pool, the worker process's own, at its start (no child is forked)."""
     from toolledger.harness.processes import worker_process
 
     settings_env = {
@@ -230,7 +232,7 @@ def test_trace__configured_by_the_standard_variables_alone(
         "OTEL_SERVICE_NAME": "tl-test-worker",
     }
     worker = worker_process(
-        "w1", {**service_env(**settings_env), **otel}, tmp_path / "logs", concurrency=1
+        "w1", {**service_env(**settings_env), **otel}, tmp_path / "logs", concurrency=1, pool=pool
     )
     worker.start()
     try:
@@ -240,7 +242,7 @@ def test_trace__configured_by_the_standard_variables_alone(
         )
         sub = Submitter(settings)
         sub.submit(
-            sub.prepare("env", "c1", "write_file", {"path": "a", "content": "x"}),
+            sub.prepare(f"env-{pool}", "c1", "write_file", {"path": "a", "content": "x"}),
             approved_by="alice",
         )
         wait_for(lambda: '"execute_tool write_file"' in worker.log_text(), 30, "a console span")
