@@ -161,8 +161,7 @@ class LeaseKeeper:
                     )
                     self._cv.wait(timeout=max(0.0, wake - now))
                     continue
-            for claim, _, watch in due:
-                self._renew(claim, watch)
+            self._renew(due)
 
     def _give_up(self, eid: str, watch: LeaseWatch) -> None:
         """The claim ran past the time limit: no more renewals, and it is lost (under _cv)."""
@@ -172,33 +171,34 @@ class LeaseKeeper:
         watch.lost.set()
         del self._due[eid]
 
-    def _renew(self, claim: Claim, watch: LeaseWatch) -> None:
+    def _renew(self, due: list[tuple[Claim, float, LeaseWatch]]) -> None:
+        """Renew every claim that is due, in one statement (``Ledger.renew_leases``)."""
         sent = time.monotonic()
-        if sent >= watch.renew_until:  # passed while earlier renewals of this round ran
-            with self._cv:
-                if claim.execution_id in self._due:
-                    self._give_up(claim.execution_id, watch)
-            return
-        ours: bool | None
+        held = [(c.execution_id, c.lease_token) for c, _, w in due if sent < w.renew_until]
+        renewed: set[str] | None
         try:
-            ours = self.ledger.renew_lease(
-                claim.execution_id, claim.lease_token, self.lease_seconds
-            )
+            renewed = self.ledger.renew_leases(held, self.lease_seconds)
         except sa.exc.SQLAlchemyError as exc:  # keep trying until the deadline
-            log.warning("lease renewal of %s failed: %s", claim.execution_id, _brief(exc))
-            ours = None
+            log.warning("lease renewal of %d claims failed: %s", len(held), _brief(exc))
+            renewed = None
         with self._cv:
-            if claim.execution_id not in self._due:
-                return  # finished (or given up) meanwhile
-            if ours is False:
-                log.warning("lease of %s lost: the row is no longer ours", claim.execution_id)
-                watch.lost.set()
-                del self._due[claim.execution_id]
-                return
-            if ours:
-                watch.deadline = max(watch.deadline, sent + self.keep)
-            retry_in = self.interval if ours else min(self.interval, 1.0)
-            self._due[claim.execution_id] = (claim, time.monotonic() + retry_in, watch)
+            for claim, _, watch in due:
+                eid = claim.execution_id
+                if eid not in self._due:
+                    continue  # finished (or given up) meanwhile
+                if sent >= watch.renew_until:  # passed since the round began: not renewed
+                    self._give_up(eid, watch)
+                    continue
+                ours = None if renewed is None else eid in renewed
+                if ours is False:
+                    log.warning("lease of %s lost: the row is no longer ours", eid)
+                    watch.lost.set()
+                    del self._due[eid]
+                    continue
+                if ours:
+                    watch.deadline = max(watch.deadline, sent + self.keep)
+                retry_in = self.interval if ours else min(self.interval, 1.0)
+                self._due[eid] = (claim, time.monotonic() + retry_in, watch)
 
 
 def _json_safe(result: Any) -> dict[str, Any]:

@@ -339,6 +339,30 @@ def test_lease__set_and_renewed_by_the_database_clock(ledger, scope):
     assert row.heartbeat_at is not None
 
 
+def test_lease__renewed_together_only_where_still_ours(ledger, scope):
+    """One statement renews a process's claims; a row revoked meanwhile, or a token that is
+    not the row's, is left alone and reported as not ours."""
+    alive, revoked, forged = (
+        ledger.claim(scope, approved(ledger, scope, f"c{i}"), 1, worker_id="w", lease_seconds=30)
+        for i in range(3)
+    )
+    ledger.mark_unknown(revoked.execution_id, reason="lease expired", actor="sweep")
+    before = {c.execution_id: ledger.execution(c.execution_id) for c in (revoked, forged)}
+    held = [(c.execution_id, c.lease_token) for c in (alive, revoked)]
+    held.append((forged.execution_id, "f" * 32))
+    assert ledger.renew_leases(held, 300) == {alive.execution_id}
+    assert ledger.renew_leases([], 300) == set()
+    row = ledger.execution(alive.execution_id)
+    assert abs((row.lease_expires_at - _db_now(ledger)).total_seconds() - 300) < 2
+    for eid, was in before.items():  # untouched: status, lease and heartbeat as they were
+        now = ledger.execution(eid)
+        assert (now.status, now.lease_expires_at, now.heartbeat_at) == (
+            was.status,
+            was.lease_expires_at,
+            was.heartbeat_at,
+        )
+
+
 def test_lease__expired_marked_unknown_only_past_the_grace(ledger, scope):
     key = approved(ledger, scope)
     claim = ledger.claim(scope, key, 1, worker_id="w", lease_seconds=0.2)

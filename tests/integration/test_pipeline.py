@@ -401,6 +401,9 @@ class RenewalsFail(Ledger):
     def renew_lease(self, *args: Any, **kwargs: Any) -> bool:
         raise sa.exc.OperationalError("UPDATE", {}, Exception("no route to host"))
 
+    def renew_leases(self, *args: Any, **kwargs: Any) -> set[str]:
+        raise sa.exc.OperationalError("UPDATE", {}, Exception("no route to host"))
+
 
 def test_pipeline__a_worker_that_cannot_renew_stops_itself_before_its_lease_expires(
     run, ledger, db_url, tmp_path
