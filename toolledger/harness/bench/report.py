@@ -6,17 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-HEADLINES = (
-    "ledger_vs_handwritten",
-    "sqlite_vs_handwritten",
-    "celery_vs_noop",
-    "vs_celery_write",
-    "added_cpu_ms_per_call",
-    "vs_procrastinate",
-    "threads_vs_procrastinate",
-    "vs_dbos",
-    "sweep_1m_vs_10k",
-)
+#: Each headline figure and its goal, in the report's order.
+GOALS: dict[str, tuple[str, float]] = {
+    "ledger_vs_handwritten": (">=", 0.7),
+    "sqlite_vs_handwritten": (">=", 0.7),
+    "celery_vs_noop": (">=", 0.6),
+    "vs_celery_write": (">=", 0.6),
+    "added_cpu_ms_per_call": ("<=", 1.2),
+    "vs_procrastinate": (">=", 1.0),
+    "threads_vs_procrastinate": (">=", 1.0),
+    "vs_dbos": (">=", 1.0),
+    "sweep_1m_vs_10k": ("<=", 1.5),
+}
+HEADLINES = tuple(GOALS)
 
 
 def _fmt(summary: dict[str, Any] | None, unit: str = "") -> str:

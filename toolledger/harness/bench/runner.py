@@ -19,6 +19,7 @@ from toolledger.harness.bench.common import Figures, difference, ratio, scratch_
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
 from toolledger.harness.bench.protocol import run_protocol
+from toolledger.harness.bench.report import GOALS
 from toolledger.harness.bench.roundtrip import run_roundtrip
 from toolledger.harness.bench.sweep_bench import (
     populate,
@@ -28,28 +29,6 @@ from toolledger.harness.bench.sweep_bench import (
 )
 from toolledger.ledger.db import create_engine, upgrade
 
-GOALS = {
-    "ledger_vs_handwritten": (">=", 0.7),
-    "sqlite_vs_handwritten": (">=", 0.7),
-    "celery_vs_noop": (">=", 0.6),
-    "vs_celery_write": (">=", 0.6),
-    "added_cpu_ms_per_call": ("<=", 1.2),
-    "vs_procrastinate": (">=", 1.0),
-    "threads_vs_procrastinate": (">=", 1.0),
-    "vs_dbos": (">=", 1.0),
-    "sweep_1m_vs_10k": ("<=", 1.5),
-}
-#: The headline figures, in the report's order (each against its goal).
-HEADLINE_ORDER = (
-    "ledger_vs_handwritten",
-    "sqlite_vs_handwritten",
-    "celery_vs_noop",
-    "vs_celery_write",
-    "added_cpu_ms_per_call",
-    "vs_procrastinate",
-    "threads_vs_procrastinate",
-    "vs_dbos",
-)
 #: Sections that can also run alone (``toolledger bench --only NAME``): cli_start in
 #: seconds, the two others in minutes rather than the whole bench's hour.
 ALONE = ("cli_start", "e2e", "protocol")
@@ -91,14 +70,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     figures = Figures()
     cfg.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="toolledger-bench-"))
-    group = Group(max(8, max(cfg.processes)))
     with contextlib.ExitStack() as stack:
-        stack.callback(group.close)
-        pg = stack.enter_context(scratch_postgres(cfg.pg, "proto"))
-        sqlite = f"sqlite:///{work / 'ledger.db'}"
-        engine = create_engine(sqlite)
-        upgrade(engine)
-        engine.dispose()
+        group, proto_dbs = _protocol_ledgers(cfg, stack, work)
         sweep_urls = {
             size: stack.enter_context(scratch_postgres(cfg.pg, f"sw{size.lower()}"))
             for size in cfg.sweep_sizes
@@ -115,16 +88,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "postgres": stack.enter_context(scratch_postgres(cfg.pg, "cli")),
         }
         for r in range(cfg.rounds):
-            cfg.progress(f"round {r + 1}/{cfg.rounds}: the ledger protocol")
-            run_protocol(
-                group,
-                figures,
-                {"postgres": pg, "sqlite": sqlite},
-                cfg.processes,
-                cfg.protocol_jobs,
-                work / "sandbox",
-                cfg.progress,
-            )
+            _protocol_round(cfg, r, group, figures, proto_dbs, work)
             cfg.progress(f"round {r + 1}/{cfg.rounds}: end to end")
             e2e.round(figures, e2e_dbs)
             cfg.progress(f"round {r + 1}/{cfg.rounds}: sweep and claim contention")
@@ -146,11 +110,35 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     )
             cfg.progress(f"round {r + 1}/{cfg.rounds}: CLI cold start")
             cli_start.run_cli_start(figures, cli_dbs, work / "cli", cfg.cli_runs)
-        version = _pg_version(pg)
+        version = _pg_version(proto_dbs["postgres"])
     report = summarise(cfg, figures, e2e.missing)
     report["machine"] = _machine(version)
     report["duration_s"] = round(time.time() - began, 1)
     return report
+
+
+def _protocol_ledgers(
+    cfg: BenchConfig, stack: contextlib.ExitStack[Any], work: Path
+) -> tuple[Group, dict[str, str]]:
+    """The protocol's process group and its two ledgers (a scratch Postgres database, a
+    migrated SQLite file), cleaned up with ``stack``."""
+    group = Group(max(8, max(cfg.processes)))
+    stack.callback(group.close)
+    pg = stack.enter_context(scratch_postgres(cfg.pg, "proto"))
+    sqlite = f"sqlite:///{work / 'ledger.db'}"
+    engine = create_engine(sqlite)
+    upgrade(engine)
+    engine.dispose()
+    return group, {"postgres": pg, "sqlite": sqlite}
+
+
+def _protocol_round(
+    cfg: BenchConfig, r: int, group: Group, figures: Figures, dbs: dict[str, str], work: Path
+) -> None:
+    cfg.progress(f"round {r + 1}/{cfg.rounds}: the ledger protocol")
+    run_protocol(
+        group, figures, dbs, cfg.processes, cfg.protocol_jobs, work / "sandbox", cfg.progress
+    )
 
 
 def run_alone(cfg: BenchConfig) -> dict[str, Any]:
@@ -190,30 +178,15 @@ def run_alone(cfg: BenchConfig) -> dict[str, Any]:
             }
             version = _pg_version(e2e_dbs["toolledger"])
         else:  # protocol
-            group = Group(max(8, max(cfg.processes)))
-            stack.callback(group.close)
-            pg = stack.enter_context(scratch_postgres(cfg.pg, "proto"))
-            sqlite = f"sqlite:///{work / 'ledger.db'}"
-            engine = create_engine(sqlite)
-            upgrade(engine)
-            engine.dispose()
+            group, proto_dbs = _protocol_ledgers(cfg, stack, work)
             for r in range(cfg.rounds):
-                cfg.progress(f"round {r + 1}/{cfg.rounds}: the ledger protocol")
-                run_protocol(
-                    group,
-                    figures,
-                    {"postgres": pg, "sqlite": sqlite},
-                    cfg.processes,
-                    cfg.protocol_jobs,
-                    work / "sandbox",
-                    cfg.progress,
-                )
+                _protocol_round(cfg, r, group, figures, proto_dbs, work)
             report.update(_protocol_summary(cfg, figures))
             report["raw"] = {
                 "protocol_jobs_per_s": _protocol_raw(cfg, figures),
                 "jobs": {"protocol": cfg.protocol_jobs},
             }
-            version = _pg_version(pg)
+            version = _pg_version(proto_dbs["postgres"])
     report.update(
         quick=cfg.quick,
         rounds=cfg.rounds,
@@ -345,7 +318,7 @@ def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str
     big, small = sizes[-1], sizes[0]
     protocol, e2e = _protocol_summary(cfg, f), _e2e_summary(f, missing)
     report: dict[str, Any] = {
-        **{name: {**protocol, **e2e}[name] for name in HEADLINE_ORDER if name in protocol | e2e},
+        **{name: {**protocol, **e2e}[name] for name in GOALS if name in protocol | e2e},
         "sweep_1m_vs_10k": {
             **_goal(
                 "sweep_1m_vs_10k", ratio(f[f"sweep/{big}/seconds"], f[f"sweep/{small}/seconds"])
