@@ -9,8 +9,6 @@ retried by the busy timeout in that case). Postgres goes through psycopg 3.
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,21 +17,17 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from toolledger.ledger import doorbell
+from toolledger.ledger.lightreads import pg_connect_args
+from toolledger.ledger.revision import MIGRATIONS, VERSION_TABLE, SchemaError, files_head
 from toolledger.ledger.types import dumps
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
-#: Where the embedded default keeps its files (the ledger, the broker, the sandbox).
-DEFAULT_HOME = Path(".toolledger")
 #: How long a SQLite writer waits for the lock before giving up.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: Execution option that makes a SQLite transaction take the write lock at BEGIN.
 WRITE = "toolledger_write"
-
-
-def default_url(home: Path = DEFAULT_HOME) -> str:
-    return f"sqlite:///{home / 'ledger.db'}"
 
 
 def normalize_url(url: str) -> str:
@@ -49,13 +43,9 @@ def create_engine(
 ) -> sa.Engine:
     """An engine configured for the ledger on either dialect.
 
-    ``timeout`` (seconds) bounds every wait on the database: on Postgres the connect, each
-    statement (unless ``statement_timeout=False``: a human's long read), each lock wait and
-    each idle moment inside a transaction (server side: a frozen client cannot hold its
-    locks longer), and an unanswered socket (client side: ``tcp_user_timeout`` and
-    keepalives, since a black-holed connection never hears the server's timeout); on SQLite
-    the wait for the write lock. Error messages never carry
-    SQL parameters (lease tokens, arguments): ``hide_parameters``.
+    ``timeout`` (seconds) bounds every wait on the database: on Postgres as
+    ``lightreads.pg_connect_args`` says, on SQLite the wait for the write lock. Error
+    messages never carry SQL parameters (lease tokens, arguments): ``hide_parameters``.
     """
     url = normalize_url(url)
     parsed = sa.make_url(url)
@@ -74,25 +64,9 @@ def create_engine(
     # A connection the server killed (pg_terminate_backend, a restart) is noticed at checkout,
     # not by the statement that needed it; the hot path keeps its own connections (fastpath).
     kwargs.setdefault("pool_pre_ping", True)
-    # Plan every statement with its values. psycopg prepares statements after a few uses,
-    # and Postgres may then cache a generic plan chosen while, say, no row was running: a
-    # plan that finds one execution through the partial "running" index instead of its
-    # primary key is cheap then, and scans every running row once 10,000 are in flight
-    # (measured: 629 -> 169 jobs/s). With values, the unique index always wins.
-    connect_args = dict(kwargs.pop("connect_args", {}))
-    options = [connect_args.get("options", ""), "-c plan_cache_mode=force_custom_plan"]
-    if timeout is not None:
-        ms = max(1, int(timeout * 1000))
-        options += [f"-c statement_timeout={ms}"] if statement_timeout else []
-        options += [f"-c lock_timeout={ms}"]
-        options += [f"-c idle_in_transaction_session_timeout={ms}"]
-        connect_args.setdefault("connect_timeout", max(1, math.ceil(timeout)))
-        connect_args.setdefault("tcp_user_timeout", ms)
-        connect_args.setdefault("keepalives", 1)
-        connect_args.setdefault("keepalives_idle", max(1, int(timeout / 2)))
-        connect_args.setdefault("keepalives_interval", 1)
-        connect_args.setdefault("keepalives_count", 2)
-    connect_args["options"] = " ".join(o for o in options if o)
+    connect_args = pg_connect_args(
+        timeout, statement_timeout=statement_timeout, given=kwargs.pop("connect_args", {})
+    )
     return sa.create_engine(parsed, json_serializer=dumps, connect_args=connect_args, **kwargs)
 
 
@@ -152,9 +126,6 @@ def receipt_written(conn: sa.Connection, scope: str, key: str) -> None:
 
 # Alembic is imported by the functions that migrate, never at module level: importing it costs
 # a CLI command more than its whole query, and a ledger at head needs none of it (ensure_schema).
-MIGRATIONS = Path(__file__).parent / "migrations"
-#: Alembic's table of the revision a database is at (its default name, which env.py keeps).
-VERSION_TABLE = "alembic_version"
 
 
 def alembic_config(engine: sa.Engine | None = None) -> Config:
@@ -201,37 +172,6 @@ def stored_revision(engine: sa.Engine) -> str | None:
             return None
         rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
     return str(rows[0][0]) if len(rows) == 1 else None
-
-
-_REVISION = re.compile(r"""^revision(?:\s*:[^=\n]*)?\s*=\s*["']([^"'\n]+)["']\s*$""", re.M)
-_DOWN = re.compile(
-    r"""^down_revision(?:\s*:[^=\n]*)?\s*=\s*(?:None|["']([^"'\n]+)["'])\s*$""", re.M
-)
-
-
-def files_head(versions: Path = MIGRATIONS / "versions") -> str | None:
-    """The head revision, read from the migration files as text (no Alembic); None unless
-    they form one straight line, each with one plain ``revision`` and ``down_revision``
-    (a merge, a branch or any other spelling is left to Alembic's ``head_revision``)."""
-    revisions: set[str] = set()
-    parents: set[str | None] = set()
-    for path in versions.glob("*.py"):
-        text = path.read_text(encoding="utf-8")
-        found, down = _REVISION.findall(text), _DOWN.findall(text)
-        if not found and not down:
-            continue  # not a revision (__init__.py)
-        if len(found) != 1 or len(down) != 1 or found[0] in revisions:
-            return None
-        revisions.add(found[0])
-        parents.add(down[0] or None)
-    heads = revisions - parents
-    if len(heads) != 1 or len(parents) != len(revisions) or not parents <= revisions | {None}:
-        return None
-    return heads.pop()
-
-
-class SchemaError(RuntimeError):
-    """The ledger's schema is missing or not at the revision this code needs."""
 
 
 def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Self
 
-import sqlalchemy as sa
-
 from toolledger.ledger.transitions import Status
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -25,8 +23,9 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 class _FromRow:
     @classmethod
-    def from_row(cls, row: sa.Row[Any] | Mapping[str, Any]) -> Self:
-        mapping = row._mapping if isinstance(row, sa.Row) else row
+    def from_row(cls, row: Any) -> Self:
+        """From a SQLAlchemy row or a mapping of column names (the light reads')."""
+        mapping: Mapping[str, Any] = getattr(row, "_mapping", row)
         values = {name: mapping[name] for name in _field_names(cls)}
         if "status" in values:
             values["status"] = Status(values["status"])

@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pydantic
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from toolledger.ledger.db import DEFAULT_HOME
 from toolledger.ledger.identity import MAX_ARGS_BYTES
 
 PREFIX = "TOOLLEDGER_"
+#: Where the embedded default keeps its files (the ledger, the broker, the sandbox).
+DEFAULT_HOME = Path(".toolledger")
 
 
 class ConfigError(ValueError):
     """A setting is missing, malformed or inconsistent with another."""
 
 
-class Settings(BaseSettings):
+class Settings:
     """Everything toolledger can be told, with its default.
 
     home                where the embedded default keeps its files (TOOLLEDGER_HOME, ./.toolledger)
@@ -53,36 +52,41 @@ class Settings(BaseSettings):
                         them (TOOLLEDGER_MAX_AUTO_RETRIES, 3; 0 turns them off)
     """
 
-    model_config = SettingsConfigDict(
-        env_prefix=PREFIX, env_ignore_empty=True, frozen=True, extra="forbid"
-    )
+    home: Path
+    db: str
+    broker: str
+    broker_prefix: str
+    sandbox: Path
+    lease_seconds: float
+    soft_time_limit: float  # 0: derived from the lease
+    time_limit: float  # 0: derived from the lease
+    visibility_timeout: float
+    max_args_bytes: int
+    max_content_bytes: int
+    sweep_interval: float
+    sweep_grace: float
+    requeue_after: float
+    tools: str
+    queue: str
+    failpoints: str
+    failpoint_log: str
+    db_timeout: float  # 0: derived from the lease
+    lock_wait: float
+    effects_log: str
+    max_auto_retries: int
 
-    home: Path = DEFAULT_HOME
-    db: str = ""
-    broker: str = ""
-    broker_prefix: str = ""
-    sandbox: Path = Path()
-    lease_seconds: PositiveFloat = 30.0
-    soft_time_limit: NonNegativeFloat = 0.0  # 0: derived from the lease
-    time_limit: NonNegativeFloat = 0.0  # 0: derived from the lease
-    visibility_timeout: PositiveFloat = 3600.0
-    max_args_bytes: PositiveInt = MAX_ARGS_BYTES
-    max_content_bytes: PositiveInt = 512 * 1024
-    sweep_interval: PositiveFloat = 10.0
-    sweep_grace: NonNegativeFloat = 5.0
-    requeue_after: PositiveFloat = 120.0
-    tools: str = ""
-    queue: str = "toolledger"
-    failpoints: str = ""
-    failpoint_log: str = ""
-    db_timeout: NonNegativeFloat = 0.0  # 0: derived from the lease
-    lock_wait: PositiveFloat = 2.0
-    effects_log: str = ""
-    max_auto_retries: NonNegativeInt = 3
+    def __init__(self, **given: Any) -> None:
+        """The TOOLLEDGER_* variables of the process's environment, then ``given``."""
+        values = {**_from_environ(os.environ), **given}
+        self._fill(_checked(values, PREFIX))
 
-    @pydantic.model_validator(mode="after")
-    def _derive(self) -> Settings:
-        """Defaults that follow from others, derived once (the model is frozen after)."""
+    def _fill(self, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self._derive()
+
+    def _derive(self) -> None:
+        """Defaults that follow from others, derived once (the object is frozen after)."""
         derived: dict[str, Any] = {}
         if not self.db:
             derived["db"] = f"sqlite:///{self.home / 'ledger.db'}"
@@ -98,26 +102,25 @@ class Settings(BaseSettings):
             derived["db_timeout"] = round(max(1.0, self.lease_seconds / 4), 3)
         for name, value in derived.items():
             object.__setattr__(self, name, value)
-        return self
 
-    @pydantic.field_validator("db", "broker")
-    @classmethod
-    def _url(cls, value: str, info: pydantic.ValidationInfo) -> str:
-        """A URL that parses, with a known scheme and a numeric port, refused at start (exit
-        2) rather than by the first connection. Never echoed: it may hold a password."""
-        if not value:
-            return value
-        schemes = _DB_SCHEMES if info.field_name == "db" else _BROKER_SCHEMES
-        try:
-            parts = urlsplit(value)
-            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-        except ValueError as exc:
-            raise ValueError(f"not a URL: {exc}") from None
-        if not parts.scheme.startswith(schemes):
-            raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
-        if "\x00" in value:
-            raise ValueError("holds a NUL character")
-        return value
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"settings are frozen: use with_({name}=...)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("settings are frozen")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.as_dict().values()))
+
+    def __repr__(self) -> str:  # never the URLs: they may hold a password
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items() if k not in _SECRET)
+        return f"{type(self).__name__}({shown})"
 
     @property
     def sweep_queue(self) -> str:
@@ -148,25 +151,22 @@ class Settings(BaseSettings):
 
     def with_(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (None: unchanged), validated like the original."""
-        values = {**self.model_dump(), **{k: v for k, v in changes.items() if v is not None}}
-        return _validated(type(self), values, "")
+        values = {**self.as_dict(), **{k: v for k, v in changes.items() if v is not None}}
+        return self._made(_checked(values, ""))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """From the TOOLLEDGER_* variables of ``env`` (default: the process's environment),
         then ``overrides`` (None: not given). A bad value is a ConfigError naming it."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        if env is None:  # pydantic-settings reads the process's environment
-            try:
-                return cls(**given)
-            except pydantic.ValidationError as exc:
-                raise _config_error(exc, PREFIX) from None
-        values = {
-            name: env[PREFIX + name.upper()]
-            for name in cls.model_fields
-            if env.get(PREFIX + name.upper())
-        }
-        return _validated(cls, {**values, **given}, PREFIX)
+        values = _from_environ(os.environ if env is None else env)
+        return cls._made(_checked({**values, **given}, PREFIX))
+
+    @classmethod
+    def _made(cls, values: dict[str, Any]) -> Settings:
+        made = object.__new__(cls)
+        made._fill(values)
+        return made
 
 
 _DB_SCHEMES = ("postgresql", "postgres", "sqlite")
@@ -184,31 +184,136 @@ _BROKER_SCHEMES = (
 _SECRET = {"db", "broker"}
 
 
-class _Given(Settings):
-    """Settings validated from the values given and nothing else: no environment."""
-
-    @classmethod
-    def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: Any, *_: Any, **__: Any
-    ) -> tuple[Any, ...]:
-        return (init_settings,)
+def _from_environ(env: Mapping[str, str]) -> dict[str, str]:
+    """The settings ``env`` gives (an empty variable gives none); others are not read."""
+    return {name: env[PREFIX + name.upper()] for name in FIELDS if env.get(PREFIX + name.upper())}
 
 
-def _validated(cls: type[Settings], values: dict[str, Any], prefix: str) -> Settings:
-    """``values`` validated (and derived defaults filled) as ``cls``, reading nothing else.
-    Errors become one line naming the setting."""
+def _checked(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Every setting, from ``values`` or its default, each read and checked; an error is one
+    line naming the first bad setting (as ``PREFIX + NAME`` when read from the environment),
+    its value unless it is a secret, and how many more are bad."""
+    errors: list[tuple[str, Any, str]] = []
+    out: dict[str, Any] = {}
+    for name in values:
+        if name not in FIELDS:
+            errors.append((name, values[name], "Extra inputs are not permitted"))
+    for name, (read, default) in FIELDS.items():
+        if name not in values:
+            out[name] = default
+            continue
+        try:
+            out[name] = read(values[name])
+            if name in _SECRET:
+                _check_url(name, out[name])
+        except ValueError as exc:
+            errors.append((name, values[name], str(exc)))
+    if errors:
+        name, value, msg = errors[0]
+        shown = f"{prefix}{name.upper()}" if prefix and name in FIELDS else name
+        given = "" if name in _SECRET else f"={value!r}"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(f"{shown}{given}: {msg}{more}")
+    return out
+
+
+def _check_url(name: str, value: str) -> None:
+    """A URL that parses, with a known scheme and a numeric port, refused at start (exit
+    2) rather than by the first connection. Never echoed: it may hold a password."""
+    if not value:
+        return
+    schemes = _DB_SCHEMES if name == "db" else _BROKER_SCHEMES
     try:
-        checked = _Given(**values)
-    except pydantic.ValidationError as exc:
-        raise _config_error(exc, prefix) from None
-    return cls.model_construct(**checked.model_dump())
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ValueError(f"not a URL: {exc}") from None
+    if not parts.scheme.startswith(schemes):
+        raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
+    if "\x00" in value:
+        raise ValueError("holds a NUL character")
 
 
-def _config_error(exc: pydantic.ValidationError, prefix: str) -> ConfigError:
-    first = exc.errors()[0]
-    name = str(first["loc"][0]) if first["loc"] else "settings"
-    shown = f"{prefix}{name.upper()}" if prefix else name
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    given = "" if name in _SECRET else f"={first.get('input')!r}"
-    msg = str(first["msg"]).removeprefix("Value error, ")
-    return ConfigError(f"{shown}{given}: {msg}{more}")
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("Input should be a valid string")
+    return value
+
+
+def _path(value: Any) -> Path:
+    if isinstance(value, Path):
+        return value
+    if not isinstance(value, str):
+        raise ValueError("Input should be a valid path")
+    return Path(value)
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("Input should be a valid number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(
+            "Input should be a valid number, unable to parse string as a number"
+        ) from None
+    if not math.isfinite(number):
+        raise ValueError("Input should be a finite number")
+    return number
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError("Input should be a valid integer, unable to parse string as an integer")
+
+
+def _bounded(read: Callable[[Any], Any], *, zero: bool) -> Callable[[Any], Any]:
+    """``read``, then refused below zero (at zero too, unless ``zero``)."""
+
+    def check(value: Any) -> Any:
+        number = read(value)
+        if number < 0 or (number == 0 and not zero):
+            raise ValueError(f"Input should be greater than {'or equal to ' if zero else ''}0")
+        return number
+
+    return check
+
+
+_positive, _non_negative = _bounded(_number, zero=False), _bounded(_number, zero=True)
+_positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_integer, zero=True)
+
+#: Every setting: its name -> (how a given value is read and checked, its default). Read by
+#: hand, not by pydantic-settings: importing that costs a CLI command more than its whole
+#: query (0.2 s of the 0.25 s issue 18 allows ``toolledger show``).
+FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
+    "home": (_path, DEFAULT_HOME),
+    "db": (_text, ""),
+    "broker": (_text, ""),
+    "broker_prefix": (_text, ""),
+    "sandbox": (_path, Path()),
+    "lease_seconds": (_positive, 30.0),
+    "soft_time_limit": (_non_negative, 0.0),
+    "time_limit": (_non_negative, 0.0),
+    "visibility_timeout": (_positive, 3600.0),
+    "max_args_bytes": (_positive_int, MAX_ARGS_BYTES),
+    "max_content_bytes": (_positive_int, 512 * 1024),
+    "sweep_interval": (_positive, 10.0),
+    "sweep_grace": (_non_negative, 5.0),
+    "requeue_after": (_positive, 120.0),
+    "tools": (_text, ""),
+    "queue": (_text, "toolledger"),
+    "failpoints": (_text, ""),
+    "failpoint_log": (_text, ""),
+    "db_timeout": (_non_negative, 0.0),
+    "lock_wait": (_positive, 2.0),
+    "effects_log": (_text, ""),
+    "max_auto_retries": (_non_negative_int, 3),
+}

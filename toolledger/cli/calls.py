@@ -19,6 +19,7 @@ from toolledger.cli.common import (
     scope_option_check,
 )
 from toolledger.ledger.errors import StateError
+from toolledger.ledger.lightreads import CallReads
 from toolledger.ledger.transitions import parse_status
 
 
@@ -85,16 +86,20 @@ reject = _decision("reject", approve=False)
 @pass_ctx
 def show(c: Context, scope: str, tool_call_id: str) -> None:
     """One call: its action, every attempt and the receipt the model would get."""
-    view = c.ledger.get(scope, tool_call_id)
+    c.emit(c.reading(lambda reads: _shown(reads, scope, tool_call_id)), _human_show)
+
+
+def _shown(reads: CallReads, scope: str, tool_call_id: str) -> dict[str, Any]:
+    view = reads.get(scope, tool_call_id)
     try:
-        receipt = c.ledger.receipt(scope, tool_call_id)
+        receipt = reads.receipt(scope, tool_call_id)
     except StateError:
         receipt = None
     data = view.to_json(receipt)
     if view.operation.review:  # both versions, side by side, from the flag's event
-        flags = [e for e in c.ledger.events(scope, tool_call_id) if e.kind == "flagged"]
+        flags = [e for e in reads.events(scope, tool_call_id) if e.kind == "flagged"]
         data["review_detail"] = flags[-1].detail if flags else None
-    c.emit(data, _human_show)
+    return data
 
 
 def _human_show(d: dict[str, Any]) -> str:
@@ -123,7 +128,7 @@ def _human_show(d: dict[str, Any]) -> str:
 @pass_ctx
 def events(c: Context, scope: str, tool_call_id: str) -> None:
     """The call's event history, in order."""
-    history = c.ledger.events(scope, tool_call_id)
+    history = c.reading(lambda reads: reads.events(scope, tool_call_id))
     key = history[0].idempotency_key if history else None
     c.emit(
         {

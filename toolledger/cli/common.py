@@ -17,14 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 if TYPE_CHECKING:
     from toolledger.config import Settings
     from toolledger.ledger.ledger import Ledger
+    from toolledger.ledger.lightreads import CallReads, LightReads
     from toolledger.worker.submit import Submitter
+
+T = TypeVar("T")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT, EXIT_TIMEOUT = 3, 4, 5, 6, 7
@@ -35,8 +38,8 @@ def exit_codes() -> list[tuple[type[BaseException], int]]:
     """Domain errors and the exit code each one means; the first match wins. Built on first
     use: an error to map means the ledger is loaded already, ``--help`` never loads it."""
     from toolledger.config import ConfigError
-    from toolledger.ledger.db import SchemaError
     from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
+    from toolledger.ledger.revision import SchemaError
 
     return [
         (ConflictError, EXIT_CONFLICT),
@@ -86,12 +89,35 @@ class Context:
         )
 
     @cached_property
+    def light_reads(self) -> LightReads | None:
+        """The call reads on the bare driver, where they serve this ledger (no SQLAlchemy)."""
+        from toolledger.ledger.lightreads import LightReads
+
+        return LightReads.open(self.settings.db, self.settings.db_timeout)
+
+    def reading(self, read: Callable[[CallReads], T]) -> T:
+        """``read`` on the light reads where they serve, else on the ledger, which also
+        answers when the driver fails under the light reads (and words the error)."""
+        from toolledger.ledger.lightreads import Fallback
+
+        light = self.light_reads
+        if light is not None:
+            try:
+                return read(light)
+            except Fallback:
+                light.close()
+                self.__dict__["light_reads"] = None
+        return read(self.ledger)
+
+    @cached_property
     def submitter(self) -> Submitter:
         from toolledger.worker.submit import Submitter  # Celery: only commands that enqueue
 
         return Submitter(self.settings, ledger=lambda: self.ledger)
 
     def close(self) -> None:
+        if self.__dict__.get("light_reads") is not None:
+            self.light_reads.close()  # type: ignore[union-attr]
         if "submitter" in self.__dict__:
             self.submitter.close()
         if "unchecked_ledger" in self.__dict__:

@@ -1,0 +1,192 @@
+"""The light reads (``show`` and ``events`` on the bare driver) give the ledger's own records,
+field for field and type for type, on both dialects; and they step aside, for the ledger,
+wherever they cannot vouch for what they read. The comparison is shown failing against light
+reads broken on purpose (a timestamp left as the driver gives it, a boolean left an integer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from toolledger.cli.common import Context
+from toolledger.config import Settings
+from toolledger.ledger import lightreads
+from toolledger.ledger.errors import LedgerError
+from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.lightreads import CallReads, Fallback, LightReads
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.records import EventRecord, ExecutionRecord, OperationRecord, _field_names
+from toolledger.ledger.transitions import Status
+from toolledger.ledger.types import JSONType, UTCDateTime
+
+ARGS = {"path": "notes/é.txt", "content": "ü\n", "n": 2**53 + 1, "f": 0.1, "deep": [{"a": None}]}
+CALLS = (
+    "pending",
+    "rejected",
+    "approved",
+    "running",
+    "succeeded",
+    "failed",
+    "unknown",
+    "reconciled",
+    "retried",
+    "contradicted",
+)
+
+
+def _calls(ledger: Ledger, scope: str) -> None:
+    """One call in each state ``show`` can meet, with every kind of column filled in."""
+
+    def claim(cid: str, attempt: int = 1) -> Any:
+        claim = ledger.claim(scope, f"append_file:{cid}", attempt, worker_id="w-1")
+        assert claim is not None
+        return claim
+
+    for cid in CALLS:
+        approve = cid not in ("pending", "rejected")
+        ledger.submit(scope, cid, "append_file", ARGS, approved_by="al" if approve else None)
+    ledger.reject(scope, "rejected", by="bob", reason="not today")
+    claim("running")
+    c = claim("succeeded")
+    effects = [{"path": "notes/é.txt", "sha256": "ab" * 32, "bytes": 3}]
+    ledger.finish(c.execution_id, c.lease_token, Status.SUCCEEDED, {"ok": "ü"}, effects=effects)
+    c = claim("failed")
+    ledger.finish(c.execution_id, c.lease_token, Status.FAILED, {"e": 1}, error="boom")
+    for cid in ("unknown", "reconciled", "retried", "contradicted"):
+        c = claim(cid)
+        ledger.mark_unknown(c.execution_id, reason="lost", actor="sweep")
+    eid = ledger.get(scope, "reconciled").executions[0].execution_id
+    ledger.reconcile(eid, Status.SUCCEEDED, {"found": True}, evidence={"stat": 1}, actor="r")
+    ledger.authorize_retry(scope, "retried", by="bob", accept_duplicate=True)
+    c = claim("retried", 2)
+    ledger.finish(c.execution_id, c.lease_token, Status.SUCCEEDED, {"second": 2})
+    eid = ledger.get(scope, "contradicted").executions[0].execution_id
+    ledger.resolve(eid, Status.FAILED, by="dana", evidence="nothing sent")
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(eid, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "contradicted").operation.review == "contradicted"
+
+
+def _answers(reads: CallReads, scope: str) -> list[str]:
+    """Everything the reads say about every call, as repr: types count (0 is not False)."""
+    out: list[str] = []
+    for cid in (*CALLS, "no-such-call"):
+        for read in (reads.get, reads.receipt, reads.events):
+            try:
+                out.append(repr(read(scope, cid)))
+            except LedgerError as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+@pytest.fixture
+def light(ledger: Ledger) -> Iterator[LightReads]:
+    reads = LightReads.open(str(ledger.engine.url.render_as_string(hide_password=False)), 5.0)
+    assert reads is not None, "a ledger at head is served by the light reads"
+    yield reads
+    reads.close()
+
+
+def test_lightreads__every_record_is_the_ledgers(ledger: Ledger, light: LightReads, scope):
+    _calls(ledger, scope)
+    expected = _answers(ledger, scope)
+    assert _answers(light, scope) == expected
+    assert sum("NoReceipt" in a for a in expected) == 3  # pending, approved, running
+    assert sum("NotFound" in a for a in expected) == 3  # the call that is not there
+    view = light.get(scope, "contradicted")  # what show prints, built from the light rows
+    assert view.to_json(None) == ledger.get(scope, "contradicted").to_json(None)
+
+
+def _utc_as_given(m: pytest.MonkeyPatch) -> None:
+    m.setattr(lightreads, "_utc", lambda v: v)
+
+
+def _booleans_as_stored(m: pytest.MonkeyPatch) -> None:
+    m.setattr(lightreads, "BOOLEANS", frozenset())
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        pytest.param(_utc_as_given, id="timestamp-as-given"),
+        pytest.param(_booleans_as_stored, id="boolean-as-stored"),
+    ],
+)
+def test_lightreads__comparison_fails_on_reads_broken_on_purpose(
+    ledger: Ledger, light: LightReads, scope, break_it: Callable[[Any], None], monkeypatch, backend
+):
+    _calls(ledger, scope)
+    if backend == "postgres" and not break_it.__name__.startswith("_utc"):
+        pytest.skip("psycopg gives booleans already: there is nothing to break")
+    break_it(monkeypatch)
+    assert _answers(light, scope) != _answers(ledger, scope)
+
+
+def test_lightreads__column_sets_are_the_models_types():
+    """The conversions follow the tables' own types, for every column the records read."""
+    tables = {
+        OperationRecord: operations,
+        ExecutionRecord: executions,
+        EventRecord: execution_events,
+    }
+    kinds: dict[str, set[str]] = {"time": set(), "json": set(), "bool": set()}
+    for record, table in tables.items():
+        for name in _field_names(record):
+            type_ = table.c[name].type
+            if isinstance(type_, UTCDateTime):
+                kinds["time"].add(name)
+            elif isinstance(type_, type(JSONType)):
+                kinds["json"].add(name)
+            elif isinstance(type_, sa.Boolean):
+                kinds["bool"].add(name)
+    assert kinds["time"] == lightreads.TIMESTAMPS
+    assert kinds["json"] == lightreads.JSON_COLUMNS
+    assert kinds["bool"] == lightreads.BOOLEANS
+
+
+# ---------------------------------------------------------------- where they step aside
+
+
+def test_lightreads__step_aside_where_they_cannot_vouch(tmp_path: Path, sqlite_template: Path):
+    missing = tmp_path / "none" / "ledger.db"
+    assert LightReads.open(f"sqlite:///{missing}", 1) is None
+    assert not missing.parent.exists()  # nothing made: the ledger creates the embedded one
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database" * 100)
+    assert LightReads.open(f"sqlite:///{junk}", 1) is None
+    good = tmp_path / "ledger.db"
+    good.write_bytes(sqlite_template.read_bytes())
+    url = f"sqlite:///{good}"
+    for other in (url + "?timeout=3", "mysql://h/db", "postgresql+psycopg2://h/db", "sqlite://"):
+        assert LightReads.open(other, 1) is None, other
+    reads = LightReads.open(url, 1)
+    assert reads is not None
+    reads.close()
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:  # a schema behind this code: the ledger says so, not us
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0003'")
+    assert LightReads.open(url, 1) is None
+    with engine.begin() as conn:  # no version table at all
+        conn.exec_driver_sql("DROP TABLE alembic_version")
+    assert LightReads.open(url, 1) is None
+    engine.dispose()
+
+
+def test_lightreads__a_driver_error_hands_the_read_to_the_ledger(ledger: Ledger, scope):
+    _calls(ledger, scope)
+    url = ledger.engine.url.render_as_string(hide_password=False)
+    context = Context(Settings.from_env({}, db=url))
+    light = context.light_reads
+    assert light is not None
+    light._conn.close()  # the connection lost under the light reads
+    with pytest.raises(Fallback):
+        light.get(scope, "succeeded")
+    got = context.reading(lambda reads: reads.get(scope, "succeeded"))
+    assert got == ledger.get(scope, "succeeded")
+    assert context.light_reads is None  # and the ledger answers from now on
+    context.close()
