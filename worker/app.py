@@ -24,7 +24,10 @@ from celery import Celery, signals
 from toolledger.config import Settings
 from toolledger.ledger.db import create_engine, ensure_schema
 from toolledger.registry import load_registry
-from toolledger.worker import broker  # registers the embedded transport
+from toolledger.worker import (
+    broker,  # registers the embedded transport
+    redis_transport,
+)
 from toolledger.worker.tasks import publish, register_tasks
 
 log = logging.getLogger("toolledger.worker")
@@ -49,7 +52,10 @@ def transport_options(settings: Settings) -> dict[str, Any]:
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     transport = transport_options(settings)
+    plain_redis = settings.broker.startswith("redis://")
     return {
+        # kombu's Redis transport less a client built per command (worker.redis_transport)
+        "broker_transport": redis_transport.NAME if plain_redis else None,
         "broker_transport_options": transport,
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": int(settings.visibility_timeout),

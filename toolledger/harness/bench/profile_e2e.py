@@ -1,5 +1,5 @@
 """The end-to-end path alone, for a profiler: a producer submitting approved calls to two
-prefork workers x 2 over Postgres and Redis, in a database of its own.
+workers x 2 (prefork, or ``--pool threads``) over Postgres and Redis, in a database of its own.
 
     py-spy record --subprocesses -o docs/bench/e2e-flame.svg -- \\
         python -m toolledger.harness.bench.profile_e2e --jobs 1500
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     p.add_argument("--jobs", type=int, default=1500)
+    p.add_argument("--pool", choices=("prefork", "threads"), default="prefork")
     a = p.parse_args(argv)
     name = scratch.new_name("tl_prof")
     scratch.create_database(a.pg, name, migrate=True)
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix="toolledger-profile-"))
         started = time.monotonic()
         result = E2E(a.pg, a.redis, root, a.jobs, print).toolledger(
-            a.pg.rsplit("/", 1)[0] + "/" + name
+            a.pg.rsplit("/", 1)[0] + "/" + name, a.pool
         )
         print(f"{a.jobs} calls in {time.monotonic() - started:.1f} s: {result}")
     finally:

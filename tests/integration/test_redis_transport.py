@@ -1,0 +1,93 @@
+"""The Redis transport of ``worker.redis_transport``: kombu's, with one client per channel.
+
+Messages published and acked through it behave as through kombu's own (under the key prefix,
+nothing left unacked), with one client built where kombu builds one per command; the count
+is shown failing on kombu's own transport, and a replaced pool gets a client of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from kombu import Consumer, Queue
+from kombu.transport import redis as kombu_redis
+
+from toolledger.config import Settings
+from toolledger.worker import redis_transport
+from toolledger.worker.app import create_app
+
+MESSAGES = 20
+
+
+@pytest.fixture
+def clients_built(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Every Redis client a kombu channel builds (kombu's own and ours)."""
+    built: list[Any] = []
+    original = kombu_redis.Channel._create_client
+
+    def counted(self: Any, asynchronous: bool = False) -> Any:
+        client = original(self, asynchronous)
+        built.append(client)
+        return client
+
+    monkeypatch.setattr(kombu_redis.Channel, "_create_client", counted)
+    yield built
+
+
+def _publish_and_ack(url: str, prefix: str, *, ours: bool) -> tuple[int, int]:
+    """Publish ``MESSAGES`` tasks, take and ack each: (messages seen, keys left unacked)."""
+    settings = Settings.from_env({}, broker=url, broker_prefix=prefix, queue="q-transport")
+    app = create_app(settings)
+    if not ours:
+        app.conf.broker_transport = None  # kombu's own, for the control
+    with app.connection_for_write() as conn:
+        assert isinstance(conn.transport, redis_transport.Transport) is ours
+        for i in range(MESSAGES):
+            app.send_task("t", args=[i], queue=settings.queue, connection=conn)
+        seen: list[int] = []
+
+        def take(body: Any, message: Any) -> None:
+            seen.append(body[0][0])
+            message.ack()
+
+        with Consumer(conn, [Queue(settings.queue)], callbacks=[take], accept=["json"]):
+            while len(seen) < MESSAGES:
+                conn.drain_events(timeout=5)
+    plain = redis.Redis.from_url(url)
+    try:
+        unacked = plain.hlen(f"{prefix}unacked") + plain.zcard(f"{prefix}unacked_index")
+    finally:
+        plain.close()
+    assert sorted(seen) == list(range(MESSAGES))
+    return len(seen), unacked
+
+
+def test_transport__one_client_per_channel_every_message_through_and_acked(
+    redis_server: str, redis_prefix: str, clients_built: list[Any]
+):
+    seen, unacked = _publish_and_ack(redis_server, redis_prefix, ours=True)
+    assert (seen, unacked) == (MESSAGES, 0)
+    assert len(clients_built) <= 3  # the shared one, BRPOP's async one: not one per command
+
+
+def test_transport__the_count_fails_on_kombus_own(
+    redis_server: str, redis_prefix: str, clients_built: list[Any]
+):
+    seen, unacked = _publish_and_ack(redis_server, redis_prefix, ours=False)
+    assert (seen, unacked) == (MESSAGES, 0)
+    assert len(clients_built) >= 2 * MESSAGES  # one per publish and one per ack
+
+
+def test_transport__a_replaced_pool_gets_a_client_of_its_own(redis_server: str, redis_prefix):
+    app = create_app(Settings.from_env({}, broker=redis_server, broker_prefix=redis_prefix))
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as again:
+            assert first is again and first.connection_pool is channel.pool
+        channel._disconnect_pools()  # what kombu does when the connection is reset
+        with channel.conn_or_acquire() as after:
+            assert after is not first and after.connection_pool is channel.pool
+            assert after.ping()
