@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,34 @@ def test_settings__with_validates_and_keeps_derived_values():
     assert (t.sweep_interval, t.queue, t.soft_time_limit) == (3, s.queue, s.soft_time_limit)
     with pytest.raises(ConfigError, match="sweep_interval"):
         s.with_(sweep_interval=-2)
+
+
+def test_settings__read_by_hand_as_strictly_as_pydantic_did():
+    """Not a number, not finite, an integer with a fraction, a bool: each refused, named."""
+    for env, named in (
+        ({"TOOLLEDGER_LEASE_SECONDS": "nan"}, "finite"),
+        ({"TOOLLEDGER_LEASE_SECONDS": "inf"}, "finite"),
+        ({"TOOLLEDGER_MAX_ARGS_BYTES": "0"}, "greater than 0"),
+        ({"TOOLLEDGER_MAX_AUTO_RETRIES": "-1"}, "greater than or equal to 0"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            Settings.from_env(env)
+    with pytest.raises(ConfigError, match="valid integer"):
+        Settings.from_env({}, max_args_bytes=True)
+    with pytest.raises(ConfigError, match=r"and 1 more"):
+        Settings.from_env({"TOOLLEDGER_LEASE_SECONDS": "x", "TOOLLEDGER_LOCK_WAIT": "y"})
+    s = Settings.from_env({"TOOLLEDGER_HOME": "/tmp/h", "TOOLLEDGER_MAX_ARGS_BYTES": " 7 "})
+    assert (s.home, s.max_args_bytes, s.lease_seconds) == (Path("/tmp/h"), 7, 30.0)
+
+
+def test_settings__frozen_comparable_and_never_showing_a_url():
+    url = "postgresql://u:secret@h/db"
+    s = Settings.from_env({}, db=url)
+    with pytest.raises(AttributeError, match="frozen"):
+        s.lease_seconds = 1  # type: ignore[misc]
+    assert s == Settings.from_env({}, db=url) != Settings.from_env({})
+    assert hash(s) == hash(Settings.from_env({}, db=url))
+    assert "secret" not in repr(s) and "lease_seconds=30.0" in repr(s)
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env({"TOOLLEDGER_DB": "mysql://u:secret@h/db"})
+    assert "secret" not in str(err.value) and "TOOLLEDGER_DB" in str(err.value)
