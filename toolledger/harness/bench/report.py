@@ -153,7 +153,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         [m - raw["e2e"][n]["throughput"]["min"] for n, m in zip(names, medians, strict=True)],
         [raw["e2e"][n]["throughput"]["max"] - m for n, m in zip(names, medians, strict=True)],
     ]
-    colours = ["tab:green" if n == "toolledger" else "tab:gray" for n in names]
+    colours = ["tab:green" if n.startswith("toolledger") else "tab:gray" for n in names]
     ax.bar(names, medians, yerr=errs, color=colours, capsize=3)
     ax.set_ylabel("calls/s")
     ax.set_title("end to end, 2 workers x 2")
