@@ -131,7 +131,9 @@ class LightReads:
         if not sep or "?" in rest or "#" in rest:
             return None  # options in the URL: what SQLAlchemy makes of them is its own
         if scheme == "sqlite":
-            path = rest.removeprefix("/")
+            if not rest.startswith("/"):  # a host part (sqlite://host/x.db), refused there
+                return None
+            path = rest[1:]
             if not path or path == ":memory:" or "%" in path or not Path(path).is_file():
                 return None  # a ledger the ledger creates (or an unusual spelling)
             import sqlite3
@@ -142,6 +144,8 @@ class LightReads:
             conn.execute("PRAGMA query_only = ON")
             return cls(conn, "sqlite", sqlite3.Error)
         if scheme in ("postgres", "postgresql", "postgresql+psycopg"):
+            if "%" in rest.rpartition("@")[2]:
+                return None  # libpq decodes a host or a database name, SQLAlchemy may not
             import psycopg
             from psycopg.rows import dict_row
 

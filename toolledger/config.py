@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -185,8 +186,15 @@ _SECRET = {"db", "broker"}
 
 
 def _from_environ(env: Mapping[str, str]) -> dict[str, str]:
-    """The settings ``env`` gives (an empty variable gives none); others are not read."""
-    return {name: env[PREFIX + name.upper()] for name in FIELDS if env.get(PREFIX + name.upper())}
+    """The settings ``env`` gives (an empty variable gives none); others are not read. Names
+    match in any case, as pydantic-settings matched them (``toolledger_db`` is read, not
+    silently passed over for the embedded default); the upper-case spelling wins a tie."""
+    found: dict[str, str] = {}
+    for variable, value in env.items():
+        upper = variable.upper()
+        if value and upper.startswith(PREFIX) and (upper not in found or variable == upper):
+            found[upper] = value
+    return {name: found[PREFIX + name.upper()] for name in FIELDS if PREFIX + name.upper() in found}
 
 
 def _checked(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -226,8 +234,13 @@ def _check_url(name: str, value: str) -> None:
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-    except ValueError as exc:
-        raise ValueError(f"not a URL: {exc}") from None
+    except ValueError as exc:  # its message may quote the URL, password and all (as a "port")
+        what = (
+            "its port is not a number from 0 to 65535"
+            if "Port" in str(exc)
+            else "it does not parse"
+        )
+        raise ValueError(f"not a URL: {what}") from None
     if not parts.scheme.startswith(schemes):
         raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
     if "\x00" in value:
@@ -249,14 +262,20 @@ def _path(value: Any) -> Path:
 
 
 def _number(value: Any) -> float:
+    """A finite number (an infinite lease would derive every limit infinite), written in
+    ASCII digits if a string."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError("Input should be a valid number")
+    if isinstance(value, str) and not value.isascii():
+        raise ValueError("Input should be a valid number, unable to parse string as a number")
     try:
         number = float(value)
     except ValueError:
         raise ValueError(
             "Input should be a valid number, unable to parse string as a number"
         ) from None
+    except OverflowError:
+        number = math.inf
     if not math.isfinite(number):
         raise ValueError("Input should be a finite number")
     return number
@@ -267,11 +286,15 @@ def _integer(value: Any) -> int:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str):
+    if isinstance(value, str) and value.isascii():
         try:
             return int(value.strip())
         except ValueError:
             pass
+        with contextlib.suppress(ValueError, OverflowError):  # "10.0", as pydantic took it
+            number = float(value)
+            if number.is_integer():
+                return int(number)
     raise ValueError("Input should be a valid integer, unable to parse string as an integer")
 
 

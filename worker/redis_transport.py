@@ -9,7 +9,8 @@ thread-safe (every command and every pipeline checks out a connection of its own
 channel serves them all; it is made again if the channel's pool was replaced (a reconnect).
 
 Chosen for ``redis://`` brokers by ``worker.app`` (Celery's own ``broker_transport``
-setting); ``rediss://`` and Sentinel keep kombu's transports as they are.
+setting); ``rediss://`` and Sentinel keep kombu's transports as they are, and so does a
+failover list (``redis://a;redis://b``) once it fails over: kombu reads the scheme again.
 """
 
 from __future__ import annotations

@@ -293,9 +293,11 @@ def test_config__a_tool_module_that_does_not_load_is_exit_2_for_submit_and_worke
 @pytest.mark.parametrize(
     ("name", "value", "says"),
     [
-        ("TOOLLEDGER_DB", "postgresql://u:secret@127.0.0.1:notaport/x", "Port could not be cast"),
+        ("TOOLLEDGER_DB", "postgresql://u:secret@127.0.0.1:notaport/x", "port is not a number"),
+        ("TOOLLEDGER_DB", "postgresql://u:secret/x", "port is not a number"),  # no @host
         ("TOOLLEDGER_DB", "mysql://u@h/x", "scheme 'mysql'"),
-        ("TOOLLEDGER_BROKER", "redis://:secret@127.0.0.1:99999/0", "Port out of range"),
+        ("TOOLLEDGER_BROKER", "redis://:secret@127.0.0.1:99999/0", "from 0 to 65535"),
+        ("TOOLLEDGER_BROKER", "redis://[::1/0", "does not parse"),
         ("TOOLLEDGER_BROKER", "http://example", "scheme 'http'"),
     ],
 )

@@ -160,7 +160,14 @@ def test_lightreads__step_aside_where_they_cannot_vouch(tmp_path: Path, sqlite_t
     good = tmp_path / "ledger.db"
     good.write_bytes(sqlite_template.read_bytes())
     url = f"sqlite:///{good}"
-    for other in (url + "?timeout=3", "mysql://h/db", "postgresql+psycopg2://h/db", "sqlite://"):
+    for other in (
+        url + "?timeout=3",  # options: SQLAlchemy's to read
+        "mysql://h/db",
+        "postgresql+psycopg2://h/db",
+        "sqlite://",
+        f"sqlite://host{good}",  # a host part: the ledger refuses it, so must these reads
+        "postgresql://u:p%40ss@%2Fvar%2Frun%2Fpostgresql/db",  # a host libpq would decode
+    ):
         assert LightReads.open(other, 1) is None, other
     reads = LightReads.open(url, 1)
     assert reads is not None

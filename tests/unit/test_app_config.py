@@ -103,22 +103,44 @@ def test_settings__with_validates_and_keeps_derived_values():
         s.with_(sweep_interval=-2)
 
 
-def test_settings__read_by_hand_as_strictly_as_pydantic_did():
-    """Not a number, not finite, an integer with a fraction, a bool: each refused, named."""
+def test_settings__read_by_hand_refuse_what_cannot_be_used():
+    """Not a number, not finite (pydantic took inf: every limit derived infinite), not in
+    ASCII digits, an integer with a fraction, a bool, too large for a float: each refused,
+    named, on one line."""
     for env, named in (
         ({"TOOLLEDGER_LEASE_SECONDS": "nan"}, "finite"),
         ({"TOOLLEDGER_LEASE_SECONDS": "inf"}, "finite"),
+        ({"TOOLLEDGER_LEASE_SECONDS": "\u0663\u0660"}, "valid number"),  # Arabic-Indic 30
         ({"TOOLLEDGER_MAX_ARGS_BYTES": "0"}, "greater than 0"),
+        ({"TOOLLEDGER_MAX_ARGS_BYTES": "10.5"}, "valid integer"),
         ({"TOOLLEDGER_MAX_AUTO_RETRIES": "-1"}, "greater than or equal to 0"),
     ):
         with pytest.raises(ConfigError, match=named):
             Settings.from_env(env)
     with pytest.raises(ConfigError, match="valid integer"):
         Settings.from_env({}, max_args_bytes=True)
+    with pytest.raises(ConfigError, match="finite"):
+        Settings.from_env({}, lease_seconds=2**1100)
     with pytest.raises(ConfigError, match=r"and 1 more"):
         Settings.from_env({"TOOLLEDGER_LEASE_SECONDS": "x", "TOOLLEDGER_LOCK_WAIT": "y"})
-    s = Settings.from_env({"TOOLLEDGER_HOME": "/tmp/h", "TOOLLEDGER_MAX_ARGS_BYTES": " 7 "})
-    assert (s.home, s.max_args_bytes, s.lease_seconds) == (Path("/tmp/h"), 7, 30.0)
+    env = {
+        "TOOLLEDGER_HOME": "/tmp/h",
+        "TOOLLEDGER_MAX_ARGS_BYTES": " 7 ",
+        "TOOLLEDGER_LOCK_WAIT": "10.0",
+    }
+    s = Settings.from_env({**env, "TOOLLEDGER_MAX_CONTENT_BYTES": "10.0"})  # as pydantic took it
+    assert (s.home, s.max_args_bytes, s.max_content_bytes) == (Path("/tmp/h"), 7, 10)
+
+
+def test_settings__variables_match_in_any_case_as_before(monkeypatch):
+    """pydantic-settings read ``toolledger_db``: passing over it would put a worker on the
+    embedded ledger without a word. The upper-case spelling wins a tie."""
+    s = Settings.from_env({"toolledger_db": "postgresql://h/a", "Toolledger_Queue": "q"})
+    assert (s.db, s.queue) == ("postgresql://h/a", "q")
+    both = {"toolledger_queue": "lower", "TOOLLEDGER_QUEUE": "upper", "toolledger_QUEUE": "x"}
+    assert Settings.from_env(both).queue == "upper"
+    monkeypatch.setenv("toolledger_lease_seconds", "12")
+    assert Settings().lease_seconds == 12
 
 
 def test_settings__frozen_comparable_and_never_showing_a_url():
@@ -129,6 +151,7 @@ def test_settings__frozen_comparable_and_never_showing_a_url():
     assert s == Settings.from_env({}, db=url) != Settings.from_env({})
     assert hash(s) == hash(Settings.from_env({}, db=url))
     assert "secret" not in repr(s) and "lease_seconds=30.0" in repr(s)
-    with pytest.raises(ConfigError) as err:
-        Settings.from_env({"TOOLLEDGER_DB": "mysql://u:secret@h/db"})
-    assert "secret" not in str(err.value) and "TOOLLEDGER_DB" in str(err.value)
+    for bad in ("mysql://u:secret@h/db", "postgresql://u:secret/db"):  # "secret" read as a port
+        with pytest.raises(ConfigError) as err:
+            Settings.from_env({"TOOLLEDGER_DB": bad})
+        assert "secret" not in str(err.value) and "TOOLLEDGER_DB" in str(err.value)
