@@ -33,7 +33,7 @@ import sqlalchemy as sa
 
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.models import execution_events, executions, operations
-from toolledger.ledger.records import Claim, ExecutionRecord, Finished, OperationRecord
+from toolledger.ledger.records import Claim, ExecutionRecord, Finished, OperationRecord, as_utc
 from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import Status
 from toolledger.ledger.types import dumps
@@ -319,4 +319,4 @@ class PostgresStore(HeldConnectionStore):
 
 
 def _utc(value: datetime | None) -> datetime | None:
-    return value.astimezone(UTC) if value is not None else None
+    return None if value is None else as_utc(value)

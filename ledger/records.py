@@ -6,12 +6,18 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal, Self
 
 from toolledger.ledger.transitions import Status
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def as_utc(value: datetime) -> datetime:
+    """A stored timestamp as an aware UTC datetime: SQLite keeps naive UTC text, Postgres
+    answers in the session's time zone."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:

@@ -18,6 +18,8 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
+from toolledger.ledger.records import as_utc
+
 # SQLite keeps text; %f gives milliseconds, padded to the microseconds SQLAlchemy writes.
 _SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
 
@@ -38,9 +40,7 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
         return value
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return None if value is None else as_utc(value)
 
 
 def dumps(value: Any) -> str:
