@@ -20,20 +20,19 @@ import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from toolledger.ledger.errors import NotFound
 from toolledger.ledger.identity import check_scope, check_text_id
-from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import (
     CallView,
     EventRecord,
     ExecutionRecord,
     OperationRecord,
-    Receipt,
     _field_names,
+    as_utc,
 )
 from toolledger.ledger.revision import VERSION_TABLE, files_head
 
@@ -53,8 +52,6 @@ class CallReads(Protocol):
     """What ``show`` and ``events`` read: the ledger's reads, or these."""
 
     def get(self, scope: str, tool_call_id: str) -> CallView: ...
-
-    def receipt(self, scope: str, tool_call_id: str) -> Receipt: ...
 
     def events(self, scope: str, tool_call_id: str) -> list[EventRecord]: ...
 
@@ -98,7 +95,8 @@ def pg_connect_args(
 
 
 class LightReads:
-    """``get``, ``receipt`` and ``events`` of ``LedgerReads``, on one driver connection."""
+    """``get`` and ``events`` of ``LedgerReads``, on one driver connection (the receipt
+    follows from ``get`` by ``receipts.receipt_for``, as the ledger's does)."""
 
     def __init__(self, conn: Any, dialect: str, driver_error: type[Exception]) -> None:
         self._conn = conn
@@ -190,7 +188,7 @@ class LightReads:
             value = row[name]
             if value is not None:
                 if name in TIMESTAMPS:
-                    value = _utc(datetime.fromisoformat(value) if sqlite else value)
+                    value = as_utc(datetime.fromisoformat(value) if sqlite else value)
                 elif name in JSON_COLUMNS and isinstance(value, str | bytes):
                     value = json.loads(value)
                 elif name in BOOLEANS:
@@ -244,12 +242,3 @@ class LightReads:
                 "seq",
                 (scope, key),
             )
-
-    def receipt(self, scope: str, tool_call_id: str) -> Receipt:
-        """The result to hand the model, by the replay rules; never runs anything."""
-        view = self.get(scope, tool_call_id)
-        return receipt_for(view.operation, view.current)
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

@@ -20,6 +20,8 @@ from toolledger.cli.common import (
 )
 from toolledger.ledger.errors import StateError
 from toolledger.ledger.lightreads import CallReads
+from toolledger.ledger.receipts import receipt_for
+from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import parse_status
 
 
@@ -91,8 +93,8 @@ def show(c: Context, scope: str, tool_call_id: str) -> None:
 
 def _shown(reads: CallReads, scope: str, tool_call_id: str) -> dict[str, Any]:
     view = reads.get(scope, tool_call_id)
-    try:
-        receipt = reads.receipt(scope, tool_call_id)
+    try:  # from the view just read, as Ledger.receipt would after reading it again
+        receipt: Receipt | None = receipt_for(view.operation, view.current)
     except StateError:
         receipt = None
     data = view.to_json(receipt)
