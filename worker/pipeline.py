@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -115,9 +116,12 @@ class LeaseKeeper:
         self.ledger, self.lease_seconds, self.time_limit = ledger, lease_seconds, time_limit
         self.interval = lease_seconds / 3
         self.keep = lease_seconds * (1 - SELF_FENCE_MARGIN)
+        # the longest an idle keeper sleeps: a claim tracked meanwhile is due no sooner
+        self.idle_wait = min(self.interval, time_limit) if time_limit else self.interval
         self._cv = threading.Condition()
         self._due: dict[str, tuple[Claim, float, LeaseWatch]] = {}
         self._thread: threading.Thread | None = None
+        self._wakes_at = math.inf  # when the sleeping keeper wakes by itself (under _cv)
 
     def track(self, claim: Claim, sent_at: float) -> LeaseWatch:
         """Watch ``claim``, whose claim statement was sent at ``sent_at`` (monotonic)."""
@@ -125,17 +129,17 @@ class LeaseKeeper:
         if self.time_limit:
             watch.renew_until = sent_at + self.time_limit
         with self._cv:
-            idle = not self._due
             self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, watch)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="toolledger-leases", daemon=True
                 )
                 self._thread.start()
-            elif idle:
-                # Only an idle keeper sleeps past this claim's first renewal (a new claim is
-                # never due, nor past the time limit, before the ones already tracked);
-                # waking it for every claim would cost a thread switch per job.
+            elif min(watch.renew_until, watch.deadline) < self._wakes_at:
+                # Rare: a new claim is due (renewal, time limit) no sooner than those already
+                # tracked, and an idle keeper sleeps at most ``idle_wait``: only a claim whose
+                # statement was sent before the keeper last slept can be due before it wakes.
+                # Waking it for every claim cost a thread switch per job.
                 self._cv.notify()
         return watch
 
@@ -157,9 +161,11 @@ class LeaseKeeper:
                 if not due:
                     wake = min(
                         (min(e[1], e[2].deadline, e[2].renew_until) for e in self._due.values()),
-                        default=now + 60,
+                        default=now + self.idle_wait,
                     )
+                    self._wakes_at = wake
                     self._cv.wait(timeout=max(0.0, wake - now))
+                    self._wakes_at = math.inf
                     continue
             self._renew(due)
 
