@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tests.conftest import missing_service
+from toolledger.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,7 @@ def test_compose__validates_with_the_services_of_the_stack(compose):
         "redis",
         "migrate",
         "worker",
+        "sweeper",
         "beat",
         "serve",
         "prometheus",
@@ -64,7 +66,7 @@ def test_compose__migration_first_workers_scalable_one_beat(compose):
     services = compose["services"]
     assert services["migrate"]["command"] == ["db", "upgrade"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    for name in ("worker", "beat"):
+    for name in ("worker", "sweeper", "beat"):
         assert (
             services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
         )
@@ -73,8 +75,33 @@ def test_compose__migration_first_workers_scalable_one_beat(compose):
 
 
 def test_compose__configured_only_through_toolledger_variables(compose):
-    for name in ("migrate", "worker", "beat"):
+    for name in ("migrate", "worker", "sweeper", "beat"):
         env = compose["services"][name]["environment"]
         assert env and all(k.startswith("TOOLLEDGER_") for k in env), env
         assert env["TOOLLEDGER_DB"].startswith("postgresql://")
         assert env["TOOLLEDGER_BROKER"].startswith("redis://")
+
+
+def _option(command: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(command):
+        if arg in names and i + 1 < len(command):
+            return command[i + 1]
+    return None
+
+
+def test_compose__tools_on_threads_and_the_sweep_on_a_worker_of_its_own(compose):
+    """The README's production configuration: the tools' workers on the threads pool,
+    consuming the job queue only, and the sweep on a prefork worker of its own, so that
+    threads held by hung tools cannot hold up the sweep that revokes them. The queue names
+    are written out in the file: they must be the ones the settings use by default."""
+    defaults = Settings()
+    worker = compose["services"]["worker"]["command"]
+    sweeper = compose["services"]["sweeper"]["command"]
+    assert worker[0] == sweeper[0] == "worker"
+    assert _option(worker, "--pool", "-P") == "threads"
+    assert _option(worker, "-Q", "--queues") == defaults.queue
+    assert _option(sweeper, "--pool", "-P") in (None, "prefork")
+    assert _option(sweeper, "-Q", "--queues") == defaults.sweep_queue
+    assert _option(sweeper, "--concurrency", "-c") == "1"
+    # workers x threads, each thread one connection: far from Postgres's default 100 at 4
+    assert int(_option(worker, "--concurrency", "-c") or 0) * 4 <= 60
