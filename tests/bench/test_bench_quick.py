@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import metadata
 
 import pytest
 
@@ -54,6 +55,11 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     assert raw["claim_contention"]["attempts_per_s"]["rounds"] >= 1
     for name in ("bench.json", "bench.md", "bench.png"):
         assert (out / name).stat().st_size > 0
+    # two runs compare only with the versions they ran on
+    packages = report["machine"]["packages"]
+    assert packages["celery"] == metadata.version("celery"), packages
+    assert f"celery {packages['celery']}" in (out / "bench.md").read_text()
+    assert "(threads: the production configuration)" in (out / "bench.md").read_text()
 
 
 @pytest.mark.parametrize(

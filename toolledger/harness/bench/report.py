@@ -19,6 +19,12 @@ GOALS: dict[str, tuple[str, float]] = {
     "sweep_1m_vs_10k": ("<=", 1.5),
 }
 HEADLINES = tuple(GOALS)
+#: Which worker pool a headline's toolledger ran on: threads is the production configuration
+#: the README recommends for I/O-bound tools (the issue's goal against Procrastinate is its).
+POOL_LABELS = {
+    "vs_procrastinate": " (prefork, Celery's default)",
+    "threads_vs_procrastinate": " (threads: the production configuration)",
+}
 
 
 def _fmt(summary: dict[str, Any] | None, unit: str = "") -> str:
@@ -39,6 +45,7 @@ def markdown(r: dict[str, Any]) -> str:
         met = {True: "yes", False: "**no**", None: "-"}[h["met"]]
         note = f" {h['why']}" if h.get("why") else ""
         label = f"{name} ({h['processes']} processes)" if "processes" in h else name
+        label += POOL_LABELS.get(name, "")
         lines.append(f"| {label} | {_fmt(h)}{note} | {h['goal']} | {met} |")
     if "protocol_jobs_per_s" in raw:
         lines += [
@@ -96,6 +103,9 @@ def markdown(r: dict[str, Any]) -> str:
         ]
     if "cli_start" in r:
         lines += ["", *_cli_start(r["cli_start"])]
+    if packages := r.get("machine", {}).get("packages"):
+        versions = ", ".join(f"{n} {v}" for n, v in packages.items() if v)
+        lines += ["", f"Packages: {versions}."]
     return "\n".join(lines).lstrip("\n") + "\n"
 
 

@@ -196,13 +196,40 @@ def run_alone(cfg: BenchConfig) -> dict[str, Any]:
     return report
 
 
+#: The distributions whose speed the figures depend on: two runs compare only with these.
+PACKAGES = (
+    "celery",
+    "kombu",
+    "redis",
+    "psycopg",
+    "psycopg-binary",
+    "SQLAlchemy",
+    "procrastinate",
+    "dbos",
+)
+
+
 def _machine(postgres: str | None) -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "postgres": postgres,
         "platform": platform.platform(),
+        "packages": _versions(PACKAGES),
     }
+
+
+def _versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """Installed versions (None: not installed)."""
+    from importlib import metadata
+
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def _roundtrip_stacks(cfg: BenchConfig, pg: str, root: Path) -> dict[str, dict[str, str]]:
