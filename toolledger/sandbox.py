@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from toolledger import folders
 from toolledger.ledger.errors import InputError
 from toolledger.ledger.identity import check_scope
 
@@ -184,8 +185,15 @@ def alias_among(names: list[str], name: str) -> str | None:
 
 def refuse_alias(parent: int, name: str, what: str) -> None:
     """AliasRefused if a sibling of ``name`` in the directory ``parent`` differs from it only
-    by case or Unicode normalisation. One listdir: called only for names about to be made."""
-    other = alias_among(os.listdir(parent), name)
+    by case or Unicode normalisation. Called only for names about to be made. The folder's
+    names come from ``folders`` (listed once, then kept current by inotify) where it can
+    vouch for them, else from a listing."""
+    found = folders.siblings(parent, name)
+    other = (
+        (found[0] if found else None)
+        if found is not None
+        else alias_among(os.listdir(parent), name)
+    )
     if other is not None:
         raise AliasRefused(
             f"{what}: {name!r} and the existing {other!r} differ only by letter case or "
