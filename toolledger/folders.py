@@ -9,12 +9,15 @@ for every new file, and it decided a submit's cost in large folders.
 kernel's events (created, deleted, moved in or out) to its folded names. It answers exactly what
 a fresh listing would: the kernel queues the event of a name made or removed before that system
 call returns, and every check first reads the whole queue; a name made concurrently with a
-check is seen or not, as by a listing. It steps aside (the caller lists) wherever it cannot
-vouch for that:
+check is seen or not, as by a listing. An event adds a name; a removal is believed only once
+the name is looked at (``_confirm``), because an exchange (renameat2 RENAME_EXCHANGE) reports
+each of two names that stay as moved away. It steps aside (the caller lists) wherever it
+cannot vouch for its answer:
 
-- a folder on a filesystem where another machine can change it (NFS, SMB, FUSE, overlay …):
-  only local filesystems whose changes all pass through this kernel are watched;
-- the event queue overflowed: every folder is listed again;
+- a folder on a filesystem where another machine or layer can change it (NFS, SMB, FUSE,
+  overlay, ZFS's rollbacks …): only local filesystems whose changes all pass through this
+  kernel are watched, asked folder by folder;
+- the event queue overflowed, or applying events was interrupted: every folder is listed again;
 - a folder deleted or unmounted: forgotten;
 - inotify unavailable or out of watches or instances: the caller lists, as before;
 - after a fork: the child starts with nothing (the parent's queue is not its own).
@@ -113,7 +116,6 @@ class FolderNames:
         self._doubts: dict[tuple[int, int], dict[str, set[str]]] = {}
         self.names = 0  # names kept, all folders together
         self.listed = 0  # folders listed (tests and the bench count them)
-
         self.closed = False
 
     def close(self) -> None:
@@ -159,12 +161,6 @@ class FolderNames:
             except FileNotFoundError:
                 continue
             self._add(key, folded, n)
-
-    def reset(self) -> None:
-        """Forget every folder (each is listed again at its next check)."""
-        with self._lock:
-            for key in list(self._folders):
-                self._forget(key, remove_watch=True)
 
     def _watch(self, parent: int, key: tuple[int, int]) -> dict[str, set[str]] | None:
         # asked for every folder, never cached by st_dev: a device number freed by an unmount
