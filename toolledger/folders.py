@@ -35,6 +35,7 @@ import logging
 import os
 import struct
 import threading
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -65,14 +66,16 @@ _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name,
 LOCAL_FILESYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
 
 
-def fold(name: str) -> str:
-    """What a case-insensitive, normalisation-insensitive filesystem sees of ``name``
-    (``sandbox.alias_key``; an ASCII name's is its lower case)."""
-    if name.isascii():
-        return name.lower()
-    from toolledger.sandbox import alias_key
+def alias_key(name: str) -> str:
+    """What a case-insensitive, normalisation-insensitive filesystem sees of ``name``: two
+    names with one key are one file there (Unicode's canonical caseless match)."""
+    return unicodedata.normalize("NFD", unicodedata.normalize("NFD", name).casefold())
 
-    return alias_key(name)
+
+def fold(name: str) -> str:
+    """``alias_key``, cheaply for an ASCII name: its lower case (NFD leaves ASCII alone, and
+    casefold is lower there)."""
+    return name.lower() if name.isascii() else alias_key(name)
 
 
 class _Libc:

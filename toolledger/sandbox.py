@@ -40,12 +40,12 @@ import errno
 import hashlib
 import os
 import stat
-import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolledger import folders
+from toolledger.folders import alias_key
 from toolledger.ledger.errors import InputError
 from toolledger.ledger.identity import check_scope
 
@@ -107,12 +107,6 @@ def check_name(name: str, what: str) -> None:
         raise PathRefused(f"{what} has a component ending in a dot or a space ({name!r})")
     if name.split(".", 1)[0].rstrip(" ").upper() in WINDOWS_DEVICES:
         raise PathRefused(f"{what} has a component named after a Windows device ({name!r})")
-
-
-def alias_key(name: str) -> str:
-    """What a case-insensitive, normalisation-insensitive filesystem sees of ``name``: two
-    names with one key are one file there (Unicode's canonical caseless match)."""
-    return unicodedata.normalize("NFD", unicodedata.normalize("NFD", name).casefold())
 
 
 def _folds_to(other: str, key: str) -> bool:

@@ -28,6 +28,7 @@ ROOMS: list[tuple[str, int, tuple[str, ...]]] = [
         (
             "toolledger.config",
             "toolledger.failpoints",
+            "toolledger.folders",
             "toolledger.sandbox",
             "toolledger.effects",
             "toolledger.tools",
