@@ -5,6 +5,7 @@ cannot vouch (a filesystem it does not watch, a failure), leaving the alias chec
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import multiprocessing
@@ -310,17 +311,29 @@ class _Interrupt(BaseException):
     pass
 
 
+@contextlib.contextmanager
+def _fold_raises(monkeypatch, exc: type[BaseException]):
+    """Within: folding a name raises ``exc`` (raised into the index while it applies events),
+    which the block must let out; after: folding works again."""
+    real = folders.fold
+
+    def raising(name: str) -> str:
+        raise exc()
+
+    monkeypatch.setattr(folders, "fold", raising)
+    with pytest.raises(exc):
+        yield
+    monkeypatch.setattr(folders, "fold", real)
+
+
 def test_folders__events_lost_to_an_interrupt_are_listed_again(index, tmp_path, monkeypatch):
     """Events read from the kernel are gone from its queue: an interrupt while applying them
     (a KeyboardInterrupt, a timeout raised into the thread) must not leave the index short."""
     here = _Folder(tmp_path / "here")
     assert index.siblings(here.fd, "b") == []
     (here.path / "B").touch()
-    real = folders.fold
-    monkeypatch.setattr(folders, "fold", lambda name: (_ for _ in ()).throw(_Interrupt()))
-    with pytest.raises(_Interrupt):
+    with _fold_raises(monkeypatch, _Interrupt):
         index.siblings(here.fd, "b")
-    monkeypatch.setattr(folders, "fold", real)
     assert index.siblings(here.fd, "b") == ["B"]
     here.close()
 
@@ -337,11 +350,8 @@ def test_folders__the_caller_s_exceptions_go_on_and_leave_the_index_on(
     here = _Folder(tmp_path / "here")
     assert folders.siblings(here.fd, "x") == []
     (here.path / "X").touch()
-    real = folders.fold
-    monkeypatch.setattr(folders, "fold", lambda name: (_ for _ in ()).throw(_SoftTimeLimit()))
-    with pytest.raises(_SoftTimeLimit):
+    with _fold_raises(monkeypatch, _SoftTimeLimit):
         folders.siblings(here.fd, "x")
-    monkeypatch.setattr(folders, "fold", real)
     assert not folders._disabled
     assert folders.siblings(here.fd, "x") == ["X"]
     here.close()
