@@ -52,6 +52,9 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     assert {"toolledger", "toolledger_threads", "celery_noop", "celery_write"} <= set(raw["e2e"])
     for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
         assert e2e["cpu_ms_per_call"]["median"] > 0, name
+        parts = e2e["cpu_parts_ms_per_call"]  # and where it went, every part named
+        assert list(parts) == ["producer", "workers", "postgres", "redis", "other"], name
+        assert all(p["median"] >= 0 for p in parts.values()), (name, parts)
     assert raw["claim_contention"]["attempts_per_s"]["rounds"] >= 1
     for name in ("bench.json", "bench.md", "bench.png"):
         assert (out / name).stat().st_size > 0
@@ -60,6 +63,10 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     assert packages["celery"] == metadata.version("celery"), packages
     assert f"celery {packages['celery']}" in (out / "bench.md").read_text()
     assert "(threads: the production configuration)" in (out / "bench.md").read_text()
+    assert (
+        "| system | producer | workers | postgres | redis | other |"
+        in (out / "bench.md").read_text()
+    )
 
 
 @pytest.mark.parametrize(

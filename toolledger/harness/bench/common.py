@@ -99,13 +99,64 @@ def atomic_write(directory: str, name: str, data: bytes) -> None:
         os.close(dfd)
 
 
+#: What ``CpuMeter`` splits the machine's busy CPU into. ``producer`` is the bench's own
+#: process (it submits and polls for completion); ``other`` is what no part accounts for
+#: (the kernel's threads, page-cache writeback, anything else running).
+CPU_PARTS = ("producer", "workers", "postgres", "redis", "other")
+
+
+def _part_times(workers: Sequence[int]) -> dict[str, float]:
+    """CPU seconds used so far by each part. A process's reaped children count in its own
+    ``children_*`` times, so a Postgres backend or a pool child that exits during the
+    measurement still counts, in its parent's (the postmaster's, the worker's)."""
+    import psutil
+
+    procs = list(psutil.process_iter(["pid", "ppid", "name"]))
+    kids: dict[int, list[int]] = {}
+    for p in procs:
+        kids.setdefault(p.info["ppid"], []).append(p.info["pid"])
+    tree, todo = set(), list(workers)
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += kids.get(pid, [])
+    me, out = os.getpid(), dict.fromkeys(CPU_PARTS[:-1], 0.0)
+    for p in procs:
+        name, pid = p.info["name"] or "", p.info["pid"]
+        if pid == me:
+            part = "producer"
+        elif pid in tree:
+            part = "workers"
+        elif name.startswith("postgres"):
+            part = "postgres"
+        elif name.startswith("redis-server"):
+            part = "redis"
+        else:
+            continue
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # gone since listed: its time is in its parent's
+            continue
+        out[part] += t.user + t.system
+        if part != "producer":  # the producer's reaped children are other runs' workers
+            out[part] += t.children_user + t.children_system
+    return out
+
+
 class CpuMeter:
     """The whole machine's busy CPU (every process: producer, workers, Postgres, Redis)
     between ``start`` and ``stop``: what a call costs across all processes, not only the
-    ones a profiler is attached to. The bench runs alone on the machine, as it asks."""
+    ones a profiler is attached to. The bench runs alone on the machine, as it asks.
 
-    def __init__(self) -> None:
+    Given the worker processes' pids, it also splits that CPU into ``CPU_PARTS``: where a
+    call's CPU goes, measured in every run rather than in a separate profile."""
+
+    def __init__(self, workers: Sequence[int] = ()) -> None:
+        self.workers = list(workers)
         self.began = self.busy = 0.0
+        self._parts_began: dict[str, float] = {}
+        self.parts: dict[str, float] = {}
 
     @staticmethod
     def _busy() -> float:
@@ -115,13 +166,20 @@ class CpuMeter:
         return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
     def start(self) -> None:
+        self._parts_began = _part_times(self.workers)
         self.began = self._busy()
 
     def stop(self) -> None:
         self.busy = self._busy() - self.began
+        ended = _part_times(self.workers)
+        self.parts = {k: max(0.0, v - self._parts_began.get(k, 0.0)) for k, v in ended.items()}
+        self.parts["other"] = max(0.0, self.busy - sum(self.parts.values()))
 
     def ms_per(self, n: int) -> float:
         return self.busy * 1000 / max(1, n)
+
+    def parts_ms_per(self, n: int) -> dict[str, float]:
+        return {k: v * 1000 / max(1, n) for k, v in self.parts.items()}
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -49,6 +49,7 @@ class Result:
     p50_ms: float
     p99_ms: float
     cpu_ms_per_call: float  # busy CPU of the whole machine, first submit to last done
+    cpu_parts: dict[str, float]  # the same, split into CPU_PARTS
 
 
 def _result(submitted: dict[str, float], done: dict[str, float], cpu: CpuMeter) -> Result:
@@ -59,6 +60,7 @@ def _result(submitted: dict[str, float], done: dict[str, float], cpu: CpuMeter) 
         percentile(latencies, 0.5),
         percentile(latencies, 0.99),
         cpu.ms_per(len(done)),
+        cpu.parts_ms_per(len(done)),
     )
 
 
@@ -106,7 +108,7 @@ class E2E:
                 Settings.from_env({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
             )
             submitted: dict[str, float] = {}
-            cpu = CpuMeter()
+            cpu = CpuMeter([p.pid for p in procs])
             cpu.start()
             for i in range(self.jobs):
                 cid = f"c{i}"
@@ -182,7 +184,7 @@ class E2E:
         app = make_app(Settings(broker=self.redis, broker_prefix=prefix))
         try:
             submitted: dict[str, float] = {}
-            cpu = CpuMeter()
+            cpu = CpuMeter([p.pid for p in procs])
             cpu.start()
             with app.producer_or_acquire() as producer:
                 for i in range(self.jobs):
@@ -231,7 +233,7 @@ class E2E:
         app = peer.make_app(plain_url(db))
         try:
             submitted: dict[str, float] = {}
-            cpu = CpuMeter()
+            cpu = CpuMeter([p.pid for p in procs])
             cpu.start()
             with app.open():
                 task = app.tasks[peer.TASK]
@@ -275,7 +277,7 @@ class E2E:
         try:
             began_ms = time.time() * 1000
             submitted: dict[str, float] = {}
-            cpu = CpuMeter()
+            cpu = CpuMeter([p.pid for p in procs])
             cpu.start()
             for i in range(self.jobs):
                 submitted[f"f{i}"] = time.time()
@@ -320,6 +322,7 @@ class E2E:
             percentile(latencies, 0.5),
             percentile(latencies, 0.99),
             cpu.ms_per(len(rows)),
+            cpu.parts_ms_per(len(rows)),
         )
 
     # ------------------------------------------------------------------ a round
@@ -345,6 +348,8 @@ class E2E:
             figures.add(f"e2e/{name}/p50_ms", result.p50_ms)
             figures.add(f"e2e/{name}/p99_ms", result.p99_ms)
             figures.add(f"e2e/{name}/cpu_ms_per_call", result.cpu_ms_per_call)
+            for part, ms in result.cpu_parts.items():
+                figures.add(f"e2e/{name}/cpu_{part}", ms)
             self.progress(
                 f"  {name}: {result.throughput:.0f} calls/s, p50 {result.p50_ms:.0f} "
                 f"ms, p99 {result.p99_ms:.0f} ms, {result.cpu_ms_per_call:.2f} ms CPU/call"

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from toolledger.harness.bench.common import CPU_PARTS
+
 #: Each headline figure and its goal, in the report's order.
 GOALS: dict[str, tuple[str, float]] = {
     "ledger_vs_handwritten": (">=", 0.7),
@@ -81,6 +83,18 @@ def markdown(r: dict[str, Any]) -> str:
             )
         for name, why in raw["e2e_not_run"].items():
             lines.append(f"| {name} | {why} | | | |")
+        lines += [
+            "",
+            "Where that CPU goes, ms per call (producer: the bench process, which submits and "
+            "polls; other: what no part accounts for, the kernel's threads among it):",
+            "",
+            "| system | " + " | ".join(CPU_PARTS) + " |",
+            "|---|" + "---|" * len(CPU_PARTS),
+        ]
+        for name, e in raw["e2e"].items():
+            parts = e.get("cpu_parts_ms_per_call", {})
+            cells = " | ".join(_fmt(parts.get(p)) for p in CPU_PARTS)
+            lines.append(f"| {name} | {cells} |")
     if "sweep" in raw:
         lines += [
             "",

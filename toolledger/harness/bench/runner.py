@@ -15,7 +15,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from toolledger.harness.bench import cli_start
-from toolledger.harness.bench.common import Figures, difference, ratio, scratch_postgres
+from toolledger.harness.bench.common import (
+    CPU_PARTS,
+    Figures,
+    difference,
+    ratio,
+    scratch_postgres,
+)
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
 from toolledger.harness.bench.protocol import run_protocol
@@ -332,8 +338,11 @@ def _e2e_summary(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
 def _e2e_raw(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
     return {
         v: {
-            m: f[f"e2e/{v}/{m}"].summary(2 if m == "cpu_ms_per_call" else 1)
-            for m in ("throughput", "p50_ms", "p99_ms", "cpu_ms_per_call")
+            **{
+                m: f[f"e2e/{v}/{m}"].summary(2 if m == "cpu_ms_per_call" else 1)
+                for m in ("throughput", "p50_ms", "p99_ms", "cpu_ms_per_call")
+            },
+            "cpu_parts_ms_per_call": {p: f[f"e2e/{v}/cpu_{p}"].summary(2) for p in CPU_PARTS},
         }
         for v in VARIANTS
         if v not in missing
