@@ -133,10 +133,20 @@ def publish(
     if tool_call_id is not None:
         headers[TOOL_CALL_ID] = tool_call_id
     tracing.inject(headers)
+    args = (scope, key, attempt)
     app.send_task(
         EXECUTE,
-        args=(scope, key, attempt),
+        args=args,
+        # What Celery would log for this message, made here: three short values need no
+        # saferepr (which cost 5 % of a submit's CPU).
+        argsrepr=repr(args),
+        kwargsrepr="{}",
         queue=settings.queue,
+        # The queue's direct exchange makes Celery publish to it by name (the anonymous
+        # exchange): no binding is looked up, so none needs declaring, and kombu's
+        # per-message copy of the queue to check its declaration cache (7 % of a submit's
+        # CPU) is skipped. Both transports create the queue on its first message.
+        declare=[],
         retry=True,
         retry_policy={
             "max_retries": 2,

@@ -91,3 +91,54 @@ def test_transport__a_replaced_pool_gets_a_client_of_its_own(redis_server: str, 
         with channel.conn_or_acquire() as after:
             assert after is not first and after.connection_pool is channel.pool
             assert after.ping()
+
+
+# ---------------------------------------------------------------------------- publish
+
+
+def _take_one(app: Any, queue: str) -> tuple[Any, dict[str, Any]]:
+    """The first message on ``queue`` (body, headers), taken by a consumer that starts only
+    now: the producer declared nothing, and nothing was listening when it published."""
+    got: list[tuple[Any, dict[str, Any]]] = []
+
+    def take(body: Any, message: Any) -> None:
+        got.append((body, dict(message.headers)))
+        message.ack()
+
+    with (
+        app.connection_for_read() as conn,
+        Consumer(conn, [Queue(queue)], callbacks=[take], accept=["json"]),
+    ):
+        while not got:
+            conn.drain_events(timeout=5)
+    return got[0]
+
+
+@pytest.mark.parametrize("broker", ["redis", "embedded"])
+def test_publish__reaches_a_queue_no_one_declared(
+    broker: str, redis_server: str, redis_prefix: str, tmp_path: Any
+) -> None:
+    """``publish`` declares nothing (``declare=[]``): the message goes to the queue by name,
+    so a queue never declared by anyone still gets it, on Redis and on the embedded broker.
+    Its log representation is made by hand (no saferepr) and is what Celery's would be."""
+    from toolledger.worker.tasks import EXECUTE, publish
+
+    url = redis_server if broker == "redis" else f"embedded+sqlite:///{tmp_path}/broker.db"
+    queue = f"q-undeclared-{broker}"
+    settings = Settings.from_env({}, broker=url, broker_prefix=redis_prefix, queue=queue)
+    app = create_app(settings)
+    try:
+        publish(app, settings, "s1", "write_file:c1", 2, tool_call_id="c1")
+        if broker == "redis":
+            plain = redis.Redis.from_url(redis_server)
+            try:
+                assert not list(plain.scan_iter(match=f"{redis_prefix}_kombu.binding*"))
+                assert plain.llen(f"{redis_prefix}{queue}") == 1
+            finally:
+                plain.close()
+        body, headers = _take_one(app, queue)
+    finally:
+        app.close()
+    assert body[0] == ["s1", "write_file:c1", 2] and body[1] == {}
+    assert headers["task"] == EXECUTE
+    assert headers["argsrepr"] == "('s1', 'write_file:c1', 2)" and headers["kwargsrepr"] == "{}"
