@@ -165,8 +165,9 @@ class Staged:
     size: int
     sha256: str
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> dict[str, Any]:  # asdict's deep copy costs 10x this on every call
+        return {"n": self.n, "kind": self.kind, "path": self.path, "size": self.size,
+                "sha256": self.sha256}  # fmt: skip
 
 
 def path_hash(scope: str, path: str) -> str:
