@@ -134,6 +134,12 @@ def publish(
         headers[TOOL_CALL_ID] = tool_call_id
     tracing.inject(headers)
     args = (scope, key, attempt)
+    # A queue on a direct exchange (toolledger's, and Celery's default) is published to by
+    # name (the anonymous exchange): no binding is looked up, so none needs declaring, and
+    # kombu's per-message copy of the queue to check its declaration cache (7 % of a
+    # submit's CPU) is skipped; both transports create the queue on its first message. A
+    # queue an operator routed through another kind of exchange is declared, as before.
+    direct = app.amqp.queues[settings.queue].exchange.type == "direct"
     app.send_task(
         EXECUTE,
         args=args,
@@ -142,11 +148,7 @@ def publish(
         argsrepr=repr(args),
         kwargsrepr="{}",
         queue=settings.queue,
-        # The queue's direct exchange makes Celery publish to it by name (the anonymous
-        # exchange): no binding is looked up, so none needs declaring, and kombu's
-        # per-message copy of the queue to check its declaration cache (7 % of a submit's
-        # CPU) is skipped. Both transports create the queue on its first message.
-        declare=[],
+        declare=[] if direct else None,
         retry=True,
         retry_policy={
             "max_retries": 2,

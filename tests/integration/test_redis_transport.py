@@ -142,3 +142,24 @@ def test_publish__reaches_a_queue_no_one_declared(
     assert body[0] == ["s1", "write_file:c1", 2] and body[1] == {}
     assert headers["task"] == EXECUTE
     assert headers["argsrepr"] == "('s1', 'write_file:c1', 2)" and headers["kwargsrepr"] == "{}"
+
+
+def test_publish__a_queue_routed_through_a_topic_exchange_is_still_declared(
+    redis_server: str, redis_prefix: str
+) -> None:
+    """Only a direct exchange is published to by name: a queue an operator bound to a topic
+    exchange needs its binding, so ``publish`` declares it (a message would be lost else)."""
+    from kombu import Exchange
+
+    from toolledger.worker.tasks import publish
+
+    settings = Settings.from_env({}, broker=redis_server, broker_prefix=redis_prefix, queue="q-t")
+    app = create_app(settings)
+    app.conf.task_queues = [Queue("q-t", Exchange("x-topic", type="topic"), routing_key="q.#")]
+    app.conf.task_routes = {"toolledger.execute": {"queue": "q-t", "routing_key": "q.run"}}
+    try:
+        publish(app, settings, "s1", "write_file:c1", 1)
+        body, _ = _take_one(app, "q-t")
+    finally:
+        app.close()
+    assert body[0] == ["s1", "write_file:c1", 1]
