@@ -115,33 +115,66 @@ def _take_one(app: Any, queue: str) -> tuple[Any, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("broker", ["redis", "embedded"])
-def test_publish__reaches_a_queue_no_one_declared(
-    broker: str, redis_server: str, redis_prefix: str, tmp_path: Any
+def test_publish__declares_the_queue_once_per_connection_as_kombu_would(
+    broker: str, redis_server: str, redis_prefix: str, tmp_path: Any, monkeypatch: Any
 ) -> None:
-    """``publish`` declares nothing (``declare=[]``): the message goes to the queue by name,
-    so a queue never declared by anyone still gets it, on Redis and on the embedded broker.
-    Its log representation is made by hand (no saferepr) and is what Celery's would be."""
-    from toolledger.worker.tasks import EXECUTE, publish
+    """``publish`` lets kombu declare the job queue on a connection's first message, and
+    again after the connection forgets its declarations (kombu clears them when it
+    reconnects); it skips kombu's per-message check only where that check would find the
+    queue declared. Every message reaches a consumer that starts afterwards."""
+    import kombu.messaging
 
+    from toolledger.worker.tasks import publish
+
+    declared: list[str] = []
+    original = kombu.messaging.maybe_declare
+
+    def counted(entity: Any, *args: Any, **kwargs: Any) -> Any:
+        declared.append(entity.name)
+        return original(entity, *args, **kwargs)
+
+    monkeypatch.setattr(kombu.messaging, "maybe_declare", counted)
     url = redis_server if broker == "redis" else f"embedded+sqlite:///{tmp_path}/broker.db"
-    queue = f"q-undeclared-{broker}"
+    queue = f"q-declared-{broker}"
     settings = Settings.from_env({}, broker=url, broker_prefix=redis_prefix, queue=queue)
     app = create_app(settings)
     try:
-        publish(app, settings, "s1", "write_file:c1", 2, tool_call_id="c1")
-        if broker == "redis":
-            plain = redis.Redis.from_url(redis_server)
-            try:
-                assert not list(plain.scan_iter(match=f"{redis_prefix}_kombu.binding*"))
-                assert plain.llen(f"{redis_prefix}{queue}") == 1
-            finally:
-                plain.close()
-        body, headers = _take_one(app, queue)
+        with app.producer_or_acquire() as producer:
+            for i in range(3):
+                publish(app, settings, "s1", f"write_file:c{i}", 1, producer=producer)
+            assert declared == [queue]  # the first message only
+            producer.connection.declared_entities.clear()  # as a reconnect does
+            publish(app, settings, "s1", "write_file:c3", 1, producer=producer)
+            assert declared == [queue, queue]
+        got = [_take_one(app, queue)[0][0][1] for _ in range(4)]
     finally:
         app.close()
-    assert body[0] == ["s1", "write_file:c1", 2] and body[1] == {}
-    assert headers["task"] == EXECUTE
-    assert headers["argsrepr"] == "('s1', 'write_file:c1', 2)" and headers["kwargsrepr"] == "{}"
+    assert sorted(got) == [f"write_file:c{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["write_file:c1", "it's", "back\\slash", "nbsp\u00a0here", "zw\u200bsp", "\U000e0001" * 512],
+)
+def test_publish__shows_the_arguments_as_celery_would(
+    key: str, redis_server: str, redis_prefix: str
+) -> None:
+    """The message's log representation is made by hand only where it is what Celery's
+    ``saferepr`` makes; any other key is left to Celery."""
+    from celery.utils.saferepr import saferepr
+
+    from toolledger.worker.tasks import publish
+
+    settings = Settings.from_env({}, broker=redis_server, broker_prefix=redis_prefix, queue="q-r")
+    app = create_app(settings)
+    try:
+        publish(app, settings, "s1", key, 2)
+        body, headers = _take_one(app, "q-r")
+    finally:
+        app.close()
+    assert body[0] == ["s1", key, 2] and body[1] == {}
+    assert headers["argsrepr"] == saferepr(("s1", key, 2), 1024)
+    assert headers["kwargsrepr"] == "{}"
 
 
 def test_publish__a_queue_routed_through_a_topic_exchange_is_still_declared(
