@@ -99,7 +99,7 @@ def test_transport__a_replaced_pool_gets_a_client_of_its_own(redis_server: str, 
 
 def _take_one(app: Any, queue: str) -> tuple[Any, dict[str, Any]]:
     """The first message on ``queue`` (body, headers), taken by a consumer that starts only
-    now: the producer declared nothing, and nothing was listening when it published."""
+    now: nothing was listening when it was published."""
     got: list[tuple[Any, dict[str, Any]]] = []
 
     def take(body: Any, message: Any) -> None:
