@@ -115,9 +115,9 @@ def _folds_to(other: str, key: str) -> bool:
     ASCII key of its length. A name with any other character (a ligature, the Kelvin sign
     fold onto ASCII letters) takes the whole fold. The sandbox lists a folder for every name
     it is about to make: with thousands of siblings this decided a job's cost."""
-    if other.isascii():
-        return len(other) == len(key) and other.lower() == key
-    return alias_key(other) == key
+    if other.isascii() and len(other) != len(key):
+        return False
+    return folders.fold(other) == key
 
 
 def refuse_hard_link(st: os.stat_result, path: str, verb: str) -> None:
