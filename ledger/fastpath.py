@@ -313,9 +313,13 @@ class PostgresStore(HeldConnectionStore):
         )
         if row is None:
             raise StaleFence(execution_id)
-        for name in ("lease_expires_at", "heartbeat_at", "started_at", "finished_at"):
-            row[name] = _utc(row[name])
-        return Finished(ExecutionRecord.from_row(row), int(row["seq"]))
+        return Finished(lambda: _execution(row), int(row["seq"]))
+
+
+def _execution(row: dict[str, Any]) -> ExecutionRecord:
+    """The record of a row ``_FINISH`` returned (built only when someone reads it)."""
+    times = ("lease_expires_at", "heartbeat_at", "started_at", "finished_at")
+    return ExecutionRecord.from_row({**row, **{name: _utc(row[name]) for name in times}})
 
 
 def _utc(value: datetime | None) -> datetime | None:

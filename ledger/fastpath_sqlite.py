@@ -95,6 +95,12 @@ VALUES (:scope, :tool_call_id, :key, :sha, {_NOW})"""
 
 _Convert = Callable[[Any], Any]
 
+#: The columns ``_FINISH`` returns, in order, and where the ones it reads at once are.
+_EXECUTION_COLUMNS = [c.name for c in executions.c]
+_SCOPE, _KEY, _ATTEMPT, _WORKER = (
+    _EXECUTION_COLUMNS.index(name) for name in ("scope", "idempotency_key", "attempt", "worker_id")
+)
+
 
 def _readers(table: sa.Table, dialect: sa.Dialect) -> dict[str, _Convert]:
     """How the generic path reads each column on this dialect (JSON, booleans, UTC times)."""
@@ -120,6 +126,10 @@ class SqliteStore(HeldConnectionStore):
         super().__init__(ledger)
         dialect = self.engine.dialect
         self._read = {t.name: _readers(t, dialect) for t in (executions, operations)}
+        # ``finish`` reads these as stored, before the row is converted
+        assert not {"scope", "idempotency_key", "attempt", "worker_id"} & set(
+            self._read["executions"]
+        )
         self._result = _writer(executions.c.result, dialect)
         self._effects = _writer(executions.c.effects, dialect)
         self._detail = _writer(execution_events.c.detail, dialect)
@@ -260,33 +270,35 @@ class SqliteStore(HeldConnectionStore):
             "error": error,
             "effects": self._effects(effects),
         }
-        names = [c.name for c in executions.c]
 
-        def steps(conn: sqlite3.Connection) -> tuple[dict[str, Any], int, bool] | None:
+        def steps(conn: sqlite3.Connection) -> tuple[tuple[Any, ...], int, bool] | None:
             values = conn.execute(_FINISH, params).fetchone()
             if values is None:
                 return None
-            done = self._row("executions", names, values)
-            where = {"scope": done["scope"], "key": done["idempotency_key"]}
+            # plain text and integer columns, read as stored: no conversion under the lock
+            where = {"scope": values[_SCOPE], "key": values[_KEY]}
             move = {
                 **where,
-                "attempt": done["attempt"],
+                "attempt": values[_ATTEMPT],
                 "new": status.value,
                 "old": params["running"],
             }
             moved = conn.execute(_MOVE, move).rowcount == 1
-            actor = done["worker_id"] or "worker"
+            actor = values[_WORKER] or "worker"
             ev = self._event({**where, "execution_id": execution_id}, status, actor, detail)
             (seq,) = conn.execute(_EVENT, ev).fetchone()
-            return done, seq, moved
+            return values, seq, moved
 
         out = self._transaction(steps)
         if out is None:
             raise StaleFence(execution_id)
-        done, seq, moved = out
+        values, seq, moved = out
         if moved and status in RECEIPT_STATUSES:
-            self._ring(done["scope"], done["idempotency_key"])
-        return Finished(ExecutionRecord.from_row(done), int(seq))
+            self._ring(values[_SCOPE], values[_KEY])
+        return Finished(
+            lambda: ExecutionRecord.from_row(self._row("executions", _EXECUTION_COLUMNS, values)),
+            int(seq),
+        )
 
     def create(self, params: dict[str, Any]) -> OperationRecord | None:
         """The new operation, its tool call and its two events; None if the key exists (the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, Self
@@ -125,13 +125,42 @@ class EventRecord(_FromRow):
         }
 
 
-@dataclass(frozen=True, slots=True)
 class Finished:
     """An executor's own terminal commit and the sequence number of its event: the order in
-    which the sandbox publishes effects on one path (a later commit's bytes win)."""
+    which the sandbox publishes effects on one path (a later commit's bytes win).
 
-    execution: ExecutionRecord
-    seq: int
+    ``execution`` is the row as committed. The fast stores pass a function that builds it
+    from the raw row when it is first read: the executor reads only ``seq``, and converting
+    every column (two JSON documents, four timestamps) on every terminal write was work
+    nobody used."""
+
+    __slots__ = ("_execution", "_load", "seq")
+
+    def __init__(
+        self, execution: ExecutionRecord | Callable[[], ExecutionRecord], seq: int
+    ) -> None:
+        self.seq = seq
+        self._execution: ExecutionRecord | None = None
+        self._load: Callable[[], ExecutionRecord] | None = None
+        if isinstance(execution, ExecutionRecord):
+            self._execution = execution
+        else:
+            self._load = execution
+
+    @property
+    def execution(self) -> ExecutionRecord:
+        if self._execution is None:
+            assert self._load is not None
+            self._execution = self._load()  # two threads may both build it: equal records
+        return self._execution
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Finished):
+            return NotImplemented
+        return (self.execution, self.seq) == (other.execution, other.seq)
+
+    def __repr__(self) -> str:
+        return f"Finished(execution={self.execution!r}, seq={self.seq!r})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,9 +207,18 @@ class LeaseKeeper:
                 self._due[eid] = (claim, time.monotonic() + retry_in, watch)
 
 
+#: Values a JSON round trip gives back unchanged, type and all (a float can be NaN, a
+#: subclass — an IntEnum, a str enum — comes back as its base type).
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
 def _json_safe(result: Any) -> dict[str, Any]:
     """The tool's return value as a JSON object (a tool must return one; be lenient)."""
     value = result if isinstance(result, dict) else {"result": result}
+    if type(value) is dict and all(
+        type(k) is str and type(v) in _PLAIN for k, v in value.items()
+    ):  # what most tools return: the round trip below would give an equal copy
+        return dict(value)
     try:  # round-trip, so what is stored, replayed and compared is the same object
         return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
     except (TypeError, ValueError):

@@ -5,6 +5,7 @@ broken on purpose (a forgotten event, a row not moved, a doorbell not rung)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from toolledger.ledger.fastpath import PostgresStore
 from toolledger.ledger.fastpath_sqlite import SqliteStore
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations, tool_calls
+from toolledger.ledger.records import Finished
 from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import Status
 
@@ -107,8 +109,9 @@ def _outcome(fn: Any) -> Any:
         return ("submitted", out.outcome, out.operation.status.value)
     if hasattr(out, "lease_token"):  # Claim
         return ("claimed", out.attempt, out.tool, out.args)
-    if hasattr(out, "record"):  # Finished
-        return ("finished", out.record.status.value, out.record.result)
+    if isinstance(out, Finished):  # the record as committed, built when read
+        record = dataclasses.asdict(out.execution)
+        return ("finished", {k: v for k, v in record.items() if k not in VOLATILE})
     return ("other", type(out).__name__)
 
 
@@ -289,15 +292,22 @@ MUTANTS: dict[str, tuple[str, str, Any, str, list[tuple[str, str]]]] = {
     ]),
 }  # fmt: skip
 NO_RING = "sqlite-finish-rings-no-doorbell"
+#: The record ``finish`` returns, built from its row only when read, built wrong.
+WRONG_RECORD = {
+    "sqlite-finish-returns-another-record": "sqlite",
+    "pg-finish-returns-another-record": "postgresql",
+}
 
 
 def _mutant(name: str) -> Any:
-    dialect = MUTANTS[name][0] if name in MUTANTS else "sqlite"
+    dialect = MUTANTS[name][0] if name in MUTANTS else WRONG_RECORD.get(name, "sqlite")
     marks = [pytest.mark.postgres] if dialect == "postgresql" else []
     return pytest.param(name, dialect, marks=marks, id=name)
 
 
-@pytest.mark.parametrize(("mutant", "dialect"), [_mutant(m) for m in (*MUTANTS, NO_RING)])
+@pytest.mark.parametrize(
+    ("mutant", "dialect"), [_mutant(m) for m in (*MUTANTS, NO_RING, *WRONG_RECORD)]
+)
 def test_fastpath__a_broken_fast_store_is_caught(request, mutant, dialect, monkeypatch, tmp_path):
     """Each comparison above can fail: a fast store with one fault differs from the generic,
     and the check meant for that fault is among those that see it. (A database of its own
@@ -330,6 +340,18 @@ def _break(mutant: str, monkeypatch: pytest.MonkeyPatch) -> str:
     if mutant == NO_RING:
         monkeypatch.setattr(SqliteStore, "_ring", lambda self, scope, key: None)
         return "doorbell"
+    if mutant in WRONG_RECORD:
+        if WRONG_RECORD[mutant] == "sqlite":  # two columns read into each other's fields
+            names = list(fastpath_sqlite._EXECUTION_COLUMNS)
+            i, j = names.index("result"), names.index("effects")
+            names[i], names[j] = names[j], names[i]
+            monkeypatch.setattr(fastpath_sqlite, "_EXECUTION_COLUMNS", names)
+        else:
+            built = fastpath._execution
+            monkeypatch.setattr(
+                fastpath, "_execution", lambda row: dataclasses.replace(built(row), error="x")
+            )
+        return "outcomes"
     _, expected, module, name, edits = MUTANTS[mutant]
     monkeypatch.setattr(module, name, _patched_sql(module, name, edits))
     return expected

@@ -1,0 +1,79 @@
+"""A tool's result is stored as the JSON round trip of what it returned; the shortcut for flat
+results of plain values must give exactly what the round trip gives (types included)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from toolledger.worker.pipeline import _json_safe
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Name(enum.StrEnum):
+    A = "a"
+
+
+def _round_trip(result: Any) -> dict[str, Any]:
+    value = result if isinstance(result, dict) else {"result": result}
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
+    except (TypeError, ValueError):
+        return {"result_repr": repr(result)[:2000], "warning": "tool result was not JSON"}
+
+
+def _typed(value: Any) -> Any:
+    """``value`` with every scalar's exact type beside it (True == 1 == 1.0 in Python)."""
+    if isinstance(value, dict):
+        return {(type(k).__name__, k): _typed(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [type(value).__name__, *(_typed(v) for v in value)]
+    return (type(value).__name__, value)
+
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(),
+    st.sampled_from([Colour.RED, Name.A, b"bytes"]),
+)
+keys = st.one_of(st.text(), st.integers(), st.booleans(), st.sampled_from([Name.A, 1.5, None]))
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.tuples(inner, inner),
+        st.dictionaries(keys, inner, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+@given(st.one_of(values, st.dictionaries(keys, scalars, max_size=5)))
+def test_json_safe__equals_the_round_trip(result):
+    got, want = _json_safe(result), _round_trip(result)
+    if "result_repr" in want:
+        assert got == want
+    else:
+        assert _typed(got) == _typed(want)
+
+
+def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
+    flat = {"path": "f", "bytes_written": 4, "ok": True, "none": None}
+    got = _json_safe(flat)
+    assert got == flat and got is not flat  # the tool may keep and change its own dict
+    assert _typed(_json_safe({"n": Colour.RED})) == _typed({"n": 1})  # IntEnum -> int
+    assert _typed(_json_safe({"s": Name.A})) == _typed({"s": "a"})  # str enum -> str
+    assert _typed(_json_safe({1: "x"})) == _typed({"1": "x"})  # keys become strings
+    assert "result_repr" in _json_safe({"f": math.nan})  # NaN is not JSON
+    assert _json_safe({"t": (1, 2)}) == {"t": [1, 2]}
