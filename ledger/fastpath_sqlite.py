@@ -97,6 +97,7 @@ _Convert = Callable[[Any], Any]
 
 #: The columns ``_FINISH`` returns, in order, and where the ones it reads at once are.
 _EXECUTION_COLUMNS = [c.name for c in executions.c]
+_OPERATION_COLUMNS = [c.name for c in operations.c]  # ``_SUBMIT``'s
 _SCOPE, _KEY, _ATTEMPT, _WORKER = (
     _EXECUTION_COLUMNS.index(name) for name in ("scope", "idempotency_key", "attempt", "worker_id")
 )
@@ -209,6 +210,11 @@ class SqliteStore(HeldConnectionStore):
             **self._bool,
         }
 
+        # Everything but the statements is made before the write lock is taken: with several
+        # processes on one file, the time it is held bounds the jobs per second.
+        move = {**params, "new": Status.RUNNING.value, "old": Status.APPROVED.value}
+        event = self._event(params, Status.RUNNING, worker_id, self._detail(detail))
+
         def steps(conn: sqlite3.Connection) -> tuple[Any, ...] | None:
             op = conn.execute(_CLAIM_READ, params).fetchone()
             if op is None:
@@ -216,9 +222,8 @@ class SqliteStore(HeldConnectionStore):
             won = conn.execute(_CLAIM_INSERT, params).fetchone()
             if won is None:
                 return None
-            move = {"new": Status.RUNNING.value, "old": Status.APPROVED.value}
-            conn.execute(_MOVE, {**params, **move})
-            conn.execute(_EVENT, self._event(params, Status.RUNNING, worker_id, detail))
+            conn.execute(_MOVE, move)
+            conn.execute(_EVENT, event)
             return (*op, *won)
 
         row = self._transaction(steps)
@@ -237,16 +242,16 @@ class SqliteStore(HeldConnectionStore):
             args=convert["args"](row[1]),
         )
 
-    def _event(
-        self, params: Mapping[str, Any], kind: Status, actor: str, detail: dict[str, Any]
-    ) -> dict[str, Any]:
+    @staticmethod
+    def _event(params: Mapping[str, Any], kind: Status, actor: str, detail: str) -> dict[str, Any]:
+        """An event's parameters; ``detail`` as written (``_detail``)."""
         return {
             "scope": params["scope"],
             "key": params["key"],
             "execution_id": params["execution_id"],
             "kind": kind.value,
             "actor": actor,
-            "detail": self._detail(detail),
+            "detail": detail,
         }
 
     def finish(
@@ -270,6 +275,7 @@ class SqliteStore(HeldConnectionStore):
             "error": error,
             "effects": self._effects(effects),
         }
+        written = self._detail(detail)  # before the lock, as the claim's
 
         def steps(conn: sqlite3.Connection) -> tuple[tuple[Any, ...], int, bool] | None:
             values = conn.execute(_FINISH, params).fetchone()
@@ -285,7 +291,7 @@ class SqliteStore(HeldConnectionStore):
             }
             moved = conn.execute(_MOVE, move).rowcount == 1
             actor = values[_WORKER] or "worker"
-            ev = self._event({**where, "execution_id": execution_id}, status, actor, detail)
+            ev = self._event({**where, "execution_id": execution_id}, status, actor, written)
             (seq,) = conn.execute(_EVENT, ev).fetchone()
             return values, seq, moved
 
@@ -303,21 +309,25 @@ class SqliteStore(HeldConnectionStore):
     def create(self, params: dict[str, Any]) -> OperationRecord | None:
         """The new operation, its tool call and its two events; None if the key exists (the
         generic path then tells existing, linked and conflict apart)."""
-        names = [c.name for c in operations.c]
+        where = {"scope": params["scope"], "key": params["key"], "execution_id": None}
         events = [
-            ("submitted", params["actor"], params["submitted"]),
-            (params["status"], params["decider"], params["decision"]),
+            {**where, "kind": kind, "actor": actor, "detail": detail}
+            for kind, actor, detail in (
+                ("submitted", params["actor"], params["submitted"]),
+                (params["status"], params["decider"], params["decision"]),
+            )
         ]
 
-        def steps(conn: sqlite3.Connection) -> dict[str, Any] | None:
+        def steps(conn: sqlite3.Connection) -> tuple[Any, ...] | None:
             values = conn.execute(_SUBMIT, params).fetchone()
             if values is None:
                 return None
             conn.execute(_SUBMIT_CALL, params)
-            for kind, actor, detail in events:
-                ev = {"scope": params["scope"], "key": params["key"], "execution_id": None}
-                conn.execute(_EVENT, {**ev, "kind": kind, "actor": actor, "detail": detail})
-            return self._row("operations", names, values)
+            for event in events:
+                conn.execute(_EVENT, event)
+            return tuple(values)
 
-        row = self._transaction(steps)
-        return None if row is None else OperationRecord.from_row(row)
+        values = self._transaction(steps)
+        if values is None:
+            return None
+        return OperationRecord.from_row(self._row("operations", _OPERATION_COLUMNS, values))
