@@ -132,32 +132,52 @@ class Finished:
     ``execution`` is the row as committed. The fast stores pass a function that builds it
     from the raw row when it is first read: the executor reads only ``seq``, and converting
     every column (two JSON documents, four timestamps) on every terminal write was work
-    nobody used."""
+    nobody used. Otherwise it behaves as the frozen dataclass it was: immutable, equal by
+    value, picklable, matched by position."""
 
     __slots__ = ("_execution", "_load", "seq")
+    __match_args__ = ("execution", "seq")
+    seq: int
+    _execution: ExecutionRecord | None
+    _load: Callable[[], ExecutionRecord] | None
 
     def __init__(
         self, execution: ExecutionRecord | Callable[[], ExecutionRecord], seq: int
     ) -> None:
-        self.seq = seq
-        self._execution: ExecutionRecord | None = None
-        self._load: Callable[[], ExecutionRecord] | None = None
-        if isinstance(execution, ExecutionRecord):
-            self._execution = execution
-        else:
-            self._load = execution
+        built = isinstance(execution, ExecutionRecord)
+        object.__setattr__(self, "seq", seq)
+        object.__setattr__(self, "_execution", execution if built else None)
+        object.__setattr__(self, "_load", None if built else execution)
 
     @property
     def execution(self) -> ExecutionRecord:
-        if self._execution is None:
-            assert self._load is not None
-            self._execution = self._load()  # two threads may both build it: equal records
-        return self._execution
+        found = self._execution
+        if found is None:
+            load = self._load
+            if load is None:  # another thread built it meanwhile
+                found = self._execution
+                assert found is not None
+                return found
+            found = load()  # two threads may both build it: equal records
+            object.__setattr__(self, "_execution", found)
+            object.__setattr__(self, "_load", None)  # the raw row and its store can go
+        return found
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __reduce__(self) -> tuple[type[Finished], tuple[ExecutionRecord, int]]:
+        return Finished, (self.execution, self.seq)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Finished):
             return NotImplemented
         return (self.execution, self.seq) == (other.execution, other.seq)
+
+    __hash__ = None  # type: ignore[assignment]  # as the dataclass's: a record holds dicts
 
     def __repr__(self) -> str:
         return f"Finished(execution={self.execution!r}, seq={self.seq!r})"

@@ -208,17 +208,26 @@ class LeaseKeeper:
 
 
 #: Values a JSON round trip gives back unchanged, type and all (a float can be NaN, a
-#: subclass — an IntEnum, a str enum — comes back as its base type).
-_PLAIN = frozenset({str, int, bool, type(None)})
+#: subclass — an IntEnum, a str enum — comes back as its base type). An int only within
+#: 64 bits: past 4,300 digits ``json.dumps`` refuses it, and the round trip says so.
+_PLAIN = frozenset({str, bool, type(None)})
+_INT_BOUND = 1 << 63
+
+
+def _plain(value: Any) -> bool:
+    kind = type(value)
+    return kind in _PLAIN or (kind is int and -_INT_BOUND <= value < _INT_BOUND)
 
 
 def _json_safe(result: Any) -> dict[str, Any]:
     """The tool's return value as a JSON object (a tool must return one; be lenient)."""
     value = result if isinstance(result, dict) else {"result": result}
-    if type(value) is dict and all(
-        type(k) is str and type(v) in _PLAIN for k, v in value.items()
-    ):  # what most tools return: the round trip below would give an equal copy
-        return dict(value)
+    if type(value) is dict:
+        # What most tools return, checked and copied from one snapshot (a thread the tool
+        # started may still be changing its dict): the round trip would give an equal copy.
+        items = list(value.items())
+        if all(type(k) is str and _plain(v) for k, v in items):
+            return dict(items)
     try:  # round-trip, so what is stored, replayed and compared is the same object
         return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
     except (TypeError, ValueError):

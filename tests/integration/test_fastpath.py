@@ -10,6 +10,7 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -97,8 +98,21 @@ def test_fastpath__same_rows_and_events_as_the_generic_path(db_url):
     generic.close()
 
 
-def _outcome(fn: Any) -> Any:
-    """What a step returned (its comparable part) or which error it raised."""
+def _shape(name: str, value: Any, token: str | None) -> Any:
+    """A record's field as two runs can share it: times by kind and zone, the lease token by
+    whether it is the claim's, ids by presence; the rest as it is."""
+    if isinstance(value, datetime):
+        return ("datetime", value.tzinfo is UTC)
+    if name == "lease_token":
+        return ("token", value == token)
+    if name == "execution_id":
+        return ("id", bool(value))
+    return value
+
+
+def _outcome(fn: Any, token: str | None = None) -> Any:
+    """What a step returned (its comparable part) or which error it raised; ``token``: the
+    lease token a finish was given."""
     try:
         out = fn()
     except Exception as exc:  # noqa: BLE001 - the error class is the outcome
@@ -111,7 +125,7 @@ def _outcome(fn: Any) -> Any:
         return ("claimed", out.attempt, out.tool, out.args)
     if isinstance(out, Finished):  # the record as committed, built when read
         record = dataclasses.asdict(out.execution)
-        return ("finished", {k: v for k, v in record.items() if k not in VOLATILE})
+        return ("finished", {k: _shape(k, v, token) for k, v in record.items() if k != "scope"})
     return ("other", type(out).__name__)
 
 
@@ -143,8 +157,13 @@ def _every_path(ledger: Ledger, scope: str) -> list[Any]:
     out(_outcome(lambda: ledger.finish(
         claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": True},
         effects=effects, lock_keys=[7, 3],
-    )))  # fmt: skip
-    out(_outcome(lambda: ledger.finish(claim.execution_id, claim.lease_token, Status.FAILED, {})))
+    ), claim.lease_token))  # fmt: skip
+    out(
+        _outcome(
+            lambda: ledger.finish(claim.execution_id, claim.lease_token, Status.FAILED, {}),
+            claim.lease_token,
+        )
+    )
     # failed, then a human's retry: attempt 2 is claimed and revoked before it finishes
     out(
         _outcome(
@@ -155,7 +174,8 @@ def _every_path(ledger: Ledger, scope: str) -> list[Any]:
     assert c4 is not None
     out(
         _outcome(
-            lambda: ledger.finish(c4.execution_id, c4.lease_token, Status.FAILED, {}, error="e")
+            lambda: ledger.finish(c4.execution_id, c4.lease_token, Status.FAILED, {}, error="e"),
+            c4.lease_token,
         )
     )
     out(_outcome(lambda: ledger.authorize_retry(scope, "c4", by="bo", accept_duplicate=True)))
@@ -163,7 +183,12 @@ def _every_path(ledger: Ledger, scope: str) -> list[Any]:
     assert c4b is not None
     out(_outcome(lambda: c4b))
     ledger.mark_unknown(c4b.execution_id, reason="lease expired", actor="sweep")
-    out(_outcome(lambda: ledger.finish(c4b.execution_id, c4b.lease_token, Status.SUCCEEDED, {})))
+    out(
+        _outcome(
+            lambda: ledger.finish(c4b.execution_id, c4b.lease_token, Status.SUCCEEDED, {}),
+            c4b.lease_token,
+        )
+    )
     return steps
 
 
@@ -296,6 +321,8 @@ NO_RING = "sqlite-finish-rings-no-doorbell"
 WRONG_RECORD = {
     "sqlite-finish-returns-another-record": "sqlite",
     "pg-finish-returns-another-record": "postgresql",
+    "sqlite-finish-returns-naive-times": "sqlite",
+    "sqlite-finish-returns-another-token": "sqlite",
 }
 
 
@@ -341,7 +368,21 @@ def _break(mutant: str, monkeypatch: pytest.MonkeyPatch) -> str:
         monkeypatch.setattr(SqliteStore, "_ring", lambda self, scope, key: None)
         return "doorbell"
     if mutant in WRONG_RECORD:
-        if WRONG_RECORD[mutant] == "sqlite":  # two columns read into each other's fields
+        edit = {
+            "sqlite-finish-returns-naive-times": {"started_at": datetime(2026, 1, 1)},
+            "sqlite-finish-returns-another-token": {"lease_token": "f" * 32},
+        }.get(mutant)
+        if edit is not None:
+            row = SqliteStore._row
+
+            def wrong(self: SqliteStore, table: str, names: Any, values: Any) -> Any:
+                return {
+                    **row(self, table, names, values),
+                    **(edit if table == "executions" else {}),
+                }
+
+            monkeypatch.setattr(SqliteStore, "_row", wrong)
+        elif WRONG_RECORD[mutant] == "sqlite":  # two columns read into each other's fields
             names = list(fastpath_sqlite._EXECUTION_COLUMNS)
             i, j = names.index("result"), names.index("effects")
             names[i], names[j] = names[j], names[i]

@@ -8,6 +8,7 @@ import json
 import math
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,6 +44,7 @@ scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(),
+    st.integers(min_value=2**62, max_value=2**65).map(lambda n: n * (-1) ** (n & 1)),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(),
     st.sampled_from([Colour.RED, Name.A, b"bytes"]),
@@ -77,3 +79,10 @@ def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
     assert _typed(_json_safe({1: "x"})) == _typed({"1": "x"})  # keys become strings
     assert "result_repr" in _json_safe({"f": math.nan})  # NaN is not JSON
     assert _json_safe({"t": (1, 2)}) == {"t": [1, 2]}
+    # past 4,300 digits json.dumps refuses an int (and repr too): the round trip's error,
+    # never a result the ledger cannot store
+    for huge in ({"n": 10**4300}, 2**20000):
+        with pytest.raises(ValueError, match="4300"):
+            _json_safe(huge)
+    big = {"n": 2**64, "m": -(2**63) - 1}
+    assert _json_safe(big) == _round_trip(big)
