@@ -210,13 +210,34 @@ class LeaseKeeper:
 #: Values a JSON round trip gives back unchanged, type and all (a float can be NaN, a
 #: subclass — an IntEnum, a str enum — comes back as its base type). An int only within
 #: 64 bits: past 4,300 digits ``json.dumps`` refuses it, and the round trip says so.
-_PLAIN = frozenset({str, bool, type(None)})
+_PLAIN = frozenset({bool, type(None)})
 _INT_BOUND = 1 << 63
 
 
 def _plain(value: Any) -> bool:
     kind = type(value)
+    if kind is str:
+        storable: bool = value.isascii()  # (a flag CPython keeps): storable as it is
+        return storable
     return kind in _PLAIN or (kind is int and -_INT_BOUND <= value < _INT_BOUND)
+
+
+def valid_text(value: Any) -> Any:
+    """``value`` (JSON-shaped, or a string) with every string valid Unicode. A lone surrogate
+    (an undecodable byte of a file name, as ``os.fsdecode`` gives it) cannot be stored: no
+    database takes it, and the terminal write would fail for ever, the call left running.
+    It is written out as its escape, ``\\udcff``: readable, nothing dropped."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [valid_text(v) for v in value]
+    return value
 
 
 def _json_safe(result: Any) -> dict[str, Any]:
@@ -226,12 +247,15 @@ def _json_safe(result: Any) -> dict[str, Any]:
         # What most tools return, checked and copied from one snapshot (a thread the tool
         # started may still be changing its dict): the round trip would give an equal copy.
         items = list(value.items())
-        if all(type(k) is str and _plain(v) for k, v in items):
+        if all(type(k) is str and k.isascii() and _plain(v) for k, v in items):
             return dict(items)
     try:  # round-trip, so what is stored, replayed and compared is the same object
-        return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
+        text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         return {"result_repr": repr(result)[:2000], "warning": "tool result was not JSON"}
+    out: dict[str, Any] = json.loads(text)
+    # ASCII text escapes every string's surrogates, paired or lone: look closer only then
+    return valid_text(out) if "\\ud" in text else out
 
 
 class Executor:
@@ -663,18 +687,27 @@ def run_tool(
     """Run a tool and classify what it reported: (status, result, error)."""
     try:
         result = _json_safe(tool.run(tool.parse(raw_args), ctx))
-    except (InvalidToolArguments, SandboxError) as exc:
+    except Exception as exc:  # noqa: BLE001 - classified below; every string made storable
+        status, detail, error = _failure(tool, ctx, exc)
+        return status, valid_text(detail), valid_text(error)
+    return Status.SUCCEEDED, result, None
+
+
+def _failure(
+    tool: Tool, ctx: ToolContext, exc: Exception
+) -> tuple[Status, dict[str, Any] | None, str]:
+    """What a tool's exception says happened: (status, result, error)."""
+    if isinstance(exc, InvalidToolArguments | SandboxError):
         # Refused before any byte was staged: a clean failure.
         return Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc)
-    except ToolError as exc:
+    if isinstance(exc, ToolError):
         detail = {"error": "tool_error", "message": exc.message, **exc.detail}
         return Status.FAILED, detail, exc.message
-    except (OutcomeUnknown, SoftTimeLimitExceeded, LeaseLost) as exc:
+    if isinstance(exc, OutcomeUnknown | SoftTimeLimitExceeded | LeaseLost):
         return Status.UNKNOWN, None, f"{type(exc).__name__}: {exc}"
-    except Exception as exc:  # noqa: BLE001 - any other error is the tool reporting failure
-        message = f"{type(exc).__name__}: {exc}"
-        # the class only at WARNING: an exception's text may quote the call's arguments
-        log.warning("tool %s failed in %s: %s", tool.name, ctx.execution_id, type(exc).__name__)
-        log.debug("tool %s failed in %s: %s", tool.name, ctx.execution_id, message)
-        return Status.FAILED, {"error": type(exc).__name__, "message": str(exc)}, message
-    return Status.SUCCEEDED, result, None
+    # any other error is the tool reporting failure
+    message = f"{type(exc).__name__}: {exc}"
+    # the class only at WARNING: an exception's text may quote the call's arguments
+    log.warning("tool %s failed in %s: %s", tool.name, ctx.execution_id, type(exc).__name__)
+    log.debug("tool %s failed in %s: %s", tool.name, ctx.execution_id, message)
+    return Status.FAILED, {"error": type(exc).__name__, "message": str(exc)}, message

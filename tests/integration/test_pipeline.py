@@ -48,6 +48,22 @@ def cannot_tell(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
     raise OutcomeUnknown("the payment API timed out")
 
 
+#: A file name with a byte that is not UTF-8, as ``os.listdir`` gives it (surrogateescape).
+UNDECODABLE = b"r\xe9sum\xe9.txt".decode("utf-8", "surrogateescape")
+
+
+def lists_an_undecodable_name(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    return {"files": [UNDECODABLE], UNDECODABLE: 1}
+
+
+def fails_on_an_undecodable_name(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise FileNotFoundError(2, "No such file", UNDECODABLE)
+
+
+def reports_an_undecodable_name(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise ToolError(f"cannot read {UNDECODABLE}", path=UNDECODABLE)
+
+
 def sleeps(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
     time.sleep(args.seconds)
     return {"slept": args.seconds}
@@ -69,7 +85,17 @@ REGISTRY = Registry(
     [
         *(
             make_tool(f)
-            for f in (ok, reports_failure, crashes, cannot_tell, sleeps, waits_for_lease_loss)
+            for f in (
+                ok,
+                reports_failure,
+                crashes,
+                cannot_tell,
+                sleeps,
+                waits_for_lease_loss,
+                lists_an_undecodable_name,
+                fails_on_an_undecodable_name,
+                reports_an_undecodable_name,
+            )
         ),
         make_tool(writes_after_lease_loss, sandboxed=True),
         *(t for t in BUILTINS if t.name in ("write_file", "append_file")),
@@ -124,6 +150,23 @@ def test_pipeline__unexpected_exception_is_failed(run):
     _, view = run("crashes")
     assert view.current.status is Status.FAILED
     assert view.current.result == {"error": "ZeroDivisionError", "message": "boom"}
+
+
+def test_pipeline__a_lone_surrogate_in_a_result_or_an_error_is_recorded_escaped(run):
+    """Before: a file name with an undecodable byte in a tool's result or error made the
+    terminal write fail on every try (no database stores a lone surrogate): the call stayed
+    running and the sweep declared it unknown, its effect done."""
+    escaped = "r\\udce9sum\\udce9.txt"  # the escapes, as text
+    outcome, view = run("lists_an_undecodable_name")
+    assert outcome.state == "finished" and view.current.status is Status.SUCCEEDED
+    assert view.current.result == {"files": [escaped], escaped: 1}
+    _, view = run("fails_on_an_undecodable_name")
+    assert view.current.status is Status.FAILED
+    assert view.current.error == f"FileNotFoundError: [Errno 2] No such file: '{escaped}'"
+    assert view.current.result["message"] == f"[Errno 2] No such file: '{escaped}'"
+    _, view = run("reports_an_undecodable_name")
+    assert view.current.status is Status.FAILED and view.current.error == f"cannot read {escaped}"
+    assert view.current.result["path"] == escaped
 
 
 def test_pipeline__outcome_unknown_is_declared_unknown_by_the_executor(run, ledger):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toolledger.worker.pipeline import _json_safe
+from toolledger.worker.pipeline import _json_safe, valid_text
 
 
 class Colour(enum.IntEnum):
@@ -24,9 +24,10 @@ class Name(enum.StrEnum):
 
 
 def _round_trip(result: Any) -> dict[str, Any]:
+    """The definition: the JSON round trip, every lone surrogate written as its escape."""
     value = result if isinstance(result, dict) else {"result": result}
     try:
-        return json.loads(json.dumps(value, allow_nan=False))  # type: ignore[no-any-return]
+        return valid_text(json.loads(json.dumps(value, allow_nan=False)))  # type: ignore[no-any-return]
     except (TypeError, ValueError):
         return {"result_repr": repr(result)[:2000], "warning": "tool result was not JSON"}
 
@@ -47,9 +48,16 @@ scalars = st.one_of(
     st.integers(min_value=2**62, max_value=2**65).map(lambda n: n * (-1) ** (n & 1)),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(),
+    st.lists(st.sampled_from(["\udcff", "\ud800", "\U0001f600", "a", "é"])).map("".join),
     st.sampled_from([Colour.RED, Name.A, b"bytes"]),
 )
-keys = st.one_of(st.text(), st.integers(), st.booleans(), st.sampled_from([Name.A, 1.5, None]))
+keys = st.one_of(
+    st.text(),
+    st.sampled_from(["\udcff", "é"]),
+    st.integers(),
+    st.booleans(),
+    st.sampled_from([Name.A, 1.5, None]),
+)
 values = st.recursive(
     scalars,
     lambda inner: st.one_of(
@@ -62,12 +70,20 @@ values = st.recursive(
 
 
 @given(st.one_of(values, st.dictionaries(keys, scalars, max_size=5)))
-def test_json_safe__equals_the_round_trip(result):
+def test_json_safe__equals_the_round_trip_and_can_be_stored(result):
     got, want = _json_safe(result), _round_trip(result)
     if "result_repr" in want:
         assert got == want
     else:
         assert _typed(got) == _typed(want)
+    json.dumps(got, ensure_ascii=False).encode("utf-8")  # what a database is sent
+
+
+def test_valid_text__escapes_lone_surrogates_only():
+    name = b"caf\xe9".decode("utf-8", "surrogateescape")
+    assert valid_text(name) == "caf\\udce9"
+    assert valid_text({name: [name, 1, "ok"]}) == {"caf\\udce9": ["caf\\udce9", 1, "ok"]}
+    assert valid_text("\U0001f600 é") == "\U0001f600 é"  # a valid pair, non-ASCII: as is
 
 
 def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
@@ -84,5 +100,9 @@ def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
     for huge in ({"n": 10**4300}, 2**20000):
         with pytest.raises(ValueError, match="4300"):
             _json_safe(huge)
+    # a file name with an undecodable byte, flat: no shortcut past the escape
+    name = b"caf\xe9".decode("utf-8", "surrogateescape")
+    assert _json_safe({"name": name}) == {"name": "caf\\udce9"}
+    assert _json_safe({name: 1}) == {"caf\\udce9": 1}
     big = {"n": 2**64, "m": -(2**63) - 1}
     assert _json_safe(big) == _round_trip(big)
