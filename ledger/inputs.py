@@ -100,6 +100,26 @@ def loads(text: str | bytes, what: str) -> Any:
     return value
 
 
+def valid_text(value: Any) -> Any:
+    """What toolledger stores of what it cannot refuse (a tool's result and error, what a
+    reconciler found): ``value`` (JSON-shaped, or a string) with every string valid Unicode.
+    A lone surrogate (an undecodable byte of a file name, as ``os.fsdecode`` gives it) cannot
+    be stored: no database takes it, and a terminal write holding one would fail on every
+    try, its call left running. It is written out as its escape, ``\\udcff``: readable,
+    nothing dropped."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [valid_text(v) for v in value]
+    return value
+
+
 def check_value(value: Any, what: str) -> Any:
     """A JSON-able value within the rules: walked without recursion, so that any depth is
     refused cleanly rather than by the interpreter."""

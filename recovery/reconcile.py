@@ -27,6 +27,7 @@ from typing import Any
 
 from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.inputs import valid_text
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import EventRecord, ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import TERMINAL, Status
@@ -84,10 +85,13 @@ def ask_reconciler(
     ctx = ToolContext(op.scope, sandbox, ex.execution_id, op.idempotency_key, ex.attempt)
     found = tool.reconcile(tool.parse(op.args), ctx)
     extra = {"kind": "reconciler", "tool": tool.name}
+    # what a reconciler says is stored: its strings made storable as a tool's are
     if isinstance(found, Evidence):
-        return Evidence(found.status, found.result, {**extra, **found.detail})
+        return Evidence(
+            found.status, valid_text(found.result), valid_text({**extra, **found.detail})
+        )
     if isinstance(found, Absent):
-        return Absent({**extra, **found.detail})
+        return Absent(valid_text({**extra, **found.detail}))
     return None
 
 

@@ -38,6 +38,7 @@ from toolledger.effects import (
 from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.identity import new_execution_id, new_lease_token
+from toolledger.ledger.inputs import valid_text
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim
 from toolledger.ledger.transitions import Status
@@ -220,24 +221,6 @@ def _plain(value: Any) -> bool:
         storable: bool = value.isascii()  # (a flag CPython keeps): storable as it is
         return storable
     return kind in _PLAIN or (kind is int and -_INT_BOUND <= value < _INT_BOUND)
-
-
-def valid_text(value: Any) -> Any:
-    """``value`` (JSON-shaped, or a string) with every string valid Unicode. A lone surrogate
-    (an undecodable byte of a file name, as ``os.fsdecode`` gives it) cannot be stored: no
-    database takes it, and the terminal write would fail for ever, the call left running.
-    It is written out as its escape, ``\\udcff``: readable, nothing dropped."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return value.encode("utf-8", "backslashreplace").decode("utf-8")
-        return value
-    if isinstance(value, dict):
-        return {valid_text(k): valid_text(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [valid_text(v) for v in value]
-    return value
 
 
 def _json_safe(result: Any) -> dict[str, Any]:
@@ -449,7 +432,7 @@ class Executor:
         if isinstance(found, Absent):
             return None
         if isinstance(found, Evidence):
-            return found.status, found.result, None  # it holds already: nothing to write
+            return found.status, valid_text(found.result), None  # it holds: nothing to write
         superseded = {
             "error": "superseded",
             "message": "the target changed after this automatic retry was authorised; "

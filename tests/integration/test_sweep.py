@@ -22,7 +22,7 @@ from toolledger.ledger.types import db_now, db_now_plus
 from toolledger.recovery.sweep import sweep
 from toolledger.registry import load_registry
 from toolledger.sandbox import Sandbox
-from toolledger.tools import Registry, make_tool
+from toolledger.tools import Evidence, Registry, make_tool
 
 
 @pytest.fixture
@@ -282,6 +282,28 @@ def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(ledger, s
     summary = run_sweep(ledger, sandbox, registry)
     assert summary.still_unknown >= 1 and any("disk on fire" in e for e in summary.errors)
     assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+
+
+def test_sweep__evidence_holding_a_lone_surrogate_is_recorded_escaped(ledger, scope, sandbox):
+    """Before: a reconciler that reported a file name with an undecodable byte made every
+    sweep fail on that call (no database stores a lone surrogate): it stayed unknown."""
+    name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+
+    def finds_it(*_: Any) -> Evidence:
+        return Evidence(Status.SUCCEEDED, {"found": name}, {"listing": [name]})
+
+    registry = Registry(
+        [
+            make_tool(_bomb_write, name="write_file", reconcile=finds_it),
+            make_tool(_bomb_write, name="append_file"),
+        ]
+    )
+    crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    summary = run_sweep(ledger, sandbox, registry)
+    assert summary.errors == [] and summary.reconciled == 1
+    view = ledger.get(scope, "c1")
+    assert view.operation.status is Status.SUCCEEDED
+    assert view.current.result == {"found": "caf\\udce9.txt"}
 
 
 # ---------------------------------------------------------------------------- concurrency

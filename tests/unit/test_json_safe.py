@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toolledger.worker.pipeline import _json_safe, valid_text
+from toolledger.ledger.inputs import valid_text
+from toolledger.worker.pipeline import _json_safe
 
 
 class Colour(enum.IntEnum):
