@@ -120,6 +120,15 @@ def valid_text(value: Any) -> Any:
     return value
 
 
+def valid_line(text: str | None) -> str | None:
+    """A tool's error message for a text column: ``valid_text``, and a NUL written as ``\\x00``
+    (Postgres text refuses NUL; JSON columns keep it as ``\\u0000``, so results need not)."""
+    if text is None:
+        return None
+    out: str = valid_text(text)
+    return out.replace("\x00", "\\x00") if "\x00" in out else out
+
+
 def check_value(value: Any, what: str) -> Any:
     """A JSON-able value within the rules: walked without recursion, so that any depth is
     refused cleanly rather than by the interpreter."""

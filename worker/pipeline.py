@@ -38,7 +38,7 @@ from toolledger.effects import (
 from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.identity import new_execution_id, new_lease_token
-from toolledger.ledger.inputs import valid_text
+from toolledger.ledger.inputs import valid_line, valid_text
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim
 from toolledger.ledger.transitions import Status
@@ -672,7 +672,7 @@ def run_tool(
         result = _json_safe(tool.run(tool.parse(raw_args), ctx))
     except Exception as exc:  # noqa: BLE001 - classified below; every string made storable
         status, detail, error = _failure(tool, ctx, exc)
-        return status, valid_text(detail), valid_text(error)
+        return status, valid_text(detail), valid_line(error)
     return Status.SUCCEEDED, result, None
 
 

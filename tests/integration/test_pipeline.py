@@ -64,6 +64,14 @@ def reports_an_undecodable_name(args: NoArgs, ctx: ToolContext) -> dict[str, Any
     raise ToolError(f"cannot read {UNDECODABLE}", path=UNDECODABLE)
 
 
+def fails_with_a_nul(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise ValueError("bad\x00byte")
+
+
+def returns_a_nul(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    return {"x": "a\x00b"}
+
+
 def sleeps(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
     time.sleep(args.seconds)
     return {"slept": args.seconds}
@@ -95,6 +103,8 @@ REGISTRY = Registry(
                 lists_an_undecodable_name,
                 fails_on_an_undecodable_name,
                 reports_an_undecodable_name,
+                fails_with_a_nul,
+                returns_a_nul,
             )
         ),
         make_tool(writes_after_lease_loss, sandboxed=True),
@@ -167,6 +177,17 @@ def test_pipeline__a_lone_surrogate_in_a_result_or_an_error_is_recorded_escaped(
     _, view = run("reports_an_undecodable_name")
     assert view.current.status is Status.FAILED and view.current.error == f"cannot read {escaped}"
     assert view.current.result["path"] == escaped
+
+
+def test_pipeline__a_nul_in_an_error_is_recorded_escaped_in_a_result_as_it_is(run):
+    """Before: on Postgres (its text refuses NUL) a tool error holding a NUL could not be
+    recorded: the result was spooled and every later try failed too. JSON keeps it."""
+    outcome, view = run("fails_with_a_nul")
+    assert outcome.state == "finished" and view.current.status is Status.FAILED
+    assert view.current.error == "ValueError: bad\\x00byte"
+    assert view.current.result == {"error": "ValueError", "message": "bad\x00byte"}
+    outcome, view = run("returns_a_nul")
+    assert outcome.state == "finished" and view.current.result == {"x": "a\x00b"}
 
 
 def test_pipeline__outcome_unknown_is_declared_unknown_by_the_executor(run, ledger):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toolledger.ledger.inputs import valid_text
+from toolledger.ledger.inputs import valid_line, valid_text
 from toolledger.worker.pipeline import _json_safe
 
 
@@ -107,3 +107,10 @@ def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
     assert _json_safe({name: 1}) == {"caf\\udce9": 1}
     big = {"n": 2**64, "m": -(2**63) - 1}
     assert _json_safe(big) == _round_trip(big)
+
+
+def test_valid_line__a_text_column_takes_neither_a_lone_surrogate_nor_a_nul():
+    name = b"caf\xe9".decode("utf-8", "surrogateescape")
+    assert valid_line(None) is None
+    assert valid_line(f"no {name}\x00 here") == "no caf\\udce9\\x00 here"
+    assert valid_line("plain é") == "plain é"
