@@ -667,30 +667,45 @@ class Executor:
 def run_tool(
     tool: Tool, raw_args: dict[str, Any], ctx: ToolContext
 ) -> tuple[Status, dict[str, Any] | None, str | None]:
-    """Run a tool and classify what it reported: (status, result, error)."""
+    """Run a tool and classify what it reported: (status, result, error). Whatever a tool
+    raises ends in something the ledger can store: a failure's detail goes through the same
+    JSON round trip as a result, its message is text a column takes."""
     try:
         result = _json_safe(tool.run(tool.parse(raw_args), ctx))
-    except Exception as exc:  # noqa: BLE001 - classified below; every string made storable
+    except Exception as exc:  # noqa: BLE001 - classified below
         status, detail, error = _failure(tool, ctx, exc)
-        return status, valid_text(detail), valid_line(error)
+        try:
+            stored = None if detail is None else _json_safe(detail)
+        except Exception:  # noqa: BLE001 - not JSON, and its repr raised too
+            stored = {"error": type(exc).__name__, "warning": "the failure's detail was not JSON"}
+        return status, stored, valid_line(error)
     return Status.SUCCEEDED, result, None
+
+
+def _shown(exc: BaseException) -> str:
+    """``str(exc)``, or what can be said when that raises."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a tool's exception class is the tool's code
+        return f"({type(exc).__name__} could not be shown)"
 
 
 def _failure(
     tool: Tool, ctx: ToolContext, exc: Exception
 ) -> tuple[Status, dict[str, Any] | None, str]:
     """What a tool's exception says happened: (status, result, error)."""
+    name, text = type(exc).__name__, _shown(exc)
     if isinstance(exc, InvalidToolArguments | SandboxError):
         # Refused before any byte was staged: a clean failure.
-        return Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc)
+        return Status.FAILED, {"error": "refused", "message": text}, text
     if isinstance(exc, ToolError):
-        detail = {"error": "tool_error", "message": exc.message, **exc.detail}
-        return Status.FAILED, detail, exc.message
+        message = exc.message if isinstance(exc.message, str) else repr(exc.message)
+        return Status.FAILED, {"error": "tool_error", "message": message, **exc.detail}, message
     if isinstance(exc, OutcomeUnknown | SoftTimeLimitExceeded | LeaseLost):
-        return Status.UNKNOWN, None, f"{type(exc).__name__}: {exc}"
+        return Status.UNKNOWN, None, f"{name}: {text}"
     # any other error is the tool reporting failure
-    message = f"{type(exc).__name__}: {exc}"
+    message = f"{name}: {text}"
     # the class only at WARNING: an exception's text may quote the call's arguments
-    log.warning("tool %s failed in %s: %s", tool.name, ctx.execution_id, type(exc).__name__)
+    log.warning("tool %s failed in %s: %s", tool.name, ctx.execution_id, name)
     log.debug("tool %s failed in %s: %s", tool.name, ctx.execution_id, message)
-    return Status.FAILED, {"error": type(exc).__name__, "message": str(exc)}, message
+    return Status.FAILED, {"error": name, "message": text}, message

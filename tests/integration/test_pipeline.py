@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -72,6 +73,31 @@ def returns_a_nul(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
     return {"x": "a\x00b"}
 
 
+class Unshowable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class UnshowableUnknown(OutcomeUnknown, Unshowable):
+    pass
+
+
+def fails_unshowably(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise Unshowable()
+
+
+def cannot_tell_unshowably(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise UnshowableUnknown()
+
+
+def reports_what_is_not_json(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise ToolError("quota", until=datetime(2027, 1, 1, tzinfo=UTC), raw=b"\x00")
+
+
+def reports_a_number(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    raise ToolError(451)  # type: ignore[arg-type]
+
+
 def sleeps(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
     time.sleep(args.seconds)
     return {"slept": args.seconds}
@@ -105,6 +131,10 @@ REGISTRY = Registry(
                 reports_an_undecodable_name,
                 fails_with_a_nul,
                 returns_a_nul,
+                fails_unshowably,
+                cannot_tell_unshowably,
+                reports_what_is_not_json,
+                reports_a_number,
             )
         ),
         make_tool(writes_after_lease_loss, sandboxed=True),
@@ -188,6 +218,25 @@ def test_pipeline__a_nul_in_an_error_is_recorded_escaped_in_a_result_as_it_is(ru
     assert view.current.result == {"error": "ValueError", "message": "bad\x00byte"}
     outcome, view = run("returns_a_nul")
     assert outcome.state == "finished" and view.current.result == {"x": "a\x00b"}
+
+
+def test_pipeline__whatever_a_tool_raises_ends_in_something_the_ledger_stores(run, ledger):
+    """Before: a ToolError whose detail was not JSON, or an exception whose str() raised,
+    made the terminal write (or run_tool itself) fail: the call stayed running."""
+    outcome, view = run("reports_what_is_not_json")
+    assert outcome.state == "finished" and view.current.status is Status.FAILED
+    assert view.current.error == "quota"
+    assert view.current.result["warning"] == "tool result was not JSON"
+    assert "tool_error" in view.current.result["result_repr"]
+    outcome, view = run("reports_a_number")
+    assert (outcome.state, view.current.error) == ("finished", "451")
+    outcome, view = run("fails_unshowably")
+    assert outcome.state == "finished" and view.current.status is Status.FAILED
+    assert view.current.error == "Unshowable: (Unshowable could not be shown)"
+    outcome, view = run("cannot_tell_unshowably")  # still the tool's word: it cannot tell
+    assert outcome.state == "unknown" and view.current.status is Status.UNKNOWN
+    last = ledger.events(view.scope, view.tool_call_id)[-1]
+    assert last.detail["reason"] == "UnshowableUnknown: (UnshowableUnknown could not be shown)"
 
 
 def test_pipeline__outcome_unknown_is_declared_unknown_by_the_executor(run, ledger):
