@@ -106,7 +106,7 @@ def valid_text(value: Any) -> Any:
     A lone surrogate (an undecodable byte of a file name, as ``os.fsdecode`` gives it) cannot
     be stored: no database takes it, and a terminal write holding one would fail on every
     try, its call left running. It is written out as its escape, ``\\udcff``: readable,
-    nothing dropped."""
+    nothing dropped. ValueError if two keys of one object become one that way."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -114,10 +114,53 @@ def valid_text(value: Any) -> Any:
             return value.encode("utf-8", "backslashreplace").decode("utf-8")
         return value
     if isinstance(value, dict):
-        return {valid_text(k): valid_text(v) for k, v in value.items()}
-    if isinstance(value, list):
+        out = {valid_text(k): valid_text(v) for k, v in value.items()}
+        if len(out) != len(value):
+            raise ValueError("two keys are one once their lone surrogates are escaped")
+        return out
+    if isinstance(value, list | tuple):
         return [valid_text(v) for v in value]
     return value
+
+
+#: Values a JSON round trip gives back unchanged, type and all (a float can be NaN, a
+#: subclass — an IntEnum, a str enum — comes back as its base type; a str only if ASCII:
+#: storable as it is). An int only within 64 bits: past 4,300 digits ``json.dumps`` refuses.
+_PLAIN = frozenset({bool, type(None)})
+_INT_BOUND = 1 << 63
+
+
+def _plain(value: Any) -> bool:
+    kind = type(value)
+    if kind is str:
+        storable: bool = value.isascii()  # (a flag CPython keeps)
+        return storable
+    return kind in _PLAIN or (kind is int and -_INT_BOUND <= value < _INT_BOUND)
+
+
+def storable_object(result: Any) -> dict[str, Any]:
+    """What toolledger stores of a value a tool returned or a reconciler found: a JSON object
+    (a tool must return one; be lenient), the JSON round trip of it, so that what is stored,
+    replayed and compared is one object, its strings made storable (``valid_text``). What is
+    not JSON, or cannot be made storable, is kept as its ``ascii()`` text with a warning."""
+    value = result if isinstance(result, dict) else {"result": result}
+    if type(value) is dict:
+        # What most tools return, checked and copied from one snapshot (a thread the tool
+        # started may still be changing its dict): the round trip would give an equal copy.
+        items = list(value.items())
+        if all(type(k) is str and k.isascii() and _plain(v) for k, v in items):
+            return dict(items)
+    try:
+        text = json.dumps(value, allow_nan=False)
+        out: dict[str, Any] = json.loads(text)
+        # ASCII text escapes every string's surrogates, paired or lone: look closer only then
+        return valid_text(out) if "\\ud" in text else out
+    except (TypeError, ValueError, RecursionError):
+        try:
+            shown = ascii(result)[:2000]  # ASCII: no lone surrogate
+        except (TypeError, ValueError, RecursionError):  # a 4,301-digit int, say
+            shown = f"({type(result).__name__} could not be shown)"
+        return {"result_repr": shown, "warning": "tool result was not JSON"}
 
 
 def valid_line(text: str | None) -> str | None:

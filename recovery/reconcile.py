@@ -27,7 +27,7 @@ from typing import Any
 
 from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
-from toolledger.ledger.inputs import valid_text
+from toolledger.ledger.inputs import storable_object
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import EventRecord, ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import TERMINAL, Status
@@ -85,13 +85,12 @@ def ask_reconciler(
     ctx = ToolContext(op.scope, sandbox, ex.execution_id, op.idempotency_key, ex.attempt)
     found = tool.reconcile(tool.parse(op.args), ctx)
     extra = {"kind": "reconciler", "tool": tool.name}
-    # what a reconciler says is stored: its strings made storable as a tool's are
+    # what a reconciler says is stored as a tool's result is: JSON, every string storable
     if isinstance(found, Evidence):
-        return Evidence(
-            found.status, valid_text(found.result), valid_text({**extra, **found.detail})
-        )
+        detail = storable_object({**extra, **found.detail})
+        return Evidence(found.status, storable_object(found.result), detail)
     if isinstance(found, Absent):
-        return Absent(valid_text({**extra, **found.detail}))
+        return Absent(storable_object({**extra, **found.detail}))
     return None
 
 
@@ -121,10 +120,21 @@ def reconcile_unknown(
                 found = _findings(registry, sandbox, ex, op, events, tally)
                 # StaleFence: another sweep (or a human) resolved it first; each row changes once
                 with contextlib.suppress(StaleFence):
-                    if found is not None:
-                        retry = ex.attempt <= max_auto_retries
+                    if found is None:
+                        continue
+                    retry = ex.attempt <= max_auto_retries
+                    try:
                         outcome = _decide(ledger, ex, *found, actor, tally, retry)
-                        tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
+                    except StaleFence:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - one row cannot stop the pass
+                        tally.still_unknown += 1
+                        tally.errors.append(f"recording {ex.execution_id} failed: {exc}")
+                        log.warning(
+                            "recording what was found for %s failed: %s", ex.execution_id, exc
+                        )
+                        continue
+                    tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
         last = page[-1][0]
         after = (last.scope, last.idempotency_key, last.execution_id)
     return tally

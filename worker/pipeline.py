@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import threading
@@ -38,7 +37,7 @@ from toolledger.effects import (
 from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.identity import new_execution_id, new_lease_token
-from toolledger.ledger.inputs import valid_line, valid_text
+from toolledger.ledger.inputs import storable_object, valid_line
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim
 from toolledger.ledger.transitions import Status
@@ -208,37 +207,9 @@ class LeaseKeeper:
                 self._due[eid] = (claim, time.monotonic() + retry_in, watch)
 
 
-#: Values a JSON round trip gives back unchanged, type and all (a float can be NaN, a
-#: subclass — an IntEnum, a str enum — comes back as its base type). An int only within
-#: 64 bits: past 4,300 digits ``json.dumps`` refuses it, and the round trip says so.
-_PLAIN = frozenset({bool, type(None)})
-_INT_BOUND = 1 << 63
-
-
-def _plain(value: Any) -> bool:
-    kind = type(value)
-    if kind is str:
-        storable: bool = value.isascii()  # (a flag CPython keeps): storable as it is
-        return storable
-    return kind in _PLAIN or (kind is int and -_INT_BOUND <= value < _INT_BOUND)
-
-
 def _json_safe(result: Any) -> dict[str, Any]:
-    """The tool's return value as a JSON object (a tool must return one; be lenient)."""
-    value = result if isinstance(result, dict) else {"result": result}
-    if type(value) is dict:
-        # What most tools return, checked and copied from one snapshot (a thread the tool
-        # started may still be changing its dict): the round trip would give an equal copy.
-        items = list(value.items())
-        if all(type(k) is str and k.isascii() and _plain(v) for k, v in items):
-            return dict(items)
-    try:  # round-trip, so what is stored, replayed and compared is the same object
-        text = json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return {"result_repr": repr(result)[:2000], "warning": "tool result was not JSON"}
-    out: dict[str, Any] = json.loads(text)
-    # ASCII text escapes every string's surrogates, paired or lone: look closer only then
-    return valid_text(out) if "\\ud" in text else out
+    """The tool's return value as the ledger stores it (``inputs.storable_object``)."""
+    return storable_object(result)
 
 
 class Executor:
@@ -432,7 +403,7 @@ class Executor:
         if isinstance(found, Absent):
             return None
         if isinstance(found, Evidence):
-            return found.status, valid_text(found.result), None  # it holds: nothing to write
+            return found.status, storable_object(found.result), None  # it holds: nothing to write
         superseded = {
             "error": "superseded",
             "message": "the target changed after this automatic retry was authorised; "
@@ -673,12 +644,15 @@ def run_tool(
     try:
         result = _json_safe(tool.run(tool.parse(raw_args), ctx))
     except Exception as exc:  # noqa: BLE001 - classified below
-        status, detail, error = _failure(tool, ctx, exc)
         try:
-            stored = None if detail is None else _json_safe(detail)
-        except Exception:  # noqa: BLE001 - not JSON, and its repr raised too
-            stored = {"error": type(exc).__name__, "warning": "the failure's detail was not JSON"}
-        return status, stored, valid_line(error)
+            status, detail, error = _failure(tool, ctx, exc)
+        except SoftTimeLimitExceeded:  # the time limit, while its error was being read
+            return (
+                Status.UNKNOWN,
+                None,
+                f"SoftTimeLimitExceeded: while reading {type(exc).__name__}",
+            )
+        return status, (None if detail is None else storable_object(detail)), valid_line(error)
     return Status.SUCCEEDED, result, None
 
 
@@ -686,6 +660,8 @@ def _shown(exc: BaseException) -> str:
     """``str(exc)``, or what can be said when that raises."""
     try:
         return str(exc)
+    except SoftTimeLimitExceeded:
+        raise  # the time limit, not the tool's text: the call's outcome is unknown
     except Exception:  # noqa: BLE001 - a tool's exception class is the tool's code
         return f"({type(exc).__name__} could not be shown)"
 

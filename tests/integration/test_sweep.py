@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import multiprocessing
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +266,10 @@ def test_sweep__late_result_of_the_original_executor_is_evidence(ledger, scope, 
     assert ledger.events(scope, "c1")[-1].detail["evidence"]["kind"] == "late_result"
 
 
+#: A file name with an undecodable byte, as ``os.listdir`` gives it.
+NAME = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+
+
 def _bomb_write(args: ContentArgs, ctx: Any) -> dict[str, Any]:
     raise AssertionError("recovery executed a tool")
 
@@ -284,13 +290,25 @@ def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(ledger, s
     assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
 
 
-def test_sweep__evidence_holding_a_lone_surrogate_is_recorded_escaped(ledger, scope, sandbox):
-    """Before: a reconciler that reported a file name with an undecodable byte made every
-    sweep fail on that call (no database stores a lone surrogate): it stayed unknown."""
-    name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+@pytest.mark.parametrize(
+    ("found", "stored"),
+    [
+        pytest.param({"found": NAME}, {"found": "caf\\udce9.txt"}, id="surrogate"),
+        pytest.param({"files": (NAME,)}, {"files": ["caf\\udce9.txt"]}, id="tuple"),
+        pytest.param({"n": math.nan}, None, id="nan"),
+        pytest.param({"at": datetime(2027, 1, 1, tzinfo=UTC)}, None, id="datetime"),
+    ],
+)
+def test_sweep__what_a_reconciler_reports_is_stored_as_a_result_is(
+    ledger, scope, sandbox, found, stored
+):
+    """Before: evidence holding a lone surrogate, a tuple of them, a NaN or a datetime could
+    not be stored, and the error stopped the whole pass: every call after it stayed unknown
+    and lost messages were not requeued. Now it is stored as a tool's result is (JSON, its
+    strings made storable, else its ascii() text), and one row's failure stops no other."""
 
     def finds_it(*_: Any) -> Evidence:
-        return Evidence(Status.SUCCEEDED, {"found": name}, {"listing": [name]})
+        return Evidence(Status.SUCCEEDED, found, {"listing": [NAME]})
 
     registry = Registry(
         [
@@ -299,11 +317,46 @@ def test_sweep__evidence_holding_a_lone_surrogate_is_recorded_escaped(ledger, sc
         ]
     )
     crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    crashed(ledger, sandbox, scope, "c2", effect="legacy")
     summary = run_sweep(ledger, sandbox, registry)
-    assert summary.errors == [] and summary.reconciled == 1
-    view = ledger.get(scope, "c1")
-    assert view.operation.status is Status.SUCCEEDED
-    assert view.current.result == {"found": "caf\\udce9.txt"}
+    assert summary.reconciled >= 2  # (the database is shared: other tests' calls too)
+    for cid in ("c1", "c2"):
+        view = ledger.get(scope, cid)
+        assert view.operation.status is Status.SUCCEEDED
+        if stored is None:
+            assert view.current.result["warning"] == "tool result was not JSON"
+        else:
+            assert view.current.result == stored
+
+
+def test_sweep__one_row_that_cannot_be_recorded_stops_no_other(ledger, scope, sandbox, monkeypatch):
+    """Whatever recording one finding raises, the pass goes on to the next row."""
+    from toolledger.recovery import reconcile
+
+    decide = reconcile._decide
+
+    def fails_for_c1(led: Any, ex: Any, *rest: Any) -> Any:
+        if ex.idempotency_key.endswith(":c1"):
+            raise RuntimeError("cannot record this one")
+        return decide(led, ex, *rest)
+
+    monkeypatch.setattr(reconcile, "_decide", fails_for_c1)
+
+    def finds_it(*_: Any) -> Evidence:
+        return Evidence(Status.SUCCEEDED, {"ok": True}, {})
+
+    registry = Registry(
+        [
+            make_tool(_bomb_write, name="write_file", reconcile=finds_it),
+            make_tool(_bomb_write, name="append_file"),
+        ]
+    )
+    for cid in ("c1", "c2"):
+        crashed(ledger, sandbox, scope, cid, effect="legacy")
+    summary = run_sweep(ledger, sandbox, registry)
+    assert any("cannot record this one" in e for e in summary.errors)
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    assert ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
 
 
 # ---------------------------------------------------------------------------- concurrency

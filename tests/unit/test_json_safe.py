@@ -8,7 +8,6 @@ import json
 import math
 from typing import Any
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,12 +24,17 @@ class Name(enum.StrEnum):
 
 
 def _round_trip(result: Any) -> dict[str, Any]:
-    """The definition: the JSON round trip, every lone surrogate written as its escape."""
+    """The definition: the JSON round trip, every lone surrogate written as its escape; what
+    is not JSON (or cannot be made storable) as its ascii() text."""
     value = result if isinstance(result, dict) else {"result": result}
     try:
         return valid_text(json.loads(json.dumps(value, allow_nan=False)))  # type: ignore[no-any-return]
-    except (TypeError, ValueError):
-        return {"result_repr": repr(result)[:2000], "warning": "tool result was not JSON"}
+    except (TypeError, ValueError, RecursionError):
+        try:
+            shown = ascii(result)[:2000]
+        except (TypeError, ValueError, RecursionError):
+            shown = f"({type(result).__name__} could not be shown)"
+        return {"result_repr": shown, "warning": "tool result was not JSON"}
 
 
 def _typed(value: Any) -> Any:
@@ -87,6 +91,10 @@ def test_valid_text__escapes_lone_surrogates_only():
     assert valid_text("\U0001f600 é") == "\U0001f600 é"  # a valid pair, non-ASCII: as is
 
 
+def name_with_surrogate() -> str:
+    return b"caf\xe9".decode("utf-8", "surrogateescape")
+
+
 def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
     flat = {"path": "f", "bytes_written": 4, "ok": True, "none": None}
     got = _json_safe(flat)
@@ -96,11 +104,26 @@ def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
     assert _typed(_json_safe({1: "x"})) == _typed({"1": "x"})  # keys become strings
     assert "result_repr" in _json_safe({"f": math.nan})  # NaN is not JSON
     assert _json_safe({"t": (1, 2)}) == {"t": [1, 2]}
-    # past 4,300 digits json.dumps refuses an int (and repr too): the round trip's error,
-    # never a result the ledger cannot store
-    for huge in ({"n": 10**4300}, 2**20000):
-        with pytest.raises(ValueError, match="4300"):
-            _json_safe(huge)
+    # past 4,300 digits json.dumps refuses an int (and ascii() too): shown by its type, never
+    # a result the ledger cannot store
+    assert _json_safe(2**20000)["result_repr"] == "(int could not be shown)"
+    assert _json_safe({"n": 10**4300})["result_repr"] == "(dict could not be shown)"
+
+    # not JSON, shown by ascii(): no surrogate reaches the ledger that way either
+    class Named:
+        def __repr__(self) -> str:
+            return "Named(" + b"caf\xe9\x00".decode("utf-8", "surrogateescape") + ")"
+
+    # (a NUL is ASCII and stays: JSON columns keep it)
+    assert _json_safe({"x": Named()})["result_repr"] == "{'x': Named(caf\\udce9\x00)}"
+    # a tuple, a key that collides once escaped, a depth the walk cannot take
+    assert _json_safe({"t": (name_with_surrogate(),)}) == {"t": ["caf\\udce9"]}
+    collide = {name_with_surrogate(): 1, "caf\\udce9": 2}
+    assert _json_safe(collide)["warning"] == "tool result was not JSON"
+    deep: Any = "\udcff"
+    for _ in range(700):
+        deep = [deep]
+    json.dumps(_json_safe(deep), ensure_ascii=False).encode("utf-8")  # storable, not raised
     # a file name with an undecodable byte, flat: no shortcut past the escape
     name = b"caf\xe9".decode("utf-8", "surrogateescape")
     assert _json_safe({"name": name}) == {"name": "caf\\udce9"}
