@@ -675,7 +675,7 @@ def _failure(
         # Refused before any byte was staged: a clean failure.
         return Status.FAILED, {"error": "refused", "message": text}, text
     if isinstance(exc, ToolError):
-        message = exc.message if isinstance(exc.message, str) else repr(exc.message)
+        message = exc.message if isinstance(exc.message, str) else text  # str() of it
         return Status.FAILED, {"error": "tool_error", "message": message, **exc.detail}, message
     if isinstance(exc, OutcomeUnknown | SoftTimeLimitExceeded | LeaseLost):
         return Status.UNKNOWN, None, f"{name}: {text}"
