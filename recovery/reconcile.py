@@ -118,23 +118,19 @@ def reconcile_unknown(
             with _observed(ex, op) as span:
                 events = evidence.get(ex.execution_id, [])
                 found = _findings(registry, sandbox, ex, op, events, tally)
-                # StaleFence: another sweep (or a human) resolved it first; each row changes once
-                with contextlib.suppress(StaleFence):
-                    if found is None:
-                        continue
-                    retry = ex.attempt <= max_auto_retries
-                    try:
-                        outcome = _decide(ledger, ex, *found, actor, tally, retry)
-                    except StaleFence:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - one row cannot stop the pass
-                        tally.still_unknown += 1
-                        tally.errors.append(f"recording {ex.execution_id} failed: {exc}")
-                        log.warning(
-                            "recording what was found for %s failed: %s", ex.execution_id, exc
-                        )
-                        continue
-                    tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
+                if found is None:
+                    continue
+                retry = ex.attempt <= max_auto_retries
+                try:
+                    outcome = _decide(ledger, ex, *found, actor, tally, retry)
+                except StaleFence:  # another sweep (or a human) resolved it first: once each
+                    continue
+                except Exception as exc:  # noqa: BLE001 - one row cannot stop the pass
+                    tally.still_unknown += 1
+                    tally.errors.append(f"recording {ex.execution_id} failed: {exc}")
+                    log.warning("recording what was found for %s failed: %s", ex.execution_id, exc)
+                    continue
+                tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
         last = page[-1][0]
         after = (last.scope, last.idempotency_key, last.execution_id)
     return tally
