@@ -207,11 +207,6 @@ class LeaseKeeper:
                 self._due[eid] = (claim, time.monotonic() + retry_in, watch)
 
 
-def _json_safe(result: Any) -> dict[str, Any]:
-    """The tool's return value as the ledger stores it (``inputs.storable_object``)."""
-    return storable_object(result)
-
-
 class Executor:
     """Runs one authorised attempt of one call, at most once, whatever happens around it."""
 
@@ -642,7 +637,7 @@ def run_tool(
     raises ends in something the ledger can store: a failure's detail goes through the same
     JSON round trip as a result, its message is text a column takes."""
     try:
-        result = _json_safe(tool.run(tool.parse(raw_args), ctx))
+        result = storable_object(tool.run(tool.parse(raw_args), ctx))
     except Exception as exc:  # noqa: BLE001 - classified below
         try:
             status, detail, error = _failure(tool, ctx, exc)

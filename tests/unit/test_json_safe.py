@@ -11,8 +11,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toolledger.ledger.inputs import valid_line, valid_text
-from toolledger.worker.pipeline import _json_safe
+from toolledger.ledger.inputs import storable_object, valid_line, valid_text
 
 
 class Colour(enum.IntEnum):
@@ -76,7 +75,7 @@ values = st.recursive(
 
 @given(st.one_of(values, st.dictionaries(keys, scalars, max_size=5)))
 def test_json_safe__equals_the_round_trip_and_can_be_stored(result):
-    got, want = _json_safe(result), _round_trip(result)
+    got, want = storable_object(result), _round_trip(result)
     if "result_repr" in want:
         assert got == want
     else:
@@ -97,17 +96,17 @@ def name_with_surrogate() -> str:
 
 def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
     flat = {"path": "f", "bytes_written": 4, "ok": True, "none": None}
-    got = _json_safe(flat)
+    got = storable_object(flat)
     assert got == flat and got is not flat  # the tool may keep and change its own dict
-    assert _typed(_json_safe({"n": Colour.RED})) == _typed({"n": 1})  # IntEnum -> int
-    assert _typed(_json_safe({"s": Name.A})) == _typed({"s": "a"})  # str enum -> str
-    assert _typed(_json_safe({1: "x"})) == _typed({"1": "x"})  # keys become strings
-    assert "result_repr" in _json_safe({"f": math.nan})  # NaN is not JSON
-    assert _json_safe({"t": (1, 2)}) == {"t": [1, 2]}
+    assert _typed(storable_object({"n": Colour.RED})) == _typed({"n": 1})  # IntEnum -> int
+    assert _typed(storable_object({"s": Name.A})) == _typed({"s": "a"})  # str enum -> str
+    assert _typed(storable_object({1: "x"})) == _typed({"1": "x"})  # keys become strings
+    assert "result_repr" in storable_object({"f": math.nan})  # NaN is not JSON
+    assert storable_object({"t": (1, 2)}) == {"t": [1, 2]}
     # past 4,300 digits json.dumps refuses an int (and ascii() too): shown by its type, never
     # a result the ledger cannot store
-    assert _json_safe(2**20000)["result_repr"] == "(int could not be shown)"
-    assert _json_safe({"n": 10**4300})["result_repr"] == "(dict could not be shown)"
+    assert storable_object(2**20000)["result_repr"] == "(int could not be shown)"
+    assert storable_object({"n": 10**4300})["result_repr"] == "(dict could not be shown)"
 
     # not JSON, shown by ascii(): no surrogate reaches the ledger that way either
     class Named:
@@ -115,21 +114,21 @@ def test_json_safe__the_shortcut_copies_and_refuses_what_it_cannot_vouch_for():
             return "Named(" + b"caf\xe9\x00".decode("utf-8", "surrogateescape") + ")"
 
     # (a NUL is ASCII and stays: JSON columns keep it)
-    assert _json_safe({"x": Named()})["result_repr"] == "{'x': Named(caf\\udce9\x00)}"
+    assert storable_object({"x": Named()})["result_repr"] == "{'x': Named(caf\\udce9\x00)}"
     # a tuple, a key that collides once escaped, a depth the walk cannot take
-    assert _json_safe({"t": (name_with_surrogate(),)}) == {"t": ["caf\\udce9"]}
+    assert storable_object({"t": (name_with_surrogate(),)}) == {"t": ["caf\\udce9"]}
     collide = {name_with_surrogate(): 1, "caf\\udce9": 2}
-    assert _json_safe(collide)["warning"] == "tool result was not JSON"
+    assert storable_object(collide)["warning"] == "tool result was not JSON"
     deep: Any = "\udcff"
     for _ in range(700):
         deep = [deep]
-    json.dumps(_json_safe(deep), ensure_ascii=False).encode("utf-8")  # storable, not raised
+    json.dumps(storable_object(deep), ensure_ascii=False).encode("utf-8")  # storable, not raised
     # a file name with an undecodable byte, flat: no shortcut past the escape
     name = b"caf\xe9".decode("utf-8", "surrogateescape")
-    assert _json_safe({"name": name}) == {"name": "caf\\udce9"}
-    assert _json_safe({name: 1}) == {"caf\\udce9": 1}
+    assert storable_object({"name": name}) == {"name": "caf\\udce9"}
+    assert storable_object({name: 1}) == {"caf\\udce9": 1}
     big = {"n": 2**64, "m": -(2**63) - 1}
-    assert _json_safe(big) == _round_trip(big)
+    assert storable_object(big) == _round_trip(big)
 
 
 def test_valid_line__a_text_column_takes_neither_a_lone_surrogate_nor_a_nul():
