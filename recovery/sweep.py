@@ -147,6 +147,7 @@ def _sweep(
         landing = effects_of(sandbox).settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
+        summary.errors.extend(landing.problems)
     except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs
         summary.errors.append(f"settling the sandbox failed: {exc}")
         log.warning("settling the sandbox failed: %s", exc)

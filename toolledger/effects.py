@@ -97,6 +97,10 @@ _STAGE = re.compile(
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
 
 
+class BadSpool(ValueError):
+    """A spool file that is not a spooled result (cut short, edited): it can never be read."""
+
+
 class LeaseLost(Exception):
     """This process no longer holds the execution's lease: it stops writing."""
 
@@ -218,9 +222,12 @@ class Landing:
     recorded: int = 0  # spooled results recorded by their executor's lease
     evidence: int = 0  # spooled results recorded as late evidence
     left: int = 0  # staged effects of executions still running
+    failed: int = 0  # spooled results that could not be settled now (see ``problems``)
+    #: what went wrong with them, one line each (not in ``to_json``: the sweep reports it)
+    problems: list[str] = field(default_factory=list, compare=False)
 
     def to_json(self) -> dict[str, int]:
-        return asdict(self)
+        return {name: value for name, value in asdict(self).items() if name != "problems"}
 
     def add(self, other: Landing) -> None:
         for name, value in asdict(other).items():
@@ -572,12 +579,24 @@ class Effects:
 
     def _read_spool(self, execution_id: str) -> dict[str, Any] | None:
         try:
-            data: dict[str, Any] = json.loads(
-                (self.pending_dir / f"{execution_id}.spool").read_text()
-            )
+            text = (self.pending_dir / f"{execution_id}.spool").read_text()
         except FileNotFoundError:
             return None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise BadSpool(f"not JSON ({exc})") from None
+        if not isinstance(data, dict) or not all(
+            isinstance(data.get(name), str) for name in ("lease_token", "status")
+        ):
+            raise BadSpool("not a spooled result (no lease token or status)")
         return data
+
+    def _spool_aside(self, execution_id: str) -> None:
+        """A spool that can never be read keeps its bytes for a human, out of every pass."""
+        with contextlib.suppress(FileNotFoundError):
+            spool = self.pending_dir / f"{execution_id}.spool"
+            spool.rename(spool.with_name(f"{spool.name}.refused"))
 
     def _drop_spool(self, execution_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -596,13 +615,22 @@ class Effects:
     def settle(self, ledger: Ledger, *, actor: str = "settle") -> Landing:
         """Finish what crashes and freezes left: record spooled results, land committed
         effects, drop revoked ones. Leaves alone what is still running. Never runs a tool."""
+        from sqlalchemy.exc import SQLAlchemyError  # not at import: the CLI starts without it
+
         summary = Landing()
         if not self.pending_dir.is_dir():
             return summary
         with self._pending() as pfd:
             files, spools = self._scan(pfd)
         for eid in sorted(spools):
-            self._settle_spool(ledger, eid, actor, summary)
+            # one spool that cannot be settled now stops neither the others nor the landing
+            try:
+                self._settle_spool(ledger, eid, actor, summary)
+            except BadSpool as exc:
+                self._spool_aside(eid)
+                self._spool_failed(summary, eid, f"unreadable, set aside: {exc}")
+            except (SQLAlchemyError, OSError, ValueError, KeyError, TypeError) as exc:
+                self._spool_failed(summary, eid, f"{type(exc).__name__}: {exc}")
         by_path: dict[str, list[StageFile]] = defaultdict(list)
         for f in files:
             if f.kind != "refused":
@@ -620,6 +648,13 @@ class Effects:
             except PathBusy:
                 summary.busy += 1
         return summary
+
+    @staticmethod
+    def _spool_failed(summary: Landing, eid: str, why: str) -> None:
+        problem = f"spooled result of {eid} not settled: {why}"
+        log.error("%s", problem)
+        summary.failed += 1
+        summary.problems.append(problem)
 
     def _settle_spool(self, ledger: Ledger, eid: str, actor: str, summary: Landing) -> None:
         from toolledger.ledger.errors import StaleFence

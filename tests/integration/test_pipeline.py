@@ -508,6 +508,80 @@ def test_pipeline__a_spooled_result_after_revocation_becomes_evidence_lands_noth
     assert len(ledger.evidence_of(outcome.execution_id)) == 1
 
 
+class StatesFailFor(Ledger):
+    """The database fails the one question about one execution (a lock timeout, say)."""
+
+    def __init__(self, url: str, execution_id: str) -> None:
+        super().__init__(url)
+        self.failing = execution_id
+
+    def effect_states(self, execution_ids: list[str]) -> Any:
+        if execution_ids == [self.failing]:
+            raise sa.exc.OperationalError("SELECT", {}, Exception("lock timeout"))
+        return super().effect_states(execution_ids)
+
+
+def test_pipeline__one_spool_that_cannot_be_settled_stops_no_other(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    # Before: settle read the spools one after the other with no guard. A spool cut short
+    # (or one whose ledger question failed) raised out of settle: no later spool was recorded,
+    # no committed effect landed, and in the sweep the ValueError ended the whole pass.
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    (_, view1), (second, view2) = (
+        run("write_file", {"path": f"{name}.txt", "content": name}, executor_ledger=broken)
+        for name in ("one", "two")
+    )
+    broken.close()
+    sandbox = Sandbox(tmp_path)
+    cut = "00000000-0000-4000-8000-000000000000"  # sorts first: settled before the others
+    (effects_of(sandbox).pending_dir / f"{cut}.spool").write_bytes(b'{"execution_id": "000')
+    flaky = StatesFailFor(db_url, second.execution_id)
+    try:
+        landing = effects_of(sandbox).settle(flaky)
+    finally:
+        flaky.close()
+    # The readable spool is recorded and its bytes land; the one the database failed waits
+    assert (landing.recorded, landing.landed, landing.failed) == (1, 1, 2)
+    assert (tmp_path / view1.scope / "one.txt").read_text() == "one"
+    assert ledger.execution(second.execution_id).status is Status.RUNNING
+    problems = " ".join(landing.problems)
+    assert cut in problems and "not JSON" in problems
+    assert second.execution_id in problems and "OperationalError" in problems
+    # the unreadable spool is kept for a human, out of every later pass; the other is retried
+    left = pending_files(sandbox)
+    staged = [n for n in left if n.startswith(f"{second.execution_id}.0.") and n.endswith("write")]
+    assert sorted([f"{cut}.spool.refused", f"{second.execution_id}.spool", *staged]) == left
+    assert len(staged) == 1
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert summary.spooled_results == 1 and summary.landed == 1 and not summary.errors
+    assert (tmp_path / view2.scope / "two.txt").read_text() == "two"
+    assert pending_files(sandbox) == [f"{cut}.spool.refused"]
+    assert effects_of(sandbox).has_pending() is False
+
+
+def test_pipeline__a_sweep_pass_goes_on_past_a_spool_it_cannot_read(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
+    broken.close()
+    sandbox = Sandbox(tmp_path)
+    bad = [f"00000000-0000-4000-8000-00000000000{i}" for i in (1, 2)]
+    for eid, text in zip(bad, ('{"status": "succeeded"}', '{"lease_token": "t"}'), strict=True):
+        (effects_of(sandbox).pending_dir / f"{eid}.spool").write_text(text)
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert summary.spooled_results == 1 and summary.landed == 1
+    assert len(summary.errors) == 2
+    for eid, error in zip(bad, summary.errors, strict=True):
+        assert eid in error and "no lease token or status" in error
+    assert pending_files(sandbox) == [f"{eid}.spool.refused" for eid in bad]
+    assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+
+
 class RenewalsFail(Ledger):
     """A worker cut off from the database: every renewal fails (the sweep still works)."""
 
