@@ -222,12 +222,16 @@ class Landing:
     recorded: int = 0  # spooled results recorded by their executor's lease
     evidence: int = 0  # spooled results recorded as late evidence
     left: int = 0  # staged effects of executions still running
-    failed: int = 0  # spooled results that could not be settled now (see ``problems``)
-    #: what went wrong with them, one line each (not in ``to_json``: the sweep reports it)
+    #: spooled results that could not be settled now, one line each (the sweep reports them)
     problems: list[str] = field(default_factory=list, compare=False)
 
+    @property
+    def failed(self) -> int:
+        return len(self.problems)
+
     def to_json(self) -> dict[str, int]:
-        return {name: value for name, value in asdict(self).items() if name != "problems"}
+        counts = {name: value for name, value in asdict(self).items() if name != "problems"}
+        return {**counts, "failed": self.failed}
 
     def add(self, other: Landing) -> None:
         for name, value in asdict(other).items():
@@ -653,7 +657,6 @@ class Effects:
     def _spool_failed(summary: Landing, eid: str, why: str) -> None:
         problem = f"spooled result of {eid} not settled: {why}"
         log.error("%s", problem)
-        summary.failed += 1
         summary.problems.append(problem)
 
     def _settle_spool(self, ledger: Ledger, eid: str, actor: str, summary: Landing) -> None:
