@@ -21,6 +21,8 @@ HEADLINES = (
     "vs_dbos",
     "sweep_1m_vs_10k",
 )
+PARTS = ["producer", "workers", "postgres", "redis", "other"]
+IMPLS_TIMED = ("toolledger", "handwritten")
 
 
 def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path, capsys):
@@ -53,8 +55,15 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
         assert e2e["cpu_ms_per_call"]["median"] > 0, name
         parts = e2e["cpu_parts_ms_per_call"]  # and where it went, every part named
-        assert list(parts) == ["producer", "workers", "postgres", "redis", "other"], name
+        assert list(parts) == PARTS, name
         assert all(p["median"] >= 0 for p in parts.values()), (name, parts)
+    cpu = raw["protocol_cpu_ms_per_job"]  # where the protocol's time goes, both sides
+    assert set(cpu) == {f"{d}/{i}" for d in ("postgres", "sqlite") for i in IMPLS_TIMED}
+    assert all(c["user"]["median"] > 0 for side in cpu.values() for c in side.values()), cpu
+    gaps = raw["e2e_cpu_over_peers"]  # and what is left against each peer, by part
+    peers = {"celery_write", *({"procrastinate"} - set(raw["e2e_not_run"]))}
+    assert {g.split(" - ")[1] for g in gaps} == peers, gaps
+    assert all(list(g) == [*PARTS, "total"] for g in gaps.values()), gaps
     assert raw["claim_contention"]["attempts_per_s"]["rounds"] >= 1
     for name in ("bench.json", "bench.md", "bench.png"):
         assert (out / name).stat().st_size > 0
@@ -63,6 +72,8 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     assert packages["celery"] == metadata.version("celery"), packages
     assert f"celery {packages['celery']}" in (out / "bench.md").read_text()
     assert "(threads: the production configuration)" in (out / "bench.md").read_text()
+    assert "| backend | processes | toolledger user / sys |" in (out / "bench.md").read_text()
+    assert "| toolledger - celery_write |" in (out / "bench.md").read_text()
     assert (
         "| system | producer | workers | postgres | redis | other |"
         in (out / "bench.md").read_text()
@@ -72,8 +83,8 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
 @pytest.mark.parametrize(
     ("section", "headlines", "raw"),
     [
-        ("protocol", HEADLINES[:2], {"protocol_jobs_per_s", "jobs"}),
-        ("e2e", HEADLINES[2:8], {"e2e", "e2e_not_run", "jobs"}),
+        ("protocol", HEADLINES[:2], {"protocol_jobs_per_s", "protocol_cpu_ms_per_job", "jobs"}),
+        ("e2e", HEADLINES[2:8], {"e2e", "e2e_cpu_over_peers", "e2e_not_run", "jobs"}),
     ],
 )
 def test_bench__one_section_alone(

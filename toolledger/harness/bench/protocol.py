@@ -11,6 +11,7 @@ insert          a bare INSERT … ON CONFLICT DO NOTHING + commit, no file: the 
 from __future__ import annotations
 
 import json
+import resource
 import secrets
 import sqlite3
 import time
@@ -169,8 +170,9 @@ def _insert_job(url: str, sandbox: str) -> Any:
 
 def run_share(
     impl: str, url: str, scope: str, keys: list[str], start_at: float, sandbox: str
-) -> float:
-    """In a group process: build (once) and warm the job, wait for the start, run the share."""
+) -> tuple[float, float, float]:
+    """In a group process: build (once) and warm the job, wait for the start, run the share.
+    Its seconds, and the user and system CPU seconds this process spent on it."""
     factory = {
         "toolledger": _toolledger_job,
         "insert": _insert_job,
@@ -181,10 +183,11 @@ def run_share(
     job = _cache[(impl, url)]
     while time.time() < start_at:
         time.sleep(0.0005)
-    began = time.perf_counter()
+    before, began = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for key in keys:
         job(scope, key)
-    return time.perf_counter() - began
+    elapsed, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF)
+    return elapsed, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -214,8 +217,10 @@ def seed(url: str, scope: str, count: int) -> list[str]:
 
 def measure(
     group: Group, impl: str, url: str, processes: int, jobs: int, sandbox: Path, label: str
-) -> float:
-    """Jobs per second of ``impl`` with ``processes`` processes sharing ``jobs`` jobs."""
+) -> tuple[float, float, float]:
+    """Jobs per second of ``impl`` with ``processes`` processes sharing ``jobs`` jobs, and
+    the user and system CPU milliseconds a job cost in those processes (on SQLite the
+    database's work is among it; on Postgres the server's is not)."""
     scope = f"{label}-{impl}-{processes}-{uuid.uuid4().hex[:6]}"
     keys = seed(url, scope, jobs)
     (sandbox / scope).mkdir(parents=True, exist_ok=True)
@@ -223,8 +228,10 @@ def measure(
         (impl, url, scope, keys[i::processes], time.time() + 1.5, str(sandbox))
         for i in range(processes)
     ]
-    elapsed = group.run(run_share, shares)
-    return float(jobs / max(elapsed))
+    shares_done = group.run(run_share, shares)
+    elapsed = max(share[0] for share in shares_done)
+    user, system = (sum(share[i] for share in shares_done) * 1000 / jobs for i in (1, 2))
+    return float(jobs / elapsed), user, system
 
 
 def run_protocol(
@@ -240,8 +247,10 @@ def run_protocol(
     for dialect, url in urls.items():
         for n in process_counts:
             for impl in IMPLS:
-                rate = measure(group, impl, url, n, jobs, sandbox, f"p{dialect[:2]}")
+                rate, user, system = measure(group, impl, url, n, jobs, sandbox, f"p{dialect[:2]}")
                 figures.add(f"{dialect}/{impl}/{n}", rate)
+                figures.add(f"cpu/{dialect}/{impl}/{n}/user", user)
+                figures.add(f"cpu/{dialect}/{impl}/{n}/sys", system)
             progress(
                 f"  {dialect} x{n}: "
                 + ", ".join(

@@ -68,6 +68,8 @@ def markdown(r: dict[str, Any]) -> str:
                     )
                     + " |"
                 )
+    if "protocol_cpu_ms_per_job" in raw:
+        lines += ["", *_protocol_cpu(raw["protocol_cpu_ms_per_job"])]
     if "e2e" in raw:
         lines += [
             "",
@@ -95,6 +97,8 @@ def markdown(r: dict[str, Any]) -> str:
             parts = e.get("cpu_parts_ms_per_call", {})
             cells = " | ".join(_fmt(parts.get(p)) for p in CPU_PARTS)
             lines.append(f"| {name} | {cells} |")
+    if gaps := raw.get("e2e_cpu_over_peers"):
+        lines += ["", *_gaps(gaps)]
     if "sweep" in raw:
         lines += [
             "",
@@ -121,6 +125,40 @@ def markdown(r: dict[str, Any]) -> str:
         versions = ", ".join(f"{n} {v}" for n, v in packages.items() if v)
         lines += ["", f"Packages: {versions}."]
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _protocol_cpu(cpu: dict[str, Any]) -> list[str]:
+    """Where the protocol's gap is: CPU a job, toolledger's against the hand-written loop's."""
+    lines = [
+        "Where a protocol job's time goes: CPU ms a job in the processes that ran it, user / "
+        "system (SQLite runs in them, so both sides' statements are in it; Postgres's server "
+        "is not). What is not CPU is waiting: fsyncs, and the write lock on SQLite.",
+        "",
+        "| backend | processes | toolledger user / sys | hand-written user / sys |",
+        "|---|---|---|---|",
+    ]
+    for dialect in ("postgres", "sqlite"):
+        ours, hand = cpu[f"{dialect}/toolledger"], cpu[f"{dialect}/handwritten"]
+        for p in ours:
+            cells = [f"{_fmt(side[p]['user'])} / {_fmt(side[p]['sys'])}" for side in (ours, hand)]
+            lines.append(f"| {dialect} | {p} | {' | '.join(cells)} |")
+    return lines
+
+
+def _gaps(gaps: dict[str, Any]) -> list[str]:
+    """What is left end to end: CPU ms a call over each peer, by part (every variant is
+    CPU-bound on this machine, so calls/s follows CPU a call)."""
+    lines = [
+        "What is left against each peer: toolledger's CPU ms a call minus the peer's, by "
+        "part, round by round (positive: toolledger spends more there):",
+        "",
+        "| toolledger - peer | " + " | ".join(CPU_PARTS) + " | total |",
+        "|---|" + "---|" * (len(CPU_PARTS) + 1),
+    ]
+    for name, parts in gaps.items():
+        cells = " | ".join(_fmt(parts[p]) for p in (*CPU_PARTS, "total"))
+        lines.append(f"| {name} | {cells} |")
+    return lines
 
 
 def _cli_start(c: dict[str, Any]) -> list[str]:

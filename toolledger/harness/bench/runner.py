@@ -179,6 +179,7 @@ def run_alone(cfg: BenchConfig) -> dict[str, Any]:
             report.update(_e2e_summary(figures, e2e.missing))
             report["raw"] = {
                 "e2e": _e2e_raw(figures, e2e.missing),
+                "e2e_cpu_over_peers": _e2e_gaps(figures, e2e.missing),
                 "e2e_not_run": e2e.missing,
                 "jobs": {"e2e": cfg.e2e_jobs},
             }
@@ -190,6 +191,7 @@ def run_alone(cfg: BenchConfig) -> dict[str, Any]:
             report.update(_protocol_summary(cfg, figures))
             report["raw"] = {
                 "protocol_jobs_per_s": _protocol_raw(cfg, figures),
+                "protocol_cpu_ms_per_job": _protocol_cpu(cfg, figures),
                 "jobs": {"protocol": cfg.protocol_jobs},
             }
             version = _pg_version(proto_dbs["postgres"])
@@ -335,6 +337,36 @@ def _e2e_summary(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def _protocol_cpu(cfg: BenchConfig, f: Figures) -> dict[str, Any]:
+    """CPU ms a job in the processes that ran it, user and system: where the protocol's gap
+    is (on SQLite both sides run the same statements in-process)."""
+    return {
+        f"{d}/{impl}": {
+            p: {t: f[f"cpu/{d}/{impl}/{p}/{t}"].summary(3) for t in ("user", "sys")}
+            for p in cfg.processes
+        }
+        for d in ("postgres", "sqlite")
+        for impl in ("toolledger", "handwritten")
+    }
+
+
+#: What is left against each peer, part by part: (toolledger's variant, the peer's).
+GAPS = (("toolledger_threads", "procrastinate"), ("toolledger", "celery_write"))
+
+
+def _e2e_gaps(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
+    """CPU ms a call that toolledger spends over each peer, by part, round by round: with
+    every variant CPU-bound, calls/s follows CPU a call, so this is what a ratio lacks."""
+    return {
+        f"{ours} - {peer}": {
+            label: difference(f[f"e2e/{ours}/cpu_{part}"], f[f"e2e/{peer}/cpu_{part}"])
+            for label, part in (*((p, p) for p in CPU_PARTS), ("total", "ms_per_call"))
+        }
+        for ours, peer in GAPS
+        if ours not in missing and peer not in missing
+    }
+
+
 def _e2e_raw(f: Figures, missing: dict[str, str]) -> dict[str, Any]:
     return {
         v: {
@@ -387,7 +419,9 @@ def summarise(cfg: BenchConfig, f: Figures, missing: dict[str, str]) -> dict[str
         "rounds": cfg.rounds,
         "raw": {
             "protocol_jobs_per_s": _protocol_raw(cfg, f),
+            "protocol_cpu_ms_per_job": _protocol_cpu(cfg, f),
             "e2e": _e2e_raw(f, missing),
+            "e2e_cpu_over_peers": _e2e_gaps(f, missing),
             "e2e_not_run": missing,
             "sweep": {
                 s: {
