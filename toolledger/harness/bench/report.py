@@ -184,7 +184,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     raw = r["raw"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), dpi=110)
+    gaps = raw.get("e2e_cpu_over_peers") or {}
+    fig, axes = plt.subplots(1, 4 if gaps else 3, figsize=(19 if gaps else 14, 4.2), dpi=110)
     ax = axes[0]
     for dialect, style in (("postgres", "-"), ("sqlite", "--")):
         for impl, colour in (
@@ -207,7 +208,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("jobs/s")
     ax.set_yscale("log")
     ax.set_title("ledger protocol")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, handlelength=3)  # long enough to tell dashes (SQLite) apart
     ax = axes[1]
     names = list(raw["e2e"])
     medians = [raw["e2e"][n]["throughput"]["median"] for n in names]
@@ -226,10 +227,31 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax.bar([f"ledger of {s}" for s in sizes], secs, color="tab:cyan")
     ax.set_ylabel("seconds")
     ax.set_title(f"sweep of {r['sweep_1m_vs_10k']['stale_rows']} stale rows")
+    if gaps:
+        _plot_gaps(axes[3], gaps)
     fig.suptitle("toolledger bench" + (" (quick)" if r["quick"] else ""))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _plot_gaps(ax: Any, gaps: dict[str, Any]) -> None:
+    """What is left end to end: CPU ms a call over each peer, part by part (median, min-max)."""
+    labels = [*CPU_PARTS, "total"]
+    width = 0.8 / len(gaps)
+    for i, (name, parts) in enumerate(gaps.items()):
+        xs = [x + (i - (len(gaps) - 1) / 2) * width for x in range(len(labels))]
+        medians = [parts[p]["median"] for p in labels]
+        errs = [
+            [m - parts[p]["min"] for p, m in zip(labels, medians, strict=True)],
+            [parts[p]["max"] - m for p, m in zip(labels, medians, strict=True)],
+        ]
+        ax.bar(xs, medians, width, yerr=errs, capsize=2, label=name.replace(" - ", " over "))
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("CPU ms a call, toolledger minus peer")
+    ax.set_title("what is left: CPU over each peer")
+    ax.legend(fontsize=7)
 
 
 def write_all(r: dict[str, Any], out: Path) -> dict[str, str]:
