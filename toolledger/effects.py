@@ -594,6 +594,7 @@ class Effects:
             isinstance(data.get(name), str) for name in ("lease_token", "status")
         ):
             raise BadSpool("not a spooled result (no lease token or status)")
+        _check_spool(data)
         return data
 
     def _spool_aside(self, execution_id: str) -> None:
@@ -688,6 +689,39 @@ class Effects:
                 )
             summary.evidence += 1
         self._drop_spool(eid)
+
+
+#: The fields of a staged effect as ``Staged.to_json`` writes them, and their types.
+_EFFECT_FIELDS = {"n": int, "kind": str, "path": str, "size": int, "sha256": str}
+_STATUSES = frozenset(s.value for s in Status)
+
+
+def _check_spool(data: dict[str, Any]) -> None:
+    """BadSpool unless every field settling reads has the shape the executor writes: a spool
+    edited or damaged into other JSON would otherwise fail every pass (or, its effects
+    recorded, fail the landing of its path)."""
+    late = data.get("late")
+    if late is not None and not (isinstance(late, dict) and isinstance(late.get("spool"), str)):
+        raise BadSpool("its late result is not one the executor writes")
+    for name in ("error", "reason"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise BadSpool(f"its {name} is not text")
+    if data.get("proves") is not None and data["proves"] not in _STATUSES:
+        raise BadSpool("what it proves is not a status")
+    if data["status"] not in ("succeeded", "failed"):
+        return
+    if not isinstance(data.get("result"), dict):
+        raise BadSpool("its result is not an object")
+    effects = data.get("effects")
+    if effects is None:
+        return
+    if not isinstance(effects, list) or not all(
+        isinstance(e, dict)
+        and all(type(e.get(k)) is t for k, t in _EFFECT_FIELDS.items())
+        and (e["n"], e["kind"]) in ((i, "write"), (i, "append"))
+        for i, e in enumerate(effects)
+    ):
+        raise BadSpool("its effects are not the ones the executor stages")
 
 
 def _record_by_lease(ledger: Ledger, eid: str, record: dict[str, Any], scope: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -580,6 +581,75 @@ def test_pipeline__a_sweep_pass_goes_on_past_a_spool_it_cannot_read(
     assert pending_files(sandbox) == [f"{eid}.spool.refused" for eid in bad]
     assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
     assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+
+
+def _no_sha(spool: dict[str, Any]) -> None:
+    del spool["effects"][0]["sha256"]
+
+
+def _no_result(spool: dict[str, Any]) -> None:
+    del spool["result"]
+
+
+def _error_number(spool: dict[str, Any]) -> None:
+    spool["error"] = 42
+
+
+def _late_text(spool: dict[str, Any]) -> None:
+    spool["late"] = "edited"
+
+
+def _proves_nothing_known(spool: dict[str, Any]) -> None:
+    spool["proves"] = "landed"
+
+
+def _kind_unknown(spool: dict[str, Any]) -> None:
+    spool["effects"][0]["kind"] = "truncate"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_no_sha, _no_result, _error_number, _late_text, _proves_nothing_known, _kind_unknown],
+)
+@pytest.mark.parametrize("revoked", [False, True], ids=["running", "revoked"])
+def test_pipeline__a_spool_damaged_into_other_json_is_set_aside_not_retried_or_recorded(
+    run, ledger, db_url, tmp_path, monkeypatch, damage, revoked
+):
+    # Before: a spool holding a lease token and a status was taken as it was. One whose
+    # effects lacked a field was recorded under its lease, and the landing of its path then
+    # failed on it (a KeyError out of settle: no later path landed, the sweep pass ended);
+    # one whose result, error or late result had another shape failed again every pass.
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    outcome, view = run(
+        "write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken, lease=0.3
+    )
+    broken.close()
+    eid = outcome.execution_id
+    sandbox = Sandbox(tmp_path)
+    spool_file = effects_of(sandbox).pending_dir / f"{eid}.spool"
+    spool = json.loads(spool_file.read_text())
+    damage(spool)
+    spool_file.write_text(json.dumps(spool))
+    if revoked:
+        time.sleep(0.35)
+        ledger.mark_expired(grace_seconds=0)
+    status = ledger.execution(eid).status
+    landing = effects_of(sandbox).settle(ledger)
+    assert (landing.recorded, landing.evidence, landing.landed, landing.failed) == (0, 0, 0, 1)
+    assert eid in landing.problems[0] and "set aside" in landing.problems[0]
+    # nothing of it was recorded, nothing landed, and it is kept for a human, out of every pass
+    assert ledger.execution(eid).status is status and not ledger.evidence_of(eid)
+    assert not (tmp_path / view.scope / "r.txt").exists()
+    assert f"{eid}.spool.refused" in pending_files(sandbox)
+    again = effects_of(sandbox).settle(ledger)
+    assert again.failed == 0 and again.problems == []
+    # what is left is an execution whose result was lost: the sweep's (unknown, fenced)
+    time.sleep(0.35)
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=0, requeue_after=60, publish=None)
+    assert not summary.errors
+    assert ledger.execution(eid).status is not Status.RUNNING
+    assert not (tmp_path / view.scope / "r.txt").exists() and ledger.verify().ok
 
 
 class RenewalsFail(Ledger):
