@@ -791,6 +791,10 @@ class StagingSandbox(Sandbox):
         self._area = effects
         self.scope, self.execution_id, self.lease = scope, execution_id, lease
         self.staged: list[Staged] = []
+        # A tool may stage from several threads, and one it started may outlive the call:
+        # each effect's number is drawn and kept under this lock, and none after the seal.
+        self._lock = threading.Lock()
+        self._sealed = False
 
     def write_atomic(self, scope: str, path: str, data: bytes) -> Staged:
         """Set the file's content to ``data``: all of it or none of it, after the commit."""
@@ -809,13 +813,20 @@ class StagingSandbox(Sandbox):
         # safe now (links too); checked again when it lands. Names are compared with their
         # siblings at submit and where they are made, at landing: not a third listdir here.
         self.check(scope, path, kind=kind, compare=False)
-        staged = self._area.stage(scope, self.execution_id, len(self.staged), kind, path, data)
-        self.staged.append(staged)
+        with self._lock:
+            if self._sealed:
+                raise LeaseLost(f"{self.execution_id} has returned: no more effects")
+            n = len(self.staged)
+            staged = self._area.stage(scope, self.execution_id, n, kind, path, data)
+            self.staged.append(staged)
         failpoints.hit("after_stage", self.execution_id)
         return staged
 
     def seal(self) -> list[Staged]:
-        """Before the commit: make the staged effects durable; what the commit will name."""
-        if self.staged:
-            self._area.seal()
-        return list(self.staged)
+        """Before the commit: make the staged effects durable; what the commit will name.
+        A stage under way finishes first; any later one is refused."""
+        with self._lock:
+            self._sealed = True
+            if self.staged:
+                self._area.seal()
+            return list(self.staged)

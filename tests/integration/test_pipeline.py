@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tests.helpers import pending_files
 from toolledger import failpoints
 from toolledger.builtin_tools import BUILTINS
-from toolledger.effects import effects_of
+from toolledger.effects import LeaseLost, effects_of
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 from toolledger.recovery.sweep import sweep
@@ -116,6 +116,47 @@ def writes_after_lease_loss(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
     return {"noticed_lease_loss": noticed}
 
 
+class Threads(BaseModel):
+    threads: int
+
+
+def writes_from_threads(args: Threads, ctx: ToolContext) -> dict[str, Any]:
+    """Stages from ``threads`` threads at once: a file each, and a line each on one file."""
+    start = threading.Barrier(args.threads)
+
+    def write(i: int) -> None:
+        start.wait()
+        ctx.sandbox.write_atomic(ctx.scope, f"t{i}.txt", f"{i}".encode())
+        ctx.sandbox.append(ctx.scope, "all.txt", f"{i}\n".encode())
+
+    workers = [threading.Thread(target=write, args=(i,)) for i in range(args.threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return {"threads": args.threads}
+
+
+#: What the thread ``leaves_a_writer_behind`` left was told when it wrote after the call.
+LEFT_BEHIND: dict[str, Any] = {}
+
+
+def leaves_a_writer_behind(args: Sleep, ctx: ToolContext) -> dict[str, Any]:
+    """Returns at once; a thread it started writes ``seconds`` later, after the call."""
+
+    def write_late() -> None:
+        time.sleep(args.seconds)
+        try:
+            ctx.sandbox.write_atomic(ctx.scope, "behind.txt", b"after the call")
+            LEFT_BEHIND[ctx.execution_id] = "written"
+        except LeaseLost as exc:
+            LEFT_BEHIND[ctx.execution_id] = exc
+
+    LEFT_BEHIND["thread"] = threading.Thread(target=write_late)
+    LEFT_BEHIND["thread"].start()
+    return {"left": "a writer"}
+
+
 REGISTRY = Registry(
     [
         *(
@@ -139,6 +180,8 @@ REGISTRY = Registry(
             )
         ),
         make_tool(writes_after_lease_loss, sandboxed=True),
+        make_tool(writes_from_threads, sandboxed=True),
+        make_tool(leaves_a_writer_behind, sandboxed=True),
         *(t for t in BUILTINS if t.name in ("write_file", "append_file")),
     ]
 )
@@ -238,6 +281,34 @@ def test_pipeline__whatever_a_tool_raises_ends_in_something_the_ledger_stores(ru
     assert outcome.state == "unknown" and view.current.status is Status.UNKNOWN
     last = ledger.events(view.scope, view.tool_call_id)[-1]
     assert last.detail["reason"] == "UnshowableUnknown: (UnshowableUnknown could not be shown)"
+
+
+def test_pipeline__a_tool_staging_from_many_threads_lands_every_effect(run, ledger, tmp_path):
+    # Before: each effect took its number from len(staged) without a lock, so two threads
+    # staging at once drew the same one; the landing kept one effect a number and dropped
+    # the other's bytes (a spooled result with them was refused as damaged).
+    outcome, view = run("writes_from_threads", {"threads": 8})
+    assert outcome.state == "finished" and view.current.status is Status.SUCCEEDED
+    effects = view.current.effects
+    assert sorted(e["n"] for e in effects) == list(range(16))
+    root = tmp_path / view.scope
+    assert {p.name: p.read_text() for p in root.glob("t*.txt")} == {
+        f"t{i}.txt": str(i) for i in range(8)
+    }
+    assert sorted((root / "all.txt").read_text().split()) == [str(i) for i in range(8)]
+    assert not pending_files(Sandbox(tmp_path)) and ledger.verify().ok
+
+
+def test_pipeline__a_thread_left_behind_cannot_write_after_the_call(run, ledger, tmp_path):
+    # Before: a thread the tool started could stage after the seal; its bytes sat in the
+    # pending area under a committed execution that never named them.
+    outcome, view = run("leaves_a_writer_behind", {"seconds": 0.3})
+    LEFT_BEHIND.pop("thread").join()
+    told = LEFT_BEHIND.pop(outcome.execution_id)
+    assert isinstance(told, LeaseLost) and "has returned" in str(told)
+    assert view.current.status is Status.SUCCEEDED and not view.current.effects
+    assert not (tmp_path / view.scope / "behind.txt").exists()
+    assert not pending_files(Sandbox(tmp_path)) and ledger.verify().ok
 
 
 def test_pipeline__outcome_unknown_is_declared_unknown_by_the_executor(run, ledger):
