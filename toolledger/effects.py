@@ -583,12 +583,12 @@ class Effects:
 
     def _read_spool(self, execution_id: str) -> dict[str, Any] | None:
         try:
-            text = (self.pending_dir / f"{execution_id}.spool").read_text()
+            raw = (self.pending_dir / f"{execution_id}.spool").read_bytes()
         except FileNotFoundError:
             return None
         try:
-            data = json.loads(text)
-        except ValueError as exc:  # not JSON, or not UTF-8
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # not UTF-8, or not JSON
             raise BadSpool(f"not JSON ({exc})") from None
         if not isinstance(data, dict) or not all(
             isinstance(data.get(name), str) for name in ("lease_token", "status")
@@ -670,6 +670,7 @@ class Effects:
         if state is not None and state.status is Status.RUNNING:
             if state.lease_token != record["lease_token"]:
                 return  # not ours to judge (cannot happen: tokens are per execution)
+            self._check_staged(eid, state.scope, record.get("effects") or ())
             try:
                 _record_by_lease(ledger, eid, record, state.scope)
                 summary.recorded += 1
@@ -690,6 +691,17 @@ class Effects:
             summary.evidence += 1
         self._drop_spool(eid)
 
+    def _check_staged(self, eid: str, scope: str, effects: Any) -> None:
+        """BadSpool unless every effect a spool would commit names bytes staged for it (while
+        its execution runs, nothing removes them): a commit must name only what can land."""
+        if not effects:
+            return
+        with self._pending() as pfd:
+            names = set(os.listdir(pfd))
+        for e in effects:
+            if StageFile(eid, e["n"], path_hash(scope, e["path"]), e["kind"]).name not in names:
+                raise BadSpool(f"its effect {e['n']} ({e['kind']} {e['path']!r}) was not staged")
+
 
 #: The fields of a staged effect as ``Staged.to_json`` writes them, and their types.
 _EFFECT_FIELDS = {"n": int, "kind": str, "path": str, "size": int, "sha256": str}
@@ -704,10 +716,17 @@ def _check_spool(data: dict[str, Any]) -> None:
     if late is not None and not (isinstance(late, dict) and isinstance(late.get("spool"), str)):
         raise BadSpool("its late result is not one the executor writes")
     for name in ("error", "reason"):
-        if data.get(name) is not None and not isinstance(data[name], str):
-            raise BadSpool(f"its {name} is not text")
-    if data.get("proves") is not None and data["proves"] not in _STATUSES:
+        if data.get(name) is not None and not (
+            isinstance(data[name], str) and "\x00" not in data[name]
+        ):
+            raise BadSpool(f"its {name} is not text a ledger stores")
+    proves = data.get("proves")
+    if proves is not None and not (isinstance(proves, str) and proves in _STATUSES):
         raise BadSpool("what it proves is not a status")
+    try:  # what the executor spools is storable: no NaN, no lone surrogate
+        json.dumps(data, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except ValueError as exc:  # UnicodeEncodeError is one
+        raise BadSpool(f"it holds what no ledger stores ({exc})") from None
     if data["status"] not in ("succeeded", "failed"):
         return
     if not isinstance(data.get("result"), dict):

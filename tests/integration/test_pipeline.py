@@ -678,9 +678,36 @@ def _kind_unknown(spool: dict[str, Any]) -> None:
     spool["effects"][0]["kind"] = "truncate"
 
 
+def _proves_a_list(spool: dict[str, Any]) -> None:
+    spool["proves"] = []
+
+
+def _result_not_a_number(spool: dict[str, Any]) -> None:
+    spool["result"] = {"x": float("nan")}  # json.dumps writes NaN, json.loads reads it
+
+
+def _result_lone_surrogate(spool: dict[str, Any]) -> None:
+    spool["result"] = {"x": "r\udce9sum\udce9"}  # written as its \u escape, read back lone
+
+
+def _error_nul(spool: dict[str, Any]) -> None:
+    spool["error"] = "a\x00b"  # Postgres text refuses NUL; the executor writes \\x00
+
+
 @pytest.mark.parametrize(
     "damage",
-    [_no_sha, _no_result, _error_number, _late_text, _proves_nothing_known, _kind_unknown],
+    [
+        _no_sha,
+        _no_result,
+        _error_number,
+        _late_text,
+        _proves_nothing_known,
+        _kind_unknown,
+        _proves_a_list,
+        _result_not_a_number,
+        _result_lone_surrogate,
+        _error_nul,
+    ],
 )
 @pytest.mark.parametrize("revoked", [False, True], ids=["running", "revoked"])
 def test_pipeline__a_spool_damaged_into_other_json_is_set_aside_not_retried_or_recorded(
@@ -721,6 +748,44 @@ def test_pipeline__a_spool_damaged_into_other_json_is_set_aside_not_retried_or_r
     assert not summary.errors
     assert ledger.execution(eid).status is not Status.RUNNING
     assert not (tmp_path / view.scope / "r.txt").exists() and ledger.verify().ok
+
+
+def _path_edited(spool: dict[str, Any]) -> None:
+    spool["effects"][0]["path"] = "elsewhere.txt"
+
+
+def _write_made_append(spool: dict[str, Any]) -> None:
+    spool["effects"][0]["kind"] = "append"
+
+
+def _one_more_effect(spool: dict[str, Any]) -> None:
+    spool["effects"].append({**spool["effects"][0], "n": 1})
+
+
+@pytest.mark.parametrize("edit", [_path_edited, _write_made_append, _one_more_effect])
+def test_pipeline__a_spool_naming_effects_that_were_not_staged_is_not_committed(
+    run, ledger, db_url, tmp_path, monkeypatch, edit
+):
+    # Before: a spool whose effects were edited into other well-formed ones was recorded as
+    # it was, under its lease: a commit naming a path nothing was staged for (or the staged
+    # bytes under another kind), its real stage then kept aside as not matching its commit.
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
+    broken.close()
+    eid = outcome.execution_id
+    sandbox = Sandbox(tmp_path)
+    spool_file = effects_of(sandbox).pending_dir / f"{eid}.spool"
+    spool = json.loads(spool_file.read_text())
+    edit(spool)
+    spool_file.write_text(json.dumps(spool))
+    landing = effects_of(sandbox).settle(ledger)
+    assert (landing.recorded, landing.landed, landing.failed) == (0, 0, 1)
+    assert "was not staged" in landing.problems[0] and "set aside" in landing.problems[0]
+    assert ledger.execution(eid).status is Status.RUNNING and not ledger.execution(eid).effects
+    root = tmp_path / view.scope
+    assert not (root / "r.txt").exists() and not (root / "elsewhere.txt").exists()
+    assert f"{eid}.spool.refused" in pending_files(sandbox)
 
 
 class RenewalsFail(Ledger):
