@@ -328,6 +328,11 @@ class Effects:
                 while view:
                     view = view[os.write(fd, view) :]
                 os.fsync(fd)
+            except BaseException:
+                # not staged (a full disk, say): its number is free again for the next stage
+                with contextlib.suppress(OSError):
+                    os.unlink(f.name, dir_fd=pfd)
+                raise
             finally:
                 os.close(fd)
         return Staged(n, kind, path, len(data), hashlib.sha256(data).hexdigest())

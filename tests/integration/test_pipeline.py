@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import threading
 import time
 from datetime import UTC, datetime
@@ -137,6 +139,17 @@ def writes_from_threads(args: Threads, ctx: ToolContext) -> dict[str, Any]:
     return {"threads": args.threads}
 
 
+def writes_again_after_a_full_disk(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    """Its first write fails (the disk is full); it tries once more, then writes another."""
+    try:
+        ctx.sandbox.write_atomic(ctx.scope, "first.txt", b"1")
+    except OSError as exc:
+        ctx.sandbox.write_atomic(ctx.scope, "first.txt", b"1 again")
+        ctx.sandbox.write_atomic(ctx.scope, "second.txt", b"2")
+        return {"first": exc.strerror}
+    return {"first": "written"}
+
+
 #: What the thread ``leaves_a_writer_behind`` left was told when it wrote after the call.
 LEFT_BEHIND: dict[str, Any] = {}
 
@@ -182,6 +195,7 @@ REGISTRY = Registry(
         make_tool(writes_after_lease_loss, sandboxed=True),
         make_tool(writes_from_threads, sandboxed=True),
         make_tool(leaves_a_writer_behind, sandboxed=True),
+        make_tool(writes_again_after_a_full_disk, sandboxed=True),
         *(t for t in BUILTINS if t.name in ("write_file", "append_file")),
     ]
 )
@@ -308,6 +322,35 @@ def test_pipeline__a_thread_left_behind_cannot_write_after_the_call(run, ledger,
     assert isinstance(told, LeaseLost) and "has returned" in str(told)
     assert view.current.status is Status.SUCCEEDED and not view.current.effects
     assert not (tmp_path / view.scope / "behind.txt").exists()
+    assert not pending_files(Sandbox(tmp_path)) and ledger.verify().ok
+
+
+def test_pipeline__a_stage_that_fails_leaves_nothing_and_frees_its_number(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: a stage file whose write failed stayed in the pending area under its number,
+    # which the tool's next stage drew again: retrying the same path failed (FileExistsError),
+    # and on another path the leftover sat there, named by no commit, until set aside.
+    real_fsync, failed = os.fsync, []
+
+    def full_disk_once(fd: int) -> None:
+        if not failed and os.readlink(f"/proc/self/fd/{fd}").endswith(".write"):
+            failed.append(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr("toolledger.effects.os.fsync", full_disk_once)
+    outcome, view = run("writes_again_after_a_full_disk")
+    assert failed and outcome.state == "finished" and view.current.status is Status.SUCCEEDED
+    assert view.current.result == {"first": "No space left on device"}
+    assert [(e["n"], e["path"]) for e in view.current.effects] == [
+        (0, "first.txt"),
+        (1, "second.txt"),
+    ]
+    root = tmp_path / view.scope
+    assert (root / "first.txt").read_text() == "1 again" and (
+        root / "second.txt"
+    ).read_text() == "2"
     assert not pending_files(Sandbox(tmp_path)) and ledger.verify().ok
 
 
