@@ -415,7 +415,7 @@ class Effects:
             for f in files:
                 if mine is not None and f.execution_id == own_id:
                     st = mine[1].get(f.n)
-                    if st is not None:
+                    if st is not None and _names(f, mine[0].scope, st.path, st.kind):
                         steps.append(_Step(mine[0], f, st.path, st.sha256))
                 elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing):
                     steps.append(step)
@@ -426,7 +426,7 @@ class Effects:
     ) -> _Step | None:
         if state is not None and state.own_success:
             effect = state.effects[f.n] if f.n < len(state.effects) else None
-            if effect is not None and path_hash(state.scope, effect["path"]) == f.h:
+            if effect is not None and _names(f, state.scope, effect["path"], effect["kind"]):
                 return _Step(Commit.of(state), f, effect["path"], effect["sha256"])
             log.error("staged %s does not match its commit's effects: kept aside", f.name)
             self._aside(pfd, f, landing)
@@ -512,11 +512,7 @@ class Effects:
         return st.st_size if st is not None else 0
 
     def _write_at(self, pfd: int, f: StageFile, scope: str, path: str) -> None:
-        fd = os.open(f.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-        try:
-            data = os.read(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        data = _read_at(pfd, f.name)
         with self.sandbox.open_parent(scope, path, create=True) as (parent, name):
             assert parent is not None
             existed = self.sandbox.target_stat(parent, name, path) is not None
@@ -675,14 +671,21 @@ class Effects:
         if state is not None and state.status is Status.RUNNING:
             if state.lease_token != record["lease_token"]:
                 return  # not ours to judge (cannot happen: tokens are per execution)
-            self._check_staged(eid, state.scope, record.get("effects") or ())
             try:
+                if record["status"] in ("succeeded", "failed"):  # what commits effects
+                    self._check_staged(eid, state.scope, record.get("effects") or [])
                 _record_by_lease(ledger, eid, record, state.scope)
                 summary.recorded += 1
                 self._drop_spool(eid)
                 return
             except StaleFence:
                 state = ledger.effect_states([eid]).get(eid)
+            except BadSpool:
+                # its stages gone because another settle recorded it and landed them since?
+                token = state.lease_token
+                state = ledger.effect_states([eid]).get(eid)
+                if _is_running(state) and state is not None and state.lease_token == token:
+                    raise
         if state is not None and record.get("late") is not None:
             marker = record["late"]["spool"]
             if not any(e.detail.get("spool") == marker for e in ledger.evidence_of(eid)):
@@ -696,16 +699,29 @@ class Effects:
             summary.evidence += 1
         self._drop_spool(eid)
 
-    def _check_staged(self, eid: str, scope: str, effects: Any) -> None:
-        """BadSpool unless every effect a spool would commit names bytes staged for it (while
-        its execution runs, nothing removes them): a commit must name only what can land."""
-        if not effects:
-            return
+    def _check_staged(self, eid: str, scope: str, effects: list[dict[str, Any]]) -> None:
+        """BadSpool unless the effects a spool would commit are exactly the bytes staged for
+        its execution (while it runs, nothing removes them): its stage files, no fewer and no
+        more, each of the size and digest named. A commit names only what lands, and all of it."""
         with self._pending() as pfd:
-            names = set(os.listdir(pfd))
-        for e in effects:
-            if StageFile(eid, e["n"], path_hash(scope, e["path"]), e["kind"]).name not in names:
-                raise BadSpool(f"its effect {e['n']} ({e['kind']} {e['path']!r}) was not staged")
+            staged = {
+                f.name for f in self._scan(pfd)[0]
+                if f.execution_id == eid and f.kind in ("write", "append")
+            }  # fmt: skip
+            for e in effects:
+                name = StageFile(eid, e["n"], path_hash(scope, e["path"]), e["kind"]).name
+                if name not in staged:
+                    what = f"{e['n']} ({e['kind']} {e['path']!r})"
+                    raise BadSpool(f"its effect {what} was not staged")
+                staged.discard(name)
+                try:
+                    data = _read_at(pfd, name)
+                except FileNotFoundError:
+                    raise BadSpool(f"its effect {e['n']} was not staged") from None
+                if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
+                    raise BadSpool(f"its effect {e['n']} names other bytes than were staged")
+        if staged:
+            raise BadSpool(f"it does not name {len(staged)} effect(s) staged for it")
 
 
 #: The fields of a staged effect as ``Staged.to_json`` writes them, and their types.
@@ -777,12 +793,28 @@ def _status(value: str | None) -> Status | None:
     return Status(value) if value else None
 
 
+def _names(f: StageFile, scope: str, path: str, kind: str) -> bool:
+    """Whether a committed effect (its path and kind) is the one staged as ``f`` (same
+    number): a stage file left by a stage that failed is never taken for another effect."""
+    staged_kind = "append" if f.kind == "applying" else f.kind
+    return staged_kind == kind and path_hash(scope, path) == f.h
+
+
 def _is_running(state: EffectState | None) -> bool:
     return state is not None and state.status is Status.RUNNING
 
 
 def _order(s: _Step) -> tuple[int, int]:
     return (s.seq, s.file.n)
+
+
+def _read_at(pfd: int, name: str) -> bytes:
+    """A stage file's bytes (a link is not followed)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    try:
+        return os.read(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -831,6 +863,11 @@ class StagingSandbox(Sandbox):
     def _stage(self, scope: str, path: str, data: bytes, kind: str) -> Staged:
         if scope != self.scope:
             raise PathRefused(f"an execution in scope {self.scope!r} cannot write in {scope!r}")
+        if not path.isascii():
+            try:  # a name with an undecodable byte, as os.listdir gives it: no ledger stores it
+                path.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PathRefused(f"path {ascii(path)} is not valid Unicode") from None
         self.check_content(data)
         if self.lease is not None:
             self.lease.check()

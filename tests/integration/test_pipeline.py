@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -150,6 +151,42 @@ def writes_again_after_a_full_disk(args: NoArgs, ctx: ToolContext) -> dict[str, 
     return {"first": "written"}
 
 
+class FailingDisk:
+    """``toolledger.effects``' view of ``os`` on a failing disk: once armed, a write stops
+    after 8 bytes (ENOSPC), and the clean-up's unlink fails too (EIO)."""
+
+    armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def write(self, fd: int, data: Any) -> int:
+        if FailingDisk.armed:
+            os.write(fd, bytes(data[:8]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.write(fd, data)
+
+    def unlink(self, *args: Any, **kwargs: Any) -> None:
+        if FailingDisk.armed:
+            FailingDisk.armed = False
+            raise OSError(errno.EIO, "Input/output error")
+        os.unlink(*args, **kwargs)
+
+
+def appends_after_a_failed_write(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    """Its write fails half-way on a failing disk; it appends to the same file instead."""
+    FailingDisk.armed = True
+    with contextlib.suppress(OSError):
+        ctx.sandbox.write_atomic(ctx.scope, "r.txt", b"PARTIAL-WRITE-NEVER-COMMITTED")
+    ctx.sandbox.append(ctx.scope, "r.txt", b"appended\n")
+    return {"ok": True}
+
+
+def writes_an_undecodable_name(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    ctx.sandbox.write_atomic(ctx.scope, UNDECODABLE, b"v")
+    return {"ok": True}
+
+
 #: What the thread ``leaves_a_writer_behind`` left was told when it wrote after the call.
 LEFT_BEHIND: dict[str, Any] = {}
 
@@ -196,6 +233,8 @@ REGISTRY = Registry(
         make_tool(writes_from_threads, sandboxed=True),
         make_tool(leaves_a_writer_behind, sandboxed=True),
         make_tool(writes_again_after_a_full_disk, sandboxed=True),
+        make_tool(appends_after_a_failed_write, sandboxed=True),
+        make_tool(writes_an_undecodable_name, sandboxed=True),
         *(t for t in BUILTINS if t.name in ("write_file", "append_file")),
     ]
 )
@@ -352,6 +391,36 @@ def test_pipeline__a_stage_that_fails_leaves_nothing_and_frees_its_number(
         root / "second.txt"
     ).read_text() == "2"
     assert not pending_files(Sandbox(tmp_path)) and ledger.verify().ok
+
+
+def test_pipeline__a_stage_file_left_by_a_failed_stage_is_never_taken_for_an_effect(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: landing matched a stage file to its commit's effect by number alone (and by
+    # path hash in settle): a failed write's leftover, numbered 0 like the append the commit
+    # named, landed its partial bytes in place of the append.
+    monkeypatch.setattr("toolledger.effects.os", FailingDisk())
+    outcome, view = run("appends_after_a_failed_write")
+    assert outcome.state == "finished" and view.current.status is Status.SUCCEEDED
+    assert [(e["n"], e["kind"]) for e in view.current.effects] == [(0, "append")]
+    target = tmp_path / view.scope / "r.txt"
+    assert target.read_bytes() == b"appended\n"
+    sandbox = Sandbox(tmp_path)
+    assert [n.rsplit(".", 1)[1] for n in pending_files(sandbox)] == ["write"]
+    landing = effects_of(sandbox).settle(ledger)  # the leftover is set aside, never landed
+    assert (landing.landed, landing.refused) == (0, 1)
+    assert target.read_bytes() == b"appended\n"
+    assert [n.rsplit(".", 1)[1] for n in pending_files(sandbox)] == ["refused"]
+
+
+def test_pipeline__a_path_no_ledger_can_record_is_refused_before_it_is_staged(run, tmp_path):
+    # Before: a tool writing a name with an undecodable byte (as os.listdir gives it) staged
+    # it, and the terminal write raised UnicodeEncodeError out of execute: the call stayed
+    # running until the sweep declared it unknown.
+    outcome, view = run("writes_an_undecodable_name")
+    assert outcome.state == "finished" and view.current.status is Status.FAILED
+    assert "is not valid Unicode" in view.current.error
+    assert not pending_files(Sandbox(tmp_path)) and not (tmp_path / view.scope).exists()
 
 
 def test_pipeline__outcome_unknown_is_declared_unknown_by_the_executor(run, ledger):
@@ -805,13 +874,36 @@ def _one_more_effect(spool: dict[str, Any]) -> None:
     spool["effects"].append({**spool["effects"][0], "n": 1})
 
 
-@pytest.mark.parametrize("edit", [_path_edited, _write_made_append, _one_more_effect])
-def test_pipeline__a_spool_naming_effects_that_were_not_staged_is_not_committed(
-    run, ledger, db_url, tmp_path, monkeypatch, edit
+def _effects_dropped(spool: dict[str, Any]) -> None:
+    spool["effects"] = None
+
+
+def _size_edited(spool: dict[str, Any]) -> None:
+    spool["effects"][0]["size"] = 999
+
+
+def _digest_edited(spool: dict[str, Any]) -> None:
+    spool["effects"][0]["sha256"] = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (_path_edited, "was not staged"),
+        (_write_made_append, "was not staged"),
+        (_one_more_effect, "was not staged"),
+        (_effects_dropped, "does not name 1 effect"),
+        (_size_edited, "names other bytes"),
+        (_digest_edited, "names other bytes"),
+    ],
+)
+def test_pipeline__a_spool_naming_other_effects_than_were_staged_is_not_committed(
+    run, ledger, db_url, tmp_path, monkeypatch, edit, said
 ):
     # Before: a spool whose effects were edited into other well-formed ones was recorded as
     # it was, under its lease: a commit naming a path nothing was staged for (or the staged
-    # bytes under another kind), its real stage then kept aside as not matching its commit.
+    # bytes under another kind), its real stage then kept aside as not matching its commit;
+    # one naming none of its effects was recorded as a success whose file never appears.
     monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     broken = FinishUnreachable(db_url)
     outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
@@ -824,11 +916,62 @@ def test_pipeline__a_spool_naming_effects_that_were_not_staged_is_not_committed(
     spool_file.write_text(json.dumps(spool))
     landing = effects_of(sandbox).settle(ledger)
     assert (landing.recorded, landing.landed, landing.failed) == (0, 0, 1)
-    assert "was not staged" in landing.problems[0] and "set aside" in landing.problems[0]
+    assert said in landing.problems[0] and "set aside" in landing.problems[0]
     assert ledger.execution(eid).status is Status.RUNNING and not ledger.execution(eid).effects
     root = tmp_path / view.scope
     assert not (root / "r.txt").exists() and not (root / "elsewhere.txt").exists()
     assert f"{eid}.spool.refused" in pending_files(sandbox)
+
+
+@pytest.mark.parametrize("effects", ["x", [{"n": 0}], {"n": 0}, [0]])
+def test_pipeline__a_spooled_unknown_commits_no_effects_whatever_they_look_like(
+    run, ledger, db_url, tmp_path, monkeypatch, effects
+):
+    # Before: the staged effects of every spool were checked, an unknown's too (which commits
+    # none): one damaged there raised TypeError or KeyError on every pass, never set aside.
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
+    broken.close()
+    eid = outcome.execution_id
+    sandbox = Sandbox(tmp_path)
+    spool_file = effects_of(sandbox).pending_dir / f"{eid}.spool"
+    spool = json.loads(spool_file.read_text())
+    spool.update(status="unknown", result=None, reason="the tool cannot tell", effects=effects)
+    spool_file.write_text(json.dumps(spool))
+    landing = effects_of(sandbox).settle(ledger)
+    assert (landing.recorded, landing.failed, landing.landed) == (1, 0, 0), landing.problems
+    assert ledger.execution(eid).status is Status.UNKNOWN
+    assert not (tmp_path / view.scope / "r.txt").exists()
+    assert not pending_files(sandbox)  # its stage discarded: an unknown commits no effect
+
+
+def test_pipeline__a_spool_another_settle_recorded_meanwhile_is_not_called_unreadable(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    # Before: settle B read the execution running; settle A then recorded the spool and landed
+    # its bytes; B found the stage files gone and reported a good spool as unreadable.
+    from toolledger.effects import Effects
+
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
+    broken.close()
+    real, first = Effects._check_staged, []
+
+    def a_settles_first(self: Effects, eid: str, scope: str, effects: Any) -> None:
+        if not first:  # B has read it running; A (a worker's start, say) settles now
+            first.append(None)
+            first[0] = effects_of(Sandbox(tmp_path)).settle(ledger)
+        real(self, eid, scope, effects)
+
+    monkeypatch.setattr(Effects, "_check_staged", a_settles_first)
+    b = effects_of(Sandbox(tmp_path)).settle(ledger)
+    assert (first[0].recorded, first[0].landed) == (1, 1)
+    assert b.failed == 0 and b.problems == []
+    assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+    assert not pending_files(Sandbox(tmp_path))
 
 
 class RenewalsFail(Ledger):
