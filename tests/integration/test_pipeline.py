@@ -9,7 +9,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -638,6 +640,32 @@ class FinishUnreachable(Ledger):
         raise sa.exc.OperationalError("SELECT", {}, Exception("database is gone"))
 
 
+@pytest.fixture
+def spooled(run, db_url, tmp_path, monkeypatch):
+    """A write of r.txt whose result the ledger could not take, spooled: its outcome, its
+    view, and its spool file, edited by ``edit`` (a function of the spool's JSON) if given."""
+
+    def _spooled(
+        edit: Callable[[dict[str, Any]], None] | None = None, lease: float = 30.0
+    ) -> tuple[Any, Any, Path]:
+        monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+        broken = FinishUnreachable(db_url)
+        try:
+            outcome, view = run(
+                "write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken, lease=lease
+            )
+        finally:
+            broken.close()
+        spool_file = effects_of(Sandbox(tmp_path)).pending_dir / f"{outcome.execution_id}.spool"
+        if edit is not None:
+            spool = json.loads(spool_file.read_text())
+            edit(spool)
+            spool_file.write_text(json.dumps(spool))
+        return outcome, view, spool_file
+
+    return _spooled
+
+
 class SoftLimitDuringFinish(Ledger):
     def finish(self, *args: Any, **kwargs: Any) -> Any:
         raise SoftTimeLimitExceeded()
@@ -823,24 +851,15 @@ def _error_nul(spool: dict[str, Any]) -> None:
 )
 @pytest.mark.parametrize("revoked", [False, True], ids=["running", "revoked"])
 def test_pipeline__a_spool_damaged_into_other_json_is_set_aside_not_retried_or_recorded(
-    run, ledger, db_url, tmp_path, monkeypatch, damage, revoked
+    spooled, ledger, tmp_path, damage, revoked
 ):
     # Before: a spool holding a lease token and a status was taken as it was. One whose
     # effects lacked a field was recorded under its lease, and the landing of its path then
     # failed on it (a KeyError out of settle: no later path landed, the sweep pass ended);
     # one whose result, error or late result had another shape failed again every pass.
-    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
-    broken = FinishUnreachable(db_url)
-    outcome, view = run(
-        "write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken, lease=0.3
-    )
-    broken.close()
+    outcome, view, _ = spooled(damage, lease=0.3)
     eid = outcome.execution_id
     sandbox = Sandbox(tmp_path)
-    spool_file = effects_of(sandbox).pending_dir / f"{eid}.spool"
-    spool = json.loads(spool_file.read_text())
-    damage(spool)
-    spool_file.write_text(json.dumps(spool))
     if revoked:
         time.sleep(0.35)
         ledger.mark_expired(grace_seconds=0)
@@ -898,22 +917,15 @@ def _digest_edited(spool: dict[str, Any]) -> None:
     ],
 )
 def test_pipeline__a_spool_naming_other_effects_than_were_staged_is_not_committed(
-    run, ledger, db_url, tmp_path, monkeypatch, edit, said
+    spooled, ledger, tmp_path, edit, said
 ):
     # Before: a spool whose effects were edited into other well-formed ones was recorded as
     # it was, under its lease: a commit naming a path nothing was staged for (or the staged
     # bytes under another kind), its real stage then kept aside as not matching its commit;
     # one naming none of its effects was recorded as a success whose file never appears.
-    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
-    broken = FinishUnreachable(db_url)
-    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
-    broken.close()
+    outcome, view, _ = spooled(edit)
     eid = outcome.execution_id
     sandbox = Sandbox(tmp_path)
-    spool_file = effects_of(sandbox).pending_dir / f"{eid}.spool"
-    spool = json.loads(spool_file.read_text())
-    edit(spool)
-    spool_file.write_text(json.dumps(spool))
     landing = effects_of(sandbox).settle(ledger)
     assert (landing.recorded, landing.landed, landing.failed) == (0, 0, 1)
     assert said in landing.problems[0] and "set aside" in landing.problems[0]
@@ -925,20 +937,16 @@ def test_pipeline__a_spool_naming_other_effects_than_were_staged_is_not_committe
 
 @pytest.mark.parametrize("effects", ["x", [{"n": 0}], {"n": 0}, [0]])
 def test_pipeline__a_spooled_unknown_commits_no_effects_whatever_they_look_like(
-    run, ledger, db_url, tmp_path, monkeypatch, effects
+    spooled, ledger, tmp_path, effects
 ):
     # Before: the staged effects of every spool were checked, an unknown's too (which commits
     # none): one damaged there raised TypeError or KeyError on every pass, never set aside.
-    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
-    broken = FinishUnreachable(db_url)
-    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
-    broken.close()
+    def unknown(spool: dict[str, Any]) -> None:
+        spool.update(status="unknown", result=None, reason="the tool cannot tell", effects=effects)
+
+    outcome, view, _ = spooled(unknown)
     eid = outcome.execution_id
     sandbox = Sandbox(tmp_path)
-    spool_file = effects_of(sandbox).pending_dir / f"{eid}.spool"
-    spool = json.loads(spool_file.read_text())
-    spool.update(status="unknown", result=None, reason="the tool cannot tell", effects=effects)
-    spool_file.write_text(json.dumps(spool))
     landing = effects_of(sandbox).settle(ledger)
     assert (landing.recorded, landing.failed, landing.landed) == (1, 0, 0), landing.problems
     assert ledger.execution(eid).status is Status.UNKNOWN
@@ -947,16 +955,13 @@ def test_pipeline__a_spooled_unknown_commits_no_effects_whatever_they_look_like(
 
 
 def test_pipeline__a_spool_another_settle_recorded_meanwhile_is_not_called_unreadable(
-    run, ledger, db_url, tmp_path, monkeypatch
+    spooled, ledger, tmp_path, monkeypatch
 ):
     # Before: settle B read the execution running; settle A then recorded the spool and landed
     # its bytes; B found the stage files gone and reported a good spool as unreadable.
     from toolledger.effects import Effects
 
-    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
-    broken = FinishUnreachable(db_url)
-    outcome, view = run("write_file", {"path": "r.txt", "content": "v"}, executor_ledger=broken)
-    broken.close()
+    outcome, view, _ = spooled()
     real, first = Effects._check_staged, []
 
     def a_settles_first(self: Effects, eid: str, scope: str, effects: Any) -> None:
