@@ -48,6 +48,7 @@ Outside the sandbox nothing is fenced: a tool that calls a service must send
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -55,6 +56,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import stat
 import threading
 import time
@@ -324,17 +326,24 @@ class Effects:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(f.name, flags, 0o644, dir_fd=pfd)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             except BaseException:
-                # not staged (a full disk, say): its number is free again for the next stage
-                with contextlib.suppress(OSError):
+                # Not staged (a full disk, say): its number is free again for the next stage,
+                # and no commit can name the file (if it cannot go, it is set aside).
+                try:
                     os.unlink(f.name, dir_fd=pfd)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        self._rename_aside(pfd, f)
                 raise
-            finally:
-                os.close(fd)
         return Staged(n, kind, path, len(data), hashlib.sha256(data).hexdigest())
 
     def seal(self) -> None:
@@ -547,9 +556,14 @@ class Effects:
 
     @staticmethod
     def _rename_aside(pfd: int, f: StageFile) -> None:
-        aside = StageFile(f.execution_id, f.n, f.h, "refused")
+        """Under the path's lock (or the staging execution's own): a file set aside before
+        under the same number keeps its bytes (a failed stage's leftover and the effect
+        committed under that number can both end here); the second is named apart."""
+        aside = StageFile(f.execution_id, f.n, f.h, "refused").name
+        while _exists(pfd, aside):
+            aside = f"{f.execution_id}.{f.n}.{f.h}.{secrets.token_hex(4)}.refused"
         with contextlib.suppress(FileNotFoundError):
-            os.rename(f.name, aside.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            os.rename(f.name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
 
     # ------------------------------------------------------------------ the effects log
 
@@ -589,8 +603,8 @@ class Effects:
             return None
         try:
             data = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:  # not UTF-8, or not JSON
-            raise BadSpool(f"not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+            raise BadSpool(f"not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not isinstance(data, dict) or not all(
             isinstance(data.get(name), str) for name in ("lease_token", "status")
         ):
@@ -621,7 +635,6 @@ class Effects:
     def settle(self, ledger: Ledger, *, actor: str = "settle") -> Landing:
         """Finish what crashes and freezes left: record spooled results, land committed
         effects, drop revoked ones. Leaves alone what is still running. Never runs a tool."""
-        from sqlalchemy.exc import SQLAlchemyError  # not at import: the CLI starts without it
 
         summary = Landing()
         if not self.pending_dir.is_dir():
@@ -635,7 +648,7 @@ class Effects:
             except BadSpool as exc:
                 self._spool_aside(eid)
                 self._spool_failed(summary, eid, f"unreadable, set aside: {exc}")
-            except (SQLAlchemyError, OSError, ValueError, KeyError, TypeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the database, the disk, or a case we missed
                 self._spool_failed(summary, eid, f"{type(exc).__name__}: {exc}")
         by_path: dict[str, list[StageFile]] = defaultdict(list)
         for f in files:
@@ -686,6 +699,9 @@ class Effects:
                 state = ledger.effect_states([eid]).get(eid)
                 if _is_running(state) and state is not None and state.lease_token == token:
                     raise
+            if state is not None and state.own_success and record["status"] == "succeeded":
+                self._drop_spool(eid)  # recorded meanwhile, by another settle: nothing is late
+                return
         if state is not None and record.get("late") is not None:
             marker = record["late"]["spool"]
             if not any(e.detail.get("spool") == marker for e in ledger.evidence_of(eid)):
@@ -718,6 +734,8 @@ class Effects:
                     data = _read_at(pfd, name)
                 except FileNotFoundError:
                     raise BadSpool(f"its effect {e['n']} was not staged") from None
+                except OSError as exc:  # in its place: a link, a FIFO, a folder
+                    raise BadSpool(f"its effect {e['n']} cannot be read ({exc})") from None
                 if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
                     raise BadSpool(f"its effect {e['n']} names other bytes than were staged")
         if staged:
@@ -809,12 +827,29 @@ def _order(s: _Step) -> tuple[int, int]:
 
 
 def _read_at(pfd: int, name: str) -> bytes:
-    """A stage file's bytes (a link is not followed)."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    """A stage file's bytes: a regular file's (a link, a FIFO or a folder in its place is
+    refused, never followed or waited on)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(name, flags, dir_fd=pfd)
     try:
-        return os.read(fd, os.fstat(fd).st_size)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"a stage file is {kind_of(st.st_mode)}", name)
+        chunks, left = [], st.st_size
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _exists(pfd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -867,7 +902,7 @@ class StagingSandbox(Sandbox):
             try:  # a name with an undecodable byte, as os.listdir gives it: no ledger stores it
                 path.encode("utf-8")
             except UnicodeEncodeError:
-                raise PathRefused(f"path {ascii(path)} is not valid Unicode") from None
+                raise PathRefused(f"path {path!a} is not valid Unicode") from None
         self.check_content(data)
         if self.lease is not None:
             self.lease.check()

@@ -155,9 +155,13 @@ def writes_again_after_a_full_disk(args: NoArgs, ctx: ToolContext) -> dict[str, 
 
 class FailingDisk:
     """``toolledger.effects``' view of ``os`` on a failing disk: once armed, a write stops
-    after 8 bytes (ENOSPC), and the clean-up's unlink fails too (EIO)."""
+    after 8 bytes (ENOSPC), and the clean-up's unlink fails too (EIO), and so does its
+    setting aside unless ``renames``."""
 
     armed = False
+
+    def __init__(self, *, renames: bool) -> None:
+        self.renames = renames
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
@@ -170,9 +174,15 @@ class FailingDisk:
 
     def unlink(self, *args: Any, **kwargs: Any) -> None:
         if FailingDisk.armed:
-            FailingDisk.armed = False
+            FailingDisk.armed = not self.renames
             raise OSError(errno.EIO, "Input/output error")
         os.unlink(*args, **kwargs)
+
+    def rename(self, *args: Any, **kwargs: Any) -> None:
+        if FailingDisk.armed:
+            FailingDisk.armed = False
+            raise OSError(errno.EIO, "Input/output error")
+        os.rename(*args, **kwargs)
 
 
 def appends_after_a_failed_write(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
@@ -181,6 +191,14 @@ def appends_after_a_failed_write(args: NoArgs, ctx: ToolContext) -> dict[str, An
     with contextlib.suppress(OSError):
         ctx.sandbox.write_atomic(ctx.scope, "r.txt", b"PARTIAL-WRITE-NEVER-COMMITTED")
     ctx.sandbox.append(ctx.scope, "r.txt", b"appended\n")
+    return {"ok": True}
+
+
+def appends_to_what_becomes_a_folder(args: NoArgs, ctx: ToolContext) -> dict[str, Any]:
+    """As ``appends_after_a_failed_write``; then r.txt becomes a folder: the append is
+    committed but can never land."""
+    appends_after_a_failed_write(args, ctx)
+    (ctx.sandbox.root / ctx.scope / "r.txt").mkdir(parents=True)
     return {"ok": True}
 
 
@@ -237,6 +255,7 @@ REGISTRY = Registry(
         make_tool(writes_again_after_a_full_disk, sandboxed=True),
         make_tool(appends_after_a_failed_write, sandboxed=True),
         make_tool(writes_an_undecodable_name, sandboxed=True),
+        make_tool(appends_to_what_becomes_a_folder, sandboxed=True),
         *(t for t in BUILTINS if t.name in ("write_file", "append_file")),
     ]
 )
@@ -399,9 +418,10 @@ def test_pipeline__a_stage_file_left_by_a_failed_stage_is_never_taken_for_an_eff
     run, ledger, tmp_path, monkeypatch
 ):
     # Before: landing matched a stage file to its commit's effect by number alone (and by
-    # path hash in settle): a failed write's leftover, numbered 0 like the append the commit
-    # named, landed its partial bytes in place of the append.
-    monkeypatch.setattr("toolledger.effects.os", FailingDisk())
+    # path hash in settle): a failed write's leftover (one that could be neither removed nor
+    # set aside), numbered 0 like the append the commit named, landed its partial bytes in
+    # place of the append.
+    monkeypatch.setattr("toolledger.effects.os", FailingDisk(renames=False))
     outcome, view = run("appends_after_a_failed_write")
     assert outcome.state == "finished" and view.current.status is Status.SUCCEEDED
     assert [(e["n"], e["kind"]) for e in view.current.effects] == [(0, "append")]
@@ -412,6 +432,48 @@ def test_pipeline__a_stage_file_left_by_a_failed_stage_is_never_taken_for_an_eff
     landing = effects_of(sandbox).settle(ledger)  # the leftover is set aside, never landed
     assert (landing.landed, landing.refused) == (0, 1)
     assert target.read_bytes() == b"appended\n"
+    assert [n.rsplit(".", 1)[1] for n in pending_files(sandbox)] == ["refused"]
+
+
+def test_pipeline__bytes_set_aside_are_never_replaced_by_others_set_aside_later(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: the committed append that could not land (its target a folder now) was kept
+    # aside as <eid>.0.<path>.refused for a human, told so; setting aside the failed write's
+    # leftover (same number, same path) later renamed it onto that name, replacing the bytes.
+    monkeypatch.setattr("toolledger.effects.os", FailingDisk(renames=False))
+    _, view = run("appends_to_what_becomes_a_folder")
+    assert view.current.status is Status.SUCCEEDED
+    sandbox = Sandbox(tmp_path)
+    landing = effects_of(sandbox).settle(ledger)
+    assert landing.refused == 1 and landing.landed == 0
+    kept = effects_of(sandbox).pending_dir.iterdir()
+    assert sorted(p.read_bytes() for p in kept) == [b"PARTIAL-", b"appended\n"]
+    assert all(n.endswith(".refused") for n in pending_files(sandbox))
+    assert effects_of(sandbox).has_pending() is False
+
+
+def test_pipeline__a_failed_stage_that_cannot_be_removed_is_set_aside_and_its_call_recorded(
+    spooled, run, ledger, db_url, tmp_path, monkeypatch
+):
+    # Before: a failed write's leftover that could not be removed stayed among the call's
+    # stages; a spool of the call (the ledger unreachable) named the stages it made, not the
+    # leftover, and settle refused it: the call went unknown, then failed, its bytes dropped.
+    monkeypatch.setattr("toolledger.effects.os", FailingDisk(renames=True))
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    broken = FinishUnreachable(db_url)
+    try:
+        outcome, view = run("appends_after_a_failed_write", executor_ledger=broken)
+    finally:
+        broken.close()
+    assert outcome.state == "unrecorded"
+    sandbox = Sandbox(tmp_path)
+    kinds = sorted(n.rsplit(".", 1)[1] for n in pending_files(sandbox))
+    assert kinds == ["append", "refused", "spool"]  # the leftover set aside at once
+    landing = effects_of(sandbox).settle(ledger)
+    assert (landing.recorded, landing.landed, landing.failed) == (1, 1, 0), landing.problems
+    assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
+    assert (tmp_path / view.scope / "r.txt").read_bytes() == b"appended\n"
     assert [n.rsplit(".", 1)[1] for n in pending_files(sandbox)] == ["refused"]
 
 
@@ -973,10 +1035,51 @@ def test_pipeline__a_spool_another_settle_recorded_meanwhile_is_not_called_unrea
     monkeypatch.setattr(Effects, "_check_staged", a_settles_first)
     b = effects_of(Sandbox(tmp_path)).settle(ledger)
     assert (first[0].recorded, first[0].landed) == (1, 1)
-    assert b.failed == 0 and b.problems == []
+    assert b.failed == 0 and b.problems == [] and b.evidence == 0
+    assert ledger.evidence_of(outcome.execution_id) == []  # nothing of it was late
     assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
     assert (tmp_path / view.scope / "r.txt").read_text() == "v"
     assert not pending_files(Sandbox(tmp_path))
+
+
+def test_pipeline__a_spool_nested_too_deep_for_json_stops_no_other(spooled, ledger, tmp_path):
+    # Before: json.loads raised RecursionError, which neither settle nor the sweep caught:
+    # every sweep pass ended there, and another call's spooled result never landed.
+    outcome, view, _ = spooled()
+    sandbox = Sandbox(tmp_path)
+    bad = "00000000-0000-4000-8000-000000000000"  # sorts first
+    (effects_of(sandbox).pending_dir / f"{bad}.spool").write_bytes(b"[" * 100_000)
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert summary.spooled_results == 1 and summary.landed == 1
+    assert len(summary.errors) == 1 and bad in summary.errors[0]
+    assert "RecursionError" in summary.errors[0]
+    assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+    assert pending_files(sandbox) == [f"{bad}.spool.refused"]
+
+
+@pytest.mark.parametrize("what", ["fifo", "folder", "link"])
+def test_pipeline__something_else_in_a_stage_files_place_is_refused_never_waited_on(
+    spooled, ledger, tmp_path, what
+):
+    # Before: a FIFO named like a stage file blocked settle for good in open().
+    outcome, view, spool_file = spooled()
+    stage = next(p for p in spool_file.parent.iterdir() if p.name.endswith(".write"))
+    stage.rename(spool_file.parent / "kept")
+    {"fifo": os.mkfifo, "folder": os.mkdir, "link": lambda p: p.symlink_to("kept")}[what](stage)
+    done: list[Any] = []
+    settling = threading.Thread(
+        target=lambda: done.append(effects_of(Sandbox(tmp_path)).settle(ledger)), daemon=True
+    )
+    settling.start()
+    settling.join(10)
+    if settling.is_alive():
+        os.close(os.open(stage, os.O_WRONLY | os.O_NONBLOCK))  # let it go
+        pytest.fail("settle waits on a FIFO in a stage file's place")
+    (landing,) = done
+    assert landing.recorded == 0 and landing.failed == 1 and "set aside" in landing.problems[0]
+    assert ledger.execution(outcome.execution_id).status is Status.RUNNING
+    assert not (tmp_path / view.scope / "r.txt").exists()
 
 
 class RenewalsFail(Ledger):
