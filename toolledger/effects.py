@@ -635,6 +635,7 @@ class Effects:
     def settle(self, ledger: Ledger, *, actor: str = "settle") -> Landing:
         """Finish what crashes and freezes left: record spooled results, land committed
         effects, drop revoked ones. Leaves alone what is still running. Never runs a tool."""
+        from billiard.exceptions import SoftTimeLimitExceeded  # not at import: the CLI's start
 
         summary = Landing()
         if not self.pending_dir.is_dir():
@@ -648,6 +649,8 @@ class Effects:
             except BadSpool as exc:
                 self._spool_aside(eid)
                 self._spool_failed(summary, eid, f"unreadable, set aside: {exc}")
+            except SoftTimeLimitExceeded:
+                raise  # the sweep task's time is up: this pass ends here, the next goes on
             except Exception as exc:  # noqa: BLE001 - the database, the disk, or a case we missed
                 self._spool_failed(summary, eid, f"{type(exc).__name__}: {exc}")
         by_path: dict[str, list[StageFile]] = defaultdict(list)

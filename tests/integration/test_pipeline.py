@@ -1058,6 +1058,23 @@ def test_pipeline__a_spool_nested_too_deep_for_json_stops_no_other(spooled, ledg
     assert pending_files(sandbox) == [f"{bad}.spool.refused"]
 
 
+def test_pipeline__the_time_limit_ends_a_settle_pass_not_one_spool(
+    spooled, ledger, tmp_path, monkeypatch
+):
+    # One spool's surprise is that spool's problem; the sweep task's soft time limit (an
+    # Exception too) is not: it must end the pass, as it ends the task.
+    from toolledger.effects import Effects
+
+    spooled()
+
+    def out_of_time(*args: Any, **kwargs: Any) -> None:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(Effects, "_settle_spool", out_of_time)
+    with pytest.raises(SoftTimeLimitExceeded):
+        effects_of(Sandbox(tmp_path)).settle(ledger)
+
+
 @pytest.mark.parametrize("what", ["fifo", "folder", "link"])
 def test_pipeline__something_else_in_a_stage_files_place_is_refused_never_waited_on(
     spooled, ledger, tmp_path, what
