@@ -274,6 +274,23 @@ class _Step:
 _EFFECTS: weakref.WeakKeyDictionary[Sandbox, Effects] = weakref.WeakKeyDictionary()
 
 
+class NotAFile(OSError):
+    """Something else (a folder, a FIFO, a socket) where a stage file should be."""
+
+
+#: Errors of a moment (descriptors, memory, space, the disk): what meets them is left as it
+#: is for the next settle, never set aside. Any other error is the file's or its target's.
+_PASSING = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOSPC,
+     errno.EDQUOT, errno.EIO, errno.EBUSY}
+)  # fmt: skip
+
+
+def _not_a_file(exc: OSError) -> bool:
+    """The error of opening something else than a regular file as one (links not followed)."""
+    return isinstance(exc, NotAFile) or exc.errno in (errno.ELOOP, errno.ENXIO)
+
+
 class PathBusy(Exception):
     """Another lander holds the path's lock (it may be frozen): try later."""
 
@@ -471,6 +488,11 @@ class Effects:
             else:
                 self._land_append(pfd, s)
         except (PathRefused, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in _PASSING:
+                problem = f"effect {s.file.name} on {s.path!r} not landed yet: {exc}"
+                log.warning("%s (the next settle lands it)", problem)
+                landing.problems.append(problem)
+                return
             log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
             self._aside(pfd, s.file, landing)
             detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": str(exc)}
@@ -506,10 +528,12 @@ class Effects:
         self._log_effect(s, redo=s.file.kind == "applying")
         try:
             self._write_at(pfd, f, s.scope, s.path)
-        except PathRefused:
-            # refused before a byte was written (the target's kind, links or name): its intent
-            # must not be redone by the next settle. ``_land`` sets it aside and says so.
-            if f is not s.file:
+        except (PathRefused, OSError) as exc:
+            # Refused before a byte was written (the target's kind, links or name, or no file
+            # in the stage's place): its intent must not be redone by the next settle. ``_land``
+            # says so. An error of a moment leaves the intent, redone at its offset next time.
+            passing = isinstance(exc, OSError) and exc.errno in _PASSING
+            if f is not s.file and not passing:
                 self._rename_aside(pfd, f)
             raise
         failpoints.hit("after_publish", eid)
@@ -669,6 +693,10 @@ class Effects:
                     self._land_path(h, ledger, None, summary)
             except PathBusy:
                 summary.busy += 1
+            except OSError as exc:  # this path's (a folder named like a stage, say): not the rest's
+                problem = f"path {h} not settled: {type(exc).__name__}: {exc}"
+                log.error("%s", problem)
+                summary.problems.append(problem)
         return summary
 
     @staticmethod
@@ -737,8 +765,10 @@ class Effects:
                     data = _read_at(pfd, name)
                 except FileNotFoundError:
                     raise BadSpool(f"its effect {e['n']} was not staged") from None
-                except OSError as exc:  # in its place: a link, a FIFO, a folder
-                    raise BadSpool(f"its effect {e['n']} cannot be read ({exc})") from None
+                except OSError as exc:
+                    if not _not_a_file(exc):
+                        raise  # of a moment (EMFILE, say): the next pass reads it again
+                    raise BadSpool(f"its effect {e['n']} is not a file ({exc})") from None
                 if len(data) != e["size"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
                     raise BadSpool(f"its effect {e['n']} names other bytes than were staged")
         if staged:
@@ -837,7 +867,7 @@ def _read_at(pfd: int, name: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"a stage file is {kind_of(st.st_mode)}", name)
+            raise NotAFile(errno.EINVAL, f"a stage file is {kind_of(st.st_mode)}", name)
         chunks, left = [], st.st_size
         while left > 0 and (chunk := os.read(fd, left)):
             chunks.append(chunk)

@@ -1099,6 +1099,100 @@ def test_pipeline__something_else_in_a_stage_files_place_is_refused_never_waited
     assert not (tmp_path / view.scope / "r.txt").exists()
 
 
+def _out_of_descriptors_once(monkeypatch: pytest.MonkeyPatch, name_has: str) -> list[str]:
+    """``toolledger.effects``' next open of a file whose name holds ``name_has`` fails with
+    EMFILE, as a process out of descriptors for a moment; the names it failed, returned."""
+    real_open, hit = os.open, []
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if not hit and isinstance(path, str) and name_has in path and not flags & os.O_CREAT:
+            hit.append(path)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr("toolledger.effects.os.open", open_)
+    return hit
+
+
+def test_pipeline__a_stage_that_cannot_be_read_for_a_moment_keeps_its_spool(
+    spooled, ledger, tmp_path, monkeypatch
+):
+    # Before: any error reading a stage while checking a spool set the spool aside for good:
+    # out of descriptors for a moment, a good result was lost and its call went unknown.
+    outcome, view, spool_file = spooled()
+    hit = _out_of_descriptors_once(monkeypatch, ".write")
+    sandbox = Sandbox(tmp_path)
+    first = effects_of(sandbox).settle(ledger)
+    assert hit and first.recorded == 0 and spool_file.exists()
+    assert "Too many open files" in first.problems[0]
+    second = effects_of(sandbox).settle(ledger)
+    assert (second.recorded, second.landed, second.failed) == (1, 1, 0)
+    assert ledger.execution(outcome.execution_id).status is Status.SUCCEEDED
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+
+
+def test_pipeline__an_append_that_cannot_land_for_a_moment_is_not_called_not_landed(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: an error of a moment reading the append's intent (applying-<offset>) recorded it
+    # not landed and kept aside, but set aside the gone .append name: the intent stayed, and
+    # the next settle landed what the ledger said would not land.
+    hit = _out_of_descriptors_once(monkeypatch, ".applying-")
+    outcome, view = run("append_file", {"path": "a.txt", "content": "once\n"})
+    assert hit and view.current.status is Status.SUCCEEDED
+    monkeypatch.undo()
+    assert not [e for e in ledger.evidence_of(outcome.execution_id) if "not_landed" in e.detail]
+    sandbox = Sandbox(tmp_path)
+    target = tmp_path / view.scope / "a.txt"
+    assert not target.exists()
+    assert effects_of(sandbox).settle(ledger).landed == 1
+    assert effects_of(sandbox).settle(ledger).landed == 0
+    assert target.read_text() == "once\n" and not pending_files(sandbox)
+
+
+def test_pipeline__a_folder_in_an_append_stages_place_is_set_aside_and_told_once(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: after the rename to applying-<offset>, the refusal set aside the gone .append
+    # name, so the intent stayed, was refused again on every pass and told again each time.
+    from toolledger.effects import Effects, Landing
+
+    monkeypatch.setattr(Effects, "publish", lambda *args, **kwargs: Landing())  # then a crash
+    outcome, _ = run("append_file", {"path": "a.txt", "content": "once\n"})
+    monkeypatch.undo()
+    sandbox = Sandbox(tmp_path)
+    pending = effects_of(sandbox).pending_dir
+    (stage,) = [p for p in pending.iterdir() if p.name.endswith(".append")]
+    stage.unlink()
+    stage.mkdir()
+    first = effects_of(sandbox).settle(ledger)
+    assert (first.refused, first.landed) == (1, 0)
+    assert all(n.endswith(".refused") for n in pending_files(sandbox))
+    second = effects_of(sandbox).settle(ledger)
+    assert (second.refused, second.failed) == (0, 0)
+    told = [e for e in ledger.evidence_of(outcome.execution_id) if "not_landed" in e.detail]
+    assert len(told) == 1
+
+
+def test_pipeline__a_folder_named_like_a_stage_blocks_no_other_path(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: settle unlinked it as a never-claimed execution's stage: IsADirectoryError ended
+    # the pass, and every path after it kept its committed bytes unlanded, pass after pass.
+    from toolledger.effects import Effects, Landing
+
+    monkeypatch.setattr(Effects, "publish", lambda *args, **kwargs: Landing())  # then a crash
+    _, view = run("write_file", {"path": "r.txt", "content": "v"})
+    monkeypatch.undo()
+    sandbox = Sandbox(tmp_path)
+    never_claimed = "00000000-0000-4000-8000-000000000000"
+    (effects_of(sandbox).pending_dir / f"{never_claimed}.0.{'0' * 32}.write").mkdir()
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert summary.landed == 1 and len(summary.errors) == 1
+    assert "IsADirectoryError" in summary.errors[0]
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+
+
 class RenewalsFail(Ledger):
     """A worker cut off from the database: every renewal fails (the sweep still works)."""
 
