@@ -1150,16 +1150,25 @@ def test_pipeline__an_append_that_cannot_land_for_a_moment_is_not_called_not_lan
     assert target.read_text() == "once\n" and not pending_files(sandbox)
 
 
+def _committed_then_crashed(
+    run: Any, monkeypatch: pytest.MonkeyPatch, tool: str, path: str, content: str
+) -> tuple[Any, Any]:
+    """A call whose executor committed and then crashed before landing a byte."""
+    from toolledger.effects import Effects, Landing
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Effects, "publish", lambda *args, **kwargs: Landing())
+        outcome, view = run(tool, {"path": path, "content": content})
+    assert view.current.status is Status.SUCCEEDED
+    return outcome, view
+
+
 def test_pipeline__a_folder_in_an_append_stages_place_is_set_aside_and_told_once(
     run, ledger, tmp_path, monkeypatch
 ):
     # Before: after the rename to applying-<offset>, the refusal set aside the gone .append
     # name, so the intent stayed, was refused again on every pass and told again each time.
-    from toolledger.effects import Effects, Landing
-
-    monkeypatch.setattr(Effects, "publish", lambda *args, **kwargs: Landing())  # then a crash
-    outcome, _ = run("append_file", {"path": "a.txt", "content": "once\n"})
-    monkeypatch.undo()
+    outcome, _ = _committed_then_crashed(run, monkeypatch, "append_file", "a.txt", "once\n")
     sandbox = Sandbox(tmp_path)
     pending = effects_of(sandbox).pending_dir
     (stage,) = [p for p in pending.iterdir() if p.name.endswith(".append")]
@@ -1179,11 +1188,7 @@ def test_pipeline__a_folder_named_like_a_stage_blocks_no_other_path(
 ):
     # Before: settle unlinked it as a never-claimed execution's stage: IsADirectoryError ended
     # the pass, and every path after it kept its committed bytes unlanded, pass after pass.
-    from toolledger.effects import Effects, Landing
-
-    monkeypatch.setattr(Effects, "publish", lambda *args, **kwargs: Landing())  # then a crash
-    _, view = run("write_file", {"path": "r.txt", "content": "v"})
-    monkeypatch.undo()
+    _, view = _committed_then_crashed(run, monkeypatch, "write_file", "r.txt", "v")
     sandbox = Sandbox(tmp_path)
     never_claimed = "00000000-0000-4000-8000-000000000000"
     (effects_of(sandbox).pending_dir / f"{never_claimed}.0.{'0' * 32}.write").mkdir()
