@@ -478,10 +478,15 @@ class Effects:
                     landing.discarded += 1
             else:
                 todo.append(s)
-        for s in [*redo, *todo]:
-            self._land(pfd, s, book, landing)
+        steps = [*redo, *todo]
+        for i, s in enumerate(steps):
+            if not self._land(pfd, s, book, landing):
+                landing.left += len(steps) - i - 1  # after it, in commit order: it goes first
+                return
 
-    def _land(self, pfd: int, s: _Step, book: Book, landing: Landing) -> None:
+    def _land(self, pfd: int, s: _Step, book: Book, landing: Landing) -> bool:
+        """Land one effect, or set it aside; False if it is left for the next settle (an
+        error of a moment): then nothing newer on its path may land before it."""
         try:
             if s.file.kind == "write":
                 self._land_write(pfd, s)
@@ -492,14 +497,15 @@ class Effects:
                 problem = f"effect {s.file.name} on {s.path!r} not landed yet: {exc}"
                 log.warning("%s (the next settle lands it)", problem)
                 landing.problems.append(problem)
-                return
+                return False
             log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
             self._aside(pfd, s.file, landing)
             detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": str(exc)}
             with contextlib.suppress(Exception):  # the next settle cannot redo it: say so
                 book.record_not_landed(s.file.execution_id, detail)
-            return
+            return True
         landing.landed += 1
+        return True
 
     def _land_write(self, pfd: int, s: _Step) -> None:
         eid = s.file.execution_id

@@ -1183,6 +1183,34 @@ def test_pipeline__a_folder_in_an_append_stages_place_is_set_aside_and_told_once
     assert len(told) == 1
 
 
+def test_pipeline__an_effect_left_for_a_moment_holds_back_every_newer_one_on_its_path(
+    run, ledger, tmp_path, monkeypatch
+):
+    # An effect left for the next settle (an error of a moment) must land before anything
+    # committed after it on its path: had the newer append landed first, the older write
+    # would have replaced it when it landed, and the append would be lost.
+    _, view = _committed_then_crashed(run, monkeypatch, "write_file", "r.txt", "v")
+    _committed_then_crashed(run, monkeypatch, "append_file", "r.txt", "+a")
+    real_rename, hit = os.rename, []
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if not hit and str(src).endswith(".write"):
+            hit.append(src)
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr("toolledger.effects.os.rename", rename)
+    sandbox = Sandbox(tmp_path)
+    first = effects_of(sandbox).settle(ledger)
+    assert hit and (first.landed, first.left, first.refused) == (0, 1, 0)
+    assert "not landed yet" in first.problems[0]
+    target = tmp_path / view.scope / "r.txt"
+    assert not target.exists()
+    second = effects_of(sandbox).settle(ledger)
+    assert (second.landed, second.failed) == (2, 0)
+    assert target.read_text() == "v+a" and not pending_files(sandbox)
+
+
 def test_pipeline__a_folder_named_like_a_stage_blocks_no_other_path(
     run, ledger, tmp_path, monkeypatch
 ):
