@@ -282,8 +282,18 @@ class NotAFile(OSError):
 #: is for the next settle, never set aside. Any other error is the file's or its target's.
 _PASSING = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOSPC,
-     errno.EDQUOT, errno.EIO, errno.EBUSY}
+     errno.EDQUOT, errno.EIO}
 )  # fmt: skip
+
+
+class _Unfinished(OSError):
+    """An effect whose bytes have moved but whose bookkeeping failed (its folder's fsync, its
+    intent's removal): never set aside nor told not landed; the next settle finishes it, and
+    nothing newer on its path lands before."""
+
+
+def _left_for_later(exc: Exception) -> bool:
+    return isinstance(exc, _Unfinished) or (isinstance(exc, OSError) and exc.errno in _PASSING)
 
 
 def _not_a_file(exc: OSError) -> bool:
@@ -493,9 +503,9 @@ class Effects:
             else:
                 self._land_append(pfd, s)
         except (PathRefused, OSError) as exc:
-            if isinstance(exc, OSError) and exc.errno in _PASSING:
-                problem = f"effect {s.file.name} on {s.path!r} not landed yet: {exc}"
-                log.warning("%s (the next settle lands it)", problem)
+            if _left_for_later(exc):
+                problem = f"effect {s.file.name} on {s.path!r} not finished: {exc}"
+                log.warning("%s (the next settle finishes it)", problem)
                 landing.problems.append(problem)
                 return False
             log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
@@ -518,7 +528,10 @@ class Effects:
             # rename replaces a symlink swapped in meanwhile, never follows it; on the
             # filesystems supported it leaves both directories in one journal transaction
             os.rename(s.file.name, name, src_dir_fd=pfd, dst_dir_fd=parent)
-            os.fsync(parent)
+            try:
+                os.fsync(parent)
+            except OSError as exc:
+                raise _Unfinished(exc.errno, f"landed, not yet durable: {exc.strerror}") from exc
         failpoints.hit("after_publish", eid)
 
     def _land_append(self, pfd: int, s: _Step) -> None:
@@ -528,23 +541,26 @@ class Effects:
             # it again after a crash rewrites the same bytes at the same place.
             applying = StageFile(eid, f.n, f.h, "applying", self._size(s.scope, s.path))
             os.rename(f.name, applying.name, src_dir_fd=pfd, dst_dir_fd=pfd)
-            os.fsync(pfd)
             f = applying
-        failpoints.hit("before_publish", eid)
-        self._log_effect(s, redo=s.file.kind == "applying")
         try:
+            if f is not s.file:
+                os.fsync(pfd)
+            failpoints.hit("before_publish", eid)
+            self._log_effect(s, redo=s.file.kind == "applying")
             self._write_at(pfd, f, s.scope, s.path)
         except (PathRefused, OSError) as exc:
             # Refused before a byte was written (the target's kind, links or name, or no file
             # in the stage's place): its intent must not be redone by the next settle. ``_land``
             # says so. An error of a moment leaves the intent, redone at its offset next time.
-            passing = isinstance(exc, OSError) and exc.errno in _PASSING
-            if f is not s.file and not passing:
+            if f is not s.file and not _left_for_later(exc):
                 self._rename_aside(pfd, f)
             raise
         failpoints.hit("after_publish", eid)
-        os.unlink(f.name, dir_fd=pfd)
-        os.fsync(pfd)  # an intent that came back after a power loss would rewrite old bytes
+        try:
+            os.unlink(f.name, dir_fd=pfd)
+            os.fsync(pfd)  # an intent that came back after a power loss would rewrite old bytes
+        except OSError as exc:  # its bytes are written: redoing the intent rewrites the same
+            raise _Unfinished(exc.errno, f"landed, its intent left: {exc.strerror}") from exc
 
     def _size(self, scope: str, path: str) -> int:
         st = self.sandbox.stat(scope, path)

@@ -1203,12 +1203,89 @@ def test_pipeline__an_effect_left_for_a_moment_holds_back_every_newer_one_on_its
     sandbox = Sandbox(tmp_path)
     first = effects_of(sandbox).settle(ledger)
     assert hit and (first.landed, first.left, first.refused) == (0, 1, 0)
-    assert "not landed yet" in first.problems[0]
+    assert "not finished" in first.problems[0]
     target = tmp_path / view.scope / "r.txt"
     assert not target.exists()
     second = effects_of(sandbox).settle(ledger)
     assert (second.landed, second.failed) == (2, 0)
     assert target.read_text() == "v+a" and not pending_files(sandbox)
+
+
+def test_pipeline__an_append_refused_after_its_intent_is_told_once_and_never_lands(
+    run, ledger, tmp_path, monkeypatch
+):
+    # Before: an error after the rename to applying-<offset> but before the bytes (here the
+    # effects log, a folder; likewise the pending folder's fsync) set aside the gone .append
+    # name and told "not landed": the intent stayed, and the next settle landed it.
+    outcome, view = _committed_then_crashed(run, monkeypatch, "append_file", "a.txt", "x")
+    bad_log = tmp_path / "effects-log-is-a-folder"
+    bad_log.mkdir()
+    first = effects_of(Sandbox(tmp_path, effects_log=str(bad_log))).settle(ledger)
+    assert (first.refused, first.landed) == (1, 0)
+    second = effects_of(Sandbox(tmp_path)).settle(ledger)
+    assert (second.refused, second.landed) == (0, 0)
+    told = [e for e in ledger.evidence_of(outcome.execution_id) if "not_landed" in e.detail]
+    assert len(told) == 1 and not (tmp_path / view.scope / "a.txt").exists()
+
+
+@pytest.mark.parametrize("step", ["folder fsync", "intent removal"])
+def test_pipeline__an_effect_landed_but_not_yet_durable_is_never_told_not_landed(
+    run, ledger, tmp_path, monkeypatch, step
+):
+    # Before: a write whose rename succeeded and whose folder's fsync failed, or an append
+    # whose bytes were written and whose intent could not be removed, was told "not landed"
+    # (or reported not landed yet) while its bytes were in place.
+    tool, suffix = ("write_file", ".write") if step == "folder fsync" else ("append_file", "")
+    outcome, view = _committed_then_crashed(run, monkeypatch, tool, "r.txt", "v")
+    real_fsync, real_unlink, moved = os.fsync, os.unlink, []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        real_rename(src, dst, *args, **kwargs)
+        moved.append(src)
+
+    def fsync(fd: int) -> None:
+        if step == "folder fsync" and moved and str(moved[-1]).endswith(suffix):
+            moved.clear()
+            raise OSError(errno.EROFS, "Read-only file system")
+        real_fsync(fd)
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if step == "intent removal" and ".applying-" in str(path):
+            raise OSError(errno.EROFS, "Read-only file system")
+        real_unlink(path, *args, **kwargs)
+
+    for name, fn in (("rename", rename), ("fsync", fsync), ("unlink", unlink)):
+        monkeypatch.setattr(f"toolledger.effects.os.{name}", fn)
+    sandbox = Sandbox(tmp_path)
+    first = effects_of(sandbox).settle(ledger)
+    assert (first.refused, first.landed) == (0, 0) and "landed" in first.problems[0]
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+    monkeypatch.undo()
+    again = effects_of(sandbox).settle(ledger)
+    assert again.failed == 0 and not pending_files(sandbox)
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"  # once, not twice
+    assert not [e for e in ledger.evidence_of(outcome.execution_id) if "not_landed" in e.detail]
+
+
+def test_pipeline__a_target_that_is_a_mount_point_is_refused_not_retried_forever(
+    run, ledger, tmp_path, monkeypatch
+):
+    # rename(2) answers EBUSY for a mount point, for good: it is no error of a moment, and
+    # left for the next settle it would hold back its path on every pass, told to no one.
+    outcome, _ = _committed_then_crashed(run, monkeypatch, "write_file", "r.txt", "v")
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if str(src).endswith(".write") and not str(dst).endswith(".refused"):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr("toolledger.effects.os.rename", rename)
+    landing = effects_of(Sandbox(tmp_path)).settle(ledger)
+    assert (landing.refused, landing.left, landing.failed) == (1, 0, 0)
+    told = [e for e in ledger.evidence_of(outcome.execution_id) if "not_landed" in e.detail]
+    assert len(told) == 1
 
 
 def test_pipeline__a_folder_named_like_a_stage_blocks_no_other_path(
