@@ -36,7 +36,10 @@ offset, so finishing it again after a crash writes the same bytes at the same pl
 one append. An append whose target turns out unsafe when it lands (a symlink, a hard link to a
 file elsewhere, a name aliasing its sibling: ``sandbox``), checked on the descriptor it would
 write through, is refused before a byte is written and set aside with its intent (``*.refused``,
-the call flagged ``not_landed``): never redone. What is supported: one host, or a shared
+the call flagged ``not_landed``): never redone. An error of a moment (out of descriptors,
+memory or space, an I/O error), or one after the bytes moved (the folder's fsync, the intent's
+removal), sets nothing aside and tells nothing: the effect is left for the next settle, and
+nothing newer on its path lands before it. What is supported: one host, or a shared
 filesystem whose ``flock`` is coherent across hosts (local disks; NFSv4 with its lock manager).
 A filesystem without coherent locks can reorder two landings on one path; it can never land a
 revoked execution's bytes.
