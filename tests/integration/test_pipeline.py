@@ -1114,6 +1114,24 @@ def _out_of_descriptors_once(monkeypatch: pytest.MonkeyPatch, name_has: str) -> 
     return hit
 
 
+def _landing_renames_fail(
+    monkeypatch: pytest.MonkeyPatch, error: OSError, *, once: bool = False
+) -> list[str]:
+    """``toolledger.effects``' renames of a write's stage into place fail with ``error`` (the
+    first only if ``once``; setting one aside still works); the names they failed, returned."""
+    real_rename, hit = os.rename, []
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        into_place = str(src).endswith(".write") and not str(dst).endswith(".refused")
+        if into_place and not (once and hit):
+            hit.append(str(src))
+            raise error
+        real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr("toolledger.effects.os.rename", rename)
+    return hit
+
+
 def test_pipeline__a_stage_that_cannot_be_read_for_a_moment_keeps_its_spool(
     spooled, ledger, tmp_path, monkeypatch
 ):
@@ -1191,15 +1209,7 @@ def test_pipeline__an_effect_left_for_a_moment_holds_back_every_newer_one_on_its
     # would have replaced it when it landed, and the append would be lost.
     _, view = _committed_then_crashed(run, monkeypatch, "write_file", "r.txt", "v")
     _committed_then_crashed(run, monkeypatch, "append_file", "r.txt", "+a")
-    real_rename, hit = os.rename, []
-
-    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-        if not hit and str(src).endswith(".write"):
-            hit.append(src)
-            raise OSError(errno.EIO, "Input/output error")
-        real_rename(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr("toolledger.effects.os.rename", rename)
+    hit = _landing_renames_fail(monkeypatch, OSError(errno.EIO, "Input/output error"), once=True)
     sandbox = Sandbox(tmp_path)
     first = effects_of(sandbox).settle(ledger)
     assert hit and (first.landed, first.left, first.refused) == (0, 1, 0)
@@ -1274,14 +1284,7 @@ def test_pipeline__a_target_that_is_a_mount_point_is_refused_not_retried_forever
     # rename(2) answers EBUSY for a mount point, for good: it is no error of a moment, and
     # left for the next settle it would hold back its path on every pass, told to no one.
     outcome, _ = _committed_then_crashed(run, monkeypatch, "write_file", "r.txt", "v")
-    real_rename = os.rename
-
-    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-        if str(src).endswith(".write") and not str(dst).endswith(".refused"):
-            raise OSError(errno.EBUSY, "Device or resource busy")
-        real_rename(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr("toolledger.effects.os.rename", rename)
+    _landing_renames_fail(monkeypatch, OSError(errno.EBUSY, "Device or resource busy"))
     landing = effects_of(Sandbox(tmp_path)).settle(ledger)
     assert (landing.refused, landing.left, landing.failed) == (1, 0, 0)
     told = [e for e in ledger.evidence_of(outcome.execution_id) if "not_landed" in e.detail]
