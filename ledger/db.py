@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger import doorbell
+from toolledger.ledger import doorbell, writers
 from toolledger.ledger.lightreads import pg_connect_args
 from toolledger.ledger.revision import MIGRATIONS, VERSION_TABLE, SchemaError, files_head
 from toolledger.ledger.types import dumps
@@ -100,7 +100,8 @@ def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.E
 
 @contextmanager
 def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
-    """One transaction that will write: on SQLite it holds the write lock from BEGIN.
+    """One transaction that will write: on SQLite it holds the write lock from BEGIN, taken
+    in turn (``ledger.writers``).
 
     Receipts written in it (``receipt_written``) wake their waiters once it has committed:
     on SQLite by ringing the ledger file's doorbells (Postgres notifies from a trigger, in
@@ -108,7 +109,8 @@ def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
     with engine.connect() as conn:
         conn = conn.execution_options(**{WRITE: True})
         conn.info.pop(_RECEIPTS, None)  # a rolled-back transaction's receipts never happened
-        with conn.begin():
+        # on a SQLite file, in turn with the ledger's other writers (ledger.writers)
+        with writers.turn(writers.database_file(engine.url)), conn.begin():
             yield conn
         written = conn.info.pop(_RECEIPTS, None)
         if written and engine.dialect.name == "sqlite" and engine.url.database:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 
-from toolledger.ledger import doorbell
+from toolledger.ledger import doorbell, writers
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.fastpath import HeldConnectionStore
 from toolledger.ledger.models import execution_events, executions, operations
@@ -138,6 +138,7 @@ class SqliteStore(HeldConnectionStore):
         self._bool = {"true": boolean(True), "false": boolean(False)}
         database = self.engine.url.database
         self._bells = doorbell.bell_dir(database) if database else None
+        self._database = writers.database_file(self.engine.url)
 
     def _setup(self, dbapi: Any) -> None:
         dbapi.isolation_level = None  # BEGIN IMMEDIATE is ours (as the engine's connect hook)
@@ -161,16 +162,8 @@ class SqliteStore(HeldConnectionStore):
         pooled = self.connection()
         conn: sqlite3.Connection = pooled.dbapi_connection
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = steps(conn)
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):  # the first error is the story
-                        conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT" if out is not None else "ROLLBACK")
-            return out
+            with writers.turn(self._database):
+                return self._run(conn, steps)
         except sqlite3.Error as exc:
             if not isinstance(exc, sqlite3.IntegrityError):
                 # A connection that failed otherwise (I/O, a closed handle) is not reused.
@@ -179,6 +172,20 @@ class SqliteStore(HeldConnectionStore):
             raise sa.exc.DBAPIError.instance(
                 "", None, exc, sqlite3.Error, hide_parameters=True
             ) from exc
+
+    @staticmethod
+    def _run(conn: sqlite3.Connection, steps: Callable[[sqlite3.Connection], Any]) -> Any:
+        """BEGIN IMMEDIATE, ``steps``, then COMMIT (ROLLBACK if it returned None or raised)."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            out = steps(conn)
+        except BaseException:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):  # the first error is the story
+                    conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT" if out is not None else "ROLLBACK")
+        return out
 
     def _ring(self, scope: str, key: str) -> None:
         """Wake the receipt's waiters once it is committed (as ``db.write_transaction``)."""
