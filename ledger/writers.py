@@ -20,9 +20,10 @@ changes is that they wait instead of failing with "database is locked" every 30 
 that dies lets go: the kernel drops its locks with its files.
 
 Each thread has its own open file (flock locks belong to an open file, so two threads of one
-process queue like two processes), opened on first use and kept; a child process forgets its
-parent's (``os.register_at_fork``), whose locks it would otherwise share. A turn taken again by
-a thread already holding it (a write transaction inside another) is counted, not re-locked.
+process queue like two processes), opened on first use and kept until the thread ends; a child
+process closes its copies of its parent's (``os.register_at_fork``), whose locks it would
+otherwise share. A turn taken again by a thread already holding it (a write transaction inside
+another) is counted, not re-locked.
 Where ``fcntl`` does not exist (Windows), there is no queue.
 """
 
@@ -45,20 +46,41 @@ _SUFFIX = ".writers"
 _NO_FLOCK = {errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
+class _QueueFile:
+    """A thread's open file on one queue file, and how many turns it holds. Closed when the
+    thread ends (its thread-local state goes, and with it this), so threads that come and go
+    leave no descriptor behind."""
+
+    __slots__ = ("depth", "fd")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.depth = 0
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    __del__ = close
+
+
 class _Held(threading.local):
     def __init__(self) -> None:
-        #: database file -> [this thread's descriptor on its queue file, turns held]
-        self.files: dict[str, list[int]] = {}
+        #: database file -> this thread's open queue file
+        self.files: dict[str, _QueueFile] = {}
 
 
 _held = _Held()
 
 
 def _forget_in_child() -> None:
+    """In a forked child: its copies of the parent's open files share the parent's locks, so
+    they are closed (the parent's stay held) and the child opens its own."""
     global _held
-    for fd, _depth in _held.files.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    for queue in _held.files.values():
+        queue.close()
     _held = _Held()
 
 
@@ -101,31 +123,30 @@ def turn(database: str | None) -> Iterator[None]:
     if database is None or fcntl is None:
         yield
         return
-    held = _held.files.get(database)
-    if held is None:
+    queue = _held.files.get(database)
+    if queue is None:
         fd = _open(database)
         if fd < 0:
             yield
             return
-        held = _held.files[database] = [fd, 0]
-    fd, depth = held
-    if depth:
-        held[1] += 1
+        queue = _held.files[database] = _QueueFile(fd)
+    if queue.depth:
+        queue.depth += 1
         try:
             yield
         finally:
-            held[1] -= 1
+            queue.depth -= 1
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(queue.fd, fcntl.LOCK_EX)
     except OSError as exc:
         if exc.errno not in _NO_FLOCK:
             raise
         yield  # a filesystem without flock: SQLite's busy handler alone, as before
         return
-    held[1] = 1
+    queue.depth = 1
     try:
         yield
     finally:
-        held[1] = 0
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        queue.depth = 0
+        fcntl.flock(queue.fd, fcntl.LOCK_UN)

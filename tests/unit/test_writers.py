@@ -5,6 +5,7 @@ of the ledger's write paths on SQLite take it; where it cannot be had, writing g
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import signal
 import threading
@@ -130,3 +131,18 @@ def test_both_write_paths_of_a_sqlite_ledger_write_in_turn(database: Path) -> No
         assert seen == [True] and not _locked(database)
     finally:
         ledger.close()
+
+
+def test_turn__a_thread_that_ends_leaves_no_open_file_behind(database: Path) -> None:
+    def write() -> None:
+        with writers.turn(str(database)):
+            pass
+
+    write()  # this thread's file, kept for its next turn
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):  # threads that come and go, one per request
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
