@@ -50,7 +50,9 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     raw = report["raw"]
     assert set(raw["protocol_jobs_per_s"]) == {
         f"{d}/{i}" for d in ("postgres", "sqlite") for i in ("toolledger", "handwritten", "insert")
-    }
+    } | {"sqlite/handwritten_queued"}
+    queued = report["sqlite_vs_handwritten"]["vs_handwritten_queued_by_processes"]
+    assert all(q["median"] > 0 for q in queued.values()), queued
     assert {"toolledger", "toolledger_threads", "celery_noop", "celery_write"} <= set(raw["e2e"])
     for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
         assert e2e["cpu_ms_per_call"]["median"] > 0, name

@@ -6,16 +6,23 @@ handwritten     the same 2-commit protocol in psycopg (sqlite3 on SQLite): on Po
                 the limit
 insert          a bare INSERT … ON CONFLICT DO NOTHING + commit, no file: the floor of any
                 Postgres-backed queue
+handwritten_queued
+                SQLite only: the hand-written loop with its two transactions taken in turn
+                (ledger.writers), as toolledger's are: what the writers' queue alone is worth,
+                so the ratio against the plain loop can be read without it
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import resource
 import secrets
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +30,17 @@ import sqlalchemy as sa
 
 from toolledger.harness.bench.common import Figures, atomic_write, plain_url
 from toolledger.harness.bench.procs import Group
+from toolledger.ledger import writers
 from toolledger.ledger.db import create_engine
 
 IMPLS = ("toolledger", "handwritten", "insert")
+QUEUED = "handwritten_queued"
+
+
+def impls(dialect: str) -> tuple[str, ...]:
+    """What the protocol runs on ``dialect``: the writers' queue exists on SQLite only."""
+    return (*IMPLS, QUEUED) if dialect == "sqlite" else IMPLS
+
 
 NOW = "strftime('%Y-%m-%d %H:%M:%f','now') || '000'"
 
@@ -97,57 +112,62 @@ def _sqlite_connect(path: str) -> sqlite3.Connection:
     return conn
 
 
-def _handwritten_sqlite_job(url: str, sandbox: str) -> Any:
-    conn = _sqlite_connect(sa.make_url(url).database or "")
+def _handwritten_sqlite_job(url: str, sandbox: str, queued: bool = False) -> Any:
+    database = sa.make_url(url).database or ""
+    conn = _sqlite_connect(database)
+    # nullcontext, not turn(None): the plain loop stays exactly the loop it was
+    hold: Any = functools.partial(writers.turn, database) if queued else contextlib.nullcontext
 
     def job(scope: str, key: str) -> None:
         directory = Path(sandbox) / scope
         eid, token = str(uuid.uuid4()), secrets.token_hex(16)
-        conn.execute("BEGIN IMMEDIATE")
-        (args,) = conn.execute(
-            "SELECT args FROM operations WHERE scope=? AND idempotency_key=? "
-            "AND status='approved' AND authorized_attempts=1",
-            (scope, key),
-        ).fetchone()
-        conn.execute(
-            "INSERT INTO executions (execution_id, scope, idempotency_key, attempt, status, "
-            "worker_id, lease_token, lease_expires_at, heartbeat_at, started_at, reconciled) "
-            f"VALUES (?, ?, ?, 1, 'running', 'bench', ?, {NOW}, {NOW}, {NOW}, 0) "
-            "ON CONFLICT DO NOTHING",
-            (eid, scope, key, token),
-        )
-        conn.execute(
-            "UPDATE operations SET status='running' WHERE scope=? AND idempotency_key=?"
-            " AND status='approved'",
-            (scope, key),
-        )
-        conn.execute(
-            "INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, "
-            f"actor, at, detail) VALUES (?, ?, ?, 'running', 'bench', {NOW}, "
-            "'{\"attempt\":1}')",
-            (scope, key, eid),
-        )
-        conn.execute("COMMIT")
+        with hold():
+            conn.execute("BEGIN IMMEDIATE")
+            (args,) = conn.execute(
+                "SELECT args FROM operations WHERE scope=? AND idempotency_key=? "
+                "AND status='approved' AND authorized_attempts=1",
+                (scope, key),
+            ).fetchone()
+            conn.execute(
+                "INSERT INTO executions (execution_id, scope, idempotency_key, attempt, status, "
+                "worker_id, lease_token, lease_expires_at, heartbeat_at, started_at, reconciled) "
+                f"VALUES (?, ?, ?, 1, 'running', 'bench', ?, {NOW}, {NOW}, {NOW}, 0) "
+                "ON CONFLICT DO NOTHING",
+                (eid, scope, key, token),
+            )
+            conn.execute(
+                "UPDATE operations SET status='running' WHERE scope=? AND idempotency_key=?"
+                " AND status='approved'",
+                (scope, key),
+            )
+            conn.execute(
+                "INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, "
+                f"actor, at, detail) VALUES (?, ?, ?, 'running', 'bench', {NOW}, "
+                "'{\"attempt\":1}')",
+                (scope, key, eid),
+            )
+            conn.execute("COMMIT")
         data = json.loads(args)
         atomic_write(str(directory), data["path"], data["content"].encode())
         result = json.dumps({"path": data["path"], "bytes_written": len(data["content"])})
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(
-            f"UPDATE executions SET status='succeeded', result=?, finished_at={NOW} "
-            "WHERE execution_id=? AND status='running' AND lease_token=?",
-            (result, eid, token),
-        )
-        conn.execute(
-            "UPDATE operations SET status='succeeded' WHERE scope=? AND "
-            "idempotency_key=? AND status='running'",
-            (scope, key),
-        )
-        conn.execute(
-            "INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, "
-            f"actor, at, detail) VALUES (?, ?, ?, 'succeeded', 'bench', {NOW}, ?)",
-            (scope, key, eid, '{"result":' + result + "}"),
-        )
-        conn.execute("COMMIT")
+        with hold():
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                f"UPDATE executions SET status='succeeded', result=?, finished_at={NOW} "
+                "WHERE execution_id=? AND status='running' AND lease_token=?",
+                (result, eid, token),
+            )
+            conn.execute(
+                "UPDATE operations SET status='succeeded' WHERE scope=? AND "
+                "idempotency_key=? AND status='running'",
+                (scope, key),
+            )
+            conn.execute(
+                "INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, "
+                f"actor, at, detail) VALUES (?, ?, ?, 'succeeded', 'bench', {NOW}, ?)",
+                (scope, key, eid, '{"result":' + result + "}"),
+            )
+            conn.execute("COMMIT")
 
     return job
 
@@ -173,11 +193,13 @@ def run_share(
 ) -> tuple[float, float, float]:
     """In a group process: build (once) and warm the job, wait for the start, run the share.
     Its seconds, and the user and system CPU seconds this process spent on it."""
-    factory = {
+    factories: dict[str, Callable[[str, str], Any]] = {
         "toolledger": _toolledger_job,
         "insert": _insert_job,
         "handwritten": _handwritten_sqlite_job if url.startswith("sqlite") else _handwritten_pg_job,
-    }[impl]
+        QUEUED: functools.partial(_handwritten_sqlite_job, queued=True),
+    }
+    factory = factories[impl]
     if (impl, url) not in _cache:  # connections live as long as the process
         _cache[(impl, url)] = factory(url, sandbox)
     job = _cache[(impl, url)]
@@ -246,7 +268,7 @@ def run_protocol(
     """One round: every dialect, every process count, every implementation, interleaved."""
     for dialect, url in urls.items():
         for n in process_counts:
-            for impl in IMPLS:
+            for impl in impls(dialect):
                 rate, user, system = measure(group, impl, url, n, jobs, sandbox, f"p{dialect[:2]}")
                 figures.add(f"{dialect}/{impl}/{n}", rate)
                 figures.add(f"cpu/{dialect}/{impl}/{n}/user", user)
@@ -254,6 +276,7 @@ def run_protocol(
             progress(
                 f"  {dialect} x{n}: "
                 + ", ".join(
-                    f"{impl} {figures[f'{dialect}/{impl}/{n}'].values[-1]:.0f}/s" for impl in IMPLS
+                    f"{impl} {figures[f'{dialect}/{impl}/{n}'].values[-1]:.0f}/s"
+                    for impl in impls(dialect)
                 )
             )

@@ -49,13 +49,17 @@ def markdown(r: dict[str, Any]) -> str:
         label = f"{name} ({h['processes']} processes)" if "processes" in h else name
         label += POOL_LABELS.get(name, "")
         lines.append(f"| {label} | {_fmt(h)}{note} | {h['goal']} | {met} |")
+        queued = (h.get("vs_handwritten_queued_by_processes") or {}).get(h.get("processes"))
+        if queued:  # the same ratio, the loop given the writers' queue too (no goal)
+            lines.append(f"| {label}, against the loop in turn too | {_fmt(queued)} | | |")
     if "protocol_jobs_per_s" in raw:
         lines += [
             "",
             "Ledger protocol, jobs/s (claim + running, atomic file write, terminal + result):",
             "",
-            "| backend | processes | toolledger | hand-written | bare INSERT |",
-            "|---|---|---|---|---|",
+            "| backend | processes | toolledger | hand-written | hand-written, in turn "
+            "(the writers' queue) | bare INSERT |",
+            "|---|---|---|---|---|---|",
         ]
         proto = raw["protocol_jobs_per_s"]
         for dialect in ("postgres", "sqlite"):
@@ -63,8 +67,8 @@ def markdown(r: dict[str, Any]) -> str:
                 lines.append(
                     f"| {dialect} | {p} | "
                     + " | ".join(
-                        _fmt(proto[f"{dialect}/{impl}"][p])
-                        for impl in ("toolledger", "handwritten", "insert")
+                        _fmt(proto[f"{dialect}/{impl}"][p]) if f"{dialect}/{impl}" in proto else "-"
+                        for impl in ("toolledger", "handwritten", "handwritten_queued", "insert")
                     )
                     + " |"
                 )
@@ -191,9 +195,12 @@ def plot(r: dict[str, Any], path: Path) -> None:
         for impl, colour in (
             ("toolledger", "tab:green"),
             ("handwritten", "tab:blue"),
+            ("handwritten_queued", "tab:cyan"),
             ("insert", "tab:gray"),
         ):
-            series = raw["protocol_jobs_per_s"][f"{dialect}/{impl}"]
+            series = raw["protocol_jobs_per_s"].get(f"{dialect}/{impl}")
+            if series is None:  # the writers' queue is SQLite's
+                continue
             xs = [int(p) for p in series]
             ax.plot(
                 xs,

@@ -24,7 +24,7 @@ from toolledger.harness.bench.common import (
 )
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
-from toolledger.harness.bench.protocol import run_protocol
+from toolledger.harness.bench.protocol import QUEUED, impls, run_protocol
 from toolledger.harness.bench.report import GOALS
 from toolledger.harness.bench.roundtrip import run_roundtrip
 from toolledger.harness.bench.sweep_bench import (
@@ -299,6 +299,11 @@ def _protocol_summary(cfg: BenchConfig, f: Figures) -> dict[str, Any]:
             **_goal("sqlite_vs_handwritten", by_processes["sqlite"][n]),
             "processes": n,
             "by_processes": by_processes["sqlite"],
+            # no goal: the same ratio against the loop given the writers' queue too
+            "vs_handwritten_queued_by_processes": {
+                p: ratio(f[f"sqlite/toolledger/{p}"], f[f"sqlite/{QUEUED}/{p}"])
+                for p in cfg.processes
+            },
         },
     }
 
@@ -307,7 +312,7 @@ def _protocol_raw(cfg: BenchConfig, f: Figures) -> dict[str, Any]:
     return {
         f"{d}/{impl}": {p: f[f"{d}/{impl}/{p}"].summary() for p in cfg.processes}
         for d in ("postgres", "sqlite")
-        for impl in ("toolledger", "handwritten", "insert")
+        for impl in impls(d)
     }
 
 
