@@ -109,9 +109,13 @@ def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
     with engine.connect() as conn:
         conn = conn.execution_options(**{WRITE: True})
         conn.info.pop(_RECEIPTS, None)  # a rolled-back transaction's receipts never happened
-        # on a SQLite file, in turn with the ledger's other writers (ledger.writers)
-        with writers.turn(writers.database_file(engine.url)), conn.begin():
-            yield conn
+        # on a SQLite file, in turn with the ledger's other writers (ledger.writers), and
+        # BEGIN waits for SQLite's lock only what is left of the timeout after the turn's wait
+        with writers.turn(writers.database_file(engine.url)) as waited:
+            with writers.within_budget(waited, lambda: conn.connection.dbapi_connection):
+                transaction = conn.begin()
+            with transaction:
+                yield conn
         written = conn.info.pop(_RECEIPTS, None)
         if written and engine.dialect.name == "sqlite" and engine.url.database:
             payload = json.dumps(written, ensure_ascii=False).encode("utf-8")

@@ -162,8 +162,8 @@ class SqliteStore(HeldConnectionStore):
         pooled = self.connection()
         conn: sqlite3.Connection = pooled.dbapi_connection
         try:
-            with writers.turn(self._database):
-                return self._run(conn, steps)
+            with writers.turn(self._database) as waited:
+                return self._run(conn, steps, waited)
         except sqlite3.Error as exc:
             if not isinstance(exc, sqlite3.IntegrityError):
                 # A connection that failed otherwise (I/O, a closed handle) is not reused.
@@ -174,9 +174,14 @@ class SqliteStore(HeldConnectionStore):
             ) from exc
 
     @staticmethod
-    def _run(conn: sqlite3.Connection, steps: Callable[[sqlite3.Connection], Any]) -> Any:
-        """BEGIN IMMEDIATE, ``steps``, then COMMIT (ROLLBACK if it returned None or raised)."""
-        conn.execute("BEGIN IMMEDIATE")
+    def _run(
+        conn: sqlite3.Connection, steps: Callable[[sqlite3.Connection], Any], waited: float = 0.0
+    ) -> Any:
+        """BEGIN IMMEDIATE (waiting for the lock no longer than what is left of the busy
+        timeout after ``waited`` seconds in the writers' queue), ``steps``, then COMMIT
+        (ROLLBACK if it returned None or raised)."""
+        with writers.within_budget(waited, lambda: conn):
+            conn.execute("BEGIN IMMEDIATE")
         try:
             out = steps(conn)
         except BaseException:

@@ -20,11 +20,25 @@ changes is that they wait instead of failing with "database is locked" every 30 
 that dies lets go: the kernel drops its locks with its files.
 
 Each thread has its own open file (flock locks belong to an open file, so two threads of one
-process queue like two processes), opened on first use and kept until the thread ends; a child
-process closes its copies of its parent's (``os.register_at_fork``), whose locks it would
-otherwise share. A turn taken again by a thread already holding it (a write transaction inside
-another) is counted, not re-locked.
-Where ``fcntl`` does not exist (Windows), there is no queue.
+process queue like two processes), opened on first use and kept until the thread ends (at most
+``KEEP`` of them a thread: a thread that writes to many databases closes its oldest idle ones).
+A forked child closes its copies of every open file of its parent's, whose locks it would
+otherwise share and keep past its parent's death (``os.register_at_fork``). A turn taken
+again by a thread already holding it (a write transaction inside another) is counted, not
+re-locked; the lock goes when the count is back to 0, whichever of the turns ends last. The
+queue file is named after the database's real path, so two spellings of one file (relative
+and absolute, through a symlink) share one queue: two would make a write nested in another
+wait on its own thread.
+
+A turn yields how long its writer waited in the queue; ``within_budget`` takes that from
+SQLite's busy timeout for the ``BEGIN IMMEDIATE`` that follows, so a queue behind a writer
+that is not toolledger's (which holds SQLite's lock, not the queue's) still gives up after
+the timeout, rather than each writer spending a whole timeout in turn.
+
+Where ``fcntl`` does not exist (Windows), there is no queue. On a network filesystem that
+emulates ``flock`` with POSIX record locks (NFS), locks belong to the process, not the open
+file: threads of one process would not queue against each other. SQLite itself advises
+against such filesystems for a database written by several processes.
 """
 
 from __future__ import annotations
@@ -33,7 +47,9 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Iterator
+import time
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -44,6 +60,11 @@ except ImportError:  # pragma: no cover - Windows
 _SUFFIX = ".writers"
 #: What flock says on a filesystem that has none (some network filesystems).
 _NO_FLOCK = {errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+#: Open queue files a thread keeps at most (one per database it writes).
+KEEP = 8
+#: A wait in the queue shorter than this leaves SQLite's busy timeout as it is (a wait under
+#: contention is a millisecond or two; changing the timeout costs two statements).
+SLOW_WAIT_SECONDS = 0.05
 
 
 class _QueueFile:
@@ -51,11 +72,12 @@ class _QueueFile:
     thread ends (its thread-local state goes, and with it this), so threads that come and go
     leave no descriptor behind."""
 
-    __slots__ = ("depth", "fd")
+    __slots__ = ("__weakref__", "depth", "fd")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.depth = 0
+        _every.add(self)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -66,9 +88,13 @@ class _QueueFile:
     __del__ = close
 
 
+#: Every open queue file of this process, whichever thread holds it (closed in a child).
+_every: weakref.WeakSet[_QueueFile] = weakref.WeakSet()
+
+
 class _Held(threading.local):
     def __init__(self) -> None:
-        #: database file -> this thread's open queue file
+        #: database file -> this thread's open queue file, oldest first
         self.files: dict[str, _QueueFile] = {}
 
 
@@ -76,10 +102,12 @@ _held = _Held()
 
 
 def _forget_in_child() -> None:
-    """In a forked child: its copies of the parent's open files share the parent's locks, so
-    they are closed (the parent's stay held) and the child opens its own."""
+    """In a forked child: its copies of the parent's open files share the parent's locks, and
+    would hold them past the parent's death, so every one of them is closed, the other
+    threads' too (those threads do not exist in the child, but their state does); the child
+    opens its own."""
     global _held
-    for queue in _held.files.values():
+    for queue in list(_every):
         queue.close()
     _held = _Held()
 
@@ -94,8 +122,10 @@ def queue_file(database: str) -> str:
 
 
 def database_file(url: Any) -> str | None:
-    """The file a SQLAlchemy SQLite URL names, or None where there is no queue to take: an
-    in-memory database (one per connection), a ``file:`` URI, another dialect."""
+    """The real path of the file a SQLAlchemy SQLite URL names, or None where there is no
+    queue to take: an in-memory database (one per connection), a ``file:`` URI, another
+    dialect. A relative path is resolved against the working directory of the first call
+    for that URL, as SQLite resolves it when it opens the engine's first connection."""
     if url.get_backend_name() != "sqlite":
         return None
     database = url.database
@@ -103,7 +133,19 @@ def database_file(url: Any) -> str | None:
         return None
     if str(database).startswith("file:"):
         return None
-    return str(database)
+    return _real(str(database))
+
+
+_real_paths: dict[str, str] = {}
+
+
+def _real(database: str) -> str:
+    real = _real_paths.get(database)
+    if real is None:
+        real = os.path.realpath(database)
+        if len(_real_paths) < 1024:  # a process that opens endless databases resolves anew
+            _real_paths[database] = real
+    return real
 
 
 def _open(database: str) -> int:
@@ -116,37 +158,66 @@ def _open(database: str) -> int:
         return -1
 
 
-@contextlib.contextmanager
-def turn(database: str | None) -> Iterator[None]:
-    """Hold this thread's turn to write ``database`` (a file path; None: no queue) for the
-    body: begin, write and commit inside it."""
-    if database is None or fcntl is None:
-        yield
-        return
-    queue = _held.files.get(database)
+def _queue(database: str) -> _QueueFile | None:
+    files = _held.files
+    queue = files.get(database)
     if queue is None:
         fd = _open(database)
         if fd < 0:
-            yield
-            return
-        queue = _held.files[database] = _QueueFile(fd)
-    if queue.depth:
-        queue.depth += 1
-        try:
-            yield
-        finally:
-            queue.depth -= 1
+            return None
+        if len(files) >= KEEP:  # close the oldest idle one
+            for name, old in list(files.items()):
+                if not old.depth:
+                    del files[name]
+                    old.close()
+                    break
+        queue = files[database] = _QueueFile(fd)
+    return queue
+
+
+@contextlib.contextmanager
+def turn(database: str | None) -> Iterator[float]:
+    """Hold this thread's turn to write ``database`` (a file path; None: no queue) for the
+    body: begin, write and commit inside it. Yields the seconds spent waiting for it."""
+    queue = None if database is None or fcntl is None else _queue(database)
+    if queue is None:
+        yield 0.0
         return
+    waited = 0.0
+    # The count goes up before the lock is taken and down after it is let go, each inside
+    # the ``try`` that undoes it: an exception from a signal handler at any point leaves
+    # at worst a thread that no longer queues, never a lock that nobody will let go.
+    queue.depth += 1
     try:
-        fcntl.flock(queue.fd, fcntl.LOCK_EX)
-    except OSError as exc:
-        if exc.errno not in _NO_FLOCK:
-            raise
-        yield  # a filesystem without flock: SQLite's busy handler alone, as before
+        if queue.depth == 1:
+            started = time.monotonic()
+            try:
+                fcntl.flock(queue.fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in _NO_FLOCK:
+                    raise
+                # a filesystem without flock: SQLite's busy handler alone, as before
+            waited = time.monotonic() - started
+        yield waited
+    finally:
+        if queue.depth == 1 and queue.fd >= 0:  # fd -1: a forked child's, closed at fork
+            with contextlib.suppress(OSError):  # not held (no flock here, or interrupted)
+                fcntl.flock(queue.fd, fcntl.LOCK_UN)
+        queue.depth -= 1
+
+
+@contextlib.contextmanager
+def within_budget(waited: float, connection: Callable[[], Any]) -> Iterator[None]:
+    """Around a ``BEGIN IMMEDIATE``: SQLite's busy timeout on ``connection()`` (a sqlite3
+    connection) less the ``waited`` seconds its turn took, then as it was. A wait under
+    ``SLOW_WAIT_SECONDS`` changes nothing (and never calls ``connection``)."""
+    if waited < SLOW_WAIT_SECONDS:
+        yield
         return
-    queue.depth = 1
+    conn = connection()
+    (full,) = conn.execute("PRAGMA busy_timeout").fetchone()
+    conn.execute(f"PRAGMA busy_timeout = {max(0, int(full) - int(waited * 1000))}")
     try:
         yield
     finally:
-        queue.depth = 0
-        fcntl.flock(queue.fd, fcntl.LOCK_UN)
+        conn.execute(f"PRAGMA busy_timeout = {int(full)}")
