@@ -111,8 +111,9 @@ def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
         conn.info.pop(_RECEIPTS, None)  # a rolled-back transaction's receipts never happened
         # on a SQLite file, in turn with the ledger's other writers (ledger.writers), and
         # BEGIN waits for SQLite's lock only what is left of the timeout after the turn's wait
-        with writers.turn(writers.database_file(engine.url)) as waited:
-            with writers.within_budget(waited, lambda: conn.connection.dbapi_connection):
+        dbapi = lambda: conn.connection.dbapi_connection  # noqa: E731
+        with writers.turn(writers.database_file(engine.url), dbapi) as waited:
+            with writers.within_budget(waited, dbapi):
                 transaction = conn.begin()
             with transaction:
                 yield conn

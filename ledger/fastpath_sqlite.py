@@ -162,7 +162,7 @@ class SqliteStore(HeldConnectionStore):
         pooled = self.connection()
         conn: sqlite3.Connection = pooled.dbapi_connection
         try:
-            with writers.turn(self._database) as waited:
+            with writers.turn(self._database, lambda: conn) as waited:
                 return self._run(conn, steps, waited)
         except sqlite3.Error as exc:
             if not isinstance(exc, sqlite3.IntegrityError):

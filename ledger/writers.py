@@ -14,10 +14,18 @@ SQLite's lock still decides who writes. A writer that is not toolledger's (the `
 shell, a migration), or one that cannot open the file, goes through the busy handler as
 before; either way the queue changes how long a writer waits, never what it may do.
 
-``flock`` waits without a timeout. A process frozen (SIGSTOP) in its turn stalls every
-writer until it wakes or dies, as a process frozen inside a transaction already did; what
-changes is that they wait instead of failing with "database is locked" every 30 s. A process
-that dies lets go: the kernel drops its locks with its files.
+``flock`` waits without a timeout, and a process frozen (SIGSTOP, a Ctrl-Z) in its turn would
+stall every writer until it wakes or dies. So a wait in the queue is bounded by the writer's
+busy timeout, unless its process said it would rather wait (``set_blocking``: the worker,
+whose lock keeper and executions write all day, and for whom a wait taken in order is worth
+more than an error): a turn that cannot be had at once is waited for by a thread of its own,
+blocked in ``flock`` on an open file of its own, while the writer waits for it at most the
+busy timeout. Past that, the writer goes around the queue to SQLite's lock, with no time left
+on its busy timeout (``within_budget``): it writes if the frozen process held only the queue,
+and fails with "database is locked" if it held SQLite's lock too, as before the queue — a
+CLI command, the HTTP API, an agent's client never hang behind a stopped worker. The waiting
+thread, when it gets the lock after its writer left, lets go at once. A process that dies
+lets go of everything: the kernel drops its locks with its files.
 
 Each thread has its own open file (flock locks belong to an open file, so two threads of one
 process queue like two processes), opened on first use and kept until the thread ends (at most
@@ -33,7 +41,8 @@ wait on its own thread.
 A turn yields how long its writer waited in the queue; ``within_budget`` takes that from
 SQLite's busy timeout for the ``BEGIN IMMEDIATE`` that follows, so a queue behind a writer
 that is not toolledger's (which holds SQLite's lock, not the queue's) still gives up after
-the timeout, rather than each writer spending a whole timeout in turn.
+the timeout, rather than each writer spending a whole timeout in turn, and a writer that went
+around the queue tries SQLite's lock once.
 
 Where ``fcntl`` does not exist (Windows), there is no queue. On a network filesystem that
 emulates ``flock`` with POSIX record locks (NFS), locks belong to the process, not the open
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 import time
@@ -57,6 +67,8 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
+log = logging.getLogger("toolledger.ledger")
+
 _SUFFIX = ".writers"
 #: What flock says on a filesystem that has none (some network filesystems).
 _NO_FLOCK = {errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -65,6 +77,25 @@ KEEP = 8
 #: A wait in the queue shorter than this leaves SQLite's busy timeout as it is (a wait under
 #: contention is a millisecond or two; changing the timeout costs two statements).
 SLOW_WAIT_SECONDS = 0.05
+#: How long a writer waits for its turn when it has no connection to ask (SQLite's busy
+#: timeout is the bound otherwise): the ledger's own default.
+DEFAULT_PATIENCE_SECONDS = 30.0
+
+#: Whether this process's writers wait for their turn without a timeout (``set_blocking``).
+_blocking = False
+
+
+def set_blocking(blocking: bool = True) -> None:
+    """Make this process's writers wait for their turn as long as it takes (the worker: a
+    wait in order beats an error, and costs no thread), or again at most their busy timeout
+    (every process's default)."""
+    global _blocking
+    _blocking = blocking
+
+
+def blocking() -> bool:
+    """Whether this process's writers wait for their turn without a timeout."""
+    return _blocking
 
 
 class _QueueFile:
@@ -72,11 +103,14 @@ class _QueueFile:
     thread ends (its thread-local state goes, and with it this), so threads that come and go
     leave no descriptor behind."""
 
-    __slots__ = ("__weakref__", "depth", "fd")
+    __slots__ = ("__weakref__", "depth", "fd", "via")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.depth = 0
+        #: another open file of the queue whose lock holds this thread's turn (a bounded
+        #: wait's), or None: the lock is this file's
+        self.via: _QueueFile | None = None
         _every.add(self)
 
     def close(self) -> None:
@@ -176,11 +210,15 @@ def _queue(database: str) -> _QueueFile | None:
 
 
 @contextlib.contextmanager
-def turn(database: str | None) -> Iterator[float]:
+def turn(database: str | None, connection: Callable[[], Any] | None = None) -> Iterator[float]:
     """Hold this thread's turn to write ``database`` (a file path; None: no queue) for the
-    body: begin, write and commit inside it. Yields the seconds spent waiting for it."""
+    body: begin, write and commit inside it. Yields the seconds spent waiting for it.
+
+    ``connection()`` (the sqlite3 connection the body will write on) is asked for its busy
+    timeout, which bounds the wait unless this process waits without one (``set_blocking``):
+    past it the body runs without the turn."""
     queue = None if database is None or fcntl is None else _queue(database)
-    if queue is None:
+    if queue is None or database is None:
         yield 0.0
         return
     waited = 0.0
@@ -192,7 +230,10 @@ def turn(database: str | None) -> Iterator[float]:
         if queue.depth == 1:
             started = time.monotonic()
             try:
-                fcntl.flock(queue.fd, fcntl.LOCK_EX)
+                if _blocking:
+                    fcntl.flock(queue.fd, fcntl.LOCK_EX)
+                else:
+                    _take_within(queue, database, connection)
             except OSError as exc:
                 if exc.errno not in _NO_FLOCK:
                     raise
@@ -200,10 +241,70 @@ def turn(database: str | None) -> Iterator[float]:
             waited = time.monotonic() - started
         yield waited
     finally:
-        if queue.depth == 1 and queue.fd >= 0:  # fd -1: a forked child's, closed at fork
-            with contextlib.suppress(OSError):  # not held (no flock here, or interrupted)
-                fcntl.flock(queue.fd, fcntl.LOCK_UN)
+        if queue.depth == 1:
+            via, queue.via = queue.via, None
+            if via is not None:
+                via.close()  # closing its open file lets go of the lock
+            elif queue.fd >= 0:  # fd -1: a forked child's, closed at fork
+                with contextlib.suppress(OSError):  # not held (no flock here, or interrupted)
+                    fcntl.flock(queue.fd, fcntl.LOCK_UN)
         queue.depth -= 1
+
+
+def _patience(connection: Callable[[], Any] | None) -> float:
+    if connection is not None:
+        with contextlib.suppress(Exception):  # a connection that cannot say: the default
+            (ms,) = connection().execute("PRAGMA busy_timeout").fetchone()
+            return int(ms) / 1000
+    return DEFAULT_PATIENCE_SECONDS
+
+
+def _take_within(queue: _QueueFile, database: str, connection: Callable[[], Any] | None) -> None:
+    """Take the turn at once on the thread's own file, or else within the busy timeout
+    through an open file of its own, waited on by a thread of its own (``queue.via``, set
+    as the lock comes). Past the timeout, returns without the turn."""
+    try:
+        fcntl.flock(queue.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    patience = _patience(connection)
+    fd = _open(database)
+    if fd < 0:
+        return
+    # Its own open file, never the thread's: a lock that comes after its writer left is let
+    # go by closing this file, which nobody else holds (a descriptor number closed under a
+    # blocked flock could be reused by then, and unlocking the thread's own file would end
+    # whatever turn it holds by then). In ``_every``: a forked child closes its copy.
+    mine = _QueueFile(fd)
+    came, lock = threading.Event(), threading.Lock()
+    abandoned = False
+
+    def wait() -> None:
+        with contextlib.suppress(OSError):  # the writer is told by ``came``, either way
+            fcntl.flock(mine.fd, fcntl.LOCK_EX)
+        with lock:
+            if abandoned:
+                mine.close()  # its writer went on without it: let go at once
+            else:
+                queue.via = mine
+                came.set()
+
+    threading.Thread(target=wait, name="toolledger-writers-turn", daemon=True).start()
+    try:
+        came.wait(patience)
+    finally:
+        with lock:
+            if not came.is_set():  # the timeout, or a signal handler raising in the wait
+                abandoned = True
+    if came.is_set():
+        return
+    log.warning(
+        "the writers' queue of %s was held for %.1f s (a writer frozen in its turn?): "
+        "writing without it",
+        database,
+        patience,
+    )
 
 
 @contextlib.contextmanager

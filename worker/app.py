@@ -143,6 +143,11 @@ def create_app(settings: Settings | None = None) -> Celery:
     def _check(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
             return
+        from toolledger.ledger import writers
+
+        # On SQLite, a worker's writers wait for their turn as long as it takes: an order,
+        # not an error, behind a writer frozen in its turn (ledger.writers)
+        writers.set_blocking()
         try:
             check_worker_start(settings)
         except Exception as exc:

@@ -3,7 +3,8 @@ thread and process, is counted when taken again (ended in any order), is not sha
 forked child (nor kept by one past its parent), is let go when a signal handler raises, names
 one queue for every spelling of a file, keeps few files open, bounds a writer's wait by the
 busy timeout even behind a writer that is not toolledger's, and both of the ledger's write
-paths on SQLite take it; where it cannot be had, writing goes on."""
+paths on SQLite take it; where it cannot be had, writing goes on. Each in both ways of
+waiting (test_writers_bounded.py: what differs between them)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def _locked(database: Path) -> bool:
     finally:
         os.close(fd)  # closing lets go of a lock we took
     return False
+
+
+@pytest.fixture(autouse=True, params=["bounded", "blocking"])
+def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test in both of the queue's ways of waiting: at most the busy timeout (every
+    process's default), and as long as it takes (the worker's)."""
+    before = writers.blocking()
+    writers.set_blocking(request.param == "blocking")
+    yield request.param
+    writers.set_blocking(before)
 
 
 @pytest.fixture
@@ -215,6 +226,7 @@ def test_turn__every_spelling_of_a_file_shares_one_queue(
     (tmp_path / "alias.db").symlink_to(real)
     (tmp_path / "linked").symlink_to(real.parent)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(writers, "_real_paths", {})  # relative ones resolved in another folder
     spellings = [
         f"sqlite:///{real}",
         "sqlite:///data/ledger.db",

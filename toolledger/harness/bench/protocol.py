@@ -200,6 +200,7 @@ def run_share(
         QUEUED: functools.partial(_handwritten_sqlite_job, queued=True),
     }
     factory = factories[impl]
+    writers.set_blocking()  # a group process runs the worker's path, as the worker does
     if (impl, url) not in _cache:  # connections live as long as the process
         _cache[(impl, url)] = factory(url, sandbox)
     job = _cache[(impl, url)]

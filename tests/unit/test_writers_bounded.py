@@ -1,0 +1,272 @@
+"""A writer's wait for its turn in the writers' queue (ledger.writers) is bounded by its busy
+timeout, in every process but the worker's: behind a process frozen (SIGSTOP) in its turn, it
+goes around the queue after the timeout, and writes if SQLite's lock is free, or fails with
+"database is locked" if the frozen process holds that too, as before the queue; the thread that
+waited for it lets go of the lock once it comes. The worker waits as long as it takes. Turns
+taken through waiting threads still exclude each other, and a forked child keeps none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from tests.unit.test_writers import _locked, _queue_fds
+from toolledger.ledger import db, writers
+from toolledger.ledger.ledger import Ledger
+
+TIMEOUT = 1.0
+
+HOLDER = textwrap.dedent(
+    """
+    import os, signal, sqlite3, sys
+    from toolledger.ledger import writers
+
+    database, sqlite_too = sys.argv[1], sys.argv[2] == "1"
+    with writers.turn(database):
+        if sqlite_too:
+            conn = sqlite3.connect(database, isolation_level=None)
+            conn.execute("BEGIN IMMEDIATE")
+        print("held", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def _mode() -> Iterator[None]:
+    before = writers.blocking()
+    writers.set_blocking(False)  # every process's default
+    yield
+    writers.set_blocking(before)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    ledger = Ledger(f"sqlite:///{tmp_path.resolve() / 'ledger.db'}", timeout=TIMEOUT)
+    ledger.upgrade()
+    yield ledger
+    ledger.close()
+
+
+def _database(ledger: Ledger) -> str:
+    database = writers.database_file(ledger.engine.url)
+    assert database is not None
+    return database
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@contextlib.contextmanager
+def frozen_holder(database: str, *, sqlite_too: bool) -> Iterator[subprocess.Popen[str]]:
+    """Another process in its turn (and in SQLite's write lock too, if ``sqlite_too``),
+    stopped there; killed at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, database, "1" if sqlite_too else "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        deadline = time.monotonic() + 10
+        while not _stopped(proc.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _write(ledger: Ledger, path: str) -> None:
+    if path == "write_transaction":
+        with db.write_transaction(ledger.engine) as conn:
+            conn.exec_driver_sql("SELECT 1")
+    else:
+        ledger.store._transaction(lambda conn: True)  # type: ignore[attr-defined]
+
+
+class Writer(threading.Thread):
+    """A write on a thread of its own: the test outlives a writer that hangs."""
+
+    def __init__(self, ledger: Ledger, path: str) -> None:
+        super().__init__(daemon=True)
+        self.ledger, self.path = ledger, path
+        self.error: BaseException | None = None
+        self.took = -1.0
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            _write(self.ledger, self.path)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            self.error = exc
+        self.took = time.monotonic() - started
+
+
+def _waiting_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "toolledger-writers-turn"]
+
+
+@pytest.mark.parametrize("path", ["write_transaction", "fast store"])
+def test_behind_a_turn_frozen_outside_sqlites_lock_a_writer_writes_after_its_timeout(
+    ledger: Ledger, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="toolledger.ledger")
+    with frozen_holder(_database(ledger), sqlite_too=False):
+        writer = Writer(ledger, path)
+        writer.start()
+        writer.join(10)
+        assert not writer.is_alive(), "waited for a frozen turn without a timeout"
+        assert writer.error is None
+        assert TIMEOUT * 0.9 <= writer.took < TIMEOUT * 3
+    assert "was held for 1.0 s (a writer frozen in its turn?)" in caplog.text
+
+
+@pytest.mark.parametrize("path", ["write_transaction", "fast store"])
+def test_behind_a_writer_frozen_inside_sqlites_lock_a_writer_fails_after_its_timeout(
+    ledger: Ledger, path: str
+) -> None:
+    """As before the queue: one timeout, then "database is locked" (the queue's wait is
+    taken off the busy timeout, so the two waits are not added up)."""
+    with frozen_holder(_database(ledger), sqlite_too=True):
+        writer = Writer(ledger, path)
+        writer.start()
+        writer.join(10)
+        assert not writer.is_alive(), "waited for a frozen turn without a timeout"
+        assert isinstance(writer.error, sa.exc.OperationalError)
+        assert "database is locked" in str(writer.error)
+        assert writer.took < TIMEOUT * 2
+    with ledger.engine.connect() as conn:  # the shortened busy timeout was put back
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == TIMEOUT * 1000
+
+
+def test_the_thread_that_waited_lets_go_once_the_turn_comes_after_its_writer_left(
+    ledger: Ledger,
+) -> None:
+    database = _database(ledger)
+    with frozen_holder(database, sqlite_too=False):
+        _write(ledger, "write_transaction")  # went around the queue after the timeout
+        assert _waiting_threads()  # still blocked in flock behind the frozen process
+    # the frozen process is dead: its lock went, the waiting thread got it and let go
+    deadline = time.monotonic() + 10
+    while _waiting_threads() or _locked(Path(database)):
+        assert time.monotonic() < deadline, "the lock that came too late was kept"
+        time.sleep(0.01)
+    _write(ledger, "fast store")  # and the queue works as before
+    assert not _locked(Path(database))
+
+
+@pytest.mark.parametrize("path", ["write_transaction", "fast store"])
+def test_a_process_that_blocks_waits_for_a_frozen_turn_as_long_as_it_is_held(
+    ledger: Ledger, path: str
+) -> None:
+    writers.set_blocking()
+    with frozen_holder(_database(ledger), sqlite_too=False):
+        writer = Writer(ledger, path)
+        writer.start()
+        writer.join(TIMEOUT * 2.5)
+        assert writer.is_alive()  # no timeout: still in the queue
+    writer.join(10)  # the holder died: the turn came
+    assert not writer.is_alive() and writer.error is None
+
+
+def test_the_worker_waits_for_its_turn_without_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import signals
+
+    from toolledger.config import Settings
+    from toolledger.worker.app import create_app
+
+    monkeypatch.setenv("TOOLLEDGER_METRICS", "off")  # worker_init would serve them here
+    app = create_app(Settings.from_env({"TOOLLEDGER_HOME": str(tmp_path / "home")}))
+    assert not writers.blocking()
+
+    class Worker:  # what worker_init's handlers read of Celery's WorkController
+        pool_cls = "threads"
+
+    worker = Worker()
+    worker.app = app  # type: ignore[attr-defined]
+    signals.worker_init.send(sender=worker)
+    assert writers.blocking()
+
+
+def test_turns_taken_through_waiting_threads_exclude_each_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six threads contending: most turns come through a waiting thread's own file, and
+    never two at once; the last one lets go."""
+    monkeypatch.setattr(writers, "DEFAULT_PATIENCE_SECONDS", 2.0)  # a turn kept: seconds, not hours
+    database = str(tmp_path / "ledger.db")
+    inside, most, errors = [0], [0], []
+    guard = threading.Lock()
+
+    def write() -> None:
+        try:
+            for _ in range(30):
+                with writers.turn(database):
+                    with guard:
+                        inside[0] += 1
+                        most[0] = max(most[0], inside[0])
+                    time.sleep(0.001)
+                    with guard:
+                        inside[0] -= 1
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors.append(exc)
+
+    caplog.set_level(logging.WARNING, logger="toolledger.ledger")
+    threads = [threading.Thread(target=write, daemon=True) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors and most[0] == 1
+    assert "writing without it" not in caplog.text
+    assert not _locked(Path(database))
+
+
+def test_a_forked_child_keeps_no_copy_of_a_turn_held_through_a_waiting_thread(
+    tmp_path: Path,
+) -> None:
+    database = tmp_path / "ledger.db"
+    inside, leave = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with writers.turn(str(database)):  # contended: through a waiting thread's file
+            inside.set()
+            leave.wait(30)
+
+    with writers.turn(str(database)):
+        thread = threading.Thread(target=writer)
+        thread.start()
+        time.sleep(0.2)  # the writer is waiting for its turn
+    try:
+        assert inside.wait(10)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            os._exit(0 if not _queue_fds(database) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        leave.set()
+        thread.join(10)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not _locked(database)
