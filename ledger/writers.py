@@ -114,10 +114,21 @@ class _QueueFile:
         _every.add(self)
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
+        fd, self.fd = getattr(self, "fd", -1), -1  # -1: a signal came inside __init__
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def release(self) -> None:
+        """Let go of this open file's lock, then close it. The unlock comes first: it lets go
+        for every copy of the open file, and a child forked while this closes (another
+        thread's fork, between the closing and ``_every``'s knowing it) has one. Never from
+        ``close``: in a child, closing its copies must not let go of the parent's turns."""
+        fd = self.fd
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        self.close()
 
     __del__ = close
 
@@ -140,10 +151,12 @@ def _forget_in_child() -> None:
     would hold them past the parent's death, so every one of them is closed, the other
     threads' too (those threads do not exist in the child, but their state does); the child
     opens its own."""
-    global _held
+    global _held, _stuck, _stuck_guard
     for queue in list(_every):
         queue.close()
     _held = _Held()
+    # no thread of the parent's waits here (nor may a lock another thread held be taken)
+    _stuck, _stuck_guard = {}, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -241,14 +254,39 @@ def turn(database: str | None, connection: Callable[[], Any] | None = None) -> I
             waited = time.monotonic() - started
         yield waited
     finally:
+        # The unlock is the first call made here: CPython runs a signal handler only after a
+        # call or as a function (or this generator) resumes, so a handler raising as the turn
+        # ends (a shutdown, a soft time limit) comes before this block, which then still runs
+        # whole, or after the unlock. Unlocking (rather than closing) lets go for every copy
+        # of the open file, a child's forked meanwhile by another thread too.
         if queue.depth == 1:
-            via, queue.via = queue.via, None
+            via = queue.via
+            fd = queue.fd if via is None else via.fd
+            if fd >= 0:  # -1: a forked child's, closed at fork
+                # not ``contextlib.suppress``: its call would come before the unlock
+                try:  # noqa: SIM105
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:  # not held (no flock here, or interrupted)
+                    pass
+            queue.via = None
             if via is not None:
-                via.close()  # closing its open file lets go of the lock
-            elif queue.fd >= 0:  # fd -1: a forked child's, closed at fork
-                with contextlib.suppress(OSError):  # not held (no flock here, or interrupted)
-                    fcntl.flock(queue.fd, fcntl.LOCK_UN)
+                via.close()
         queue.depth -= 1
+
+
+#: database file -> waiting threads of this process whose writers left (their timeout came
+#: first): while there is one, the turn is held by a frozen writer, and nobody waits anew.
+_stuck: dict[str, int] = {}
+_stuck_guard = threading.Lock()
+
+
+def _unstuck(database: str) -> None:
+    with _stuck_guard:
+        left = _stuck.get(database, 0) - 1
+        if left > 0:
+            _stuck[database] = left
+        else:
+            _stuck.pop(database, None)
 
 
 def _patience(connection: Callable[[], Any] | None) -> float:
@@ -268,6 +306,13 @@ def _take_within(queue: _QueueFile, database: str, connection: Callable[[], Any]
         return
     except BlockingIOError:
         pass
+    with _stuck_guard:
+        if _stuck.get(database):
+            # A waiting thread of this process already outwaited its writer's timeout and is
+            # still in the queue: the turn is held by a frozen writer. Around the queue at once,
+            # to SQLite's busy timeout, rather than one more thread and file left waiting for
+            # every write as long as the freeze lasts.
+            return
     patience = _patience(connection)
     fd = _open(database)
     if fd < 0:
@@ -278,26 +323,43 @@ def _take_within(queue: _QueueFile, database: str, connection: Callable[[], Any]
     # whatever turn it holds by then). In ``_every``: a forked child closes its copy.
     mine = _QueueFile(fd)
     came, lock = threading.Event(), threading.Lock()
-    abandoned = False
+    # plain flags, read under ``lock`` with no call in between (no signal handler between)
+    abandoned = running = counted = taken = False
 
     def wait() -> None:
+        nonlocal running, taken
+        with lock:
+            if abandoned:  # its writer left before this thread ran
+                mine.close()
+                return
+            running = True
         with contextlib.suppress(OSError):  # the writer is told by ``came``, either way
             fcntl.flock(mine.fd, fcntl.LOCK_EX)
         with lock:
             if abandoned:
-                mine.close()  # its writer went on without it: let go at once
+                mine.release()  # its writer went on without it: let go at once
+                if counted:
+                    _unstuck(database)
             else:
                 queue.via = mine
+                taken = True
                 came.set()
 
-    threading.Thread(target=wait, name="toolledger-writers-turn", daemon=True).start()
     try:
+        # started inside the ``try``: a signal handler raising in ``start`` (which waits for
+        # the thread to run) must abandon the wait too, or the lock, once it came, would be
+        # kept for a turn that has ended
+        threading.Thread(target=wait, name="toolledger-writers-turn", daemon=True).start()
         came.wait(patience)
     finally:
         with lock:
-            if not came.is_set():  # the timeout, or a signal handler raising in the wait
+            if not taken:  # the timeout, or a signal handler raising in the wait
                 abandoned = True
-    if came.is_set():
+                if running:  # blocked in flock: the turn's holder is stuck, say so
+                    counted = True
+                    with _stuck_guard:
+                        _stuck[database] = _stuck.get(database, 0) + 1
+    if taken:
         return
     log.warning(
         "the writers' queue of %s was held for %.1f s (a writer frozen in its turn?): "

@@ -9,6 +9,7 @@ taken through waiting threads still exclude each other, and a forked child keeps
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import subprocess
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
@@ -42,6 +44,10 @@ HOLDER = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGSTOP)
     """
 )
+
+
+_STOP = "os.kill(os.getpid(), signal.SIGSTOP)"
+assert _STOP in HOLDER
 
 
 @pytest.fixture(autouse=True)
@@ -270,3 +276,125 @@ def test_a_forked_child_keeps_no_copy_of_a_turn_held_through_a_waiting_thread(
         thread.join(10)
     assert os.waitstatus_to_exitcode(status) == 0
     assert not _locked(database)
+
+
+def test_a_signal_handler_raising_as_the_waiting_thread_starts_abandons_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Thread.start`` waits for the thread to run; a handler raising there must leave the
+    wait abandoned, or the lock, once it came, would be kept for a turn that has ended."""
+    database = str(tmp_path / "ledger.db")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER.replace(_STOP, "sys.stdin.read()"), database, "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    start = threading.Thread.start
+
+    def start_then_raise(self: threading.Thread) -> None:
+        start(self)
+        if self.name == "toolledger-writers-turn":
+            raise KeyboardInterrupt  # what a handler raising in ``_started.wait()`` does
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_raise)
+    try:
+        with pytest.raises(KeyboardInterrupt), writers.turn(database):
+            pass
+    finally:
+        monkeypatch.undo()
+        holder.kill()
+        holder.wait(10)
+    deadline = time.monotonic() + 10  # the lock came to the waiting thread, which let go
+    while _waiting_threads() or _locked(Path(database)):
+        assert time.monotonic() < deadline, "a turn that ended kept the lock"
+        time.sleep(0.01)
+
+
+def test_a_child_forked_as_a_waited_turn_ends_keeps_no_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's fork can come between the end of a turn taken through a waiting
+    thread's file and ``_every``'s knowing that file closed: the child's copy must not keep
+    the lock (the turn lets go by unlocking, which holds for every copy, then closes)."""
+    database = str(tmp_path / "ledger.db")
+    other = os.open(writers.queue_file(database), os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    threading.Timer(0.2, fcntl.flock, (other, fcntl.LOCK_UN)).start()
+    armed, children = [False], []
+
+    class ForkingSuppress(contextlib.suppress):
+        def __enter__(self) -> None:
+            if armed[0]:
+                armed[0] = False
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - a child that outlives the turn
+                    time.sleep(3)
+                    os._exit(0)
+                children.append(pid)
+            super().__enter__()
+
+    monkeypatch.setattr(
+        writers,
+        "contextlib",
+        SimpleNamespace(suppress=ForkingSuppress, contextmanager=contextlib.contextmanager),
+    )
+    try:
+        with writers.turn(database):  # contended: through a waiting thread's file
+            assert writers._held.files[database].via is not None
+            armed[0] = True  # the fork comes as the turn lets go
+        monkeypatch.undo()
+        assert children
+        started = time.monotonic()
+        fcntl.flock(other, fcntl.LOCK_EX)  # the next writer's turn
+        assert time.monotonic() - started < 1.0, "a child kept the ended turn's lock"
+    finally:
+        os.close(other)
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+
+
+def test_behind_a_frozen_turn_writers_leave_one_waiting_thread_not_one_per_write(
+    tmp_path: Path,
+) -> None:
+    """Once a waiting thread has outwaited its writer, the next writers go around the queue at
+    once (to SQLite's busy timeout): not a thread and a file left waiting per write for as long
+    as the freeze lasts. When the frozen writer dies, the queue is used again."""
+    import sqlite3
+
+    database = str(tmp_path.resolve() / "ledger.db")
+    conn = sqlite3.connect(database, isolation_level=None)
+    conn.execute("PRAGMA busy_timeout = 50")
+    conn.execute("CREATE TABLE t (x)")
+    with frozen_holder(database, sqlite_too=False):
+        fds = len(os.listdir("/proc/self/fd"))
+        for i in range(40):
+            with writers.turn(database, lambda: conn) as waited:
+                with writers.within_budget(waited, lambda: conn):
+                    conn.execute("BEGIN IMMEDIATE")
+                conn.execute("INSERT INTO t VALUES (?)", (i,))
+                conn.execute("COMMIT")
+        assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 40
+        assert len(_waiting_threads()) == 1
+        assert len(os.listdir("/proc/self/fd")) - fds <= 2  # the thread's own and the waiter's
+    deadline = time.monotonic() + 10
+    while _waiting_threads() or writers._stuck:
+        assert time.monotonic() < deadline, "the frozen writer's death went unnoticed"
+        time.sleep(0.01)
+    conn.close()
+
+
+def test_a_forked_child_does_not_think_the_queue_stuck(tmp_path: Path) -> None:
+    """The parent's waiting threads do not exist in a child: it must wait in the queue anew,
+    not go around it for good."""
+    writers._stuck[str(tmp_path / "ledger.db")] = 1
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            os._exit(0 if not writers._stuck else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        writers._stuck.clear()
+    assert os.waitstatus_to_exitcode(status) == 0
