@@ -24,8 +24,10 @@ busy timeout. Past that, the writer goes around the queue to SQLite's lock, with
 on its busy timeout (``within_budget``): it writes if the frozen process held only the queue,
 and fails with "database is locked" if it held SQLite's lock too, as before the queue — a
 CLI command, the HTTP API, an agent's client never hang behind a stopped worker. The waiting
-thread, when it gets the lock after its writer left, lets go at once. A process that dies
-lets go of everything: the kernel drops its locks with its files.
+thread, when it gets the lock after its writer left, lets go at once; while it still waits,
+the process's other writers go around the queue without waiting in it (one thread left
+waiting behind a frozen turn, not one a write). A process that dies lets go of everything:
+the kernel drops its locks with its files.
 
 Each thread has its own open file (flock locks belong to an open file, so two threads of one
 process queue like two processes), opened on first use and kept until the thread ends (at most
@@ -114,6 +116,9 @@ class _QueueFile:
         _every.add(self)
 
     def close(self) -> None:
+        # A child forked by another thread just as this closes keeps a copy nobody closes;
+        # harmless: a file is never closed while locked but by ``release`` (which unlocks
+        # first, for every copy), nor locked again once closed.
         fd, self.fd = getattr(self, "fd", -1), -1  # -1: a signal came inside __init__
         if fd >= 0:
             with contextlib.suppress(OSError):
@@ -151,16 +156,31 @@ def _forget_in_child() -> None:
     would hold them past the parent's death, so every one of them is closed, the other
     threads' too (those threads do not exist in the child, but their state does); the child
     opens its own."""
-    global _held, _stuck, _stuck_guard
+    global _held, _opening, _stuck, _stuck_guard
     for queue in list(_every):
         queue.close()
     _held = _Held()
+    _opening = threading.Lock()  # held by the parent's forking thread (``before``)
     # no thread of the parent's waits here (nor may a lock another thread held be taken)
     _stuck, _stuck_guard = {}, threading.Lock()
 
 
+#: Held while a queue file is opened and made known to ``_every``, and by a thread that forks.
+_opening = threading.Lock()
+
+
+def _before_fork() -> None:
+    _opening.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _opening.release()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_forget_in_child
+    )
 
 
 def queue_file(database: str) -> str:
@@ -195,22 +215,25 @@ def _real(database: str) -> str:
     return real
 
 
-def _open(database: str) -> int:
-    """This thread's descriptor on the queue file, or -1 if it cannot be had (no directory,
-    no permission): the writer then goes without the queue, and tries again next time.
-    Read-only is enough for flock."""
-    try:
-        return os.open(queue_file(database), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        return -1
+def _open(database: str) -> _QueueFile | None:
+    """A new open file on the queue file, or None if it cannot be had (no directory, no
+    permission): the writer then goes without the queue, and tries again next time.
+    Read-only is enough for flock. Opened and made known to ``_every`` under ``_opening``,
+    which a fork waits for: a child forked in between would keep a copy nobody closes."""
+    with _opening:
+        try:
+            fd = os.open(queue_file(database), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return None
+        return _QueueFile(fd)
 
 
 def _queue(database: str) -> _QueueFile | None:
     files = _held.files
     queue = files.get(database)
     if queue is None:
-        fd = _open(database)
-        if fd < 0:
+        queue = _open(database)
+        if queue is None:
             return None
         if len(files) >= KEEP:  # close the oldest idle one
             for name, old in list(files.items()):
@@ -218,7 +241,7 @@ def _queue(database: str) -> _QueueFile | None:
                     del files[name]
                     old.close()
                     break
-        queue = files[database] = _QueueFile(fd)
+        files[database] = queue
     return queue
 
 
@@ -314,14 +337,14 @@ def _take_within(queue: _QueueFile, database: str, connection: Callable[[], Any]
             # every write as long as the freeze lasts.
             return
     patience = _patience(connection)
-    fd = _open(database)
-    if fd < 0:
+    opened = _open(database)
+    if opened is None:
         return
     # Its own open file, never the thread's: a lock that comes after its writer left is let
-    # go by closing this file, which nobody else holds (a descriptor number closed under a
-    # blocked flock could be reused by then, and unlocking the thread's own file would end
-    # whatever turn it holds by then). In ``_every``: a forked child closes its copy.
-    mine = _QueueFile(fd)
+    # go by unlocking and closing this file, which nobody else uses (a descriptor number
+    # closed under a blocked flock could be reused by then, and unlocking the thread's own
+    # file would end whatever turn it holds by then). In ``_every``: a child closes its copy.
+    mine = opened
     came, lock = threading.Event(), threading.Lock()
     # plain flags, read under ``lock`` with no call in between (no signal handler between)
     abandoned = running = counted = taken = False

@@ -398,3 +398,41 @@ def test_a_forked_child_does_not_think_the_queue_stuck(tmp_path: Path) -> None:
     finally:
         writers._stuck.clear()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_fork_between_a_queue_files_opening_and_its_knowing_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread opens its queue file; another forks before the file is known to the set a
+    child closes: the child would keep a copy (and, were the parent killed in a turn on it,
+    the lock as long as it lives). The fork waits until the file is known."""
+    database = tmp_path / "ledger.db"
+    opened, go = threading.Event(), threading.Event()
+
+    class Slow(writers._QueueFile):
+        __slots__ = ()
+
+        def __init__(self, fd: int) -> None:
+            opened.set()
+            go.wait(10)  # the file is open, not yet known
+            super().__init__(fd)
+
+    monkeypatch.setattr(writers, "_QueueFile", Slow)
+
+    def write() -> None:
+        with writers.turn(str(database)):
+            pass
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    try:
+        assert opened.wait(10)
+        threading.Timer(0.3, go.set).start()  # the fork below comes first, then waits
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            os._exit(0 if not _queue_fds(database) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        go.set()
+        thread.join(10)
+    assert os.waitstatus_to_exitcode(status) == 0
