@@ -8,6 +8,7 @@ waiting (test_writers_bounded.py: what differs between them)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import os
@@ -168,9 +169,22 @@ def _queue_fds(database: Path) -> list[str]:
     ]
 
 
-def test_turn__a_forked_child_keeps_no_copy_of_another_threads_turn(database: Path) -> None:
+def _a_child_has_no_queue_file(database: Path) -> bool:
+    """Fork now: whether the child, once the fork hooks have run, holds no queue file."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        os._exit(0 if not _queue_fds(database) else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("contended", [False, True])
+def test_turn__a_forked_child_keeps_no_copy_of_another_threads_turn(
+    database: Path, contended: bool
+) -> None:
     """A copy in the child of the file another thread holds its turn with would keep the
-    lock past the parent's death, as long as the child lives."""
+    lock past the parent's death, as long as the child lives. Contended, the turn comes
+    (bounded) through a waiting thread's own file."""
     inside, leave = threading.Event(), threading.Event()
 
     def writer() -> None:
@@ -179,17 +193,16 @@ def test_turn__a_forked_child_keeps_no_copy_of_another_threads_turn(database: Pa
             leave.wait(30)
 
     thread = threading.Thread(target=writer)
-    thread.start()
+    with writers.turn(str(database)) if contended else contextlib.nullcontext():
+        thread.start()
+        time.sleep(0.2 if contended else 0)  # the writer is waiting for its turn
     try:
         assert inside.wait(10)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through its exit code
-            os._exit(0 if not _queue_fds(database) else 1)
-        _, status = os.waitpid(pid, 0)
+        assert _a_child_has_no_queue_file(database)
     finally:
         leave.set()
         thread.join(10)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert not _locked(database)
 
 
 def test_turn__a_child_forked_inside_a_turn_leaves_it_cleanly(database: Path) -> None:

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import sqlalchemy as sa
 
-from tests.unit.test_writers import _locked, _queue_fds
+from tests.unit.test_writers import _a_child_has_no_queue_file, _locked
 from toolledger.ledger import db, writers
 from toolledger.ledger.ledger import Ledger
 
@@ -250,34 +250,6 @@ def test_turns_taken_through_waiting_threads_exclude_each_other(
     assert not _locked(Path(database))
 
 
-def test_a_forked_child_keeps_no_copy_of_a_turn_held_through_a_waiting_thread(
-    tmp_path: Path,
-) -> None:
-    database = tmp_path / "ledger.db"
-    inside, leave = threading.Event(), threading.Event()
-
-    def writer() -> None:
-        with writers.turn(str(database)):  # contended: through a waiting thread's file
-            inside.set()
-            leave.wait(30)
-
-    with writers.turn(str(database)):
-        thread = threading.Thread(target=writer)
-        thread.start()
-        time.sleep(0.2)  # the writer is waiting for its turn
-    try:
-        assert inside.wait(10)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through its exit code
-            os._exit(0 if not _queue_fds(database) else 1)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        leave.set()
-        thread.join(10)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert not _locked(database)
-
-
 def test_a_signal_handler_raising_as_the_waiting_thread_starts_abandons_the_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -428,11 +400,7 @@ def test_a_fork_between_a_queue_files_opening_and_its_knowing_waits_for_it(
     try:
         assert opened.wait(10)
         threading.Timer(0.3, go.set).start()  # the fork below comes first, then waits
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through its exit code
-            os._exit(0 if not _queue_fds(database) else 1)
-        _, status = os.waitpid(pid, 0)
+        assert _a_child_has_no_queue_file(database)
     finally:
         go.set()
         thread.join(10)
-    assert os.waitstatus_to_exitcode(status) == 0
