@@ -337,14 +337,13 @@ def _take_within(queue: _QueueFile, database: str, connection: Callable[[], Any]
             # every write as long as the freeze lasts.
             return
     patience = _patience(connection)
-    opened = _open(database)
-    if opened is None:
+    mine = _open(database)
+    if mine is None:
         return
     # Its own open file, never the thread's: a lock that comes after its writer left is let
     # go by unlocking and closing this file, which nobody else uses (a descriptor number
     # closed under a blocked flock could be reused by then, and unlocking the thread's own
     # file would end whatever turn it holds by then). In ``_every``: a child closes its copy.
-    mine = opened
     came, lock = threading.Event(), threading.Lock()
     # plain flags, read under ``lock`` with no call in between (no signal handler between)
     abandoned = running = counted = taken = False
