@@ -144,10 +144,13 @@ def _sweep(
         if len(marked) < batch:
             break
     try:
-        landing = effects_of(sandbox).settle(ledger, actor=actor)
+        effects = effects_of(sandbox)
+        landing = effects.settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
         summary.errors.extend(landing.problems)
+        if removed := effects.sweep_locks():  # format 2: the lock files no lander holds
+            log.info("removed %d path lock files no lander held", removed)
     except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs
         summary.errors.append(f"settling the sandbox failed: {exc}")
         log.warning("settling the sandbox failed: %s", exc)

@@ -28,7 +28,9 @@ the path's ``flock``, first finishes an append a crash interrupted, then looks a
 effect staged on the path: those committed (all older than any still running, which will
 commit after them) land in seq order — an older write that a newer one replaces, or an
 append that a newer write replaces, is dropped. If the ledger cannot be asked, nothing lands
-on that path until it can.
+on that path until it can. The lock's file (``paths/``) is removed by the sweep when no lander
+holds it, once the sandbox is at format 2 (``toolledger sandbox upgrade``); a lander that
+locked a file removed meanwhile sees it is no longer at its path and locks again.
 
 Crash safety. A write lands by one ``rename`` (atomic, then the directory is fsynced); an
 append first renames its stage to ``applying-<offset>`` (fsynced) and then writes at that
@@ -100,6 +102,14 @@ _STAGE = re.compile(
     r"(?P<kind>write|append|refused|applying-(?P<offset>\d+))$"
 )
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
+#: A path's lock file, under ``paths/<first two of its hash>/``.
+_LOCK = re.compile(r"^[0-9a-f]{32}\.lock$")
+#: The sandbox state's format, in ``.toolledger/format`` (absent: 1). At 2, every process
+#: that lands locks again after the file it locked was removed, so lock files may be removed
+#: (``Effects.sweep_locks``); ``toolledger sandbox upgrade`` writes it.
+FORMAT = 2
+#: Lock files a sweep pass looks at, at most (whole shards: a pass may go a shard past it).
+SWEEP_LOCKS_LIMIT = 10_000
 
 
 class BadSpool(ValueError):
@@ -308,6 +318,16 @@ class PathBusy(Exception):
     """Another lander holds the path's lock (it may be frozen): try later."""
 
 
+def _at_path(fd: int, path: Path) -> bool:
+    """Whether the file open as ``fd`` is the one at ``path`` (not one removed from it)."""
+    try:
+        there = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_ino, there.st_dev) == (mine.st_ino, mine.st_dev)
+
+
 def effects_of(sandbox: Sandbox) -> Effects:
     """The pending area of ``sandbox`` (one per sandbox object)."""
     found = _EFFECTS.get(sandbox)
@@ -324,6 +344,7 @@ class Effects:
         self.state = sandbox.root / STATE_DIR
         self.pending_dir = self.state / "pending"
         self.paths_dir = self.state / "paths"
+        self._next_shard = secrets.randbelow(256)  # of paths_dir: where sweep_locks goes on
 
     def staging(self, scope: str, execution_id: str, lease: LeaseWatch | None) -> StagingSandbox:
         return StagingSandbox(self, scope, execution_id, lease)
@@ -411,22 +432,116 @@ class Effects:
     @contextlib.contextmanager
     def _path_lock(self, h: str) -> Iterator[None]:
         """The path's exclusive flock; PathBusy after the sandbox's ``lock_wait``. The kernel
-        drops it when its holder dies; a frozen holder keeps it (that path waits)."""
+        drops it when its holder dies; a frozen holder keeps it (that path waits).
+
+        A lock file no lander holds may be removed (``sweep_locks``, by a holder of its lock):
+        a lander that opened it before then gets, once its lock comes, a file no longer at the
+        path, sees so (the file there, if any, is another) and locks again. Whoever holds the
+        lock holds the file at the path, so no two landers hold it at once."""
         lock = self.paths_dir / h[:2] / f"{h}.lock"
-        fd = _open_made(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            deadline = time.monotonic() + self.sandbox.lock_wait
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        deadline = time.monotonic() + self.sandbox.lock_wait
+        while True:
+            fd = _open_made(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise PathBusy(h) from None
+                        time.sleep(LOCK_POLL_SECONDS)
+                if _at_path(fd, lock):
                     break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise PathBusy(h) from None
-                    time.sleep(LOCK_POLL_SECONDS)
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # removed meanwhile by a holder: lock the file there now
+        try:
             yield
         finally:
             os.close(fd)  # releases the flock
+
+    def state_format(self) -> int:
+        """The format of this sandbox's state (``FORMAT``): 1 until ``upgrade`` wrote 2."""
+        try:
+            return int((self.state / "format").read_text().split()[0])
+        except FileNotFoundError:
+            return 1
+        except (ValueError, IndexError) as exc:
+            raise OSError(f"{self.state / 'format'}: not a format number") from exc
+
+    def upgrade(self) -> None:
+        """Mark the state as this version's format. Only once no process of an older version
+        lands in this sandbox: those lock a removed file without seeing it, so the removal of
+        lock files (which the new format allows) could let two of them land on one path at
+        once. Durable before it returns; a state already at it (or later) stays as it is."""
+        if self.state_format() >= FORMAT:
+            return
+        self.state.mkdir(parents=True, exist_ok=True)
+        note = (
+            f"{FORMAT}\n# toolledger sandbox format: lock files under paths/ may be removed;"
+            " no process of a version before it may land here\n"
+        )
+        _replace_durably(self.state / "format", note.encode(), mode=0o644)
+
+    def sweep_locks(self, limit: int | None = SWEEP_LOCKS_LIMIT) -> int:
+        """Remove the lock files no lander holds, shard after shard of ``paths/`` from where
+        the last call stopped, until ``limit`` files were looked at (None: every shard). On a
+        sandbox of format 2 only (``upgrade``); returns how many went.
+
+        A lock file is only needed while a lander holds it: the sweep removes the rest, so the
+        sandbox does not keep an inode for every path ever written. Each removal holds the
+        file's lock (a lander holding it: left), and removes it only if it is still the file
+        at its path."""
+        if self.state_format() < FORMAT:
+            return 0
+        removed = looked = 0
+        for _ in range(256):
+            shard = self.paths_dir / f"{self._next_shard:02x}"
+            self._next_shard = (self._next_shard + 1) % 256
+            try:
+                names = os.listdir(shard)
+            except FileNotFoundError:
+                names = []
+            for name in names:
+                if _LOCK.match(name) is not None:
+                    looked += 1
+                    removed += self._remove_lock(shard / name)
+            if limit is not None and looked >= limit:
+                break
+        return removed
+
+    def lock_file_count(self) -> int:
+        """The lock files under ``paths/`` now."""
+        if not self.paths_dir.is_dir():
+            return 0
+        count = 0
+        for shard in self.paths_dir.iterdir():
+            if shard.is_dir():
+                with os.scandir(shard) as entries:
+                    count += sum(
+                        bool(_LOCK.match(e.name)) and e.is_file(follow_symlinks=False)
+                        for e in entries
+                    )
+        return count
+
+    @staticmethod
+    def _remove_lock(lock: Path) -> int:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # gone meanwhile, or not a file of ours
+            return 0
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if stat.S_ISREG(os.fstat(fd).st_mode) and _at_path(fd, lock):
+                os.unlink(lock)  # under its lock: a lander waiting on it locks again
+                return 1
+        except OSError:  # held by a lander (BlockingIOError), or the disk's: next time
+            pass
+        finally:
+            os.close(fd)
+        return 0
 
     def _land_path(
         self,

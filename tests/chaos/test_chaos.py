@@ -5,6 +5,8 @@ one per invariant on facts made to break it: tests/unit/test_chaos_checker.py)."
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -51,8 +53,18 @@ def test_chaos__small_run_every_fault_kind_every_invariant(
     assert report["inbox"]["share"] <= 0.01, report["inbox"]
     assert (tmp_path / "chaos" / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "chaos" / "report.md").read_text().startswith("# Chaos run")
+    # the sandbox is at format 2: its sweeps removed path lock files while the landings ran
+    assert lock_files_removed(tmp_path / "chaos" / "logs") > 0
     record_property("faults", json.dumps(faults))
     print(json.dumps({k: report[k] for k in KEYS}, indent=1))
+
+
+def lock_files_removed(logs: Path) -> int:
+    """What the run's sweeps say they removed (``recovery.sweep``'s log line)."""
+    said = re.compile(r"removed (\d+) path lock files")
+    return sum(
+        int(n) for log in logs.glob("*.log") for n in said.findall(log.read_text(errors="replace"))
+    )
 
 
 def test_chaos__threads_pool_every_fault_kind_every_invariant(

@@ -67,6 +67,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Insert the missing tool results into a transcript, by replay (never re-execution).",
     ),
     "db": ("toolledger.cli.admin:db", "The ledger's schema."),
+    "sandbox": ("toolledger.cli.admin:sandbox", "The sandbox's own state (under .toolledger/)."),
     "verify": (
         "toolledger.cli.admin:verify",
         "Rebuild current state from the events alone; exit 1 on any difference.",

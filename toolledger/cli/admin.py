@@ -1,4 +1,5 @@
-"""Looking after the ledger: its schema and ``verify``; the tools registered."""
+"""Looking after the ledger: its schema and ``verify``; the sandbox's own state; the tools
+registered."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ from typing import Any
 
 import click
 
-from toolledger.cli.common import EXIT_FAILURE, EXIT_OK, Context, json_option, pass_ctx
+from toolledger.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    Context,
+    json_option,
+    pass_ctx,
+)
 
 
 @click.group()
@@ -38,6 +47,60 @@ def db_downgrade(c: Context, revision: str) -> None:
     ledger_db.downgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
     c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+
+
+# ---------------------------------------------------------------------------- sandbox
+
+
+@click.group()
+def sandbox() -> None:
+    """The sandbox's own state (under .toolledger/)."""
+
+
+@sandbox.command("upgrade")
+@json_option
+@pass_ctx
+def sandbox_upgrade(c: Context) -> None:
+    """Bring the sandbox's own state to this version's format, once every worker and every
+    other process that writes to it runs this version.
+
+    Format 2 lets the sweep remove the lock files no lander holds: a sandbox kept one for
+    every path ever written. An older version's lander would lock a removed file without
+    seeing it, so two of them could land on one path at once: run this after the last of
+    them stopped, and run no older version on the sandbox afterwards. This command removes
+    what no lander holds now (progress on stderr); every sweep pass goes on with the rest."""
+    from toolledger.effects import effects_of
+    from toolledger.sandbox import Sandbox
+
+    box = Sandbox.configured(c.settings)
+    if not box.root.is_dir():
+        raise CliError(f"no sandbox at {box.root} (a new one: make the folder first)", EXIT_USAGE)
+    effects = effects_of(box)
+    before = effects.state_format()
+    effects.upgrade()
+    removed = 0
+    for shard in range(256):
+        removed += effects.sweep_locks(limit=0)  # one shard a call
+        if shard % 32 == 31 and not c.json:
+            click.echo(
+                f"  {shard + 1}/256 shards of {effects.paths_dir}: {removed} lock files removed",
+                err=True,
+            )
+    out = {
+        "sandbox": str(box.root),
+        "format": effects.state_format(),
+        "was": before,
+        "lock_files_removed": removed,
+        "lock_files_held": effects.lock_file_count(),
+    }
+    c.emit(
+        out,
+        lambda d: (
+            f"sandbox {d['sandbox']} at format {d['format']} (was {d['was']}): "
+            f"{d['lock_files_removed']} lock files removed, {d['lock_files_held']} held by a "
+            "lander (the sweep removes them once free)"
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------ calls

@@ -1,0 +1,230 @@
+"""A path's lock file need not live for ever (``Effects.sweep_locks``, ``sandbox upgrade``).
+
+A sandbox kept a zero-byte lock file for every path ever landed on: an inode each, so one of
+unique report names runs out of inodes long before bytes. Once the sandbox is at format 2
+(``toolledger sandbox upgrade``, after every older process stopped), the sweep removes the
+lock files no lander holds. The exclusion must hold across removals: a lander that locked a
+file removed meanwhile locks again (``Effects._path_lock``). Before format 2 nothing is
+removed, because an older version's lander does not look."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import run_cli
+from toolledger.builtin_tools import BUILTINS
+from toolledger.effects import effects_of, path_hash
+from toolledger.ledger.ledger import Ledger
+from toolledger.recovery.sweep import sweep
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Registry
+from toolledger.worker.pipeline import Executor, LeaseKeeper
+
+REGISTRY = Registry([t for t in BUILTINS if t.name in ("write_file", "append_file")])
+
+
+def lock_files(sandbox: Sandbox) -> list[str]:
+    paths = effects_of(sandbox).paths_dir
+    return sorted(p.name for p in paths.glob("*/*.lock")) if paths.is_dir() else []
+
+
+def lock_name(h: str) -> Path:
+    return Path(h[:2]) / f"{h}.lock"
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    return Sandbox(tmp_path / "sandbox").prepare()
+
+
+@pytest.fixture
+def run(ledger: Ledger, scope: str, sandbox: Sandbox) -> Any:
+    def _run(tool: str, args: dict[str, Any]) -> None:
+        cid = f"c{time.monotonic_ns()}"
+        ledger.submit(scope, cid, tool, args, approved_by="al")
+        executor = Executor(
+            ledger, REGISTRY, sandbox, worker_id="w", lease_seconds=30,
+            leases=LeaseKeeper(ledger, 30),
+        )  # fmt: skip
+        outcome = executor.execute(scope, f"{tool}:{cid}", 1)
+        assert outcome.state == "finished", outcome
+
+    return _run
+
+
+def a_pass(ledger: Ledger, sandbox: Sandbox) -> None:
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert not summary.errors, summary.errors
+
+
+def test_locks__the_sweep_removes_landed_paths_lock_files_once_the_sandbox_is_upgraded(
+    run, ledger, sandbox, scope
+):
+    for i in range(3):
+        run("write_file", {"path": f"report-{i}.txt", "content": f"{i}"})
+        run("append_file", {"path": "log.txt", "content": f"{i}\n"})
+    landed = [f"{path_hash(scope, p)}.lock" for p in ("report-0.txt", "report-1.txt")]
+    assert set(landed) <= set(lock_files(sandbox))
+    a_pass(ledger, sandbox)
+    assert len(lock_files(sandbox)) == 4  # format 1: an older lander may still come
+    effects_of(sandbox).upgrade()
+    a_pass(ledger, sandbox)
+    assert lock_files(sandbox) == []
+    # the paths are written again as before (their lock files made again, then removed)
+    run("write_file", {"path": "report-0.txt", "content": "again"})
+    run("append_file", {"path": "log.txt", "content": "3\n"})
+    assert (sandbox.root / scope / "report-0.txt").read_text() == "again"
+    assert (sandbox.root / scope / "log.txt").read_text() == "0\n1\n2\n3\n"
+    a_pass(ledger, sandbox)
+    assert lock_files(sandbox) == []
+
+
+# ---------------------------------------------------------------------------- exclusion
+
+
+def _land_often(root: str, h: str, rounds: int, inside: str, clashes: Any) -> None:
+    """Take the path's lock ``rounds`` times; count the times another holder was inside."""
+    effects = effects_of(Sandbox(Path(root), lock_wait=60.0))
+    for _ in range(rounds):
+        with effects._path_lock(h):
+            try:
+                fd = os.open(inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                with clashes.get_lock():
+                    clashes.value += 1
+                continue
+            os.close(fd)
+            time.sleep(0)
+            os.unlink(inside)
+
+
+def _remove_often(root: str, stop: Any, removed: Any) -> None:
+    effects = effects_of(Sandbox(Path(root)))
+    while not stop.is_set():
+        got = effects.sweep_locks(limit=None)
+        with removed.get_lock():
+            removed.value += got
+
+
+def test_locks__no_two_landers_hold_a_path_while_the_sweep_removes_its_file(sandbox, tmp_path):
+    effects_of(sandbox).upgrade()
+    h = path_hash("s", "hot.txt")
+    fork = multiprocessing.get_context("fork")
+    clashes, removed, stop = fork.Value("i", 0), fork.Value("i", 0), fork.Event()
+    inside = str(tmp_path / "inside")
+    landers = [
+        fork.Process(target=_land_often, args=(str(sandbox.root), h, 500, inside, clashes))
+        for _ in range(4)
+    ]
+    remover = fork.Process(target=_remove_often, args=(str(sandbox.root), stop, removed))
+    remover.start()
+    for p in landers:
+        p.start()
+    for p in landers:
+        p.join(180)
+    stop.set()
+    remover.join(30)
+    assert [p.exitcode for p in [*landers, remover]] == [0] * 5
+    assert removed.value > 10  # the file came and went under the landers all along
+    assert clashes.value == 0
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+
+def test_locks__sweep_locks_removes_only_free_lock_files_and_only_at_format_2(sandbox):
+    effects = effects_of(sandbox)
+    shard = effects.paths_dir / "ab"
+    shard.mkdir(parents=True)
+    free, held = "ab" + "0" * 30, "ab" + "1" * 30
+    fifo, folder = "ab" + "2" * 30 + ".lock", "ab" + "3" * 30 + ".lock"
+    for name in (f"{free}.lock", f"{held}.lock", "notes.txt"):
+        (shard / name).touch()
+    os.mkfifo(shard / fifo)  # not a file of ours: left alone
+    (shard / folder).mkdir()
+    assert effects.sweep_locks(limit=None) == 0  # format 1
+    assert effects.state_format() == 1
+    effects.upgrade()
+    assert effects.state_format() == 2
+    with effects._path_lock(held):  # a lander on that path now
+        effects._next_shard = 0xAB
+        assert effects.sweep_locks(limit=0) == 1  # one shard: this one
+    assert effects._next_shard == 0xAC
+    assert sorted(p.name for p in shard.iterdir()) == sorted(
+        [f"{held}.lock", "notes.txt", fifo, folder]
+    )
+    assert effects.lock_file_count() == 1  # the held one (a FIFO or a folder is none)
+
+
+def test_locks__a_pass_goes_on_from_where_the_last_stopped_and_over_every_shard(sandbox):
+    effects = effects_of(sandbox)
+    effects.upgrade()
+    for shard in ("00", "7f", "ff"):
+        (effects.paths_dir / shard).mkdir(parents=True)
+        for i in range(3):
+            (effects.paths_dir / shard / (shard + f"{i}" * 30 + ".lock")).touch()
+    effects._next_shard = 0xFE
+    assert effects.sweep_locks(limit=2) == 3  # fe (none), ff (3): past the limit, stop there
+    assert effects._next_shard == 0x00
+    assert effects.sweep_locks(limit=None) == 6
+    assert lock_files(sandbox) == []
+
+
+def test_locks__upgrade_never_takes_a_later_format_back(sandbox):
+    later = "3\n# made by a later version\n"
+    (sandbox.root / ".toolledger" / "format").write_text(later)
+    effects_of(sandbox).upgrade()
+    assert (sandbox.root / ".toolledger" / "format").read_text() == later
+
+
+def test_locks__a_format_file_that_is_not_a_number_is_an_error_of_the_pass(ledger, sandbox):
+    (sandbox.root / ".toolledger" / "format").write_text("two\n")
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert any("not a format number" in e for e in summary.errors)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_locks__sandbox_upgrade_marks_the_format_and_removes_every_free_lock_file(capsys, sandbox):
+    effects = effects_of(sandbox)
+    hashes = [path_hash("s", f"f{i}") for i in range(300)]
+    for h in hashes:
+        with effects._path_lock(h):
+            pass
+    assert effects.lock_file_count() == 300
+    argv = ["--sandbox", str(sandbox.root), "sandbox", "upgrade", "--json"]
+    with effects_of(Sandbox(sandbox.root))._path_lock(hashes[7]):  # a lander holds one
+        code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out) == {
+        "sandbox": str(sandbox.root),
+        "format": 2,
+        "was": 1,
+        "lock_files_removed": 299,
+        "lock_files_held": 1,
+    }
+    assert lock_files(sandbox) == [lock_name(hashes[7]).name]
+    assert (sandbox.root / ".toolledger" / "format").read_text().startswith("2\n")
+    code, out, err = run_cli(capsys, *argv)  # again: nothing to do
+    assert code == 0, err
+    assert json.loads(out)["was"] == 2 and json.loads(out)["lock_files_removed"] == 1
+    code, out, err = run_cli(capsys, *argv[:-2], "upgrade")
+    assert code == 0 and "at format 2 (was 2)" in out and "256/256 shards" in err
+
+
+def test_locks__sandbox_upgrade_of_a_missing_sandbox_is_refused_and_makes_nothing(capsys, tmp_path):
+    missing = tmp_path / "nowhere"
+    code, out, err = run_cli(capsys, "--sandbox", str(missing), "sandbox", "upgrade")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        f"toolledger: error: no sandbox at {missing} (a new one: make the folder first)"
+    )
+    assert not missing.exists()
