@@ -209,7 +209,7 @@ def test_locks__sandbox_upgrade_marks_the_format_and_removes_every_free_lock_fil
         "format": 2,
         "was": 1,
         "lock_files_removed": 299,
-        "lock_files_held": 1,
+        "lock_files_left": 1,
     }
     assert lock_files(sandbox) == [lock_name(hashes[7]).name]
     assert (sandbox.root / ".toolledger" / "format").read_text().startswith("2\n")

@@ -91,14 +91,14 @@ def sandbox_upgrade(c: Context) -> None:
         "format": effects.state_format(),
         "was": before,
         "lock_files_removed": removed,
-        "lock_files_held": effects.lock_file_count(),
+        "lock_files_left": effects.lock_file_count(),  # held by a lander, or made since
     }
     c.emit(
         out,
         lambda d: (
             f"sandbox {d['sandbox']} at format {d['format']} (was {d['was']}): "
-            f"{d['lock_files_removed']} lock files removed, {d['lock_files_held']} held by a "
-            "lander (the sweep removes them once free)"
+            f"{d['lock_files_removed']} lock files removed, {d['lock_files_left']} left (held by a "
+            "lander, or made since: the sweep removes them once free)"
         ),
     )
 
