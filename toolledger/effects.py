@@ -318,14 +318,41 @@ class PathBusy(Exception):
     """Another lander holds the path's lock (it may be frozen): try later."""
 
 
-def _at_path(fd: int, path: Path) -> bool:
-    """Whether the file open as ``fd`` is the one at ``path`` (not one removed from it)."""
+def _same_file(fd: int, name: str | Path, dir_fd: int | None = None) -> bool:
+    """Whether the file open as ``fd`` is the one at ``name`` now (not one removed from it)."""
     try:
-        there = os.stat(path, follow_symlinks=False)
+        there = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
     return (there.st_ino, there.st_dev) == (mine.st_ino, mine.st_dev)
+
+
+def _remove_lock(sfd: int, name: str) -> int:
+    """Remove the lock file ``name`` of the shard open as ``sfd`` if no lander holds it: 1 if
+    it went. Never follows a symlink, never blocks on a FIFO."""
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+    except OSError:  # gone meanwhile, or not a file of ours
+        return 0
+    try:
+        return _remove_if_free(fd, sfd, name)
+    finally:
+        os.close(fd)
+
+
+def _remove_if_free(fd: int, sfd: int, name: str) -> int:
+    """With ``name`` open as ``fd``: take its lock without waiting (a lander holding it: 0)
+    and, if it is a regular file still at its name (another remover may have removed it and
+    a lander made another since), unlink it while holding the lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if stat.S_ISREG(os.fstat(fd).st_mode) and _same_file(fd, name, sfd):
+            os.unlink(name, dir_fd=sfd)  # under its lock: a lander waiting on it locks again
+            return 1
+    except OSError:  # held by a lander (BlockingIOError), or the disk's: next time
+        pass
+    return 0
 
 
 def effects_of(sandbox: Sandbox) -> Effects:
@@ -437,11 +464,15 @@ class Effects:
         A lock file no lander holds may be removed (``sweep_locks``, by a holder of its lock):
         a lander that opened it before then gets, once its lock comes, a file no longer at the
         path, sees so (the file there, if any, is another) and locks again. Whoever holds the
-        lock holds the file at the path, so no two landers hold it at once."""
+        lock holds the file at the path, so no two landers hold it at once. A symlink in the
+        lock file's place is never followed (ELOOP), and the whole wait, locking again
+        included, is bounded by ``lock_wait``."""
         lock = self.paths_dir / h[:2] / f"{h}.lock"
         deadline = time.monotonic() + self.sandbox.lock_wait
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        again = 0
         while True:
-            fd = _open_made(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_made(lock, flags, 0o644)
             try:
                 while True:
                     try:
@@ -451,12 +482,18 @@ class Effects:
                         if time.monotonic() >= deadline:
                             raise PathBusy(h) from None
                         time.sleep(LOCK_POLL_SECONDS)
-                if _at_path(fd, lock):
+                if _same_file(fd, lock):
                     break
             except BaseException:
                 os.close(fd)
                 raise
             os.close(fd)  # removed meanwhile by a holder: lock the file there now
+            again += 1
+            if time.monotonic() >= deadline:
+                log.warning("%s was not the file locked, %d times (a filesystem's?)", lock, again)
+                raise PathBusy(h)
+            if again > 3:  # a removal now and then is the rule; more is the filesystem's doing
+                time.sleep(LOCK_POLL_SECONDS)
         try:
             yield
         finally:
@@ -488,28 +525,53 @@ class Effects:
     def sweep_locks(self, limit: int | None = SWEEP_LOCKS_LIMIT) -> int:
         """Remove the lock files no lander holds, shard after shard of ``paths/`` from where
         the last call stopped, until ``limit`` files were looked at (None: every shard). On a
-        sandbox of format 2 only (``upgrade``); returns how many went.
+        sandbox of format 2 only (``upgrade``; a later format is an error), on a local
+        filesystem (``folders.local_filesystem``: a network one may answer ``stat`` from a
+        cache); returns how many went.
 
         A lock file is only needed while a lander holds it: the sweep removes the rest, so the
         sandbox does not keep an inode for every path ever written. Each removal holds the
         file's lock (a lander holding it: left), and removes it only if it is still the file
-        at its path."""
-        if self.state_format() < FORMAT:
+        at its path. No symlink is followed: to ``paths/``, to a shard or to a file."""
+        from toolledger.folders import local_filesystem
+
+        found = self.state_format()
+        if found > FORMAT:
+            raise OSError(f"{self.state / 'format'}: format {found}, of a later version")
+        if found < FORMAT:
             return 0
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            pfd = os.open(self.paths_dir, flags)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+            raise OSError(f"{self.paths_dir} is not a folder (a symlink?): none removed") from exc
         removed = looked = 0
-        for _ in range(256):
-            shard = self.paths_dir / f"{self._next_shard:02x}"
-            self._next_shard = (self._next_shard + 1) % 256
-            try:
-                names = os.listdir(shard)
-            except FileNotFoundError:
-                names = []
-            for name in names:
-                if _LOCK.match(name) is not None:
-                    looked += 1
-                    removed += self._remove_lock(shard / name)
-            if limit is not None and looked >= limit:
-                break
+        try:
+            if not local_filesystem(pfd):
+                return 0
+            for _ in range(256):
+                shard = f"{self._next_shard:02x}"
+                self._next_shard = (self._next_shard + 1) % 256
+                try:
+                    sfd = os.open(shard, flags, dir_fd=pfd)
+                except OSError:  # none yet, or not a folder of ours (a symlink: ELOOP, ENOTDIR)
+                    sfd = -1
+                if sfd >= 0:
+                    try:
+                        for name in os.listdir(sfd):
+                            if _LOCK.match(name) is not None:
+                                looked += 1
+                                removed += _remove_lock(sfd, name)
+                    finally:
+                        os.close(sfd)
+                if limit is not None and looked >= limit:
+                    break
+        finally:
+            os.close(pfd)
         return removed
 
     def lock_file_count(self) -> int:
@@ -525,23 +587,6 @@ class Effects:
                         for e in entries
                     )
         return count
-
-    @staticmethod
-    def _remove_lock(lock: Path) -> int:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:  # gone meanwhile, or not a file of ours
-            return 0
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if stat.S_ISREG(os.fstat(fd).st_mode) and _at_path(fd, lock):
-                os.unlink(lock)  # under its lock: a lander waiting on it locks again
-                return 1
-        except OSError:  # held by a lander (BlockingIOError), or the disk's: next time
-            pass
-        finally:
-            os.close(fd)
-        return 0
 
     def _land_path(
         self,

@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import os
 import struct
@@ -64,6 +65,16 @@ _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name,
 #: inotify sees it): ext2/3/4, XFS, Btrfs, tmpfs, F2FS. Not NFS, SMB, FUSE, overlay, 9p (another
 #: machine or layer changes them), nor ZFS (a rollback or a receive rewrites folders silently).
 LOCAL_FILESYSTEMS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010})
+
+
+def local_filesystem(fd: int) -> bool:
+    """Whether the folder open as ``fd`` is on one of ``LOCAL_FILESYSTEMS``."""
+    return _libc().fs_type(fd) in LOCAL_FILESYSTEMS
+
+
+@functools.cache
+def _libc() -> _Libc:
+    return _Libc()
 
 
 def alias_key(name: str) -> str:

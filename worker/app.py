@@ -110,6 +110,7 @@ def check_worker_start(settings: Settings) -> None:
     a supervisor restarting a worker in a loop would only add load."""
     settings.check()
     load_registry(settings.tools)  # a tool module that does not load stops us here (exit 2)
+    check_sandbox_format(settings)
     engine = create_engine(settings.db, timeout=settings.db_timeout)
     deadline, pause = time.monotonic() + START_WAIT_SECONDS, 0.5
     try:
@@ -125,6 +126,21 @@ def check_worker_start(settings: Settings) -> None:
                 pause = min(pause * 2, 5.0)
     finally:
         engine.dispose()  # no connection may cross the fork into pool children
+
+
+def check_sandbox_format(settings: Settings) -> None:
+    """Refuse a sandbox a later version has marked: its landers may rely on what this one
+    does not do (``effects.FORMAT``)."""
+    from toolledger.config import ConfigError
+    from toolledger.effects import FORMAT, effects_of
+    from toolledger.sandbox import Sandbox
+
+    found = effects_of(Sandbox.configured(settings)).state_format()
+    if found > FORMAT:
+        raise ConfigError(
+            f"the sandbox {settings.sandbox} is at format {found}, of a later toolledger "
+            f"(this one knows {FORMAT}): run that version"
+        )
 
 
 def create_app(settings: Settings | None = None) -> Celery:

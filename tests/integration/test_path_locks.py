@@ -9,9 +9,11 @@ removed, because an older version's lander does not look."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,15 @@ from typing import Any
 import pytest
 
 from tests.helpers import run_cli
+from toolledger import effects as effects_module
 from toolledger.builtin_tools import BUILTINS
-from toolledger.effects import effects_of, path_hash
+from toolledger.config import ConfigError, Settings
+from toolledger.effects import PathBusy, effects_of, path_hash
 from toolledger.ledger.ledger import Ledger
 from toolledger.recovery.sweep import sweep
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry
+from toolledger.worker.app import check_sandbox_format
 from toolledger.worker.pipeline import Executor, LeaseKeeper
 
 REGISTRY = Registry([t for t in BUILTINS if t.name in ("write_file", "append_file")])
@@ -228,3 +233,150 @@ def test_locks__sandbox_upgrade_of_a_missing_sandbox_is_refused_and_makes_nothin
         f"toolledger: error: no sandbox at {missing} (a new one: make the folder first)"
     )
     assert not missing.exists()
+
+
+def test_locks__sandbox_upgrade_of_a_folder_no_worker_used_needs_new(capsys, tmp_path):
+    folder = tmp_path / "fresh"
+    folder.mkdir()
+    code, out, err = run_cli(capsys, "--sandbox", str(folder), "sandbox", "upgrade")
+    assert code == 2 and out == "" and "--new to mark it anyway" in err
+    assert list(folder.iterdir()) == []
+    code, out, err = run_cli(capsys, "--sandbox", str(folder), "sandbox", "upgrade", "--new")
+    assert code == 0, err
+    assert (folder / ".toolledger" / "format").read_text().startswith("2\n")
+
+
+def test_locks__a_later_format_is_refused_by_the_sweep_the_worker_and_the_command(
+    capsys, ledger, sandbox
+):
+    (sandbox.root / ".toolledger" / "format").write_text("3\n")
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
+    assert any("format 3, of a later version" in e for e in summary.errors)
+    settings = Settings.from_env({"TOOLLEDGER_SANDBOX": str(sandbox.root)})
+    with pytest.raises(ConfigError, match="at format 3, of a later toolledger"):
+        check_sandbox_format(settings)
+    code, out, err = run_cli(capsys, "--sandbox", str(sandbox.root), "sandbox", "upgrade")
+    assert code == 5 and out == ""
+    assert err.strip() == (
+        f"toolledger: error: sandbox {sandbox.root} is at format 3, of a later version"
+    )
+    assert (sandbox.root / ".toolledger" / "format").read_text() == "3\n"
+
+
+def test_locks__nothing_is_removed_off_a_local_filesystem(capsys, sandbox, monkeypatch):
+    from toolledger import folders
+
+    effects = effects_of(sandbox)
+    with effects._path_lock(path_hash("s", "nfs.txt")):
+        pass
+    monkeypatch.setattr(folders, "local_filesystem", lambda fd: False)
+    code, _, err = run_cli(capsys, "--sandbox", str(sandbox.root), "sandbox", "upgrade")
+    assert code == 2 and "is not on a local filesystem" in err
+    assert effects.state_format() == 1
+    effects.upgrade()  # marked anyway (moved there afterwards): the sweep still leaves them
+    assert effects.sweep_locks(limit=None) == 0
+    assert effects.lock_file_count() == 1
+
+
+# ------------------------------------------------------------------ removal, step by step
+
+
+def test_locks__a_remover_that_opened_a_file_since_replaced_leaves_the_replacement(sandbox):
+    # Two removers (two sweeps, a sweep and the command) open one file; the first removes it;
+    # a lander makes the path's file again and holds it; the second now gets the lock of the
+    # file it opened, which is free: it must not remove the one at the path.
+    effects = effects_of(sandbox)
+    h = path_hash("s", "two-removers.txt")
+    with effects._path_lock(h):
+        pass
+    shard = effects.paths_dir / h[:2]
+    sfd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY)
+    late = os.open(shard / f"{h}.lock", os.O_RDWR)  # the second remover's open
+    try:
+        assert effects_module._remove_lock(sfd, f"{h}.lock") == 1  # the first remover
+        with effects._path_lock(h):  # a lander: the path's file made again, held
+            replacement = os.stat(shard / f"{h}.lock").st_ino
+            assert effects_module._remove_if_free(late, sfd, f"{h}.lock") == 0
+            assert os.stat(shard / f"{h}.lock").st_ino == replacement
+    finally:
+        os.close(late)
+        os.close(sfd)
+
+
+def test_locks__a_lock_file_is_removed_while_its_lock_is_held(sandbox, monkeypatch):
+    # unlinked after its lock was let go, a lander could lock it in between and hold a file
+    # that is gone the moment after, while the next lander makes and locks another
+    effects = effects_of(sandbox)
+    effects.upgrade()
+    h = path_hash("s", "held-while-removed.txt")
+    with effects._path_lock(h):
+        pass
+    seen: list[bool] = []
+    unlink = os.unlink
+
+    def looking(name: Any, *args: Any, dir_fd: int | None = None) -> None:
+        fd = os.open(name, os.O_RDWR, dir_fd=dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen.append(False)  # nobody held it
+        except BlockingIOError:
+            seen.append(True)
+        finally:
+            os.close(fd)
+        unlink(name, *args, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", looking)
+    assert effects.sweep_locks(limit=None) == 1
+    assert seen == [True]
+
+
+def test_locks__the_sweep_follows_no_symlink_out_of_paths(sandbox, tmp_path):
+    effects = effects_of(sandbox)
+    effects.upgrade()
+    outside = tmp_path / "outside"
+    (outside / "ab").mkdir(parents=True)
+    bait = outside / "ab" / ("ab" + "0" * 30 + ".lock")
+    bait.touch()
+    effects.paths_dir.mkdir(parents=True)
+    (effects.paths_dir / "ab").symlink_to(outside / "ab")  # a shard that is a symlink
+    (effects.paths_dir / "cd").mkdir()
+    (effects.paths_dir / "cd" / ("cd" + "0" * 30 + ".lock")).symlink_to(bait)  # a file
+    assert effects.sweep_locks(limit=None) == 0
+    assert bait.exists()
+    linked = sandbox.root / ".toolledger" / "paths-elsewhere"
+    effects.paths_dir.rename(linked)
+    effects.paths_dir.symlink_to(outside)  # paths/ itself
+    with pytest.raises(OSError, match="is not a folder"):
+        effects.sweep_locks(limit=None)
+    assert bait.exists()
+
+
+def test_locks__a_lander_never_follows_a_symlink_in_the_lock_files_place(sandbox, tmp_path):
+    effects = effects_of(sandbox)
+    h = path_hash("s", "linked.txt")
+    lock = effects.paths_dir / h[:2] / f"{h}.lock"
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"), effects._path_lock(h):
+        pass
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_locks__a_file_never_the_one_locked_gives_up_at_lock_wait(tmp_path, monkeypatch):
+    # a filesystem whose stat and fstat disagree: every lock seems to be of a removed file
+    effects = effects_of(Sandbox(tmp_path / "sb", lock_wait=0.3).prepare())
+    monkeypatch.setattr(effects_module, "_same_file", lambda *a, **k: False)
+    raised: list[BaseException] = []
+
+    def lock() -> None:
+        try:
+            with effects._path_lock(path_hash("s", "never.txt")):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - told to the test
+            raised.append(exc)
+
+    lander = threading.Thread(target=lock, daemon=True)
+    lander.start()
+    lander.join(10)
+    assert not lander.is_alive(), "still locking again after 10 s (lock_wait 0.3 s)"
+    assert [type(e) for e in raised] == [PathBusy]

@@ -3,6 +3,7 @@ registered."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -10,6 +11,7 @@ import click
 from toolledger.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_STATE,
     EXIT_USAGE,
     CliError,
     Context,
@@ -58,25 +60,48 @@ def sandbox() -> None:
 
 
 @sandbox.command("upgrade")
+@click.option("--new", is_flag=True, help="Mark a sandbox folder no process has used yet.")
 @json_option
 @pass_ctx
-def sandbox_upgrade(c: Context) -> None:
-    """Bring the sandbox's own state to this version's format, once every worker and every
-    other process that writes to it runs this version.
+def sandbox_upgrade(c: Context, new: bool) -> None:
+    """Bring the sandbox's own state to this version's format, once every process that lands
+    effects in it (workers, the HTTP API, MCP servers and proxies, agents' embedded clients,
+    `toolledger execute`) runs this version.
 
     Format 2 lets the sweep remove the lock files no lander holds: a sandbox kept one for
-    every path ever written. An older version's lander would lock a removed file without
+    every path ever written. An earlier version's lander would lock a removed file without
     seeing it, so two of them could land on one path at once: run this after the last of
-    them stopped, and run no older version on the sandbox afterwards. This command removes
-    what no lander holds now (progress on stderr); every sweep pass goes on with the rest."""
-    from toolledger.effects import effects_of
+    them stopped, and run no earlier version on the sandbox afterwards. Only on a local
+    filesystem (ext2/3/4, XFS, Btrfs, tmpfs, F2FS). This command removes what no lander
+    holds now (progress on stderr); every sweep pass goes on with the rest."""
+    from toolledger.effects import FORMAT, effects_of
+    from toolledger.folders import local_filesystem
     from toolledger.sandbox import Sandbox
 
     box = Sandbox.configured(c.settings)
     if not box.root.is_dir():
         raise CliError(f"no sandbox at {box.root} (a new one: make the folder first)", EXIT_USAGE)
+    if not box.attached and not new:
+        raise CliError(
+            f"{box.root} has no .toolledger/ (no worker has used it): --new to mark it anyway",
+            EXIT_USAGE,
+        )
     effects = effects_of(box)
     before = effects.state_format()
+    if before > FORMAT:
+        raise CliError(f"sandbox {box.root} is at format {before}, of a later version", EXIT_STATE)
+    fd = os.open(box.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        local = local_filesystem(fd)
+    finally:
+        os.close(fd)
+    if not local:
+        raise CliError(
+            f"sandbox {box.root} is not on a local filesystem (ext2/3/4, XFS, Btrfs, tmpfs, "
+            "F2FS): its lock files stay",
+            EXIT_USAGE,
+        )
+    box.prepare()
     effects.upgrade()
     removed = 0
     for shard in range(256):

@@ -270,7 +270,7 @@ class ChaosRun:
         self._cli("db", "upgrade")  # by the version under test
         if self.code.tree is None:  # this checkout: every sweep pass removes free lock files
             (self.out / "sandbox").mkdir(exist_ok=True)  # (landings run as their files go)
-            self._cli("sandbox", "upgrade")
+            self._cli("sandbox", "upgrade", "--new")
         self._partitions()
         self.workload = make_workload(self.cfg.jobs, self.cfg.seed, self.run_id, self.cfg.hold_ms)
         logs = self.out / "logs"
