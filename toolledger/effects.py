@@ -25,12 +25,14 @@ Order on one path. Effects on a path land in the order of their commits: two com
 touch one path take that path's advisory lock before their event draws its ``seq`` and keep it
 to their end (``Ledger.finish``), so on one path the seqs follow commit order. A lander holds
 the path's ``flock``, first finishes an append a crash interrupted, then looks at every
-effect staged on the path: those committed (all older than any still running, which will
-commit after them) land in seq order — an older write that a newer one replaces, or an
-append that a newer write replaces, is dropped. If the ledger cannot be asked, nothing lands
-on that path until it can. The lock's file (``paths/``) is removed by the sweep when no lander
-holds it, once the sandbox is at format 2 (``toolledger sandbox upgrade``); a lander that
-locked a file removed meanwhile sees it is no longer at its path and locks again.
+effect staged on the path (listed again after the ledger answered: an effect staged after
+the first listing may have committed before an effect it lists): those committed (all
+older than any still running, which will commit after them) land in seq order — an older
+write that a newer one replaces, or an append that a newer write replaces, is dropped.
+If the ledger cannot be asked, nothing lands on that path until it can. The lock's file
+(``paths/``) is removed by the sweep when no lander holds it, once the sandbox is at format
+2 (``toolledger sandbox upgrade``); a lander that locked a file removed meanwhile sees it is
+no longer at its path and locks again.
 
 Crash safety. A write lands by one ``rename`` (atomic, then the directory is fsynced); an
 append first renames its stage to ``applying-<offset>`` (fsynced) and then writes at that
@@ -600,29 +602,63 @@ class Effects:
         Commits that touch one path take that path's advisory lock before their seq is drawn
         (``Ledger.finish``), so every commit on it older than ours is visible now, and any
         still running will commit with a newer seq: what is committed can land in seq order,
-        and nothing older can turn up later."""
+        and nothing older can turn up later. The listing must be taken after the ledger's
+        answer for that: a stage made after an earlier listing may belong to a commit older
+        than one the answer shows (so the area is listed again after it, below)."""
         with self._pending() as pfd:
-            files = [f for f in self._scan(pfd)[0] if f.h == h and f.kind != "refused"]
             own_id = mine[0].execution_id if mine else None
-            foreign = sorted({f.execution_id for f in files} - {own_id})
-            try:
-                known = book.effect_states(foreign) if foreign else {}
-            except Exception as exc:
-                log.warning("cannot ask the ledger about %d staged effects: %s", len(foreign), exc)
-                raise PathBusy(h) from exc
+            files = self._path_files(pfd, h)
+            asked = sorted({f.execution_id for f in files} - {own_id})
+            known = self._ask(book, h, asked)
+            # The listing came before the ledger's answer: an effect staged after it whose
+            # commit came before the answer is missing from it, and its seq may be older than
+            # one the answer found committed. Every commit before the answer has its stage
+            # files here now (only a holder of this lock lands them): list again.
+            files = self._path_files(pfd, h)
+            limit = math.inf
+            if newcomers := {f.execution_id for f in files} - {own_id} - set(asked):
+                # Asked again, all of them; what committed before the first answer (every seq
+                # up to the newest it saw committed) is now all here and known, and anything
+                # committed after it may follow an execution still unlisted then: those wait.
+                limit = max(
+                    [s.seq for s in known.values() if s.own_success] + [mine[0].seq if mine else 0]
+                )
+                asked = sorted(set(asked) | newcomers)
+                known = self._ask(book, h, asked)
             steps = []
             for f in files:
                 if mine is not None and f.execution_id == own_id:
                     st = mine[1].get(f.n)
                     if st is not None and _names(f, mine[0].scope, st.path, st.kind):
                         steps.append(_Step(mine[0], f, st.path, st.sha256))
-                elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing):
+                elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing, limit):
                     steps.append(step)
             self._land_in_order(pfd, steps, book, landing)
 
+    def _path_files(self, pfd: int, h: str) -> list[StageFile]:
+        return [f for f in self._scan(pfd)[0] if f.h == h and f.kind != "refused"]
+
+    @staticmethod
+    def _ask(book: Book, h: str, execution_ids: list[str]) -> dict[str, EffectState]:
+        try:
+            return book.effect_states(execution_ids) if execution_ids else {}
+        except Exception as exc:
+            log.warning(
+                "cannot ask the ledger about %d staged effects: %s", len(execution_ids), exc
+            )
+            raise PathBusy(h) from exc
+
     def _foreign_step(
-        self, pfd: int, f: StageFile, state: EffectState | None, landing: Landing
+        self,
+        pfd: int,
+        f: StageFile,
+        state: EffectState | None,
+        landing: Landing,
+        limit: float = math.inf,
     ) -> _Step | None:
+        if state is not None and state.own_success and state.seq > limit:
+            landing.left += 1  # committed after an older commit may have been listed: later
+            return None
         if state is not None and state.own_success:
             effect = state.effects[f.n] if f.n < len(state.effects) else None
             if effect is not None and _names(f, state.scope, effect["path"], effect["kind"]):
