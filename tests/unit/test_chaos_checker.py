@@ -126,6 +126,13 @@ def _stale_write_after_newer(w: World) -> None:
     w.landings.append(dict(older))  # s1's bytes land again after s2's
 
 
+def _append_before_an_older_one(w: World) -> None:
+    # a2 (committed after a1) lands first: the lines are both there, once each, out of order
+    i, j = (next(n for n, x in enumerate(w.landings) if x["execution_id"] == f"e-{c}-1")
+            for c in ("a1", "a2"))  # fmt: skip
+    w.landings[i], w.landings[j] = w.landings[j], w.landings[i]
+
+
 def _shared_path_wrong(w: World) -> None:
     w.files["shared/a.txt"] = "s1 r1"
 
@@ -159,6 +166,7 @@ BREAKS = {
     "no effect of a revoked execution lands": [
         _landing_without_own_commit,
         _stale_write_after_newer,
+        _append_before_an_older_one,
     ],
     "every shared path holds its last succeeded write": [_shared_path_wrong],
     "no effect hides behind failed, rejected or a pending retry": [_hidden_effect],

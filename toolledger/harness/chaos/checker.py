@@ -103,7 +103,8 @@ def one_effect_per_call(f: Facts) -> Invariant:
 
 def no_effect_after_revocation(f: Facts) -> Invariant:
     """Every landing is of an execution whose own commit made it official, with that commit's
-    seq; and on each path, writes land in commit order (an older one never after a newer)."""
+    seq; and on each path, effects land in commit order (an older write or append never after
+    a newer one; an append finished again after a crash, ``redo``, is the same landing)."""
     if f.landings is None:  # an older version: nothing to judge by (reported as not measured)
         return Invariant("no effect of a revoked execution lands", True, 0, ["not measured"])
     bad = []
@@ -119,7 +120,7 @@ def no_effect_after_revocation(f: Facts) -> Invariant:
             )
     newest: dict[str, int] = {}
     for landing in f.landings:
-        if landing["kind"] != "write" or landing.get("redo"):
+        if landing.get("redo"):
             continue
         path = landing["path"]
         if landing["seq"] < newest.get(path, 0):
