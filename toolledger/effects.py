@@ -610,12 +610,14 @@ class Effects:
             files = self._path_files(pfd, h)
             asked = sorted({f.execution_id for f in files} - {own_id})
             known = self._ask(book, h, asked)
+            limit = math.inf
             # The listing came before the ledger's answer: an effect staged after it whose
             # commit came before the answer is missing from it, and its seq may be older than
             # one the answer found committed. Every commit before the answer has its stage
-            # files here now (only a holder of this lock lands them): list again.
-            files = self._path_files(pfd, h)
-            limit = math.inf
+            # files here now (only a holder of this lock lands them): list again. (With no
+            # one else's effect listed, nothing else lands now: no need.)
+            if asked:
+                files = self._path_files(pfd, h)
             if newcomers := {f.execution_id for f in files} - {own_id} - set(asked):
                 # Asked again, all of them; what committed before the first answer (every seq
                 # up to the newest it saw committed) is now all here and known, and anything
