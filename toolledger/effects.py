@@ -656,7 +656,7 @@ class Effects:
         f: StageFile,
         state: EffectState | None,
         landing: Landing,
-        limit: float = math.inf,
+        limit: float,
     ) -> _Step | None:
         if state is not None and state.own_success and state.seq > limit:
             landing.left += 1  # committed after an older commit may have been listed: later

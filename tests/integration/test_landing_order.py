@@ -3,7 +3,7 @@
 A lander lists the pending area, then asks the ledger. Y stages on the path after the listing
 and commits (seq 2) before X commits (seq 3, after Y: the path's advisory lock), and both
 before the ledger answers. The answer says X committed; Y was not listed. Landing X now
-would put seq 3 before seq 2 in the file (what 6 executors on 2 paths did, about once in 400
+would put seq 3 before seq 2 in the file (what 6 executors on 2 paths did, about once in 500
 appends)."""
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ class RacingBook:
     def __init__(self, sb: Sandbox, x: tuple[str, list[Any]]) -> None:
         self.sb, self.x, self.y = sb, x, None
         self.states: dict[str, EffectState] = {}
-        self.asked: list[list[str]] = []
 
     def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]:
-        self.asked.append(list(execution_ids))
         if self.y is None:  # the interleaving, between the listing and the answer
             self.y = _stage(self.sb, b"y\n")
             self.states[self.y[0]] = _succeeded(*self.y, seq=2)
