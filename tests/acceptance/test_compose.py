@@ -34,6 +34,7 @@ def test_compose__validates_with_the_services_of_the_stack(compose):
         "postgres",
         "redis",
         "migrate",
+        "sandbox-init",
         "worker",
         "sweeper",
         "beat",
@@ -66,16 +67,20 @@ def test_compose__migration_first_workers_scalable_one_beat(compose):
     services = compose["services"]
     assert services["migrate"]["command"] == ["db", "upgrade"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    for name in ("worker", "sweeper", "beat"):
-        assert (
-            services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-        )
+    # a new sandbox volume is marked at this version's format (the sweep removes free lock
+    # files), a used one left as it is: `--new` only, never the upgrade under running workers
+    assert services["sandbox-init"]["command"] == ["sandbox", "upgrade", "--new"]
+    for name in ("worker", "sweeper", "beat", "serve"):
+        for first in ("migrate", "sandbox-init"):
+            assert (
+                services[name]["depends_on"][first]["condition"] == "service_completed_successfully"
+            ), (name, first)
     assert "container_name" not in services["worker"]  # --scale worker=N must work
     assert services["beat"]["command"] == ["beat"] and "deploy" not in services["beat"]
 
 
 def test_compose__configured_only_through_toolledger_variables(compose):
-    for name in ("migrate", "worker", "sweeper", "beat"):
+    for name in ("migrate", "sandbox-init", "worker", "sweeper", "beat"):
         env = compose["services"][name]["environment"]
         assert env and all(k.startswith("TOOLLEDGER_") for k in env), env
         assert env["TOOLLEDGER_DB"].startswith("postgresql://")

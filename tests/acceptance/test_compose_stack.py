@@ -356,6 +356,18 @@ def test_compose_stack__kills_and_a_postgres_restart_leave_no_duplicate_and_noth
     log(f"cut off: {dict(verdict.cut_off_by)}")
     assert verdict.ok, verdict.summary()
 
+    # sandbox-init marked the new volume at format 2, so the sweep removes every lock file no
+    # lander holds: with every call ended none is held, and each landed path made one.
+    state = sandbox / ".toolledger"
+    assert (state / "format").read_text().split()[0] == "2"
+    paths_landed = len({(ln["scope"], ln["path"]) for ln in landings})
+    deadline = time.monotonic() + 60  # a sweep pass every 2 s
+    while (lock_files := sum(1 for _ in (state / "paths").glob("*/*.lock"))) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(1)
+    assert lock_files == 0, f"{lock_files} lock files left of {paths_landed} paths landed"
+
     # The faults met work in progress: executions cut off and recovered (by reconciliation
     #    and an automatic retry, or left in the inbox). A run the kills missed proves nothing.
     cut_off = [e for e in execs if e["status"] != "succeeded"]
@@ -378,6 +390,7 @@ def test_compose_stack__kills_and_a_postgres_restart_leave_no_duplicate_and_noth
         "resubmissions": host.resubmissions,
         "executions": len(execs),
         "landings": len(landings),
+        "paths_landed": paths_landed,
         "back_by_restart_policy": back_by_policy,
         "executions_cut_off": Counter(e["status"] for e in cut_off),
         "retried_executions": sum(1 for e in execs if e["attempt"] > 1),

@@ -211,6 +211,7 @@ def test_locks__sandbox_upgrade_marks_the_format_and_removes_every_free_lock_fil
         "was": 1,
         "lock_files_removed": 299,
         "lock_files_left": 1,
+        "left_as_is": False,
     }
     assert lock_files(sandbox) == [f"{hashes[7]}.lock"]
     assert (sandbox.root / ".toolledger" / "format").read_text().startswith("2\n")
@@ -240,6 +241,33 @@ def test_locks__sandbox_upgrade_of_a_folder_no_worker_used_needs_new(capsys, tmp
     code, out, err = run_cli(capsys, "--sandbox", str(folder), "sandbox", "upgrade", "--new")
     assert code == 0, err
     assert (folder / ".toolledger" / "format").read_text().startswith("2\n")
+
+
+def test_locks__sandbox_upgrade_new_leaves_a_used_folder_as_it_is(capsys, sandbox):
+    # A deployment's first step (compose's sandbox-init runs it on every `up`): on a sandbox
+    # already used, perhaps by an earlier version still running, it must change nothing.
+    effects = effects_of(sandbox)
+    with effects._path_lock(path_hash("s", "used.txt")):
+        pass
+    argv = ["--sandbox", str(sandbox.root), "sandbox", "upgrade", "--new"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    assert json.loads(out) == {
+        "sandbox": str(sandbox.root),
+        "format": 1,
+        "was": 1,
+        "lock_files_removed": 0,
+        "lock_files_left": 1,
+        "left_as_is": True,
+    }
+    assert effects.state_format() == 1 and effects.lock_file_count() == 1
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and "in use, at format 1: left as it is" in out
+    assert "without --new" in out
+    effects.upgrade()
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and out.strip().endswith("in use, at format 2: left as it is")
+    assert effects.lock_file_count() == 1  # the sweep's to remove, not this command's
 
 
 def test_locks__a_later_format_is_refused_by_the_sweep_the_worker_and_the_command(

@@ -60,7 +60,12 @@ def sandbox() -> None:
 
 
 @sandbox.command("upgrade")
-@click.option("--new", is_flag=True, help="Mark a sandbox folder no process has used yet.")
+@click.option(
+    "--new",
+    is_flag=True,
+    help="Mark the folder only if no process has used it yet (a deployment's first step); "
+    "one already used is left as it is.",
+)
 @json_option
 @pass_ctx
 def sandbox_upgrade(c: Context, new: bool) -> None:
@@ -73,7 +78,11 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
     seeing it, so two of them could land on one path at once: run this after the last of
     them stopped, and run no earlier version on the sandbox afterwards. Only on a local
     filesystem (ext2/3/4, XFS, Btrfs, tmpfs, F2FS). This command removes what no lander
-    holds now (progress on stderr); every sweep pass goes on with the rest."""
+    holds now (progress on stderr); every sweep pass goes on with the rest.
+
+    With --new it marks only a folder no process has used yet and leaves a used one as it is
+    (exit 0, `"left_as_is": true`): a deployment can run it before its first worker starts, on
+    every start, without upgrading under an earlier version's feet."""
     from toolledger.effects import FORMAT, effects_of
     from toolledger.folders import local_filesystem
     from toolledger.sandbox import Sandbox
@@ -90,6 +99,27 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
     before = effects.state_format()
     if before > FORMAT:
         raise CliError(f"sandbox {box.root} is at format {before}, of a later version", EXIT_STATE)
+    if new and box.attached:
+        c.emit(
+            {
+                "sandbox": str(box.root),
+                "format": before,
+                "was": before,
+                "lock_files_removed": 0,
+                "lock_files_left": effects.lock_file_count(),
+                "left_as_is": True,
+            },
+            lambda d: (
+                f"sandbox {d['sandbox']} is in use, at format {d['format']}: left as it is"
+                + (
+                    " (once every process that lands in it runs this version, run `toolledger "
+                    "sandbox upgrade` without --new)"
+                    if d["format"] < FORMAT
+                    else ""
+                )
+            ),
+        )
+        return
     fd = os.open(box.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         local = local_filesystem(fd)
@@ -117,6 +147,7 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
         "was": before,
         "lock_files_removed": removed,
         "lock_files_left": effects.lock_file_count(),  # held by a lander, or made since
+        "left_as_is": False,
     }
     c.emit(
         out,
