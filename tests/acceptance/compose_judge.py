@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from toolledger.harness.chaos.checker import inversions, out_of_commit_order
+
 Key = tuple[str, str]  # (scope, idempotency_key)
 
 
@@ -37,13 +39,13 @@ def host_of(worker_id: str | None) -> str:
 def judge(
     ops: Iterable[dict[str, Any]],
     execs: Iterable[dict[str, Any]],
-    landings: Iterable[dict[str, Any]],
+    landings: list[dict[str, Any]],
     read: Callable[[str, str], str | None],
     *,
     killed_hosts: set[str],
     restart_at: datetime,
 ) -> Verdict:
-    """Five judgements.
+    """Six judgements.
 
     ended          every call succeeded, or failed proven not applied (reconciled), or waits
                    in the inbox (unknown) — nothing approved or running is left;
@@ -52,7 +54,9 @@ def judge(
     one_effect     no call landed more than once (distinct executions or appends per call);
     none_cut_off   no call that did not succeed landed anything;
     as_requested   every succeeded call landed, and its file holds what was asked (a write's
-                   bytes; an append's line exactly once in its file).
+                   bytes; an append's line exactly once in its file);
+    in_order       on each path, effects landed in the order of their commits (the ledger's seq
+                   each landing recorded), and an append file's lines stand in that order.
     """
     v = Verdict()
     by_key = {(o["scope"], o["idempotency_key"]): o for o in ops}
@@ -93,7 +97,28 @@ def judge(
             v.add("explained", f"{name} {status} on {last['worker_id']}")
 
     _appends_once(v, by_key, read)
+    _in_order(v, by_key, landings, read)
     return v
+
+
+def _in_order(
+    v: Verdict,
+    by_key: dict[Key, dict[str, Any]],
+    landings: list[dict[str, Any]],
+    read: Callable[[str, str], str | None],
+) -> None:
+    for what in out_of_commit_order(landings):
+        v.add("in_order", what)
+    seq_of = {(ln["scope"], ln["key"]): ln["seq"] for ln in landings}
+    lines: dict[tuple[str, str], dict[str, Key]] = defaultdict(dict)
+    for key, op in by_key.items():
+        if op["tool"].endswith("append") and key in seq_of:
+            lines[(op["scope"], op["args"]["path"])][op["args"]["content"]] = key
+    for where, key_of_line in lines.items():
+        text = (read(*where) or "").splitlines(keepends=True)
+        seqs = [seq_of[key_of_line[line]] for line in text if line in key_of_line]
+        for later, earlier in inversions(seqs):
+            v.add("in_order", f"{'/'.join(where)}: the line of seq {earlier} after {later}'s")
 
 
 def _as_requested(

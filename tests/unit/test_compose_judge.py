@@ -43,8 +43,18 @@ def ex(
     }
 
 
-def landing(scope: str, key: str, execution_id: str = "e1", n: int = 0) -> dict[str, Any]:
-    return {"scope": scope, "key": key, "execution_id": execution_id, "n": n}
+def landing(
+    scope: str, key: str, path: str, seq: int, execution_id: str = "e1", n: int = 0
+) -> dict[str, Any]:
+    return {
+        "scope": scope,
+        "key": key,
+        "path": path,
+        "seq": seq,
+        "execution_id": execution_id,
+        "n": n,
+        "redo": False,
+    }
 
 
 NOT_APPLIED = {"error": "not_applied"}
@@ -52,7 +62,7 @@ NOT_APPLIED = {"error": "not_applied"}
 
 @pytest.fixture()
 def clean() -> dict[str, Any]:
-    """A clean run: a write and an append succeeded, an append cut off by a kill and proven
+    """A clean run: a write and two appends succeeded, an append cut off by a kill and proven
     not applied, a write in the inbox after the Postgres restart."""
     return {
         "ops": [
@@ -60,15 +70,21 @@ def clean() -> dict[str, Any]:
             op("s", "a1", "probe_append", "succeeded", path="log.txt", content="line 1\n"),
             op("s", "a2", "probe_append", "failed", path="log.txt", content="line 2\n"),
             op("s", "w2", "probe_write", "unknown", path="w2.txt", content="two\n"),
+            op("s", "a3", "probe_append", "succeeded", path="log.txt", content="line 3\n"),
         ],
         "execs": [
             ex("s", "w1", "succeeded"),
             ex("s", "a1", "succeeded"),
             ex("s", "a2", "failed", host="deadbeef0001", result=NOT_APPLIED, reconciled=True),
             ex("s", "w2", "unknown", started=25),
+            ex("s", "a3", "succeeded"),
         ],
-        "landings": [landing("s", "w1"), landing("s", "a1")],
-        "files": {("s", "w1.txt"): "one\n", ("s", "log.txt"): "line 1\n"},
+        "landings": [
+            landing("s", "w1", "w1.txt", 10),
+            landing("s", "a1", "log.txt", 11),
+            landing("s", "a3", "log.txt", 14, execution_id="e3"),
+        ],
+        "files": {("s", "w1.txt"): "one\n", ("s", "log.txt"): "line 1\nline 3\n"},
     }
 
 
@@ -107,18 +123,22 @@ CASES = {
         lambda f: f["execs"][3].update(started_at=T0 + timedelta(seconds=40)),  # after restart
     ],
     "one_effect": [
-        lambda f: f["landings"].append(landing("s", "w1", execution_id="e2")),  # two executions
-        lambda f: f["landings"].append(landing("s", "w1", n=1)),  # two effects of one execution
-        lambda f: f["files"].update({("s", "log.txt"): "line 1\nline 1\n"}),  # a line twice
+        lambda f: f["landings"].append(landing("s", "w1", "w1.txt", 10, execution_id="e2")),
+        lambda f: f["landings"].append(landing("s", "w1", "w1.txt", 10, n=1)),  # one execution
+        lambda f: f["files"].update({("s", "log.txt"): "line 1\nline 1\nline 3\n"}),
     ],
     "none_cut_off": [
-        lambda f: f["landings"].append(landing("s", "a2")),  # a revoked execution landed
-        lambda f: f["files"].update({("s", "log.txt"): "line 1\nline 2\n"}),  # its line is there
+        lambda f: f["landings"].append(landing("s", "a2", "log.txt", 15)),  # revoked, landed
+        lambda f: f["files"].update({("s", "log.txt"): "line 1\nline 3\nline 2\n"}),  # its line
     ],
     "as_requested": [
         lambda f: f["landings"].pop(0),  # succeeded, nothing landed
         lambda f: f["files"].update({("s", "w1.txt"): "other\n"}),  # the wrong bytes
-        lambda f: f["files"].update({("s", "log.txt"): ""}),  # a succeeded append's line lost
+        lambda f: f["files"].update({("s", "log.txt"): "line 3\n"}),  # an append's line lost
+    ],
+    "in_order": [
+        lambda f: f["files"].update({("s", "log.txt"): "line 3\nline 1\n"}),  # lines swapped
+        lambda f: f["landings"].reverse(),  # the newer append landed first
     ],
 }
 
@@ -134,7 +154,8 @@ def test_judge__fails_on_facts_crafted_to_break_exactly_one_judgement(clean, jud
 
 
 def test_judge__a_redo_after_a_crash_is_one_effect_not_two(clean):
-    clean["landings"].append(landing("s", "w1"))  # the same (execution_id, n) again
+    clean["landings"].append({**landing("s", "a1", "log.txt", 11), "redo": True})  # the same
+    clean["landings"].append(landing("s", "w1", "w1.txt", 10))  # (execution_id, n) again
     assert verdict(clean).ok
 
 

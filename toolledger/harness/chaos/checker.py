@@ -11,10 +11,11 @@ carries is its commit's), never by comparing two machines' clocks.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,15 +119,28 @@ def no_effect_after_revocation(f: Facts) -> Invariant:
                 f"{landing['execution_id']} landed on {landing['path']} with seq {landing['seq']}"
                 f" but its own commit is {commit and commit['seq']} (revoked at {revoked})"
             )
-    newest: dict[str, int] = {}
-    for landing in f.landings:
-        if landing.get("redo"):
-            continue
-        path = landing["path"]
-        if landing["seq"] < newest.get(path, 0):
-            bad.append(f"{path}: seq {landing['seq']} landed after seq {newest[path]}")
-        newest[path] = max(newest.get(path, 0), landing["seq"])
+    bad += out_of_commit_order(f.landings)
     return _invariant("no effect of a revoked execution lands", bad)
+
+
+def inversions(seqs: Sequence[int]) -> list[tuple[int, int]]:
+    """Each place in ``seqs`` (commits' seqs, in the order their effects landed or stand in a
+    file) where one committed later comes first: (the later, the earlier)."""
+    return [(a, b) for a, b in itertools.pairwise(seqs) if b < a]
+
+
+def out_of_commit_order(landings: Iterable[dict[str, Any]]) -> list[str]:
+    """On each path (of its scope), every effect that landed after one committed later; an
+    append finished again after a crash (``redo``) is the same landing, not another."""
+    per_path: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for landing in landings:  # in the order they landed (each logged under its path's lock)
+        if not landing.get("redo"):
+            per_path[(landing.get("scope", ""), landing["path"])].append(landing["seq"])
+    return [
+        f"{path}: seq {b} landed after seq {a}"
+        for (_, path), seqs in per_path.items()
+        for a, b in inversions(seqs)
+    ]
 
 
 def shared_paths_match_the_ledger(f: Facts) -> Invariant:
