@@ -20,7 +20,7 @@ from toolledger.ledger.errors import InvalidArguments, InvalidTransition
 from toolledger.ledger.identity import check_attempt, new_execution_id, new_lease_token
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.records import Claim, EffectState, Finished
-from toolledger.ledger.transitions import TERMINAL, EventKind, Status
+from toolledger.ledger.transitions import TERMINAL, EventKind, Review, Status
 from toolledger.ledger.types import db_now, db_now_plus
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
@@ -176,6 +176,29 @@ class LedgerExecution(LedgerBase):
         """Append a fact about an execution that changes no state (e.g. a late result)."""
         with self._write() as conn:
             return self._evidence(conn, execution_id, detail, actor)
+
+    def reviewed_not_landed(self, execution_ids: list[str]) -> set[str]:
+        """Of these executions, those whose effect could not land and whose call a human has
+        reviewed since (and is not flagged again): their kept bytes may go."""
+        if not execution_ids:
+            return set()
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(execution_events.c.execution_id, execution_events.c.detail)
+                .join(
+                    operations,
+                    sa.and_(
+                        operations.c.scope == execution_events.c.scope,
+                        operations.c.idempotency_key == execution_events.c.idempotency_key,
+                    ),
+                )
+                .where(
+                    execution_events.c.execution_id.in_(execution_ids),
+                    execution_events.c.kind == EventKind.REVIEWED,
+                    operations.c.review.is_(None),
+                )
+            ).all()
+        return {r.execution_id for r in rows if r.detail.get("reason") == Review.NOT_LANDED}
 
     def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]:
         """What the ledger says about executions whose staged effects wait in a sandbox: one

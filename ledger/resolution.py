@@ -13,7 +13,7 @@ from toolledger.ledger import db, inputs
 from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
-from toolledger.ledger.models import executions, operations
+from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.reads import op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import TERMINAL, EventKind, Review, Status, check_transition
@@ -313,7 +313,10 @@ class LedgerResolution(LedgerBase):
     ) -> ExecutionRecord:
         """A human settles a flagged call: confirms ``status`` or corrects a decision that a
         human or a reconciler made (an executor's own result is a fact and stands); clears
-        the flag. StaleFence unless the call is flagged and the execution so decided."""
+        the flag. A ``not_landed`` flag is about the effect, not the status: the executor's
+        own success is confirmed (as succeeded, once the human landed the kept bytes by hand
+        or chose to leave them; the sweep then removes them). StaleFence unless the call is
+        flagged and the execution so decided."""
         if status not in TERMINAL:
             raise InvalidTransition(None, status, "a review")
         check_text_id(by, "reviewer", 256)
@@ -327,11 +330,22 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is {ex.status}, not unknown, and its call is "
                     "not flagged for review: nothing to resolve",
                 )
-            if not ex.reconciled:
+            confirms_landing = (
+                op.review == Review.NOT_LANDED
+                and status is ex.status
+                and self._flagged_not_landed(conn, ex)
+            )
+            if not ex.reconciled and not confirms_landing:
+                also = (
+                    f" (its effect did not land: --as {ex.status} once you landed it by hand or "
+                    "chose to leave it)"
+                    if op.review == Review.NOT_LANDED
+                    else ""
+                )
                 raise StaleFence(
                     execution_id,
                     f"execution {execution_id} is its executor's own {ex.status}: that stands; "
-                    "a review corrects only what a human or a reconciler decided",
+                    f"a review corrects only what a human or a reconciler decided{also}",
                 )
             if status is not ex.status:
                 self._correct(conn, ex, status, by, evidence)
@@ -344,6 +358,19 @@ class LedgerResolution(LedgerBase):
                 event(EventKind.REVIEWED, ex.scope, ex.idempotency_key, by, detail, execution_id),
             )
             return self._require_execution(conn, execution_id)
+
+    @staticmethod
+    def _flagged_not_landed(conn: sa.Connection, ex: ExecutionRecord) -> bool:
+        """This execution's own effect is the one that did not land (not an earlier attempt's)."""
+        flags = conn.execute(
+            sa.select(execution_events.c.detail).where(
+                execution_events.c.scope == ex.scope,
+                execution_events.c.idempotency_key == ex.idempotency_key,
+                execution_events.c.execution_id == ex.execution_id,
+                execution_events.c.kind == EventKind.FLAGGED,
+            )
+        ).scalars()
+        return any(d.get("reason") == Review.NOT_LANDED for d in flags)
 
     def _correct(
         self, conn: sa.Connection, ex: ExecutionRecord, status: Status, by: str, evidence: str

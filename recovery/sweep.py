@@ -151,6 +151,8 @@ def _sweep(
         summary.errors.extend(landing.problems)
         if removed := effects.sweep_locks():  # format 2: the lock files no lander holds
             log.info("removed %d path lock files no lander held", removed)
+        if removed := effects.sweep_refused(ledger):  # reviewed by a human: not kept any more
+            log.info("removed the kept bytes of %d effects a human reviewed", removed)
     except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs
         summary.errors.append(f"settling the sandbox failed: {exc}")
         log.warning("settling the sandbox failed: %s", exc)

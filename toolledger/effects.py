@@ -711,7 +711,14 @@ class Effects:
                 return False
             log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
             self._aside(pfd, s.file, landing)
-            detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": str(exc)}
+            kept = StageFile(s.file.execution_id, s.file.n, s.file.h, "refused").name
+            detail = {
+                "path": s.path,
+                "n": s.file.n,
+                "seq": s.seq,
+                "reason": str(exc),
+                "kept": f"{STATE_DIR}/pending/{kept}",  # for a human; removed once reviewed
+            }
             with contextlib.suppress(Exception):  # the next settle cannot redo it: say so
                 book.record_not_landed(s.file.execution_id, detail)
             return True
@@ -858,6 +865,31 @@ class Effects:
             raise BadSpool("not a spooled result (no lease token or status)")
         _check_spool(data)
         return data
+
+    def sweep_refused(self, ledger: Ledger) -> int:
+        """Remove the kept bytes of effects that could not land once a human reviewed their
+        call (``toolledger resolve``: landed by hand, or left); the number removed. Listed
+        before the ledger is asked: a file set aside since is not among them, and one set aside
+        under a listed name can only take it once that name is free (``_rename_aside``)."""
+        if not self.pending_dir.is_dir():
+            return 0
+        with self._pending() as pfd:
+            refused = [f for f in self._scan(pfd)[0] if f.kind == "refused"]
+            if not refused:
+                return 0
+            done = ledger.reviewed_not_landed(sorted({f.execution_id for f in refused}))
+            removed = 0
+            for f in refused:
+                if f.execution_id not in done:
+                    continue
+                try:
+                    os.unlink(f.name, dir_fd=pfd)
+                    removed += 1
+                except FileNotFoundError:
+                    continue
+            if removed:
+                os.fsync(pfd)
+        return removed
 
     def _spool_aside(self, execution_id: str) -> None:
         """A spool that can never be read keeps its bytes for a human, out of every pass."""

@@ -126,3 +126,61 @@ def test_retry__a_succeeded_call_cannot_be_retried(cli, ledger, scope):
     ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": 1})
     code, _, err = cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol")
     assert code == 5 and "succeeded" in err
+
+
+def not_landed_call(ledger: Ledger, scope: str) -> str:
+    """An append whose own success committed and whose bytes could not land (kept aside)."""
+    ledger.submit(scope, "c1", "append_file", {"path": "a.txt", "content": "x"}, approved_by="al")
+    claim = ledger.claim(scope, "append_file:c1", 1, worker_id="w")
+    ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"appended": 1})
+    detail = {"path": "a.txt", "n": 0, "seq": 9, "reason": "a directory", "kept": "k.refused"}
+    ledger.record_not_landed(claim.execution_id, detail)
+    return claim.execution_id
+
+
+def test_review__a_not_landed_call_is_confirmed_never_changed_and_its_flag_cleared(
+    cli, ledger, scope
+):
+    eid = not_landed_call(ledger, scope)
+    assert ledger.get(scope, "c1").operation.review == "not_landed"
+    assert ledger.reviewed_not_landed([eid]) == set()
+    argv = ["resolve", "--execution-id", eid, "--by", "dana", "--evidence", "landed a.txt by hand"]
+    code, _, err = cli(*argv, "--as", "failed")  # the executor's own success stands
+    assert code == 5 and "its effect did not land: --as succeeded once you landed it" in err
+    assert ledger.get(scope, "c1").operation.review == "not_landed"
+    code, out, err = cli(*argv, "--as", "succeeded", "--json")
+    assert code == 0, err
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    assert (view.current.status, view.current.reconciled) == (Status.SUCCEEDED, False)
+    last = ledger.events(scope, "c1")[-1]
+    assert (last.kind, last.actor, last.detail["reason"]) == ("reviewed", "dana", "not_landed")
+    assert ledger.reviewed_not_landed([eid, "e-none"]) == {eid}
+    code, _, err = cli(*argv, "--as", "succeeded")  # once: nothing left to review
+    assert code == 5 and "not flagged for review" in err
+    code, out, err = cli("verify", "--json")  # the history rebuilds to the same rows
+    assert code == 0, out + err
+
+
+def test_review__confirms_only_the_execution_whose_effect_did_not_land(cli, ledger, scope):
+    # an earlier attempt (failed, its own) of a call whose later success did not land
+    ledger.submit(scope, "c1", "append_file", {"path": "a.txt", "content": "x"}, approved_by="al")
+    first = ledger.claim(scope, "append_file:c1", 1, worker_id="w")
+    ledger.finish(first.execution_id, first.lease_token, Status.FAILED, {"error": "boom"})
+    ledger.authorize_retry(scope, "c1", by="al", accept_duplicate=True)
+    second = ledger.claim(scope, "append_file:c1", 2, worker_id="w")
+    ledger.finish(second.execution_id, second.lease_token, Status.SUCCEEDED, {"appended": 1})
+    ledger.record_not_landed(second.execution_id, {"path": "a.txt", "n": 0, "reason": "x"})
+    code, _, err = cli(
+        "resolve", "--execution-id", first.execution_id, "--as", "failed",
+        "--by", "dana", "--evidence", "looked",
+    )  # fmt: skip
+    assert code == 5 and "that stands" in err
+    assert ledger.get(scope, "c1").operation.review == "not_landed"
+
+
+def test_review__a_flag_raised_again_keeps_the_bytes(ledger, scope):
+    eid = not_landed_call(ledger, scope)
+    ledger.review(eid, Status.SUCCEEDED, by="dana", evidence="left it")
+    ledger.record_not_landed(eid, {"path": "b.txt", "n": 1, "reason": "a directory again"})
+    assert ledger.reviewed_not_landed([eid]) == set()

@@ -456,6 +456,56 @@ def test_execution__a_hard_link_planted_before_landing_is_flagged_not_landed(
     assert [n.rsplit(".", 1)[1] for n in pending_files(sb)] == ["refused"]
 
 
+def test_execution__a_not_landed_effects_bytes_are_kept_until_a_human_reviews_the_call(
+    submitter, world, monkeypatch, capsys, sqlite_url
+):
+    """The flag says where the bytes are kept; the sweep leaves them while the call waits
+    for a human and removes them once the human has reviewed it (`toolledger resolve`)."""
+    from toolledger.recovery.sweep import sweep
+
+    sb, _, mine = world
+    call = submitter.prepare(
+        "me", "c-kept", "append_file", {"path": "plain.txt", "content": "kept\n"}
+    )
+    submitter.ledger.submit("me", call.tool_call_id, call.tool, call.args, approved_by="al")
+    publish = Effects.publish
+
+    def plant_then_publish(self: Effects, *args: Any) -> Any:
+        (mine / "plain.txt").unlink()
+        (mine / "plain.txt").mkdir()  # the target became a directory after the commit
+        return publish(self, *args)
+
+    monkeypatch.setattr(Effects, "publish", plant_then_publish)
+    executor = Executor(submitter.ledger, load_registry(), sb, worker_id="t", lease_seconds=30)
+    outcome = executor.execute("me", f"append_file:{call.tool_call_id}", 1)
+    monkeypatch.setattr(Effects, "publish", publish)
+    assert outcome.landing is not None and outcome.landing.refused == 1
+    flag = submitter.ledger.events("me", call.tool_call_id)[-1]
+    assert flag.kind == "flagged" and flag.detail["reason"] == "not_landed"
+    kept = sb.root / flag.detail["effect"]["kept"]
+    assert kept.read_bytes() == b"kept\n"
+
+    def a_pass() -> None:
+        summary = sweep(
+            submitter.ledger, load_registry(), sb, grace_seconds=60, requeue_after=60,
+            publish=None,
+        )  # fmt: skip
+        assert not summary.errors, summary.errors
+
+    a_pass()
+    assert kept.exists()  # the call waits on a human: its bytes stay
+    code, _, err = run_cli(
+        capsys, "--db", sqlite_url, "--sandbox", str(sb.root), "resolve",
+        "--execution-id", outcome.execution_id, "--as", "succeeded", "--by", "dana",
+        "--evidence", "moved plain.txt/ away and appended the kept line by hand",
+    )  # fmt: skip
+    assert code == 0, err
+    assert kept.exists()  # the command touches no file: the sweep does
+    a_pass()
+    assert not kept.exists() and pending_files(sb) == []
+    assert (mine / "plain.txt").is_dir()  # nothing landed: the human's to do
+
+
 def test_execution__a_hard_link_planted_before_the_run_fails_refused(submitter, world):
     sb, tmp_path, mine = world
     call = submitter.prepare(

@@ -56,7 +56,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "resolve": (
         "toolledger.cli.recovery:resolve",
-        "A human's resolution of an unknown execution, recorded with its evidence.",
+        "A human's resolution of an unknown execution, or review of a flagged call.",
     ),
     "retry": (
         "toolledger.cli.recovery:retry",

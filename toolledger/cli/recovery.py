@@ -88,7 +88,11 @@ def _publisher(c: Context) -> Any:
 @json_option
 @pass_ctx
 def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str) -> None:
-    """A human's resolution of an unknown execution, recorded with its evidence."""
+    """A human's resolution of an unknown execution, or review of a flagged call.
+
+    Recorded with who decided and the evidence. A flagged call (list --review): confirm or
+    correct what a human or a reconciler decided. A call flagged not_landed: land its kept
+    bytes by hand or leave them, then confirm its status; the sweep removes the bytes."""
     out = resolve_call(c.ledger, execution_id, Status(as_), by=by, evidence=evidence)
     c.emit(out, lambda d: f"{d['status']}: {execution_id} resolved by {by}")
 
