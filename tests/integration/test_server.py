@@ -463,6 +463,32 @@ def test_console__resolve_requires_evidence(server: Any, scope: str) -> None:
     assert ledger.get(scope, "u").current.status is Status.FAILED
 
 
+def test_console__a_not_landed_call_is_confirmed_not_decided(server: Any, scope: str) -> None:
+    client, ledger = server
+    ledger.submit(scope, "n", "append_file", {"path": "a.txt", "content": "x"}, approved_by="al")
+    claim = ledger.claim(scope, "append_file:n", 1, worker_id="w")
+    ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"appended": 1})
+    kept = ".toolledger/pending/k.refused"
+    ledger.record_not_landed(claim.execution_id, {"path": "a.txt", "n": 0, "kept": kept})
+    login(client, "otto")
+    page = client.get(f"/calls/{scope}/n")
+    assert "its effect could not land" in page.text and kept in page.text
+    assert 'name="as" value="succeeded"' in page.text and 'value="failed"' not in page.text
+    r = client.post(
+        f"/calls/{scope}/n/resolve",
+        data={
+            "csrf": csrf_of(page.text),
+            "execution_id": claim.execution_id,
+            "as": "succeeded",
+            "evidence": "appended the kept line by hand",
+        },
+        follow_redirects=False,
+    )
+    assert r.status_code == 303
+    view = ledger.get(scope, "n")
+    assert (view.operation.review, view.current.status) == (None, Status.SUCCEEDED)
+
+
 def test_console__open_redirect_refused(server: Any) -> None:
     client, _ = server
     for target in ("//evil.example/x", "/\\evil.example", "https://evil.example", "/a\r\nb"):
