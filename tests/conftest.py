@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -151,6 +152,20 @@ def fresh_db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -
             yield url
     else:
         yield fresh_sqlite_database(request.getfixturevalue("sqlite_template"), tmp_path / "db")
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A CLI run in-process (``toolledger execute`` calls ``logging.basicConfig``) points the
+    root logger at that test's captured stderr; a later test's warnings must not go to that
+    closed stream ("--- Logging error ---" in its own stderr)."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler and h not in before:
+            root.removeHandler(h)
+    root.setLevel(level)
 
 
 _scopes = itertools.count(1)
