@@ -126,7 +126,7 @@ class _Replay:
             op.review = op.review or detail["reason"]
         elif kind is EventKind.REVIEWED:
             _ = op.executions[ev.execution_id]
-            op.review = None
+            op.review = detail.get("review_after")  # flags raised on other executions wait
         elif kind is EventKind.WITHDRAWN:
             proven = op.executions[ev.execution_id]
             new = Status(detail["status"])

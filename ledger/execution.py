@@ -20,7 +20,7 @@ from toolledger.ledger.errors import InvalidArguments, InvalidTransition
 from toolledger.ledger.identity import check_attempt, new_execution_id, new_lease_token
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.records import Claim, EffectState, Finished
-from toolledger.ledger.transitions import TERMINAL, EventKind, Review, Status
+from toolledger.ledger.transitions import TERMINAL, EventKind, Review, Status, fold_flags
 from toolledger.ledger.types import db_now, db_now_plus
 
 #: How long a claim holds before it must be renewed; renewed every LEASE_SECONDS / 3.
@@ -178,27 +178,48 @@ class LedgerExecution(LedgerBase):
             return self._evidence(conn, execution_id, detail, actor)
 
     def reviewed_not_landed(self, execution_ids: list[str]) -> set[str]:
-        """Of these executions, those whose effect could not land and whose call a human has
-        reviewed since (and is not flagged again): their kept bytes may go."""
+        """Where the bytes of these executions' effects that could not land are kept (as the
+        flags recorded them, relative to the sandbox), once a human has reviewed each: those
+        may go. Bytes set aside with no flag recorded are never among them."""
         if not execution_ids:
             return set()
         with self._read() as conn:
-            rows = conn.execute(
-                sa.select(execution_events.c.execution_id, execution_events.c.detail)
-                .join(
-                    operations,
-                    sa.and_(
-                        operations.c.scope == execution_events.c.scope,
-                        operations.c.idempotency_key == execution_events.c.idempotency_key,
-                    ),
-                )
-                .where(
-                    execution_events.c.execution_id.in_(execution_ids),
-                    execution_events.c.kind == EventKind.REVIEWED,
-                    operations.c.review.is_(None),
-                )
+            calls = conn.execute(
+                sa.select(executions.c.scope, executions.c.idempotency_key)
+                .where(executions.c.execution_id.in_(execution_ids))
+                .distinct()
             ).all()
-        return {r.execution_id for r in rows if r.detail.get("reason") == Review.NOT_LANDED}
+            pair = sa.tuple_(execution_events.c.scope, execution_events.c.idempotency_key)
+            rows = (
+                conn.execute(
+                    sa.select(
+                        execution_events.c.scope,
+                        execution_events.c.idempotency_key,
+                        execution_events.c.kind,
+                        execution_events.c.execution_id,
+                        execution_events.c.detail,
+                    )
+                    .where(
+                        pair.in_(sorted((c.scope, c.idempotency_key) for c in calls)),
+                        execution_events.c.kind.in_([EventKind.FLAGGED, EventKind.REVIEWED]),
+                    )
+                    .order_by(execution_events.c.seq)
+                ).all()
+                if calls
+                else []
+            )
+        per_call: dict[tuple[str, str], list[tuple[str, str, dict[str, Any]]]] = {}
+        for r in rows:
+            per_call.setdefault((r.scope, r.idempotency_key), []).append(
+                (r.kind, r.execution_id, r.detail)
+            )
+        wanted = set(execution_ids)
+        return {
+            f.kept
+            for events in per_call.values()
+            for f in fold_flags(events)[1]
+            if f.reason == Review.NOT_LANDED and f.kept and f.execution_id in wanted
+        }
 
     def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]:
         """What the ledger says about executions whose staged effects wait in a sandbox: one

@@ -16,7 +16,14 @@ from toolledger.ledger.identity import check_text_id
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.reads import op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
-from toolledger.ledger.transitions import TERMINAL, EventKind, Review, Status, check_transition
+from toolledger.ledger.transitions import (
+    TERMINAL,
+    EventKind,
+    Review,
+    Status,
+    check_transition,
+    fold_flags,
+)
 from toolledger.ledger.types import db_now, db_now_plus
 
 
@@ -312,11 +319,12 @@ class LedgerResolution(LedgerBase):
         self, execution_id: str, status: Status, *, by: str, evidence: str
     ) -> ExecutionRecord:
         """A human settles a flagged call: confirms ``status`` or corrects a decision that a
-        human or a reconciler made (an executor's own result is a fact and stands); clears
-        the flag. A ``not_landed`` flag is about the effect, not the status: the executor's
-        own success is confirmed (as succeeded, once the human landed the kept bytes by hand
-        or chose to leave them; the sweep then removes them). StaleFence unless the call is
-        flagged and the execution so decided."""
+        human or a reconciler made (an executor's own result is a fact and stands), and
+        settles the flags raised on this execution; the call stays flagged for any raised on
+        another (recorded as ``review_after``). A ``not_landed`` flag is about the effect, not
+        the status: the executor's own status is confirmed (once the human landed the kept
+        bytes by hand or chose to leave them; the sweep then removes them). StaleFence unless
+        a flag waits on this execution and it is so decided."""
         if status not in TERMINAL:
             raise InvalidTransition(None, status, "a review")
         check_text_id(by, "reviewer", 256)
@@ -330,16 +338,14 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is {ex.status}, not unknown, and its call is "
                     "not flagged for review: nothing to resolve",
                 )
-            confirms_landing = (
-                op.review == Review.NOT_LANDED
-                and status is ex.status
-                and self._flagged_not_landed(conn, ex)
-            )
-            if not ex.reconciled and not confirms_landing:
+            waiting, _ = fold_flags(self._flag_events(conn, ex.scope, ex.idempotency_key))
+            mine = [f for f in waiting if f.execution_id == execution_id]
+            not_landed = any(f.reason == Review.NOT_LANDED for f in mine)
+            if not ex.reconciled and not (not_landed and status is ex.status):
                 also = (
                     f" (its effect did not land: --as {ex.status} once you landed it by hand or "
                     "chose to leave it)"
-                    if op.review == Review.NOT_LANDED
+                    if not_landed
                     else ""
                 )
                 raise StaleFence(
@@ -347,12 +353,28 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is its executor's own {ex.status}: that stands; "
                     f"a review corrects only what a human or a reconciler decided{also}",
                 )
+            if not mine:
+                flagged = ", ".join(sorted({f"{f.reason} on {f.execution_id}" for f in waiting}))
+                raise StaleFence(
+                    execution_id,
+                    f"execution {execution_id} is not the one its call is flagged for "
+                    f"({flagged or op.review}): review that one",
+                )
             if status is not ex.status:
                 self._correct(conn, ex, status, by, evidence)
+            # what else the call is flagged for, raised on other executions, still waits
+            left = [f for f in waiting if f.execution_id != execution_id]
+            after = left[0].reason if left else None
             conn.execute(
-                operations.update().where(op_key(ex.scope, ex.idempotency_key)).values(review=None)
+                operations.update().where(op_key(ex.scope, ex.idempotency_key)).values(review=after)
             )
-            detail = {"reason": op.review, "status": status.value, "by": by, "text": evidence}
+            detail = {
+                "reason": mine[0].reason,
+                "status": status.value,
+                "by": by,
+                "text": evidence,
+                "review_after": after,
+            }
             self._append(
                 conn,
                 event(EventKind.REVIEWED, ex.scope, ex.idempotency_key, by, detail, execution_id),
@@ -360,17 +382,22 @@ class LedgerResolution(LedgerBase):
             return self._require_execution(conn, execution_id)
 
     @staticmethod
-    def _flagged_not_landed(conn: sa.Connection, ex: ExecutionRecord) -> bool:
-        """This execution's own effect is the one that did not land (not an earlier attempt's)."""
-        flags = conn.execute(
-            sa.select(execution_events.c.detail).where(
-                execution_events.c.scope == ex.scope,
-                execution_events.c.idempotency_key == ex.idempotency_key,
-                execution_events.c.execution_id == ex.execution_id,
-                execution_events.c.kind == EventKind.FLAGGED,
+    def _flag_events(
+        conn: sa.Connection, scope: str, key: str
+    ) -> list[tuple[str, str, dict[str, Any]]]:
+        """A call's flagged and reviewed events, in seq order (for ``fold_flags``)."""
+        rows = conn.execute(
+            sa.select(
+                execution_events.c.kind, execution_events.c.execution_id, execution_events.c.detail
             )
-        ).scalars()
-        return any(d.get("reason") == Review.NOT_LANDED for d in flags)
+            .where(
+                execution_events.c.scope == scope,
+                execution_events.c.idempotency_key == key,
+                execution_events.c.kind.in_([EventKind.FLAGGED, EventKind.REVIEWED]),
+            )
+            .order_by(execution_events.c.seq)
+        ).all()
+        return [(r.kind, r.execution_id, r.detail) for r in rows]
 
     def _correct(
         self, conn: sa.Connection, ex: ExecutionRecord, status: Status, by: str, evidence: str

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from toolledger.ledger.errors import InvalidStatus, InvalidTransition
 
@@ -95,3 +98,33 @@ def check_transition(old: Status | None, new: Status, what: str = "") -> None:
     """Raise InvalidTransition unless (old, new) is in the table."""
     if (old, new) not in TRANSITIONS:
         raise InvalidTransition(old, new, what)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One reason a call waits for a human, raised on one execution (a ``flagged`` event);
+    ``kept``: where a ``not_landed`` effect's bytes are kept, relative to the sandbox."""
+
+    execution_id: str
+    reason: str
+    kept: str | None = None
+
+
+def fold_flags(events: Iterable[tuple[str, str, dict[str, Any]]]) -> tuple[list[Flag], list[Flag]]:
+    """A call's flags still waiting and those a review settled, from its ``flagged`` and
+    ``reviewed`` events (kind, execution_id, detail) in seq order. A review settles the flags
+    raised on the execution it names (it records ``review_after``, what the call is still
+    flagged for); a review recorded before there was ``review_after`` settled every flag."""
+    waiting: list[Flag] = []
+    settled: list[Flag] = []
+    for kind, execution_id, detail in events:
+        if kind == EventKind.FLAGGED:
+            kept = (detail.get("effect") or {}).get("kept")
+            waiting.append(Flag(execution_id, detail["reason"], kept))
+        elif kind == EventKind.REVIEWED:
+            done = [
+                f for f in waiting if "review_after" not in detail or f.execution_id == execution_id
+            ]
+            settled += done
+            waiting = [f for f in waiting if f not in done]
+    return waiting, settled

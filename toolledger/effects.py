@@ -710,14 +710,14 @@ class Effects:
                 landing.problems.append(problem)
                 return False
             log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
-            self._aside(pfd, s.file, landing)
-            kept = StageFile(s.file.execution_id, s.file.n, s.file.h, "refused").name
+            kept = self._aside(pfd, self._holder(pfd, s.file), landing)
             detail = {
                 "path": s.path,
                 "n": s.file.n,
                 "seq": s.seq,
                 "reason": str(exc),
-                "kept": f"{STATE_DIR}/pending/{kept}",  # for a human; removed once reviewed
+                # for a human; the sweep removes them once the call is reviewed
+                "kept": f"{STATE_DIR}/pending/{kept}" if kept else None,
             }
             with contextlib.suppress(Exception):  # the next settle cannot redo it: say so
                 book.record_not_landed(s.file.execution_id, detail)
@@ -750,19 +750,15 @@ class Effects:
             applying = StageFile(eid, f.n, f.h, "applying", self._size(s.scope, s.path))
             os.rename(f.name, applying.name, src_dir_fd=pfd, dst_dir_fd=pfd)
             f = applying
-        try:
-            if f is not s.file:
-                os.fsync(pfd)
-            failpoints.hit("before_publish", eid)
-            self._log_effect(s, redo=s.file.kind == "applying")
-            self._write_at(pfd, f, s.scope, s.path)
-        except (PathRefused, OSError) as exc:
-            # Refused before a byte was written (the target's kind, links or name, or no file
-            # in the stage's place): its intent must not be redone by the next settle. ``_land``
-            # says so. An error of a moment leaves the intent, redone at its offset next time.
-            if f is not s.file and not _left_for_later(exc):
-                self._rename_aside(pfd, f)
-            raise
+        if f is not s.file:
+            os.fsync(pfd)
+        failpoints.hit("before_publish", eid)
+        self._log_effect(s, redo=s.file.kind == "applying")
+        # Refused before a byte was written (the target's kind, links or name, or no file in
+        # the stage's place): ``_land`` sets the intent aside (``_holder`` finds it), so the
+        # next settle does not redo it. An error of a moment leaves the intent, redone at its
+        # offset next time.
+        self._write_at(pfd, f, s.scope, s.path)
         failpoints.hit("after_publish", eid)
         try:
             os.unlink(f.name, dir_fd=pfd)
@@ -803,21 +799,38 @@ class Effects:
             if not existed:
                 os.fsync(parent)
 
-    def _aside(self, pfd: int, f: StageFile, landing: Landing) -> None:
-        """An effect that cannot land keeps its bytes, renamed so nothing retries it."""
-        self._rename_aside(pfd, f)
+    def _aside(self, pfd: int, f: StageFile, landing: Landing) -> str | None:
+        """An effect that cannot land keeps its bytes, renamed so nothing retries it; the
+        name they are kept under (None: nothing was there)."""
         landing.refused += 1
+        return self._rename_aside(pfd, f)
+
+    def _holder(self, pfd: int, f: StageFile) -> StageFile:
+        """The file holding a staged append's bytes now: its stage, or the intent it became
+        (``<n>.<hash>.applying-<offset>``) when the landing began."""
+        if f.kind != "append" or _exists(pfd, f.name):
+            return f
+        intents = [
+            g
+            for g in self._scan(pfd)[0]
+            if (g.execution_id, g.n, g.h, g.kind) == (f.execution_id, f.n, f.h, "applying")
+        ]
+        return intents[0] if intents else f
 
     @staticmethod
-    def _rename_aside(pfd: int, f: StageFile) -> None:
+    def _rename_aside(pfd: int, f: StageFile) -> str | None:
         """Under the path's lock (or the staging execution's own): a file set aside before
         under the same number keeps its bytes (a failed stage's leftover and the effect
-        committed under that number can both end here); the second is named apart."""
+        committed under that number can both end here); the second is named apart. The name
+        it took (None: no file was there)."""
         aside = StageFile(f.execution_id, f.n, f.h, "refused").name
         while _exists(pfd, aside):
             aside = f"{f.execution_id}.{f.n}.{f.h}.{secrets.token_hex(4)}.refused"
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.rename(f.name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except FileNotFoundError:
+            return None
+        return aside
 
     # ------------------------------------------------------------------ the effects log
 
@@ -868,22 +881,24 @@ class Effects:
 
     def sweep_refused(self, ledger: Ledger) -> int:
         """Remove the kept bytes of effects that could not land once a human reviewed their
-        call (``toolledger resolve``: landed by hand, or left); the number removed. Listed
-        before the ledger is asked: a file set aside since is not among them, and one set aside
-        under a listed name can only take it once that name is free (``_rename_aside``)."""
+        flag (``toolledger resolve``: landed by hand, or left); the number removed. Only the
+        files those flags name (bytes set aside with no flag stay for a human); listed before
+        the ledger is asked, and a name set aside again can only be taken once it is free."""
         if not self.pending_dir.is_dir():
             return 0
         with self._pending() as pfd:
-            refused = [f for f in self._scan(pfd)[0] if f.kind == "refused"]
-            if not refused:
+            names = [n for n in os.listdir(pfd) if n.endswith(".refused")]
+            ids = sorted({n.split(".", 1)[0] for n in names})
+            if not ids:
                 return 0
-            done = ledger.reviewed_not_landed(sorted({f.execution_id for f in refused}))
+            prefix = f"{STATE_DIR}/pending/"
+            done = {k.removeprefix(prefix) for k in ledger.reviewed_not_landed(ids)}
             removed = 0
-            for f in refused:
-                if f.execution_id not in done:
+            for name in names:
+                if name not in done:
                     continue
                 try:
-                    os.unlink(f.name, dir_fd=pfd)
+                    os.unlink(name, dir_fd=pfd)
                     removed += 1
                 except FileNotFoundError:
                     continue

@@ -113,7 +113,10 @@ def _in_order(
     lines: dict[tuple[str, str], dict[str, Key]] = defaultdict(dict)
     for key, op in by_key.items():
         if op["tool"].endswith("append") and key in seq_of:
-            lines[(op["scope"], op["args"]["path"])][op["args"]["content"]] = key
+            content = op["args"]["content"]
+            if not content.endswith("\n") or content.count("\n") != 1:  # lines are how we see
+                v.add("in_order", f"{'/'.join(key)}: not one line, its order cannot be judged")
+            lines[(op["scope"], op["args"]["path"])][content] = key
     for where, key_of_line in lines.items():
         text = (read(*where) or "").splitlines(keepends=True)
         seqs = [seq_of[key_of_line[line]] for line in text if line in key_of_line]

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests.helpers import row_counts, run_cli
+from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 
@@ -155,7 +156,7 @@ def test_review__a_not_landed_call_is_confirmed_never_changed_and_its_flag_clear
     assert (view.current.status, view.current.reconciled) == (Status.SUCCEEDED, False)
     last = ledger.events(scope, "c1")[-1]
     assert (last.kind, last.actor, last.detail["reason"]) == ("reviewed", "dana", "not_landed")
-    assert ledger.reviewed_not_landed([eid, "e-none"]) == {eid}
+    assert ledger.reviewed_not_landed([eid, "e-none"]) == {"k.refused"}
     code, _, err = cli(*argv, "--as", "succeeded")  # once: nothing left to review
     assert code == 5 and "not flagged for review" in err
     code, out, err = cli("verify", "--json")  # the history rebuilds to the same rows
@@ -179,8 +180,38 @@ def test_review__confirms_only_the_execution_whose_effect_did_not_land(cli, ledg
     assert ledger.get(scope, "c1").operation.review == "not_landed"
 
 
-def test_review__a_flag_raised_again_keeps_the_bytes(ledger, scope):
-    eid = not_landed_call(ledger, scope)
-    ledger.review(eid, Status.SUCCEEDED, by="dana", evidence="left it")
-    ledger.record_not_landed(eid, {"path": "b.txt", "n": 1, "reason": "a directory again"})
+def test_review__settles_only_the_bytes_its_flag_named(ledger, scope):
+    eid = not_landed_call(ledger, scope)  # kept at k.refused
+    ledger.record_not_landed(eid, {"path": "b.txt", "n": 1, "reason": "a directory", "kept": "b"})
+    ledger.record_not_landed(eid, {"path": "c.txt", "n": 2, "reason": "unrecorded: no kept"})
     assert ledger.reviewed_not_landed([eid]) == set()
+    ledger.review(eid, Status.SUCCEEDED, by="dana", evidence="left them")
+    assert ledger.reviewed_not_landed([eid]) == {"k.refused", "b"}
+    ledger.record_not_landed(eid, {"path": "d.txt", "n": 3, "reason": "later", "kept": "d"})
+    assert ledger.get(scope, "c1").operation.review == "not_landed"  # flagged again
+    assert ledger.reviewed_not_landed([eid]) == {"k.refused", "b"}  # d waits for its review
+
+
+def test_review__confirming_not_landed_leaves_a_flag_raised_on_another_execution(ledger, scope):
+    # attempt 1 unknown, attempt 2 succeeds and does not land; then attempt 1 is proven to
+    # have succeeded too (both_ran, raised on attempt 1): confirming attempt 2's status must
+    # leave the call flagged for both_ran, which only a review of attempt 1 settles
+    ledger.submit(scope, "c1", "append_file", {"path": "a.txt", "content": "x"}, approved_by="al")
+    first = ledger.claim(scope, "append_file:c1", 1, worker_id="w")
+    ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+    ledger.authorize_retry(scope, "c1", by="al", accept_duplicate=True)
+    second = ledger.claim(scope, "append_file:c1", 2, worker_id="w")
+    ledger.finish(second.execution_id, second.lease_token, Status.SUCCEEDED, {"appended": 1})
+    ledger.record_not_landed(second.execution_id, {"path": "a.txt", "n": 0, "kept": "k2"})
+    ledger.reconcile(first.execution_id, Status.SUCCEEDED, {"n": 1}, evidence={}, actor="sweep")
+    assert ledger.events(scope, "c1")[-1].detail["reason"] == "both_ran"
+    ledger.review(second.execution_id, Status.SUCCEEDED, by="dana", evidence="landed by hand")
+    assert ledger.get(scope, "c1").operation.review == "both_ran"
+    assert ledger.events(scope, "c1")[-1].detail["review_after"] == "both_ran"
+    assert ledger.verify().ok  # the history rebuilds the flag that still waits
+    with pytest.raises(StaleFence, match="own succeeded: that stands"):
+        ledger.review(second.execution_id, Status.SUCCEEDED, by="dana", evidence="again")
+    ledger.review(first.execution_id, Status.SUCCEEDED, by="dana", evidence="both appended")
+    assert ledger.get(scope, "c1").operation.review is None
+    assert ledger.reviewed_not_landed([second.execution_id]) == {"k2"}
+    assert ledger.verify().ok

@@ -296,6 +296,12 @@ def test_locks__nothing_is_removed_off_a_local_filesystem(capsys, sandbox, monke
     monkeypatch.setattr(folders, "local_filesystem", lambda fd: False)
     code, _, err = run_cli(capsys, "--sandbox", str(sandbox.root), "sandbox", "upgrade")
     assert code == 2 and "is not on a local filesystem" in err
+    fresh = sandbox.root.parent / "fresh-nfs"  # compose's sandbox-init on a network volume:
+    fresh.mkdir()  # the stack must start, the folder left as it is
+    code, out, err = run_cli(capsys, "--sandbox", str(fresh), "sandbox", "upgrade", "--new")
+    assert code == 0, err
+    assert "not on a local filesystem (its lock files stay), at format 1: left as it is" in out
+    assert list(fresh.iterdir()) == []
     assert effects.state_format() == 1
     effects.upgrade()  # marked anyway (moved there afterwards): the sweep still leaves them
     assert effects.sweep_locks(limit=None) == 0

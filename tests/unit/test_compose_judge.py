@@ -139,6 +139,10 @@ CASES = {
     "in_order": [
         lambda f: f["files"].update({("s", "log.txt"): "line 3\nline 1\n"}),  # lines swapped
         lambda f: f["landings"].reverse(),  # the newer append landed first
+        lambda f: (  # content that is not one line: its place in the file cannot be judged
+            f["ops"][4]["args"].update(content="line 3"),
+            f["files"].update({("s", "log.txt"): "line 1\nline 3"}),
+        ),
     ],
 }
 

@@ -80,9 +80,9 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
     filesystem (ext2/3/4, XFS, Btrfs, tmpfs, F2FS). This command removes what no lander
     holds now (progress on stderr); every sweep pass goes on with the rest.
 
-    With --new it marks only a folder no process has used yet and leaves a used one as it is
-    (exit 0, `"left_as_is": true`): a deployment can run it before its first worker starts, on
-    every start, without upgrading under an earlier version's feet."""
+    With --new it marks only a folder no process has used yet, on a local filesystem, and
+    leaves any other as it is (exit 0, `"left_as_is": true`): a deployment can run it before
+    its workers start, on every start, without upgrading under an earlier version's feet."""
     from toolledger.effects import FORMAT, effects_of
     from toolledger.folders import local_filesystem
     from toolledger.sandbox import Sandbox
@@ -99,7 +99,15 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
     before = effects.state_format()
     if before > FORMAT:
         raise CliError(f"sandbox {box.root} is at format {before}, of a later version", EXIT_STATE)
-    if new and box.attached:
+    fd = os.open(box.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        local = local_filesystem(fd)
+    finally:
+        os.close(fd)
+    if new and (box.attached or not local):
+        # a deployment's first step, on every start: never an upgrade under running workers,
+        # and never a stop for a sandbox that keeps its lock files (a network filesystem)
+        why = "in use" if box.attached else "not on a local filesystem (its lock files stay)"
         c.emit(
             {
                 "sandbox": str(box.root),
@@ -110,21 +118,16 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
                 "left_as_is": True,
             },
             lambda d: (
-                f"sandbox {d['sandbox']} is in use, at format {d['format']}: left as it is"
+                f"sandbox {d['sandbox']} is {why}, at format {d['format']}: left as it is"
                 + (
                     " (once every process that lands in it runs this version, run `toolledger "
                     "sandbox upgrade` without --new)"
-                    if d["format"] < FORMAT
+                    if box.attached and local and d["format"] < FORMAT
                     else ""
                 )
             ),
         )
         return
-    fd = os.open(box.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        local = local_filesystem(fd)
-    finally:
-        os.close(fd)
     if not local:
         raise CliError(
             f"sandbox {box.root} is not on a local filesystem (ext2/3/4, XFS, Btrfs, tmpfs, "
