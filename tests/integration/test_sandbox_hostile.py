@@ -427,6 +427,27 @@ def test_cli__refused_exit_6_one_line_nothing_written(
 # ---------------------------------------------------------------------------- at execution
 
 
+def append_planted_after_commit(
+    submitter: Submitter, sb: Sandbox, monkeypatch: Any, cid: str, content: str, plant: Any
+) -> tuple[Any, Any]:
+    """Submit and execute an append to plain.txt, ``plant`` run between its commit and its
+    landing: (the call, the outcome)."""
+    call = submitter.prepare("me", cid, "append_file", {"path": "plain.txt", "content": content})
+    submitter.ledger.submit("me", call.tool_call_id, call.tool, call.args, approved_by="al")
+    publish = Effects.publish
+
+    def plant_then_publish(self: Effects, *args: Any) -> Any:
+        plant()
+        return publish(self, *args)
+
+    monkeypatch.setattr(Effects, "publish", plant_then_publish)
+    executor = Executor(submitter.ledger, load_registry(), sb, worker_id="t", lease_seconds=30)
+    try:
+        return call, executor.execute("me", f"append_file:{call.tool_call_id}", 1)
+    finally:
+        monkeypatch.setattr(Effects, "publish", publish)
+
+
 def test_execution__a_hard_link_planted_before_landing_is_flagged_not_landed(
     submitter, world, monkeypatch
 ):
@@ -434,20 +455,14 @@ def test_execution__a_hard_link_planted_before_landing_is_flagged_not_landed(
     commit and the landing: the call succeeded (its commit stands), its append never landed,
     and a human is asked (``not_landed``)."""
     sb, tmp_path, mine = world
-    call = submitter.prepare(
-        "me", "c-late-link", "append_file", {"path": "plain.txt", "content": "x\n"}
-    )
-    submitter.ledger.submit("me", call.tool_call_id, call.tool, call.args, approved_by="al")
-    publish = Effects.publish
 
-    def plant_then_publish(self: Effects, *args: Any) -> Any:
+    def plant() -> None:
         (mine / "plain.txt").unlink()
         os.link(tmp_path / "outside" / "passwd", mine / "plain.txt")
-        return publish(self, *args)
 
-    monkeypatch.setattr(Effects, "publish", plant_then_publish)
-    executor = Executor(submitter.ledger, load_registry(), sb, worker_id="t", lease_seconds=30)
-    outcome = executor.execute("me", f"append_file:{call.tool_call_id}", 1)
+    call, outcome = append_planted_after_commit(
+        submitter, sb, monkeypatch, "c-late-link", "x\n", plant
+    )
     assert outcome.status is Status.SUCCEEDED
     assert outcome.landing is not None and outcome.landing.refused == 1
     assert (tmp_path / "outside" / "passwd").read_bytes() == SECRET
@@ -464,21 +479,14 @@ def test_execution__a_not_landed_effects_bytes_are_kept_until_a_human_reviews_th
     from toolledger.recovery.sweep import sweep
 
     sb, _, mine = world
-    call = submitter.prepare(
-        "me", "c-kept", "append_file", {"path": "plain.txt", "content": "kept\n"}
-    )
-    submitter.ledger.submit("me", call.tool_call_id, call.tool, call.args, approved_by="al")
-    publish = Effects.publish
 
-    def plant_then_publish(self: Effects, *args: Any) -> Any:
+    def plant() -> None:  # the target became a directory after the commit
         (mine / "plain.txt").unlink()
-        (mine / "plain.txt").mkdir()  # the target became a directory after the commit
-        return publish(self, *args)
+        (mine / "plain.txt").mkdir()
 
-    monkeypatch.setattr(Effects, "publish", plant_then_publish)
-    executor = Executor(submitter.ledger, load_registry(), sb, worker_id="t", lease_seconds=30)
-    outcome = executor.execute("me", f"append_file:{call.tool_call_id}", 1)
-    monkeypatch.setattr(Effects, "publish", publish)
+    call, outcome = append_planted_after_commit(
+        submitter, sb, monkeypatch, "c-kept", "kept\n", plant
+    )
     assert outcome.landing is not None and outcome.landing.refused == 1
     flag = submitter.ledger.events("me", call.tool_call_id)[-1]
     assert flag.kind == "flagged" and flag.detail["reason"] == "not_landed"
