@@ -709,18 +709,30 @@ class Effects:
                 log.warning("%s (the next settle finishes it)", problem)
                 landing.problems.append(problem)
                 return False
-            log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
-            kept = self._aside(pfd, self._holder(pfd, s.file), landing)
+            # The flag first, then the bytes aside: a crash (or a ledger that cannot be told)
+            # between the two leaves the effect where it was, refused again by the next settle
+            # and flagged then; never bytes set aside that no flag names.
+            holder = self._holder(pfd, s.file)
+            kept = _aside_name(pfd, holder)
             detail = {
                 "path": s.path,
                 "n": s.file.n,
                 "seq": s.seq,
                 "reason": str(exc),
                 # for a human; the sweep removes them once the call is reviewed
-                "kept": f"{STATE_DIR}/pending/{kept}" if kept else None,
+                "kept": f"{STATE_DIR}/pending/{kept}",
             }
-            with contextlib.suppress(Exception):  # the next settle cannot redo it: say so
+            try:
                 book.record_not_landed(s.file.execution_id, detail)
+            except Exception as flag_exc:  # noqa: BLE001 - the database: the next settle retries
+                problem = f"effect {s.file.name} on {s.path!r} refused, not yet flagged: {flag_exc}"
+                log.warning("%s (the next settle tries again)", problem)
+                landing.problems.append(problem)
+                return False
+            log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(holder.name, kept, src_dir_fd=pfd, dst_dir_fd=pfd)
+            landing.refused += 1
             return True
         landing.landed += 1
         return True
@@ -799,11 +811,10 @@ class Effects:
             if not existed:
                 os.fsync(parent)
 
-    def _aside(self, pfd: int, f: StageFile, landing: Landing) -> str | None:
-        """An effect that cannot land keeps its bytes, renamed so nothing retries it; the
-        name they are kept under (None: nothing was there)."""
+    def _aside(self, pfd: int, f: StageFile, landing: Landing) -> None:
+        """An effect that cannot land keeps its bytes, renamed so nothing retries it."""
+        self._rename_aside(pfd, f)
         landing.refused += 1
-        return self._rename_aside(pfd, f)
 
     def _holder(self, pfd: int, f: StageFile) -> StageFile:
         """The file holding a staged append's bytes now: its stage, or the intent it became
@@ -818,19 +829,12 @@ class Effects:
         return intents[0] if intents else f
 
     @staticmethod
-    def _rename_aside(pfd: int, f: StageFile) -> str | None:
+    def _rename_aside(pfd: int, f: StageFile) -> None:
         """Under the path's lock (or the staging execution's own): a file set aside before
         under the same number keeps its bytes (a failed stage's leftover and the effect
-        committed under that number can both end here); the second is named apart. The name
-        it took (None: no file was there)."""
-        aside = StageFile(f.execution_id, f.n, f.h, "refused").name
-        while _exists(pfd, aside):
-            aside = f"{f.execution_id}.{f.n}.{f.h}.{secrets.token_hex(4)}.refused"
-        try:
-            os.rename(f.name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
-        except FileNotFoundError:
-            return None
-        return aside
+        committed under that number can both end here); the second is named apart."""
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(f.name, _aside_name(pfd, f), src_dir_fd=pfd, dst_dir_fd=pfd)
 
     # ------------------------------------------------------------------ the effects log
 
@@ -1145,6 +1149,15 @@ def _read_at(pfd: int, name: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _aside_name(pfd: int, f: StageFile) -> str:
+    """The name ``f``'s bytes take when set aside: ``<n>.<hash>.refused``, or, if a file set
+    aside before under that number holds it, one named apart."""
+    aside = StageFile(f.execution_id, f.n, f.h, "refused").name
+    while _exists(pfd, aside):
+        aside = f"{f.execution_id}.{f.n}.{f.h}.{secrets.token_hex(4)}.refused"
+    return aside
 
 
 def _exists(pfd: int, name: str) -> bool:

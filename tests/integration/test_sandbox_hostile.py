@@ -518,6 +518,51 @@ def test_execution__a_not_landed_effects_bytes_are_kept_until_a_human_reviews_th
     assert (mine / "plain.txt").is_dir()  # nothing landed: the human's to do
 
 
+def test_execution__a_refusal_the_ledger_was_not_told_of_is_refused_again_never_kept_unflagged(
+    submitter, world, monkeypatch
+):
+    """The flag is recorded before the bytes are set aside: a ledger that cannot be told, or a
+    crash between the flag and the rename, leaves the effect where it was, for the next settle
+    to refuse and flag again; bytes kept are always named by a flag."""
+    sb, _, mine = world
+
+    def plant() -> None:
+        (mine / "plain.txt").unlink()
+        (mine / "plain.txt").mkdir()
+
+    record = Ledger.record_not_landed
+
+    def unreachable(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
+        raise RuntimeError("the database is down")
+
+    monkeypatch.setattr(Ledger, "record_not_landed", unreachable)
+    call, outcome = append_planted_after_commit(
+        submitter, sb, monkeypatch, "c-untold", "untold\n", plant
+    )
+    assert outcome.status is Status.SUCCEEDED and outcome.landing is not None
+    assert (outcome.landing.refused, outcome.landing.left) == (0, 0)
+    assert "refused, not yet flagged" in outcome.landing.problems[0]
+    assert submitter.ledger.get("me", call.tool_call_id).operation.review is None
+    assert [n.rsplit(".", 1)[1] for n in pending_files(sb)] == ["append"]  # where it was
+
+    def killed_after_the_flag(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
+        record(self, execution_id, detail)
+        raise KeyboardInterrupt  # the process dies before the bytes are set aside
+
+    monkeypatch.setattr(Ledger, "record_not_landed", killed_after_the_flag)
+    with pytest.raises(KeyboardInterrupt):
+        effects_of(sb).settle(submitter.ledger)
+    assert [n.rsplit(".", 1)[1] for n in pending_files(sb)] == ["append"]  # where it was
+
+    monkeypatch.setattr(Ledger, "record_not_landed", record)
+    assert effects_of(sb).settle(submitter.ledger).refused == 1
+    flags = [e for e in submitter.ledger.events("me", call.tool_call_id) if e.kind == "flagged"]
+    assert len(flags) == 2  # told twice, the same bytes, kept under the name both give
+    assert flags[0].detail["effect"]["kept"] == flags[1].detail["effect"]["kept"]
+    kept = sb.root / flags[1].detail["effect"]["kept"]
+    assert kept.read_bytes() == b"untold\n" and pending_files(sb) == [kept.name]
+
+
 def test_execution__a_hard_link_planted_before_the_run_fails_refused(submitter, world):
     sb, tmp_path, mine = world
     call = submitter.prepare(
