@@ -5,6 +5,7 @@ what that proof does to a later attempt, and a human's review of a flagged call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import sqlalchemy as sa
@@ -19,6 +20,7 @@ from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import (
     TERMINAL,
     EventKind,
+    Flag,
     Review,
     Status,
     check_transition,
@@ -222,10 +224,18 @@ class LedgerResolution(LedgerBase):
 
     def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None:
         """A committed effect that cannot land (its target became a directory, or a path
-        through a symlink): on record, and the call flagged for a human."""
+        through a symlink): on record, and the call flagged for a human. Told once: a refusal
+        told again (a crash after the flag left the bytes where they were, and the next settle
+        refused them anew) names bytes a flag already names, waiting or reviewed, and records
+        nothing more."""
         with self._write() as conn:
-            seq = self._evidence(conn, execution_id, {"not_landed": detail}, "sandbox")
             ex = self._require_execution(conn, execution_id)
+            if "kept" in detail:  # the call's row locked: two settles refusing it tell it once
+                self._locked_operation(conn, ex.scope, ex.idempotency_key)
+                flags = fold_flags(self._flag_events(conn, ex.scope, ex.idempotency_key))
+                if Flag(execution_id, Review.NOT_LANDED.value, detail["kept"]) in chain(*flags):
+                    return
+            seq = self._evidence(conn, execution_id, {"not_landed": detail}, "sandbox")
             flagged = {"effect": detail, "evidence_seq": seq}
             self._flag(conn, ex, Review.NOT_LANDED, flagged, "sandbox")
 

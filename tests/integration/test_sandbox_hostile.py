@@ -556,11 +556,49 @@ def test_execution__a_refusal_the_ledger_was_not_told_of_is_refused_again_never_
 
     monkeypatch.setattr(Ledger, "record_not_landed", record)
     assert effects_of(sb).settle(submitter.ledger).refused == 1
-    flags = [e for e in submitter.ledger.events("me", call.tool_call_id) if e.kind == "flagged"]
-    assert len(flags) == 2  # told twice, the same bytes, kept under the name both give
-    assert flags[0].detail["effect"]["kept"] == flags[1].detail["effect"]["kept"]
-    kept = sb.root / flags[1].detail["effect"]["kept"]
+    history = submitter.ledger.events("me", call.tool_call_id)
+    flags = [e for e in history if e.kind == "flagged"]
+    assert len(flags) == 1  # told once: the second refusal names the bytes the flag names
+    assert sum("not_landed" in e.detail for e in history if e.kind == "evidence") == 1
+    kept = sb.root / flags[0].detail["effect"]["kept"]
     assert kept.read_bytes() == b"untold\n" and pending_files(sb) == [kept.name]
+
+
+def test_execution__a_refusal_reviewed_before_its_bytes_went_aside_is_not_told_again(
+    submitter, world, monkeypatch
+):
+    """A crash after the flag, a human who settles the call before the next settle: that
+    settle sets the bytes aside under the name the reviewed flag gives, tells no one again
+    (the call stays out of the inbox), and the next sweep pass removes them."""
+    sb, _, mine = world
+
+    def plant() -> None:
+        (mine / "plain.txt").unlink()
+        (mine / "plain.txt").mkdir()
+
+    record = Ledger.record_not_landed
+
+    def killed_after_the_flag(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
+        record(self, execution_id, detail)
+        raise KeyboardInterrupt  # the process dies before the bytes are set aside
+
+    monkeypatch.setattr(Ledger, "record_not_landed", killed_after_the_flag)
+    with pytest.raises(KeyboardInterrupt):
+        append_planted_after_commit(submitter, sb, monkeypatch, "c-seen", "seen\n", plant)
+    monkeypatch.setattr(Ledger, "record_not_landed", record)
+    (flag,) = [e for e in submitter.ledger.events("me", "c-seen") if e.kind == "flagged"]
+    submitter.ledger.review(
+        flag.execution_id, Status.SUCCEEDED, by="dana", evidence="left it: plain.txt/ stays"
+    )
+    assert submitter.ledger.get("me", "c-seen").operation.review is None
+
+    assert effects_of(sb).settle(submitter.ledger).refused == 1
+    assert [e.kind for e in submitter.ledger.events("me", "c-seen")].count("flagged") == 1
+    assert submitter.ledger.get("me", "c-seen").operation.review is None  # not back in the inbox
+    kept = sb.root / flag.detail["effect"]["kept"]
+    assert pending_files(sb) == [kept.name]
+    assert effects_of(sb).sweep_refused(submitter.ledger) == 1
+    assert pending_files(sb) == []
 
 
 def test_execution__a_hard_link_planted_before_the_run_fails_refused(submitter, world):
