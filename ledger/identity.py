@@ -24,6 +24,11 @@ MAX_ARGS_BYTES = 1024 * 1024
 
 _SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TOOL = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: How the ledger names a tool the MCP proxy forwards: ``mcp.`` and the upstream's own name.
+#: A registered tool's name has no dot, so no proxied call can ever be taken for a registered
+#: tool of the same name (by a worker handed it, a reconciler, a retry): they do not know it.
+PROXIED_PREFIX = "mcp."
+_PROXIED = re.compile(r"mcp\.[A-Za-z0-9_-]{1,60}")
 
 
 def canonical_json(value: Any) -> str:
@@ -67,6 +72,14 @@ def check_scope(scope: str) -> str:
 
 
 def check_tool_name(tool: str) -> str:
+    """A name the ledger records: a registered tool's, or a proxied one (``mcp.NAME``)."""
+    if not isinstance(tool, str) or not (_TOOL.fullmatch(tool) or _PROXIED.fullmatch(tool)):
+        raise InvalidIdentifier(f"tool name {tool!r} is not 1-64 of [A-Za-z0-9_-]")
+    return tool
+
+
+def check_registered_name(tool: str) -> str:
+    """A name a registered tool may take: never one of the proxy's."""
     if not isinstance(tool, str) or not _TOOL.fullmatch(tool):
         raise InvalidIdentifier(f"tool name {tool!r} is not 1-64 of [A-Za-z0-9_-]")
     return tool

@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from toolledger.ledger.errors import StateError
+from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
-from toolledger.tools import Registry
+from toolledger.tools import Registry, UnknownTool
 
 #: Publishes an authorised attempt: ``(scope, idempotency_key, attempt) -> what happened``
 #: (the worker's ``Submitter.enqueue``; an enqueue error is reported, the sweep re-publishes).
@@ -38,6 +39,11 @@ def retry(
     """
     view = ledger.get(scope, tool_call_id)
     op = view.operation
+    if op.tool.startswith(PROXIED_PREFIX):
+        raise UnknownTool(
+            f"unknown tool {op.tool!r}: an upstream tool the MCP proxy forwards, which no "
+            "worker runs; resolve the call once you know what the upstream did"
+        )
     tool = registry.get(op.tool)
     # A sandboxed tool's attempts that did not succeed left nothing (the fence): no duplicate.
     nothing_landed = tool.sandboxed and all(e.fenced and not e.own_success for e in view.executions)

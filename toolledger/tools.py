@@ -41,6 +41,7 @@ import pydantic
 
 from toolledger.effects import LeaseWatch
 from toolledger.ledger.errors import InvalidArguments, NotFound
+from toolledger.ledger.identity import check_registered_name
 from toolledger.ledger.transitions import Status
 from toolledger.sandbox import Sandbox
 
@@ -209,6 +210,7 @@ class Registry:
             self.register(t)
 
     def register(self, t: Tool) -> Tool:
+        check_registered_name(t.name)
         existing = self._tools.get(t.name)
         if existing is not None and existing is not t and existing.run is not t.run:
             raise ValueError(f"a different tool named {t.name!r} is already registered")

@@ -346,24 +346,25 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     assert out["relisted"]["charge"].annotations.idempotent_hint is True
     first = out["first"]
     assert not first.is_error and first.content[0].text == "charged 5"
-    assert first.structured_content == {"charged": 5, "key": "charge:call_1"}
+    assert first.structured_content == {"charged": 5, "key": "mcp.charge:call_1"}
     assert first.meta["toolledger/status"] == "succeeded"
     assert out["second"] == first and out["later"] == first  # replayed, not forwarded
     assert out["refused"].is_error and out["refused"].content[0].text == "no"
     assert out["refused_again"] == out["refused"]
     calls = invocations(log)
     assert [c["tool"] for c in calls] == ["charge", "refuse"]  # once each, over six answers
-    assert calls[0]["meta"] == {"toolledger/idempotency_key": "charge:call_1"}
+    assert calls[0]["meta"] == {"toolledger/idempotency_key": "mcp.charge:call_1"}
     assert calls[0]["arguments"] == {"amount": 5}
     ledger = Ledger(world.db)
     try:
         view = ledger.get(scope, "call_1")
+        assert view.operation.tool == "mcp.charge"  # never a registered tool's name
         (ex,) = view.executions
         assert ex.status.value == "succeeded" and ex.worker_id.startswith("mcp-proxy@")
         assert ex.result == {
             "content": [{"type": "text", "text": "charged 5"}],
             "isError": False,
-            "structuredContent": {"charged": 5, "key": "charge:call_1"},
+            "structuredContent": {"charged": 5, "key": "mcp.charge:call_1"},
         }
         assert ledger.get(scope, "call_2").operation.status.value == "failed"
     finally:
@@ -436,7 +437,8 @@ def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forward
             # for a human: retry needs the tool in a registry (refused, nothing changes);
             # resolve does not, and its decision is what the next answer says
             retry = cli(world, "retry", "--scope", scope, "--tool-call-id", "cut_1", "--by", "al")
-            assert retry.returncode == 4 and "unknown tool 'slow_charge'" in retry.stderr
+            assert retry.returncode == 4 and "unknown tool 'mcp.slow_charge'" in retry.stderr
+            assert "the MCP proxy forwards" in retry.stderr
             resolved = cli(
                 world, "resolve", "--execution-id", ex.execution_id, "--as", "failed",
                 "--by", "al", "--evidence", "no charge upstream",

@@ -1,19 +1,28 @@
 """The proxy's forward, driven directly: a call revoked while its proxy was frozen between
 claim and send is never sent upstream, and the proxy records that it was not (which proves
-the call not applied); a call still held is sent exactly once. On both backends."""
+the call not applied); a call still held is sent exactly once. An upstream tool named like a
+registered one is never run as the registered one. On both backends."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 from mcp import types
 
+from toolledger.builtin_tools import BUILTINS
+from toolledger.ledger.errors import InvalidIdentifier
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
-from toolledger.mcp.proxy import Proxy
+from toolledger.mcp.proxy import Proxy, ledger_name
+from toolledger.recovery import humans
 from toolledger.recovery.reconcile import late_result
-from toolledger.tools import Absent
+from toolledger.sandbox import Sandbox
+from toolledger.tools import Absent, Registry, UnknownTool
+from toolledger.worker.pipeline import Executor
 
 
 class Upstream:
@@ -35,8 +44,8 @@ def proxy_for(ledger: Ledger, upstream: Upstream) -> Proxy:
 
 
 def claimed(ledger: Ledger, scope: str, call_id: str) -> Any:
-    ledger.submit(scope, call_id, "charge", {"cents": 5}, approved_by="host")
-    claim = ledger.claim(scope, f"charge:{call_id}", 1, worker_id="mcp-proxy@test:1")
+    ledger.submit(scope, call_id, ledger_name("charge"), {"cents": 5}, approved_by="host")
+    claim = ledger.claim(scope, f"mcp.charge:{call_id}", 1, worker_id="mcp-proxy@test:1")
     assert claim is not None
     return claim
 
@@ -56,5 +65,34 @@ def test_forward__a_call_still_held_is_sent_once_and_finished(ledger: Ledger, sc
     claim = claimed(ledger, scope, "c2")
     anyio.run(proxy_for(ledger, upstream)._forward, claim)
     assert len(upstream.sent) == 1
-    assert upstream.sent[0].params.meta == {"toolledger/idempotency_key": "charge:c2"}
+    assert upstream.sent[0].params.name == "charge"  # the upstream's own name
+    assert upstream.sent[0].params.meta == {"toolledger/idempotency_key": "mcp.charge:c2"}
     assert ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
+
+
+def test_proxied__an_upstream_write_file_is_never_run_as_the_built_in(
+    ledger: Ledger, scope: str, tmp_path: Path
+) -> None:
+    """What the proxy records for an upstream tool called ``write_file``, left approved and
+    unclaimed (the proxy died, or lost its upstream, after the submit), is handed to a worker
+    by the sweep's re-publish: the worker does not know the tool and runs nothing. A retry is
+    refused (no worker could run it); the built-in of that name stays the built-in."""
+    args = {"path": "notes.txt", "content": "meeting at 3"}
+    key = ledger.submit(scope, "up-1", ledger_name("write_file"), args, approved_by="mcp")
+    assert key.operation.tool == "mcp.write_file"
+    registry = Registry(list(BUILTINS))
+    sandbox = Sandbox(tmp_path / "sandbox")
+    executor = Executor(ledger, registry, sandbox, worker_id="w", lease_seconds=30)
+    outcome = executor.execute(scope, key.operation.idempotency_key, 1)
+    assert outcome.status is Status.FAILED and outcome.result is not None
+    assert outcome.result["error"] == "refused"
+    assert not (sandbox.root / scope / "notes.txt").exists()
+    with pytest.raises(UnknownTool, match="the MCP proxy forwards"):
+        humans.retry(ledger, registry, lambda *_: {}, scope, "up-1", by="al", accept_duplicate=True)
+    assert ledger.get(scope, "up-1").operation.authorized_attempts == 1
+
+
+def test_proxied__no_registered_tool_can_take_a_proxied_name() -> None:
+    (builtin,) = [t for t in BUILTINS if t.name == "write_file"]
+    with pytest.raises(InvalidIdentifier):
+        Registry([dataclasses.replace(builtin, name=ledger_name("write_file"))])

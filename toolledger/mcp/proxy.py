@@ -21,11 +21,13 @@ lease expires the sweep marks it ``unknown`` (no reconciler knows an upstream to
 stays there for a human: ``toolledger resolve``), and the same call asked again is answered
 with that unknown receipt — it is never forwarded again.
 
-Upstream tools are not in the registry: the ledger and the sweep need nothing from it for
-them (an unknown tool has no reconciler and no fence, so its unknown calls wait for a human).
-A worker that is handed one (the sweep re-publishes approved work nobody claimed, e.g. after
-a proxy died between submit and claim) ends it ``failed`` without running anything: the
-worker does not know the tool.
+Upstream tools are not in the registry, and the ledger records them as ``mcp.NAME``, a name
+no registered tool can take (an upstream ``write_file`` is never the built-in one): the ledger
+and the sweep need nothing from the registry for them (an unknown tool has no reconciler and
+no fence, so its unknown calls wait for a human; ``retry`` refuses them). A worker that is
+handed one (the sweep re-publishes approved work nobody claimed, e.g. after a proxy died
+between submit and claim) ends it ``failed`` without running anything: the worker does not
+know the tool.
 """
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ from toolledger.client import AsyncClient, ReceiptTimeout
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, LedgerError, StaleFence
-from toolledger.ledger.identity import check_scope, check_text_id, check_tool_name
+from toolledger.ledger.identity import (
+    PROXIED_PREFIX,
+    check_scope,
+    check_text_id,
+    check_tool_name,
+)
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim, Receipt
 from toolledger.ledger.transitions import Status
@@ -79,7 +86,7 @@ T = TypeVar("T")
 RECORD_TRIES = 6
 RECORD_BACKOFF_SECONDS = 0.2
 
-_TOOL_NAME = "1-64 of [A-Za-z0-9_-]"
+_TOOL_NAME = "1-60 of [A-Za-z0-9_-]"
 
 
 class UpstreamError(Exception):
@@ -116,10 +123,15 @@ def refusal(tools: Sequence[types.Tool], idempotent: set[str]) -> str | None:
 
 def _valid_name(name: str) -> bool:
     try:
-        check_tool_name(name)
+        check_tool_name(ledger_name(name))
     except InputError:
         return False
     return True
+
+
+def ledger_name(upstream_name: str) -> str:
+    """The name the ledger records an upstream tool's calls under."""
+    return PROXIED_PREFIX + upstream_name
 
 
 def stored_result(result: types.CallToolResult) -> dict[str, Any]:
@@ -229,7 +241,7 @@ class Proxy:
                 self.ledger.submit,
                 ident.scope,
                 ident.tool_call_id,
-                params.name,
+                ledger_name(params.name),
                 args,
                 approved_by=self.approved_by,
                 actor="mcp-proxy",
@@ -271,7 +283,7 @@ class Proxy:
         """Send the claimed call upstream once and record what came back."""
         request = types.CallToolRequest(
             params=types.CallToolRequestParams(
-                name=claim.tool,
+                name=claim.tool.removeprefix(PROXIED_PREFIX),
                 arguments=claim.args,
                 _meta={META_IDEMPOTENCY_KEY: claim.idempotency_key},
             )
@@ -410,7 +422,7 @@ class Proxy:
             "staged": [],
             "landed": False,
             "proves": proves.value if proves else None,
-            "idempotent": claim.tool in self.idempotent,
+            "idempotent": claim.tool.removeprefix(PROXIED_PREFIX) in self.idempotent,
         }
         log.warning("%s was revoked: its result is kept as evidence", claim.execution_id)
         try:
@@ -420,7 +432,7 @@ class Proxy:
                 detail,
                 actor=self.worker_id,
                 outcome=proves,
-                idempotent=claim.tool in self.idempotent,
+                idempotent=claim.tool.removeprefix(PROXIED_PREFIX) in self.idempotent,
             )
         except sa.exc.SQLAlchemyError as exc:
             log.error(
