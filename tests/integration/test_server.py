@@ -6,6 +6,8 @@ same input layer as the CLI's."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from toolledger.config import ConfigError, Settings
+from toolledger.ledger.errors import NotFound
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 from toolledger.server.app import create_app
@@ -125,6 +128,23 @@ def test_list__pages_with_a_cursor(server: Any, scope: str) -> None:
     assert sorted(seen) == [f"c{i}" for i in range(7)] and len(seen) == 7
     bad = client.get("/api/calls", params={"cursor": "garbage"}, headers=bearer("vera"))
     assert bad.status_code == 422 and bad.json()["kind"] == "input"
+
+    def crafted(*position: str) -> str:
+        return base64.urlsafe_b64encode(json.dumps(list(position)).encode()).decode()
+
+    login(client, "vera")
+    for params in (
+        {"cursor": crafted("2020-01-01T00:00:00", "a", "b")},  # a naive time
+        {"cursor": crafted("2020-01-01T00:00:00+00:00", "a\x00", "b")},
+        {"cursor": crafted("2020-01-01T00:00:00+00:00", "a", "b\x00")},
+        {"scope": "a\x00"},
+        {"scope": "../a"},
+    ):
+        r = client.get("/api/calls", params=params, headers=bearer("vera"))
+        assert r.status_code == 422 and r.json()["kind"] == "input", (params, r.text)
+        assert "\n" not in r.json()["error"]
+        page = client.get("/calls", params=params)  # the console: its error page, no 500
+        assert page.status_code == 422, (params, page.text)
 
 
 def test_approve_reject__recorded_in_the_tokens_name(server: Any, scope: str) -> None:
@@ -376,6 +396,21 @@ def test_sessions__signed_expiring_and_ended_by_rotation() -> None:
     assert auth.check_csrf(cookie, auth.csrf_for(cookie))
     assert not auth.check_csrf(cookie, auth.csrf_for(cookie + "x"))
     assert not auth.check_csrf(cookie, None)
+    assert not auth.check_csrf(cookie, "é\udcff")  # any text: refused, never an error
+    assert auth.by_session("abc.\xe9", now=1001.0) is None
+    assert auth.by_session(cookie.split(".")[0] + ".é", now=1001.0) is None
+
+
+def test_sessions__the_cookie_is_no_oracle_for_the_secret() -> None:
+    """The cookie is readable by whoever holds it: its fingerprint of the token is keyed
+    with the session key, so a weak secret cannot be found from it offline."""
+    t = parse_tokens("ann:approver:0123456789abcdef", "t")[0]
+    cookie = Authenticator([t], b"k" * 32).session_for(t, now=1000.0)
+    body = json.loads(base64.urlsafe_b64decode(cookie.split(".")[0] + "=="))
+    unkeyed = hashlib.sha256(f"{t.name}\0{t.secret}".encode()).hexdigest()[:32]
+    assert body["f"] != unkeyed
+    other = Authenticator([t], b"j" * 32).session_for(t, now=1000.0)
+    assert json.loads(base64.urlsafe_b64decode(other.split(".")[0] + "=="))["f"] != body["f"]
 
 
 # ----------------------------------------------------------------------------- console
@@ -400,6 +435,9 @@ def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
     assert client.get("/", follow_redirects=False).status_code == 303  # to /login
     r = client.post("/login", data={"nonce": "x", "token": SECRETS["ann"]}, follow_redirects=False)
     assert r.status_code == 403  # no login nonce cookie: a forged login form
+    client.get("/login")  # the nonce cookie set; a nonce that is not ASCII is no 500
+    r = client.post("/login", data={"nonce": "é", "token": SECRETS["ann"]}, follow_redirects=False)
+    assert r.status_code == 403
     login(client, "ann")
     page = client.get(f"/calls/{scope}/p")
     assert page.status_code == 200 and "Approve" in page.text
@@ -409,6 +447,8 @@ def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
     assert r.status_code == 403  # no CSRF token: refused, nothing done
     r = client.post(url, data={"reason": "fine", "csrf": "forged"}, follow_redirects=False)
     assert r.status_code == 403
+    r = client.post(url, data={"reason": "fine", "csrf": "é"}, follow_redirects=False)
+    assert r.status_code == 403  # not ASCII: refused like any forgery, not a 500
     assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
     token = csrf_of(page.text)
     r = client.post(url, data={"reason": "", "csrf": token}, follow_redirects=False)
@@ -564,3 +604,75 @@ def _reads_after_a_drop(client: TestClient, ledger: Ledger, scope: str) -> None:
     for _ in range(3):
         r = client.get(f"/api/calls/{scope}/p", headers=h)
         assert r.status_code == 200, r.text
+
+
+def test_insecure_local__refuses_other_sites_and_other_host_names(
+    fresh_db_url: str, tmp_path: Path, scope: str
+) -> None:
+    """No token: every request is the operator. A page on another site (a no-cors POST needs
+    no preflight) must not approve or submit, and a rebound DNS name must not read."""
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    ledger = Ledger(fresh_db_url)
+    pending(ledger, scope, "p")
+    app = create_app(settings, [], insecure_local=True, metrics=False)
+    approve = f"/api/calls/{scope}/p/approve"
+    body = '{"reason": "x"}'
+    plain = {"Content-Type": "text/plain"}
+    with TestClient(app, base_url="http://127.0.0.1:8420") as client:
+        for headers in (
+            {**plain, "Origin": "https://evil.example"},
+            {**plain, "Origin": "null"},
+            {**plain, "Origin": "http://127.0.0.1:9999"},  # another local server's page
+            {**plain, "Sec-Fetch-Site": "cross-site"},
+            {**plain, "Sec-Fetch-Site": "same-site"},
+        ):
+            r = client.post(approve, content=body, headers=headers)
+            assert r.status_code == 403 and r.json()["kind"] == "forbidden", (headers, r.text)
+        submit = {"scope": scope, "tool_call_id": "q", "tool": "write_file",
+                  "args": {"path": "q.txt", "content": "q"}, "approve": True}  # fmt: skip
+        r = client.post(
+            "/api/calls", content=json.dumps(submit),
+            headers={**plain, "Origin": "https://evil.example"},
+        )  # fmt: skip
+        assert r.status_code == 403
+        for host in ("evil.example", "evil.example:8420", "127.0.0.1.nip.io"):
+            r = client.get(f"/api/calls/{scope}/p", headers={"Host": host})
+            assert r.status_code == 403 and "loopback" in r.json()["error"], host
+        assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
+        with pytest.raises(NotFound):  # nothing of q was recorded
+            ledger.get(scope, "q")
+        # the operator's own: its console (same origin), curl and the client (no Origin)
+        assert client.get(f"/api/calls/{scope}/p", headers={"Host": "localhost:8420"}).is_success
+        r = client.post(approve, content=body, headers={"Origin": "http://127.0.0.1:8420"})
+        assert r.status_code == 200, r.text
+        assert ledger.get(scope, "p").operation.status is Status.APPROVED
+        pending(ledger, scope, "p2")
+        r = client.post(f"/api/calls/{scope}/p2/reject", json={"reason": "no"})
+        assert r.status_code == 200, r.text
+    ledger.close()
+
+
+def test_ids_with_a_slash__an_escaped_suffix_is_part_of_the_id(server: Any, scope: str) -> None:
+    """A tool_call_id may end in "/events" or "/approve": sent escaped, it is that call's,
+    never the shorter call's events or its approval."""
+    client, ledger = server
+    pending(ledger, scope, "x")
+    pending(ledger, scope, "x/events", "b.txt")
+    h = bearer("otto")
+    shown = client.get(f"/api/calls/{scope}/x%2Fevents", headers=h)
+    assert shown.status_code == 200 and shown.json()["tool_call_id"] == "x/events"
+    events = client.get(f"/api/calls/{scope}/x/events", headers=h)
+    assert events.status_code == 200 and "events" in events.json()
+    for action in ("approve", "reject", "retry"):
+        r = client.post(f"/api/calls/{scope}/x%2F{action}", json={"reason": "r"}, headers=h)
+        assert r.status_code == 404, (action, r.text)
+    assert ledger.get(scope, "x").operation.status is Status.PENDING_APPROVAL
+    r = client.post(f"/api/calls/{scope}/x%2Fevents/approve", json={"reason": "r"}, headers=h)
+    assert r.status_code == 200 and r.json()["tool_call_id"] == "x/events", r.text

@@ -16,7 +16,7 @@ from toolledger.ledger.db import ensure_schema
 from toolledger.ledger.errors import LedgerError
 from toolledger.server import api, console
 from toolledger.server.auth import LOCAL, Authenticator, Token
-from toolledger.server.deps import BodyLimit, error_response, max_body_for
+from toolledger.server.deps import BodyLimit, LoopbackOnly, error_response, max_body_for
 from toolledger.server.state import Desk
 from toolledger.worker.submit import Submitter
 
@@ -60,6 +60,8 @@ def create_app(
     app.include_router(api.router)
     app.include_router(console.router)
     app.add_middleware(BodyLimit, api_limit=max_body_for(settings))
+    if app.state.local is not None:
+        app.add_middleware(LoopbackOnly)
 
     @app.exception_handler(LedgerError)
     async def ledger_error(request: Request, exc: LedgerError) -> Response:

@@ -80,11 +80,6 @@ class Token:
     def sees(self, scope: str) -> bool:
         return self.scopes is None or scope in self.scopes
 
-    @property
-    def fingerprint(self) -> str:
-        """Changes when the secret does: a rotated token's sessions end."""
-        return hashlib.sha256(f"{self.name}\0{self.secret}".encode()).hexdigest()[:32]
-
 
 #: The one identity of ``serve --insecure-local`` (loopback only, no tokens configured).
 LOCAL = Token("local", Role.OPERATOR, secrets.token_urlsafe(32))
@@ -142,6 +137,14 @@ def load_tokens(env: Mapping[str, str] | None = None) -> list[Token]:
     return parse_tokens(text, " + ".join(sources) or "tokens")
 
 
+def same_text(known: str, given: str) -> bool:
+    """Constant-time equality of two strings of any characters (``hmac.compare_digest``
+    raises on a str that is not ASCII: a forged cookie or form field is not an error)."""
+    return hmac.compare_digest(
+        known.encode("utf-8", "surrogatepass"), given.encode("utf-8", "surrogatepass")
+    )
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -170,13 +173,19 @@ class Authenticator:
         return found
 
     def _sign(self, payload: str) -> str:
-        return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
+        data = payload.encode("utf-8", "surrogatepass")
+        return _b64(hmac.new(self._key, data, hashlib.sha256).digest())
+
+    def _fingerprint(self, token: Token) -> str:
+        """Changes when the secret does: a rotated token's sessions end. Keyed with the
+        session key: the cookie (readable by whoever holds it) is no oracle for the secret."""
+        return self._sign(f"fingerprint\0{token.name}\0{token.secret}")[:32]
 
     def session_for(self, token: Token, now: float | None = None) -> str:
         body = json.dumps(
             {
                 "n": token.name,
-                "f": token.fingerprint,
+                "f": self._fingerprint(token),
                 "e": int((now or time.time()) + SESSION_SECONDS),
             },
             separators=(",", ":"),
@@ -188,7 +197,7 @@ class Authenticator:
         if not cookie or cookie.count(".") != 1:
             return None
         payload, mac = cookie.split(".")
-        if not hmac.compare_digest(self._sign(payload), mac):
+        if not same_text(self._sign(payload), mac):
             return None
         try:
             body = json.loads(_unb64(payload))
@@ -196,7 +205,9 @@ class Authenticator:
         except (ValueError, KeyError, TypeError):
             return None
         token = self._by_name.get(name) if isinstance(name, str) else None
-        if token is None or token.fingerprint != fingerprint:
+        if token is None or not (
+            isinstance(fingerprint, str) and same_text(self._fingerprint(token), fingerprint)
+        ):
             return None  # removed or rotated since
         if not isinstance(expires, int) or expires < (now or time.time()):
             return None
@@ -207,4 +218,4 @@ class Authenticator:
         return self._sign(f"csrf\0{session}")
 
     def check_csrf(self, session: str, given: str | None) -> bool:
-        return bool(given) and hmac.compare_digest(self.csrf_for(session), given or "")
+        return bool(given) and same_text(self.csrf_for(session), given or "")

@@ -24,6 +24,7 @@ from toolledger.server.auth import (
     SESSION_SECONDS,
     Action,
     Token,
+    same_text,
 )
 from toolledger.server.deps import ERRORS, desk_of, token_of
 
@@ -145,7 +146,7 @@ async def login(request: Request) -> Response:
     nonce, secret = form.get("nonce"), form.get("token")
     target = _local_path(str(form.get("next") or "/"))
     expected = request.cookies.get(LOGIN_COOKIE)
-    if not (isinstance(nonce, str) and expected and secrets.compare_digest(nonce, expected)):
+    if not (isinstance(nonce, str) and expected and same_text(expected, nonce)):
         return render(
             request,
             "login.html",

@@ -132,6 +132,60 @@ class BodyLimit:
         await self.app(scope, bounded, send)
 
 
+#: Names a request to ``serve --insecure-local`` may give its Host (it binds loopback only).
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+#: Methods that change nothing, whoever sends them.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def host_name(authority: str) -> str:
+    """The name in a ``Host`` header, without its port (``[::1]:8420`` -> ``::1``)."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):
+        return authority[1:].partition("]")[0]
+    return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
+
+
+class LoopbackOnly:
+    """``serve --insecure-local``: no token, so every request is the operator, and only the
+    operator's own requests may reach it. Refused (403, nothing read or changed): a Host that
+    is not a loopback name (DNS rebinding: another site's name pointed at 127.0.0.1, whose
+    pages could then read every answer and the console's CSRF token), and a request that
+    changes something and that a browser says came from another site (``Origin`` not this
+    server, ``Sec-Fetch-Site`` cross-site or same-site): a page the operator opens could
+    otherwise approve, retry and submit calls, a duplicate effect accepted included. A
+    request no browser sent (curl, the client) carries neither header and passes."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            why = self.refusal(scope)
+            if why is not None:
+                await error_response(Forbidden(why))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def refusal(scope: Any) -> str | None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        if host_name(host) not in LOOPBACK_NAMES:
+            return f"--insecure-local answers only requests to a loopback name, not {host!r}"
+        if scope["method"] in SAFE_METHODS:
+            return None
+        origin = headers.get("origin")
+        if origin is not None and origin.lower() not in (
+            f"http://{host}".lower(),
+            f"https://{host}".lower(),
+        ):
+            return f"--insecure-local refuses a request from another site ({origin!r})"
+        if headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+            return "--insecure-local refuses a request from another site (Sec-Fetch-Site)"
+        return None
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, Unauthorized):
         return JSONResponse(

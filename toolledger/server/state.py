@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 from toolledger.config import Settings
 from toolledger.ledger import inputs
-from toolledger.ledger.errors import InvalidArguments, NotFound, StateError
-from toolledger.ledger.identity import check_text_id
+from toolledger.ledger.errors import InputError, InvalidArguments, NotFound, StateError
+from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import CallView, EventRecord, ListedCall
@@ -36,11 +36,16 @@ def encode_cursor(position: tuple[datetime, str, str]) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[datetime, str, str]:
+    """A position this server gave out: an aware time, a scope and a key the ledger could
+    hold (anything else is refused here, never handed to the database)."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         at, scope, key = inputs.loads(raw, "cursor")
-        return datetime.fromisoformat(at), str(scope), str(key)
-    except (ValueError, TypeError, InvalidArguments):
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError("a naive time")
+        return when, check_scope(scope), check_text_id(key, "key")
+    except (ValueError, TypeError, InputError):
         raise InvalidArguments("cursor is not one this server gave out") from None
 
 
@@ -132,6 +137,8 @@ class Desk:
             raise InvalidArguments(f"limit must be 1..{PAGE_LIMIT}")
         wanted = parse_status(status) if status else None
         after = decode_cursor(cursor) if cursor else None
+        if scope is not None:
+            check_scope(scope)
         if scope is not None and not who.sees(scope):
             return Page([], None)
         rows = self._read(
