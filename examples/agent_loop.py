@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from toolledger import AsyncClient, Client
+from toolledger import AsyncClient, CallsWaiting, Client
 
 Message = dict[str, Any]
 
@@ -57,7 +57,8 @@ def scripted_model() -> Callable[[list[Message]], Message]:
 
 def policy(tool: str, tool_call_id: str, args: dict[str, Any]) -> str | None:
     """Who approves a call: this policy approves writes under report/; None leaves a call
-    for a person (it comes back as pending_approval, never as an invented result)."""
+    for a person: the turn then raises CallsWaiting (nothing is answered, never an invented
+    result), and the same run, started again once a person decided, picks it up."""
     return "policy:report-writer" if str(args.get("path", "")).startswith("report/") else None
 
 
@@ -90,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scope", default="agent-loop")
     parser.add_argument("--async", dest="use_async", action="store_true")
     args = parser.parse_args(argv)
-    messages = asyncio.run(run_async(args.scope)) if args.use_async else run(args.scope)
+    try:
+        messages = asyncio.run(run_async(args.scope)) if args.use_async else run(args.scope)
+    except CallsWaiting as waiting:  # the run pauses; run it again once they are decided
+        raise SystemExit(f"paused: {waiting}") from None
     print(json.dumps(messages, ensure_ascii=False, indent=2))
 
 

@@ -236,7 +236,9 @@ class Receipt:
 
     @property
     def is_error(self) -> bool:
-        return self.status in (Status.FAILED, Status.REJECTED)
+        """Failed, rejected, or unknown (whether it took effect is not known): never read as
+        a success by the model or its framework (DESIGN §6)."""
+        return self.status in (Status.FAILED, Status.REJECTED, Status.UNKNOWN)
 
     @property
     def text(self) -> str:

@@ -381,11 +381,21 @@ FORMATS = tuple(REGISTRY)
 
 
 def detect(items: list[Any]) -> Format | None:
-    """The format the items are written in, or None if they hold no tool call at all."""
-    for it in items:
+    """The format the items are written in, or None if they hold no tool call at all.
+    Items of two formats are refused (TranscriptError): reading one would silently pass over
+    the calls written in the other."""
+    found: Format | None = None
+    for i, it in enumerate(items):
         if not isinstance(it, dict):
             continue
         for fmt in REGISTRY.values():
-            if fmt.recognises(it):
-                return fmt
-    return None
+            if not fmt.recognises(it):
+                continue
+            if found is None:
+                found = fmt
+            elif fmt is not found:
+                raise TranscriptError(
+                    f"item {i + 1} is written in {fmt.name} form, an earlier one in "
+                    f"{found.name} form: one transcript, one format"
+                )
+    return found

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         ToolError,
         tool,
     )
+    from toolledger.turns import CallsWaiting
     from toolledger.worker.submit import Submitter
 
 #: Public name -> the module that defines it.
@@ -74,6 +75,7 @@ _EXPORTS = {
     "ToolContext": "toolledger.tools",
     "ToolError": "toolledger.tools",
     "tool": "toolledger.tools",
+    "CallsWaiting": "toolledger.turns",
     "Submitter": "toolledger.worker.submit",
 }
 
@@ -81,6 +83,7 @@ __all__ = [
     "Absent",
     "AsyncClient",
     "CallHandle",
+    "CallsWaiting",
     "Client",
     "ConfigError",
     "ConflictError",

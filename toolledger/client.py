@@ -285,6 +285,19 @@ class Client:
 
     # ------------------------------------------------------------------ calls
 
+    def check(
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        key: str | None = None,
+    ) -> None:
+        """Every check ``submit`` makes before it records anything (identifiers, size, the
+        tool, its schema, sandbox paths), recording nothing: InputError or UnknownTool."""
+        self._submitter.prepare(scope, tool_call_id, tool, args, key)
+
     def submit(
         self,
         scope: str,

@@ -8,10 +8,15 @@ Messages form (``tool_use`` blocks), or the list of output items of an OpenAI Re
 Responses, one ``function_call_output`` item per call; Anthropic, one ``user`` message holding
 every ``tool_result`` block.
 
+Every call of the turn is checked (its arguments, tool, schema and paths) and every approval
+asked before the first is submitted: a turn refused for any of its calls records none.
+
 A call that needs a human (``approve`` returned None for it, and nobody decided in time) or
-is still running when ``timeout`` ends comes back as what it is — ``pending_approval``,
-``approved`` or ``running``, with a message that says nothing ran or nothing is known yet —
-never as an invented result; an ``unknown`` call comes back with the text ``repair`` writes.
+is still running when ``timeout`` ends has no receipt, so there is nothing true to tell the
+model yet: the turn answers nothing and raises ``CallsWaiting`` naming those calls (the
+application pauses the run, as agent SDKs do with interruptions, and runs the same turn
+again later: every call is found in the ledger, none runs twice). An ``unknown`` call comes
+back with the text ``repair`` writes, marked as an error.
 """
 
 from __future__ import annotations
@@ -42,6 +47,20 @@ WAITING_MESSAGES = {
 }
 
 Approve = Callable[[str, str, dict[str, Any]], Any]
+
+
+class CallsWaiting(TimeoutError):
+    """Calls of the turn still without a receipt when ``timeout`` ended (pending approval,
+    approved, running): ``waiting`` maps their tool_call_ids to their statuses, in call order.
+    Nothing was answered; the same turn run again later waits for them again."""
+
+    def __init__(self, scope: str, waiting: dict[str, str]) -> None:
+        named = ", ".join(f"{cid!r} ({status})" for cid, status in waiting.items())
+        super().__init__(
+            f"{len(waiting)} call(s) of the turn in scope {scope!r} have no receipt yet: "
+            f"{named}; run the same turn again once they have one"
+        )
+        self.scope, self.waiting = scope, waiting
 
 
 def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]:
@@ -77,6 +96,26 @@ def waiting_receipt(status: str) -> Receipt:
     return Receipt(s, {"status": s.value, "message": WAITING_MESSAGES[s]}, None)
 
 
+def checked_calls(client: Client, scope: str, message: Any) -> tuple[Format, list[Call], list[Any]]:
+    """The turn's format, its calls and their arguments, every call checked as ``submit``
+    would check it: a turn refused for one call records none."""
+    fmt, calls = parse_turn(message)
+    arguments = [call_args(call) for call in calls]
+    for call, args in zip(calls, arguments, strict=True):
+        client.check(scope, call.id, call.name, args)
+    return fmt, calls, arguments
+
+
+def answered(
+    scope: str, fmt: Format, outcomes: list[tuple[Call, Receipt | str]]
+) -> list[dict[str, Any]]:
+    """The turn's items, or CallsWaiting if any call has a status but no receipt."""
+    waiting = {c.id: r for c, r in outcomes if isinstance(r, str)}
+    if waiting:
+        raise CallsWaiting(scope, waiting)
+    return fmt.items([(c, r) for c, r in outcomes if isinstance(r, Receipt)])
+
+
 def run_turn(
     client: Client,
     scope: str,
@@ -85,21 +124,22 @@ def run_turn(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    fmt, calls = parse_turn(message)
+    fmt, calls, arguments = checked_calls(client, scope, message)
+    asked = zip(calls, arguments, strict=True)
+    approvers = [approve(c.name, c.id, a) if approve else None for c, a in asked]
     deadline = None if timeout is None else time.monotonic() + timeout
-    handles = []
-    for call in calls:  # in order: the model's order is the effects' order
-        args = call_args(call)
-        approver = approve(call.name, call.id, args) if approve else None
-        handles.append((call, client.submit(scope, call.id, call.name, args, approved_by=approver)))
-    pairs = []
+    handles = [  # in order: the model's order is the effects' order
+        (call, client.submit(scope, call.id, call.name, args, approved_by=approver))
+        for call, args, approver in zip(calls, arguments, approvers, strict=True)
+    ]
+    outcomes: list[tuple[Call, Receipt | str]] = []
     for call, handle in handles:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            pairs.append((call, handle.result(timeout=left)))
+            outcomes.append((call, handle.result(timeout=left)))
         except TimeoutError as exc:  # ReceiptTimeout: it says where the call stands
-            pairs.append((call, waiting_receipt(_status_of(exc))))
-    return fmt.items(pairs)
+            outcomes.append((call, _status_of(exc)))
+    return answered(scope, fmt, outcomes)
 
 
 async def run_turn_async(
@@ -110,22 +150,21 @@ async def run_turn_async(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    fmt, calls = parse_turn(message)
-    handles = []
-    for call in calls:
-        args = call_args(call)
+    fmt, calls, arguments = checked_calls(client.sync, scope, message)
+    approvers = []
+    for call, args in zip(calls, arguments, strict=True):
         approver = approve(call.name, call.id, args) if approve else None
-        if inspect.isawaitable(approver):
-            approver = await approver
-        handles.append(
-            (call, await client.submit(scope, call.id, call.name, args, approved_by=approver))
-        )
+        approvers.append(await approver if inspect.isawaitable(approver) else approver)
+    handles = [
+        (call, await client.submit(scope, call.id, call.name, args, approved_by=approver))
+        for call, args, approver in zip(calls, arguments, approvers, strict=True)
+    ]
 
-    async def one(call: Call, handle: Any) -> tuple[Call, Receipt]:
+    async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:
         try:
             return call, await handle.result(timeout=timeout)
         except TimeoutError as exc:
-            return call, waiting_receipt(_status_of(exc))
+            return call, _status_of(exc)
 
-    pairs = await asyncio.gather(*(one(c, h) for c, h in handles))  # waited together
-    return fmt.items(list(pairs))
+    outcomes = await asyncio.gather(*(one(c, h) for c, h in handles))  # waited together
+    return answered(scope, fmt, list(outcomes))

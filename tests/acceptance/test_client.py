@@ -19,8 +19,10 @@ import pytest
 
 from tests.acceptance.conftest import Stack, toolledger, wait_until
 from toolledger import AsyncClient, Client, ReceiptTimeout
+from toolledger.ledger.errors import LedgerError, NotFound
 from toolledger.ledger.transitions import Status
 from toolledger.recovery.transcript import repair_transcript
+from toolledger.turns import CallsWaiting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,6 +84,78 @@ def test_run_turn__returns_what_repair_would_insert(world: Stack, form: str) -> 
     assert items == [user, *turn_items, *results]
     statuses = [json.loads(_text(r))["path"] for r in _results(results)]
     assert statuses == [f"{tag}/{i}.txt" for i in range(3)]
+
+
+def test_run_turn__a_call_without_a_receipt_is_never_answered(world: Stack) -> None:
+    """DESIGN §6: a call waiting for a person has nothing true to tell the model. The turn
+    answers nothing and raises CallsWaiting naming it; run again once decided, the same
+    turn gets every receipt, and nothing ran twice."""
+    turn = openai_turn(2, "wait")
+    first_only = {"wait_0": "policy"}
+
+    def policy(_tool: str, call_id: str, _args: Any) -> str | None:
+        return first_only.get(call_id)  # wait_1 is left for a person
+
+    with Client(world.settings()) as client:
+        with pytest.raises(CallsWaiting) as waiting:
+            client.run_turn("conv", turn, approve=policy, timeout=1)
+        assert waiting.value.waiting == {"wait_1": "pending_approval"}
+        assert isinstance(waiting.value, TimeoutError) and "wait_1" in str(waiting.value)
+        client.approve("conv", "wait_1", by="alice")
+        results = client.run_turn("conv", turn, approve=policy, timeout=60)
+    assert [r["tool_call_id"] for r in results] == ["wait_0", "wait_1"]
+    assert [json.loads(r["content"])["path"] for r in results] == ["wait/0.txt", "wait/1.txt"]
+    ledger = world.ledger()
+    try:
+        for call in ("wait_0", "wait_1"):
+            assert len(ledger.get("conv", call).executions) == 1  # ran once each
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"function": {"name": "write_file", "arguments": "[1, 2]"}},  # not a JSON object
+        {"function": {"name": "no_such_tool", "arguments": "{}"}},
+        {"function": {"name": "write_file", "arguments": '{"path": "../x", "content": "x"}'}},
+    ],
+)
+def test_run_turn__a_turn_refused_for_one_call_records_none(
+    world: Stack, bad: dict[str, Any]
+) -> None:
+    turn = openai_turn(2, "refused")
+    turn["tool_calls"][1] = {"id": "refused_1", "type": "function", **bad}
+    asked: list[str] = []
+
+    def policy(_tool: str, call_id: str, _args: Any) -> str:
+        asked.append(call_id)
+        return "policy"
+
+    with Client(world.settings()) as client, pytest.raises(LedgerError):
+        client.run_turn("conv", turn, approve=policy, timeout=5)
+    assert asked == []  # refused before anyone was asked
+    ledger = world.ledger()
+    try:
+        with pytest.raises(NotFound):
+            ledger.get("conv", "refused_0")  # the first call, valid, recorded neither
+    finally:
+        ledger.close()
+
+
+def test_run_turn__a_turn_of_two_formats_is_refused(world: Stack) -> None:
+    """A Responses item and a chat message in one list: reading one format would pass over
+    the other's calls without a word."""
+    mixed = [*responses_turn(1, "mix_r"), openai_turn(1, "mix_c")]
+    with Client(world.settings()) as client, pytest.raises(LedgerError, match="one format"):
+        client.run_turn("conv", mixed, approve=always, timeout=5)
+    ledger = world.ledger()
+    try:
+        for call in ("mix_r_0", "mix_c_0"):
+            with pytest.raises(NotFound):
+                ledger.get("conv", call)
+    finally:
+        ledger.close()
 
 
 def _results(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

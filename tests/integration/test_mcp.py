@@ -288,14 +288,19 @@ def test_serve__a_call_not_finished_in_time_answers_its_status_then_its_receipt(
     async def go() -> list[Any]:
         async with mcp_server(world, "serve", "--timeout", "0.3") as s:
             early = await s.call_tool("probe_write", args, meta=meta)
+            unnamed = await s.call_tool("probe_write", {**args, "path": "u.txt"})
         async with mcp_server(world, "serve", "--timeout", "60") as s:
-            return [early, await s.call_tool("probe_write", args, meta=meta)]
+            return [early, unnamed, await s.call_tool("probe_write", args, meta=meta)]
 
-    early, done = run_async(go)
+    early, unnamed, done = run_async(go)
     assert not early.is_error
     status = text_of(early)
     assert status["finished"] is False and status["status"] in ("approved", "running")
     assert "same toolledger/tool_call_id" in status["message"]
+    # a call the host did not name: asking again would be a new call, and the answer says so
+    told = text_of(unnamed)["message"]
+    assert "Do not call the tool again" in told and "same toolledger/tool_call_id" not in told
+    assert unnamed.meta[ID] in told
     assert not done.is_error and done.meta["toolledger/status"] == "succeeded"
     ledger = Ledger(world.db)
     try:
@@ -426,7 +431,7 @@ def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forward
             assert ledger.get(scope, "cut_1").operation.status.value == "unknown"
 
             answer = run_async(ask_again)
-            assert not answer.is_error  # unknown is not a failure: it may have happened
+            assert answer.is_error  # unknown: it may have happened, never read as a success
             assert text_of(answer)["status"] == "unknown"
             assert text_of(answer)["message"] == UNKNOWN_MESSAGE
             assert answer.meta["toolledger/status"] == "unknown"
@@ -487,7 +492,7 @@ def test_proxy__an_upstream_that_dies_mid_call_leaves_it_unknown_and_stops_the_p
     said = (errlog.read_text() if errlog.exists() else "")[len(before) :]
     assert "exited; the proxy stops with it" in said
     answer = run_async(ask_again)
-    assert not answer.is_error and text_of(answer)["status"] == "unknown"
+    assert answer.is_error and text_of(answer)["status"] == "unknown"
     assert [c["tool"] for c in invocations(log)] == ["crash"]  # never forwarded again
     ledger = Ledger(world.db)
     try:

@@ -80,4 +80,5 @@ def test_receipt__unknown_names_the_execution():
     assert r.content["status"] == "unknown"
     assert r.content["execution_id"] == "e1"
     assert "not run again" in r.content["message"]
-    assert not r.is_error
+    assert r.is_error  # DESIGN §6: marked as an error, so the model never reads it as success
+    assert r.to_anthropic()["is_error"] is True

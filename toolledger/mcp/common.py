@@ -43,6 +43,8 @@ class CallIdentity:
 
     scope: str
     tool_call_id: str
+    #: Whether the host named the call (``_meta``); if not, asking again is a new call.
+    named_by_host: bool = True
 
 
 def call_identity(
@@ -59,13 +61,15 @@ def call_identity(
 
     Raises InputError (nothing recorded) for an id or scope outside the input rules."""
     raw_id = meta.get(META_TOOL_CALL_ID) if meta else None
+    named = raw_id is not None
     if raw_id is None:
         if request_id is None:
             raise InvalidIdentifier(f"tool_call_id: no _meta {META_TOOL_CALL_ID!r}, no request id")
         raw_id = f"rpc-{session}-{request_id}"
     tool_call_id = check_text_id(raw_id, "tool_call_id", MAX_TOOL_CALL_ID)
     raw_scope = meta.get(META_SCOPE) if meta else None
-    return CallIdentity(check_scope(scope if raw_scope is None else raw_scope), tool_call_id)
+    where = check_scope(scope if raw_scope is None else raw_scope)
+    return CallIdentity(where, tool_call_id, named)
 
 
 def one_line(message: str) -> str:
@@ -94,8 +98,8 @@ def receipt_meta(receipt: Receipt) -> dict[str, Any]:
 
 
 def receipt_result(receipt: Receipt) -> types.CallToolResult:
-    """A receipt as the tool result: its text, and ``isError`` as the receipt says (an
-    ``unknown`` receipt is not an error: it says the effect may have happened)."""
+    """A receipt as the tool result: its text, and ``isError`` as the receipt says (failed,
+    rejected, and ``unknown``: the effect may or may not have happened, never a success)."""
     return types.CallToolResult(
         content=[types.TextContent(text=receipt.text)],
         structured_content=receipt.content,
@@ -106,15 +110,25 @@ def receipt_result(receipt: Receipt) -> types.CallToolResult:
 
 def pending_result(ident: CallIdentity, status: str) -> types.CallToolResult:
     """No receipt yet: the call's status, never an invented result. Not an error: the call
-    goes on, and the same tool_call_id later gets its receipt."""
+    goes on, and the same tool_call_id later gets its receipt. Asking again is safe only for
+    a call the host named (``_meta``): for any other, a second request is a second call, and
+    the answer says so instead of inviting it."""
+    if ident.named_by_host:
+        again = (
+            "Call the tool again with the same toolledger/tool_call_id to get its result; "
+            "it will not run again."
+        )
+    else:
+        again = (
+            f"Do not call the tool again for it: without a toolledger/tool_call_id of yours "
+            f"a second call is a new call and runs again. Its result will be recorded as "
+            f"{ident.tool_call_id!r} in scope {ident.scope!r} (toolledger wait)."
+        )
     content = {
         "status": status,
         "finished": False,
-        "message": (
-            f"This tool call has not finished yet: it is {status}. No result is available "
-            "now. Call the tool again with the same toolledger/tool_call_id to get its "
-            "result; it will not run again."
-        ),
+        "message": f"This tool call has not finished yet: it is {status}. No result is "
+        f"available now. {again}",
     }
     return types.CallToolResult(
         content=[types.TextContent(text=json.dumps(content, ensure_ascii=False))],
