@@ -18,9 +18,11 @@ it through ``Client.submit`` — approved by ``approve(tool, call_id, args)`` (d
 
 A node run again after an interrupt or a crash sends the same ToolCall ids in the same
 thread: ``submit`` finds the recorded calls and the receipts come back; nothing runs twice.
-A call waiting for a person is answered at once with its status (the text
-``Client.run_turn`` gives), never an invented result; one still running when ``timeout``
-ends is answered with its status too. The same id later gets its receipt.
+A call without a receipt (waiting for a person, or still running when ``timeout`` ends) has
+nothing true to tell the model: the tool raises ``CallsWaiting`` naming it (a ToolNode lets it
+through, and the graph run stops at its last checkpoint), as ``Client.run_turn`` does. Once a
+person has decided, or the call has finished, invoking the graph again from that checkpoint
+sends the same ToolCall ids: the receipts come back, and nothing runs twice.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
-from toolledger.turns import waiting_receipt
+from toolledger.turns import CallsWaiting
 
 #: ``approve(tool, tool_call_id, args) -> approver | None`` (None: a person decides).
 Approve = Callable[[str, str, dict[str, Any]], str | None]
@@ -124,13 +126,12 @@ class LedgerTool(BaseTool):
             handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)
         except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
             raise ToolException(f"toolledger refused the call: {exc}") from exc
-        if handle.status == Status.PENDING_APPROVAL.value:
-            receipt = waiting_receipt(handle.status)  # a person decides: nobody waits here
-        else:
-            try:
-                receipt = handle.result(timeout=self.timeout)
-            except ReceiptTimeout as exc:
-                receipt = waiting_receipt(exc.status)
+        if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
+            raise CallsWaiting(scope, {call_id: handle.status})
+        try:
+            receipt = handle.result(timeout=self.timeout)
+        except ReceiptTimeout as exc:
+            raise CallsWaiting(scope, {call_id: exc.status}) from None
         return ToolMessage(
             content=receipt.text,
             tool_call_id=call_id,

@@ -22,8 +22,10 @@ is a tool with ``needs_approval``: the run stops with an interruption, and once
 ``RunState.approve`` lets it through, the resumed run submits it approved by
 ``approved_by`` (default ``openai-agents``). A call the SDK rejects is never submitted:
 nothing is recorded. A call already in the ledger (a replay) needs no second approval.
-A call without a receipt within ``timeout`` is answered with its status, never an invented
-result; asking again with the same id later returns its receipt.
+A call without a receipt within ``timeout`` has nothing true to tell the model: the tool
+raises ``CallsWaiting`` naming it and the run stops (never an invented result); the same turn
+run again later with the same ids gets its receipt. The SDK raises it wrapped (a
+``UserError`` whose cause it is): ``calls_waiting(exc)`` finds it.
 """
 
 from __future__ import annotations
@@ -39,27 +41,13 @@ from agents.tool_context import ToolContext
 from toolledger.client import AsyncClient, Client, ReceiptTimeout
 from toolledger.ledger.errors import LedgerError
 from toolledger.tools import Registry, Tool
+from toolledger.turns import CallsWaiting
 
 Scope = str | Callable[[RunContextWrapper[Any]], str]
 Approve = Callable[[str, str, dict[str, Any]], str | None]
 
 #: Who a call the SDK's approval let through is recorded as approved by.
 SDK_APPROVER = "openai-agents"
-
-
-def pending_text(scope: str, tool_call_id: str, status: str) -> str:
-    """No receipt yet: the call's status, never an invented result."""
-    content = {
-        "status": status,
-        "finished": False,
-        "message": (
-            f"This tool call has not finished yet: it is {status}. No result is available "
-            "now. It will not run again: the same call later returns its result."
-        ),
-        "scope": scope,
-        "tool_call_id": tool_call_id,
-    }
-    return json.dumps(content, ensure_ascii=False)
 
 
 def strict_schema_ok(schema: dict[str, Any]) -> bool:
@@ -73,6 +61,17 @@ def strict_schema_ok(schema: dict[str, Any]) -> bool:
         and all(isinstance(p, dict) and "default" not in p for p in props.values())
         and schema.get("additionalProperties") in (None, False)
     )
+
+
+def calls_waiting(exc: BaseException) -> CallsWaiting | None:
+    """The CallsWaiting behind an exception the SDK raised from a run (it wraps a tool's
+    error in its own), or None if the run stopped for another reason."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, CallsWaiting):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _Ledger:
@@ -107,7 +106,7 @@ class _Ledger:
                 )
                 receipt = await asyncio.to_thread(sync_handle.result, timeout)
         except ReceiptTimeout as exc:
-            return pending_text(scope, tool_call_id, exc.status)
+            raise CallsWaiting(scope, {tool_call_id: exc.status}) from None
         except LedgerError as exc:  # refused input, a conflict: nothing recorded
             return " ".join(f"error: {exc}".split())
         return receipt.text

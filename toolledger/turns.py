@@ -30,21 +30,10 @@ from typing import TYPE_CHECKING, Any
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError
 from toolledger.ledger.records import Receipt
-from toolledger.ledger.transitions import Status
 from toolledger.recovery.replay import Call, Format, TranscriptError, detect
 
 if TYPE_CHECKING:
     from toolledger.client import AsyncClient, Client
-
-#: What a call waiting for a person, or still running, tells the model.
-WAITING_MESSAGES = {
-    Status.PENDING_APPROVAL: (
-        "This tool call is waiting for a human's approval. It has not run. Its result will "
-        "come when someone decides."
-    ),
-    Status.APPROVED: "This tool call is approved and queued. It has not reported a result yet.",
-    Status.RUNNING: "This tool call is running. It has not reported a result yet.",
-}
 
 Approve = Callable[[str, str, dict[str, Any]], Any]
 
@@ -89,11 +78,6 @@ def _status_of(exc: TimeoutError) -> str:
     if status is None:
         raise exc
     return str(status)
-
-
-def waiting_receipt(status: str) -> Receipt:
-    s = Status(status)
-    return Receipt(s, {"status": s.value, "message": WAITING_MESSAGES[s]}, None)
 
 
 def checked_calls(client: Client, scope: str, message: Any) -> tuple[Format, list[Call], list[Any]]:

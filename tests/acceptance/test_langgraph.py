@@ -30,7 +30,7 @@ from tests.acceptance.conftest import Stack
 from toolledger import Client
 from toolledger.langchain import MissingCallIdentity, ledger_tools
 from toolledger.ledger.errors import NotFound
-from toolledger.turns import waiting_receipt
+from toolledger.turns import CallsWaiting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,12 +146,15 @@ def test_crash_inside_the_tools_node__resume_replays_not_reruns(world: Stack) ->
 
 
 @pytest.mark.parametrize("world", ["embedded"], indirect=True)
-def test_not_approved__pending_text_and_nothing_runs(world: Stack) -> None:
-    """approve returns None: the call is recorded pending_approval, the ToolMessage says
-    so (the text run_turn gives), and no tool ran; a re-run says the same."""
+def test_not_approved__the_run_stops_and_nothing_runs_until_a_person_decides(
+    world: Stack,
+) -> None:
+    """approve returns None: the call is recorded pending_approval and the tool raises
+    CallsWaiting (DESIGN §6: nothing true to tell the model; no ToolMessage is made up);
+    the graph stops at its checkpoint, runs nothing, and a re-run stops the same way. Once a
+    person approved, the same checkpoint run again gets the receipt: one effect."""
     scope = "lg-pending"
     thread: RunnableConfig = {"configurable": {"thread_id": scope}}
-    pending = waiting_receipt("pending_approval").text
     with Client(world.settings()) as client:
         tools = ledger_tools(client, approve=lambda *_: None, tools=["append_file"])
         graph = build_graph(
@@ -162,15 +165,19 @@ def test_not_approved__pending_text_and_nothing_runs(world: Stack) -> None:
         )
         graph.invoke({"messages": [HumanMessage("go")]}, thread)
         before_tools = graph.get_state(thread)
-        first = graph.invoke(None, thread)
-        again = graph.invoke(None, before_tools.config)
+        for _ in range(2):
+            with pytest.raises(CallsWaiting) as waiting:
+                graph.invoke(None, before_tools.config)
+            assert waiting.value.waiting == {"pend_append": "pending_approval"}
         assert client.status(scope, "pend_append") == "pending_approval"
-    for state in (first, again):
-        (msg,) = tool_messages(state)
-        assert msg.content == pending and msg.status == "success"
-        assert json.loads(str(msg.content))["status"] == "pending_approval"
-    assert not (world.sandbox / scope).exists()
-    assert executions(world, scope, "pend_append") == 0
+        assert not tool_messages(graph.get_state(thread).values)  # nothing answered
+        assert not (world.sandbox / scope).exists()
+        assert executions(world, scope, "pend_append") == 0
+        client.approve(scope, "pend_append", by="alice")
+        done = graph.invoke(None, before_tools.config)
+    (msg,) = tool_messages(done)
+    assert msg.status == "success" and json.loads(str(msg.content))["path"] == "pend/log.txt"
+    assert executions(world, scope, "pend_append") == 1
 
 
 @pytest.mark.parametrize("world", ["embedded"], indirect=True)

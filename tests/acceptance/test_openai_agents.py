@@ -21,11 +21,12 @@ if not CI:  # under CI=true the extra must be installed: a missing one fails the
     pytest.importorskip("agents")
 
 from agents import Agent, RunConfig, Runner
+from agents.exceptions import AgentsException
 
 from examples.openai_agents_loop import ScriptedModel
 from tests.acceptance.conftest import Stack
 from toolledger import AsyncClient, Client
-from toolledger.openai_agents import ledger_function_tools, strict_schema_ok
+from toolledger.openai_agents import calls_waiting, ledger_function_tools, strict_schema_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_TRACE = RunConfig(tracing_disabled=True)
@@ -144,20 +145,30 @@ def test_example__runs_then_replays_without_running_again(world: Stack) -> None:
     assert (world.sandbox / "ex" / "report" / "summary.txt").read_text() == "all good\n"
 
 
-def test_no_receipt_in_time__the_model_gets_the_status_not_a_result(world: Stack) -> None:
+def test_no_receipt_in_time__the_run_stops_and_the_model_is_told_nothing(world: Stack) -> None:
+    """DESIGN §6: a call with no receipt has nothing true to tell the model: the run stops
+    with CallsWaiting naming it; run again once a person decided, it gets the receipt."""
     with Client(world.settings()) as client:  # recorded earlier, waiting for a person
         client.submit("conv-3", "call_a1", "append_file", APPEND[2])
 
-    async def go() -> ScriptedModel:
+    async def go(timeout: float) -> ScriptedModel:
         model = ScriptedModel([APPEND])
         async with AsyncClient(world.settings()) as client:
-            tools = ledger_function_tools(client, scope="conv-3", approve=None, timeout=0.5)
+            tools = ledger_function_tools(client, scope="conv-3", approve=None, timeout=timeout)
             agent = Agent(name="t", model=model, tools=list(tools))
             result = await Runner.run(agent, "go", run_config=NO_TRACE)
             assert not result.interruptions  # known to the ledger: its decision stands
         return model
 
-    seen = json.loads(asyncio.run(go()).seen["call_a1"])
-    assert (seen["status"], seen["finished"]) == ("pending_approval", False)
+    with pytest.raises(AgentsException) as stopped:  # the SDK wraps a tool's error
+        asyncio.run(go(0.5))
+    waiting = calls_waiting(stopped.value)
+    assert waiting is not None and waiting.waiting == {"call_a1": "pending_approval"}
     assert not (world.sandbox / "conv-3" / "notes" / "log.txt").exists()
     assert executions(world, "conv-3", "call_a1") == 0
+    with Client(world.settings()) as client:
+        client.approve("conv-3", "call_a1", by="alice")
+    seen = json.loads(asyncio.run(go(60)).seen["call_a1"])
+    assert "finished" not in seen and "error" not in seen  # its result, nothing else
+    assert (world.sandbox / "conv-3" / "notes" / "log.txt").read_text() == APPEND[2]["content"]
+    assert executions(world, "conv-3", "call_a1") == 1
