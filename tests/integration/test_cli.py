@@ -234,3 +234,52 @@ def test_cli__embedded_default_creates_its_ledger_on_first_use(tmp_path: Path):
     led = Ledger(f"sqlite:///{tmp_path / '.toolledger' / 'ledger.db'}")
     assert led.get("s", "c").operation.status.value == "pending_approval"
     led.close()
+
+
+def test_cli__list_gives_every_row_unless_limited_and_says_when_rows_were_left(run, scope):
+    """DESIGN §9's list has no limit: it silently stopped at 1,000 rows (a script draining
+    the unknown inbox never saw the newest). --limit is an extension, and says what it left."""
+    for i in range(3):
+        assert (
+            submit(run, scope, f"l{i}", json.dumps({"path": f"l{i}.txt", "content": "x"}))[0] == 0
+        )
+    code, out, _ = run("--json", "list", "--scope", scope)
+    listed = json.loads(out)
+    assert code == 0 and (listed["count"], listed["more"]) == (3, False)
+    code, out, err = run("--json", "list", "--scope", scope, "--limit", "2")
+    listed = json.loads(out)
+    assert (listed["count"], listed["more"]) == (2, True) and "more than 2" in err
+    assert [c["tool_call_id"] for c in listed["calls"]] == ["l0", "l1"]  # oldest first
+    code, out, _ = run("--json", "list", "--scope", scope, "--limit", "3")
+    assert json.loads(out)["more"] is False
+
+
+def test_cli__sweep_exits_1_when_its_pass_reported_errors(db_url, capsys, scope, tmp_path):
+    """A broker out of reach: the approved call cannot be re-published. The summary lists
+    it, and the exit code says the pass failed (a cron job reads only that)."""
+    base = ("--db", db_url, "--sandbox", str(tmp_path / "sandbox"))
+    args = {"path": "s.txt", "content": "x"}
+    code, _, err = run_cli(
+        capsys, *base, "--broker", "redis://127.0.0.1:1/11", "submit", "--scope", scope,
+        "--tool-call-id", "s1", "--tool", "write_file", "--args", json.dumps(args),
+        "--approved-by", "al",
+    )  # fmt: skip
+    assert code == 0, err  # recorded; its enqueue failed, and the sweep is the outbox
+    code, out, _ = run_cli(
+        capsys, *base, "--broker", "redis://127.0.0.1:1/11", "--json", "sweep",
+        "--requeue-after", "0",
+    )  # fmt: skip
+    summary = json.loads(out)
+    assert code == 1 and summary["requeued"] == 0
+    assert any(e.startswith("requeue of ") for e in summary["errors"])  # the first it tried
+    code, out, _ = run_cli(capsys, *base, "--json", "sweep", "--no-requeue")
+    assert code == 0 and json.loads(out)["errors"] == []
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_cli__seconds_must_be_finite(run, scope, value):
+    """A FloatRange lets nan through every bound: wait --timeout nan waited for ever."""
+    code, _, err = run("wait", "--scope", scope, "--tool-call-id", "x", "--timeout", value)
+    assert code == 2 and "--timeout" in err and len(err.strip().splitlines()) == 1
+    code, _, _ = run("sweep", "--grace", value)
+    assert code == 2

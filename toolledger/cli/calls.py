@@ -12,6 +12,7 @@ from toolledger.cli.common import (
     EXIT_TIMEOUT,
     CliError,
     Context,
+    Seconds,
     call_options,
     json_option,
     parse_json_object,
@@ -158,17 +159,24 @@ def events(c: Context, scope: str, tool_call_id: str) -> None:
 @click.option(
     "--limit",
     type=click.IntRange(min=0),
-    default=1000,
+    default=0,
     show_default=True,
-    help="At most this many rows, oldest first; 0 for all.",
+    help="At most this many rows, oldest first; 0 for all. JSON 'more' says if rows were left.",
 )
 @json_option
 @pass_ctx
 def list_(c: Context, status: str | None, review: bool, scope: str | None, limit: int) -> None:
     """Calls from current state (never from the history)."""
     wanted = parse_status(status) if status else None
-    rows = c.ledger.list_calls(status=wanted, scope=scope, limit=limit, review=review)
-    c.emit({"count": len(rows), "calls": [r.to_json() for r in rows]}, human_list)
+    rows = c.ledger.list_calls(
+        status=wanted, scope=scope, limit=limit + 1 if limit else 0, review=review
+    )
+    more = bool(limit) and len(rows) > limit
+    rows = rows[:limit] if more else rows
+    if more:
+        click.echo(f"warning: more than {limit} calls; these are the oldest {limit}", err=True)
+    out = {"count": len(rows), "calls": [r.to_json() for r in rows], "more": more}
+    c.emit(out, human_list)
 
 
 def human_list(d: dict[str, Any]) -> str:
@@ -194,7 +202,7 @@ def human_list(d: dict[str, Any]) -> str:
 @call_options
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=None,
     help="Seconds to wait at most [default: for ever]; exit 7 if no receipt by then.",
 )

@@ -12,6 +12,7 @@ settings or the worker; those are imported where they are first used.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,19 @@ T = TypeVar("T")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_STATE, EXIT_INPUT, EXIT_TIMEOUT = 3, 4, 5, 6, 7
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds: a FloatRange that also refuses nan and inf (a FloatRange lets
+    nan through every bound, and ``wait --timeout nan`` waited for ever)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return number
 
 
 @cache

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from toolledger.cli.calls import human_list
-from toolledger.cli.common import Context, json_option, pass_ctx
+from toolledger.cli.common import Context, Seconds, json_option, pass_ctx
 
 
 @click.command()
@@ -43,7 +43,7 @@ def demo(c: Context) -> int:
 @click.option("--jobs", type=click.IntRange(1), default=300, show_default=True)
 @click.option(
     "--duration",
-    type=click.FloatRange(5),
+    type=Seconds(5),
     default=60.0,
     show_default=True,
     help="Seconds of fault injection (jobs are submitted over 85% of it).",

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from toolledger.cli.common import EXIT_FAILURE, EXIT_USAGE, CliError, Context, pass_ctx
+from toolledger.cli.common import EXIT_FAILURE, EXIT_USAGE, CliError, Context, Seconds, pass_ctx
 from toolledger.ledger.identity import check_scope
 from toolledger.mcp import DEFAULT_TIMEOUT
 
@@ -23,7 +23,7 @@ def _scope(_ctx: click.Context, _param: click.Parameter, value: str | None) -> s
 def _shared(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option(
         "--timeout",
-        type=click.FloatRange(min=0),
+        type=Seconds(min=0),
         default=DEFAULT_TIMEOUT,
         show_default=True,
         help="Seconds a call waits for its result; then it is answered with its status "
@@ -86,7 +86,7 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
 )
 @click.option(
     "--lease",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Seconds(min=0, min_open=True),
     default=None,
     help="Seconds a forward's claim holds, renewed every lease/3 while it runs "
     "[default: TOOLLEDGER_LEASE_SECONDS].",

@@ -8,7 +8,15 @@ from typing import Any
 
 import click
 
-from toolledger.cli.common import Context, call_options, json_option, pass_ctx
+from toolledger.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    Context,
+    Seconds,
+    call_options,
+    json_option,
+    pass_ctx,
+)
 from toolledger.ledger.identity import check_scope
 from toolledger.ledger.transitions import TERMINAL, Status
 from toolledger.recovery.humans import resolve as resolve_call
@@ -23,22 +31,25 @@ DEFAULT_SCOPE = "default"
 @click.command()
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=None,
     help="Seconds past lease expiry (DB clock) before running -> unknown "
     "[env TOOLLEDGER_SWEEP_GRACE, 5].",
 )
 @click.option(
     "--requeue-after",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=None,
     help="Re-publish approved work unclaimed this long [env TOOLLEDGER_REQUEUE_AFTER].",
 )
 @click.option("--no-requeue", is_flag=True, help="Do not touch the broker.")
 @json_option
 @pass_ctx
-def sweep(c: Context, grace: float | None, requeue_after: float | None, no_requeue: bool) -> None:
-    """One recovery pass: expired running -> unknown, reconcile, re-enqueue lost work."""
+def sweep(c: Context, grace: float | None, requeue_after: float | None, no_requeue: bool) -> int:
+    """One recovery pass: expired running -> unknown, reconcile, re-enqueue lost work.
+
+    Exit 1 when the pass reported errors (a broker out of reach, so lost work was not
+    re-published; an effect that could not be finished): the summary still lists them."""
     settings = c.settings
     sub = c.submitter
     publish = None if no_requeue else _publisher(c)
@@ -72,6 +83,7 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
             + "".join(f"\nwarning: {e}" for e in d["errors"])
         ),
     )
+    return EXIT_FAILURE if summary.errors else EXIT_OK
 
 
 def _publisher(c: Context) -> Any:

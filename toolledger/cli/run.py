@@ -10,7 +10,7 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from toolledger.cli.common import Context, call_options, json_option, pass_ctx
+from toolledger.cli.common import Context, Seconds, call_options, json_option, pass_ctx
 from toolledger.ledger.errors import StateError
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
@@ -122,7 +122,7 @@ def worker(c: Context, log_format: str | None, celery_args: tuple[str, ...]) -> 
 )
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1),
+    type=Seconds(min=0.1),
     default=None,
     help="Seconds between sweeps [env TOOLLEDGER_SWEEP_INTERVAL, 10].",
 )
