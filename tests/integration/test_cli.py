@@ -283,3 +283,13 @@ def test_cli__seconds_must_be_finite(run, scope, value):
     assert code == 2 and "--timeout" in err and len(err.strip().splitlines()) == 1
     code, _, _ = run("sweep", "--grace", value)
     assert code == 2
+
+
+def test_cli__mcp_proxy_a_mistyped_option_is_a_usage_error(run):
+    """Before the ``--``, an option the proxy does not know was taken for the upstream
+    command (exit 1, "No such file or directory: --idempotnet")."""
+    code, _, err = run("mcp", "proxy", "--scope", "x", "--idempotnet", "t", "--", "true")
+    assert code == 2 and "no such option '--idempotnet'" in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = run("mcp", "proxy", "--json", "--bogus", "--", "true")
+    assert code == 2 and json.loads(err)["exit_code"] == 2  # --json taken as the option it is

@@ -11,7 +11,15 @@ from typing import Any
 
 import click
 
-from toolledger.cli.common import EXIT_FAILURE, EXIT_USAGE, CliError, Context, Seconds, pass_ctx
+from toolledger.cli.common import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    CliError,
+    Context,
+    Seconds,
+    json_option,
+    pass_ctx,
+)
 from toolledger.ledger.identity import check_scope
 from toolledger.mcp import DEFAULT_TIMEOUT
 
@@ -59,6 +67,7 @@ def mcp() -> None:
 
 @mcp.command()
 @_shared
+@json_option
 @pass_ctx
 def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> None:
     """A stdio MCP server of the registered tools: every call through the ledger.
@@ -92,6 +101,7 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
     "[default: TOOLLEDGER_LEASE_SECONDS].",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@json_option
 @pass_ctx
 def proxy(
     c: Context,
@@ -108,6 +118,10 @@ def proxy(
     and answered from the ledger ever after; a call cut off mid-forward becomes unknown and
     is never forwarded again.
     """
+    if command[0].startswith("-"):  # a mistyped option, taken for the upstream command
+        raise CliError(
+            f"no such option {command[0]!r} (the upstream command comes after --)", EXIT_USAGE
+        )
     _require_mcp()
     import anyio
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from toolledger.cli.common import Context, pass_ctx
+from toolledger.cli.common import Context, json_option, pass_ctx
 
 
 @click.command()
@@ -28,6 +28,7 @@ from toolledger.cli.common import Context, pass_ctx
     default=None,
     help="Log lines as text or JSON objects [env TOOLLEDGER_LOG_FORMAT, text].",
 )
+@json_option
 @pass_ctx
 def serve(
     c: Context, host: str, port: int, insecure_local: bool, workers: int, log_format: str | None
