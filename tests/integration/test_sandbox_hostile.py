@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import unicodedata
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -518,6 +519,20 @@ def test_execution__a_not_landed_effects_bytes_are_kept_until_a_human_reviews_th
     assert (mine / "plain.txt").is_dir()  # nothing landed: the human's to do
 
 
+def a_directory_in_place_of(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def killed_after_the_flag(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
+    """``record_not_landed`` that records, then dies before the bytes are set aside."""
+    RECORD_NOT_LANDED(self, execution_id, detail)
+    raise KeyboardInterrupt
+
+
+RECORD_NOT_LANDED = Ledger.record_not_landed
+
+
 def test_execution__a_refusal_the_ledger_was_not_told_of_is_refused_again_never_kept_unflagged(
     submitter, world, monkeypatch
 ):
@@ -525,11 +540,7 @@ def test_execution__a_refusal_the_ledger_was_not_told_of_is_refused_again_never_
     crash between the flag and the rename, leaves the effect where it was, for the next settle
     to refuse and flag again; bytes kept are always named by a flag."""
     sb, _, mine = world
-
-    def plant() -> None:
-        (mine / "plain.txt").unlink()
-        (mine / "plain.txt").mkdir()
-
+    plant = partial(a_directory_in_place_of, mine / "plain.txt")
     record = Ledger.record_not_landed
 
     def unreachable(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
@@ -544,10 +555,6 @@ def test_execution__a_refusal_the_ledger_was_not_told_of_is_refused_again_never_
     assert "refused, not yet flagged" in outcome.landing.problems[0]
     assert submitter.ledger.get("me", call.tool_call_id).operation.review is None
     assert [n.rsplit(".", 1)[1] for n in pending_files(sb)] == ["append"]  # where it was
-
-    def killed_after_the_flag(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
-        record(self, execution_id, detail)
-        raise KeyboardInterrupt  # the process dies before the bytes are set aside
 
     monkeypatch.setattr(Ledger, "record_not_landed", killed_after_the_flag)
     with pytest.raises(KeyboardInterrupt):
@@ -571,16 +578,8 @@ def test_execution__a_refusal_reviewed_before_its_bytes_went_aside_is_not_told_a
     settle sets the bytes aside under the name the reviewed flag gives, tells no one again
     (the call stays out of the inbox), and the next sweep pass removes them."""
     sb, _, mine = world
-
-    def plant() -> None:
-        (mine / "plain.txt").unlink()
-        (mine / "plain.txt").mkdir()
-
+    plant = partial(a_directory_in_place_of, mine / "plain.txt")
     record = Ledger.record_not_landed
-
-    def killed_after_the_flag(self: Ledger, execution_id: str, detail: dict[str, Any]) -> None:
-        record(self, execution_id, detail)
-        raise KeyboardInterrupt  # the process dies before the bytes are set aside
 
     monkeypatch.setattr(Ledger, "record_not_landed", killed_after_the_flag)
     with pytest.raises(KeyboardInterrupt):
