@@ -293,3 +293,13 @@ def test_cli__mcp_proxy_a_mistyped_option_is_a_usage_error(run):
     assert len(err.strip().splitlines()) == 1
     code, _, err = run("mcp", "proxy", "--json", "--bogus", "--", "true")
     assert code == 2 and json.loads(err)["exit_code"] == 2  # --json taken as the option it is
+
+
+def test_cli__db_a_revision_that_is_not_ours_is_a_usage_error(run):
+    code, out, _ = run("--json", "db", "upgrade")
+    head = json.loads(out)["revision"]
+    for command in ("upgrade", "downgrade"):
+        code, _, err = run("db", command, "--revision", "9999")
+        assert code == 2 and "no such revision" in err and "internal error" not in err
+        assert len(err.strip().splitlines()) == 1
+    assert json.loads(run("--json", "db", "upgrade")[1])["revision"] == head  # unchanged

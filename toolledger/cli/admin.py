@@ -4,6 +4,8 @@ registered."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -33,7 +35,8 @@ def db_upgrade(c: Context, revision: str) -> None:
     """Create or migrate the schema (Alembic)."""
     from toolledger.ledger import db as ledger_db
 
-    ledger_db.upgrade(c.unchecked_ledger.engine, revision)
+    with _known_revision(revision):
+        ledger_db.upgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
     c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
 
@@ -46,9 +49,25 @@ def db_downgrade(c: Context, revision: str) -> None:
     """Migrate the schema down (``base`` drops every table)."""
     from toolledger.ledger import db as ledger_db
 
-    ledger_db.downgrade(c.unchecked_ledger.engine, revision)
+    with _known_revision(revision):
+        ledger_db.downgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
     c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+
+
+@contextmanager
+def _known_revision(revision: str) -> Iterator[None]:
+    """A --revision that is not one of the schema's is a usage error, not an internal one."""
+    from alembic.util import CommandError
+
+    try:
+        yield
+    except CommandError as exc:
+        if "Can't locate revision" not in str(exc) and "No such revision" not in str(exc):
+            raise
+        raise CliError(
+            f"--revision {revision!r}: no such revision of the schema", EXIT_USAGE
+        ) from None
 
 
 # ---------------------------------------------------------------------------- sandbox
