@@ -54,6 +54,11 @@ CHANNEL = "toolledger_receipts"
 LISTENER_NAME = "toolledger-receipts"
 
 
+def _start_wait(timeout: float | None) -> float:
+    """How long a wait may wait for the listener to start: 5 s, or less if its timeout is."""
+    return 5.0 if timeout is None else max(0.0, min(5.0, timeout))
+
+
 class ReceiptTimeout(TimeoutError):
     """No receipt within the timeout; ``status`` is where the call stands (for example
     ``pending_approval``: it waits for a human)."""
@@ -370,7 +375,7 @@ class Client:
         deadline = None if timeout is None else started + timeout
         view = self.ledger.get(scope, tool_call_id)  # NotFound before any waiting
         key = (scope, view.operation.idempotency_key)
-        self.notifier.start()
+        self.notifier.start(_start_wait(timeout))  # never past the timeout: it re-reads then
         rung = threading.Event()
         by_poll = False
         with self.notifier.watch(key, rung.set):
@@ -392,22 +397,27 @@ class Client:
                 rung.clear()
                 if by_poll:
                     self.stats.add("fallback_reads")
-                view = self._reread(view, scope, tool_call_id)
+                view = self._reread(view, scope, tool_call_id, deadline)
 
     def _interval(self, left: float | None) -> float:
         poll = UNAVAILABLE_POLL if self.notifier.unavailable else self.poll_interval
         return poll if left is None else max(0.0, min(left, poll))
 
-    def _reread(self, view: CallView, scope: str, tool_call_id: str) -> CallView:
+    def _reread(
+        self, view: CallView, scope: str, tool_call_id: str, deadline: float | None = None
+    ) -> CallView:
         """The call again; while the database does not answer (a restart, a failover) the
-        wait goes on with what it knew, until its timeout."""
+        wait goes on with what it knew, until its timeout (a pause never runs past it)."""
         import sqlalchemy as sa
 
         try:
             return self.ledger.get(scope, tool_call_id)
         except sa.exc.OperationalError as exc:
             log.warning("waiting for %s/%s: %s", scope, tool_call_id, str(exc.orig).strip())
-            time.sleep(min(1.0, self.poll_interval))
+            pause = min(1.0, self.poll_interval)
+            if deadline is not None:
+                pause = max(0.0, min(pause, deadline - time.monotonic()))
+            time.sleep(pause)
             return view
 
     def run_turn(
@@ -507,7 +517,7 @@ class AsyncClient:
         deadline = None if timeout is None else started + timeout
         view = await self._run(sync.ledger.get, scope, tool_call_id)
         key = (scope, view.operation.idempotency_key)
-        await self._run(sync.notifier.start)
+        await self._run(sync.notifier.start, _start_wait(timeout))
         rung = asyncio.Event()
 
         def wake() -> None:
@@ -533,7 +543,7 @@ class AsyncClient:
                     by_poll = True
                     sync.stats.add("fallback_reads")
                 rung.clear()
-                view = await self._run(sync._reread, view, scope, tool_call_id)
+                view = await self._run(sync._reread, view, scope, tool_call_id, deadline)
 
     async def run_turn(
         self,

@@ -1,0 +1,60 @@
+"""A wait's own pauses never run past its timeout: starting the listener, and the pause
+between reads while the database does not answer (each could add up to 5 s and 1 s to a
+short timeout). Checked by what the wait asked for, not by a clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import toolledger.client as client_module
+from toolledger import Client, ReceiptTimeout
+from toolledger.config import Settings
+
+
+@pytest.fixture
+def client(sqlite_url: str, tmp_path: Path) -> Any:
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": sqlite_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox")}
+    )  # fmt: skip
+    with Client(settings) as c:
+        yield c
+
+
+def test_wait__the_listener_start_is_bounded_by_the_timeout(client: Any, monkeypatch: Any) -> None:
+    client.submit("w", "p1", "write_file", {"path": "p.txt", "content": "x"})  # a person's
+    asked: list[float] = []
+    start = client_module.Notifier.start
+
+    def spy(self: Any, wait: float = 5.0) -> bool:
+        asked.append(wait)
+        return start(self, wait)
+
+    monkeypatch.setattr(client_module.Notifier, "start", spy)
+    with pytest.raises(ReceiptTimeout):
+        client.wait("w", "p1", timeout=0.25)
+    assert asked and max(asked) <= 0.25
+
+
+def test_wait__a_database_out_of_reach_pauses_no_longer_than_the_timeout(
+    client: Any, monkeypatch: Any
+) -> None:
+    client.submit("w", "p2", "write_file", {"path": "q.txt", "content": "x"})
+    get, calls = client.ledger.get, {"n": 0}
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] > 2:  # the two reads before the wait answer; then it is gone
+            raise sa.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+        return get(*args, **kwargs)
+
+    monkeypatch.setattr(client.ledger, "get", unreachable)
+    pauses: list[float] = []
+    monkeypatch.setattr(client_module.time, "sleep", pauses.append)
+    with pytest.raises(ReceiptTimeout):
+        client.wait("w", "p2", timeout=0.3)
+    assert pauses and all(p <= 0.3 for p in pauses)
