@@ -145,6 +145,9 @@ def test_list__pages_with_a_cursor(server: Any, scope: str) -> None:
         assert "\n" not in r.json()["error"]
         page = client.get("/calls", params=params)  # the console: its error page, no 500
         assert page.status_code == 422, (params, page.text)
+        assert page.headers["content-type"].startswith("text/html")
+    page = client.get("/calls", params={"review": "abc"})  # a person reads a page, not JSON
+    assert page.status_code == 422 and page.headers["content-type"].startswith("text/html")
 
 
 def test_approve_reject__recorded_in_the_tokens_name(server: Any, scope: str) -> None:

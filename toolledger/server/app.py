@@ -76,10 +76,12 @@ def create_app(
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> Response:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
         first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
         message = f"{where}: {first.get('msg', 'invalid request')}".strip(": ")
+        if not request.url.path.startswith("/api/"):  # a person reads the console's
+            return console.render(request, "error.html", 422, who=None, error=message)
         return JSONResponse({"error": message, "kind": "input", "exit_code": 6}, 422)
 
     @app.exception_handler(HTTPException)
