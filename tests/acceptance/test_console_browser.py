@@ -230,3 +230,65 @@ def test_the_inertness_check_catches_a_payload_that_runs(browser: Browser) -> No
     found = inert(page)
     assert any("a payload ran" in f for f in found) and any("<script>" in f for f in found)
     page.close()
+
+
+@pytest.fixture
+def served_locally(world: Stack) -> Iterator[tuple[Stack, str]]:
+    """``toolledger serve --insecure-local``: no token, every request the operator."""
+    port = free_port()
+    log = (world.root / "serve-local.log").open("wb")
+    env = {k: v for k, v in world.env().items() if not k.startswith("TOOLLEDGER_API_TOKENS")}
+    proc = subprocess.Popen(
+        [*toolledger_argv(), "serve", "--insecure-local", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(base + "/", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            assert proc.poll() is None, (world.root / "serve-local.log").read_text()
+            return False
+
+    wait_until(up, 60, "toolledger serve --insecure-local to answer")
+    yield world, base
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_insecure_local__the_console_decides_and_another_site_cannot(
+    browser: Browser, served_locally: Any
+) -> None:
+    """The console's own forms work from a real browser (its posts are same-origin; under
+    the old no-referrer policy Chromium sent them as Origin: null, refused), and a page of
+    another site that posts the same form is refused: the call stays pending."""
+    world, base = served_locally
+    ledger = world.ledger()
+    for call in ("mine", "theirs"):
+        ledger.submit("local", call, "probe_write", {"path": f"{call}.txt", "content": "x"})
+    page = browser.new_page()
+    page.goto(f"{base}/calls/local/mine")
+    page.fill("#approve-reason", "looked at it")
+    page.click("button[value=approve]")
+    assert "Approved and enqueued" in page.inner_text("main")
+    assert ledger.get("local", "mine").operation.status.value != "pending_approval"
+    page.goto(f"{base}/calls/local/theirs")  # even a page that knew the form's token
+    csrf = page.locator("input[name=csrf]").first.get_attribute("value")
+    attacker = browser.new_page()
+    attacker.set_content(
+        f'<form method="post" action="{base}/calls/local/theirs/approve">'
+        f'<input name="csrf" value="{csrf}"><input name="reason" value="pwned">'
+        '<button value="approve" name="action">go</button></form>'
+    )
+    with attacker.expect_navigation():
+        attacker.click("button")
+    assert "another site" in attacker.content()
+    assert ledger.get("local", "theirs").operation.status.value == "pending_approval"
+    ledger.close()
+    page.close()
+    attacker.close()

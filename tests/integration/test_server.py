@@ -635,6 +635,7 @@ def test_insecure_local__refuses_other_sites_and_other_host_names(
             {**plain, "Origin": "http://127.0.0.1:9999"},  # another local server's page
             {**plain, "Sec-Fetch-Site": "cross-site"},
             {**plain, "Sec-Fetch-Site": "same-site"},
+            {**plain, "Origin": "null", "Sec-Fetch-Site": "cross-site"},
         ):
             r = client.post(approve, content=body, headers=headers)
             assert r.status_code == 403 and r.json()["kind"] == "forbidden", (headers, r.text)
@@ -658,6 +659,10 @@ def test_insecure_local__refuses_other_sites_and_other_host_names(
         assert ledger.get(scope, "p").operation.status is Status.APPROVED
         pending(ledger, scope, "p2")
         r = client.post(f"/api/calls/{scope}/p2/reject", json={"reason": "no"})
+        assert r.status_code == 200, r.text
+        pending(ledger, scope, "p3")  # a page that hides its origin, the browser vouching
+        same = {"Origin": "null", "Sec-Fetch-Site": "same-origin"}
+        r = client.post(f"/api/calls/{scope}/p3/approve", json={"reason": "y"}, headers=same)
         assert r.status_code == 200, r.text
     ledger.close()
 

@@ -83,7 +83,9 @@ def secure_headers() -> dict[str, str]:
     return {
         "Content-Security-Policy": CSP,
         "X-Content-Type-Options": "nosniff",
-        "Referrer-Policy": "no-referrer",
+        # same-origin, not no-referrer: under no-referrer a browser sends a form post's Origin
+        # as "null", and --insecure-local could not tell the console's own posts from a page's
+        "Referrer-Policy": "same-origin",
         "Cache-Control": "no-store",
     }
 

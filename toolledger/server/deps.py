@@ -175,14 +175,17 @@ class LoopbackOnly:
             return f"--insecure-local answers only requests to a loopback name, not {host!r}"
         if scope["method"] in SAFE_METHODS:
             return None
+        site = headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            return "--insecure-local refuses a request from another site (Sec-Fetch-Site)"
         origin = headers.get("origin")
-        if origin is not None and origin.lower() not in (
-            f"http://{host}".lower(),
-            f"https://{host}".lower(),
+        ours = (f"http://{host}".lower(), f"https://{host}".lower())
+        # "null": a page whose referrer policy hides it; only the browser's own word that it is
+        # same-origin (Sec-Fetch-Site, which no page can set) lets it through
+        if origin is not None and origin.lower() not in ours and not (
+            origin == "null" and site == "same-origin"
         ):
             return f"--insecure-local refuses a request from another site ({origin!r})"
-        if headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
-            return "--insecure-local refuses a request from another site (Sec-Fetch-Site)"
         return None
 
 
