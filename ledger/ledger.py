@@ -139,14 +139,9 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
             )
             if created is None:
                 op = self._operation(conn, scope, key)
-                if op.args_sha256 != sha or op.tool != tool:
-                    raise ConflictError(
-                        scope=scope,
-                        idempotency_key=key,
-                        stored_sha256=op.args_sha256,
-                        requested_sha256=sha,
-                        detail="" if op.tool == tool else f"recorded for tool {op.tool!r}",
-                    )
+                conflict = _action_conflict(op, scope, key, tool, sha)
+                if conflict is not None:
+                    raise conflict
             else:
                 op = created
             if not self._insert_tool_call(conn, scope, tool_call_id, key, sha):
@@ -217,20 +212,43 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         ).first()
         if inserted is not None:
             return True
+        conflict = self._binding_conflict(conn, scope, tool_call_id, key, sha)
+        if conflict is not None:
+            raise conflict
+        return False
+
+    @staticmethod
+    def _binding_conflict(
+        conn: sa.Connection, scope: str, tool_call_id: str, key: str, sha: str
+    ) -> ConflictError | None:
         bound = conn.execute(
             sa.select(tool_calls.c.idempotency_key, tool_calls.c.args_sha256).where(
                 tool_calls.c.scope == scope, tool_calls.c.tool_call_id == tool_call_id
             )
-        ).one()
-        if bound.idempotency_key != key or bound.args_sha256 != sha:
-            raise ConflictError(
-                scope=scope,
-                idempotency_key=bound.idempotency_key,
-                stored_sha256=bound.args_sha256,
-                requested_sha256=sha,
-                detail=f"tool_call_id {tool_call_id!r} is already recorded for that key",
-            )
-        return False
+        ).first()
+        if bound is None or (bound.idempotency_key == key and bound.args_sha256 == sha):
+            return None
+        return ConflictError(
+            scope=scope,
+            idempotency_key=bound.idempotency_key,
+            stored_sha256=bound.args_sha256,
+            requested_sha256=sha,
+            detail=f"tool_call_id {tool_call_id!r} is already recorded for that key",
+        )
+
+    def conflict_of(
+        self, scope: str, tool_call_id: str, key: str, tool: str, sha: str
+    ) -> ConflictError | None:
+        """The ConflictError ``submit`` would raise for this call now (its key or its
+        tool_call_id already recorded for other arguments or another tool), read only; None
+        if it would not (a later writer can still make it conflict)."""
+        with self._read() as conn:
+            row = conn.execute(sa.select(operations).where(op_key(scope, key))).first()
+            if row is not None:
+                conflict = _action_conflict(OperationRecord.from_row(row), scope, key, tool, sha)
+                if conflict is not None:
+                    return conflict
+            return self._binding_conflict(conn, scope, tool_call_id, key, sha)
 
     def approve(
         self,
@@ -335,3 +353,18 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
     def verify(self, page_size: int = 1000) -> VerifyReport:
         """Rebuild current state from the events alone and report every difference."""
         return verify(self.engine, page_size)
+
+
+def _action_conflict(
+    op: OperationRecord, scope: str, key: str, tool: str, sha: str
+) -> ConflictError | None:
+    """The key is recorded for other arguments or another tool: a conflict, not the call."""
+    if op.args_sha256 == sha and op.tool == tool:
+        return None
+    return ConflictError(
+        scope=scope,
+        idempotency_key=key,
+        stored_sha256=op.args_sha256,
+        requested_sha256=sha,
+        detail="" if op.tool == tool else f"recorded for tool {op.tool!r}",
+    )

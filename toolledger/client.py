@@ -300,8 +300,13 @@ class Client:
         key: str | None = None,
     ) -> None:
         """Every check ``submit`` makes before it records anything (identifiers, size, the
-        tool, its schema, sandbox paths), recording nothing: InputError or UnknownTool."""
-        self._submitter.prepare(scope, tool_call_id, tool, args, key)
+        tool, its schema, sandbox paths) and the conflict it would find with what the ledger
+        holds now (the id or key recorded for other arguments), recording nothing:
+        InputError, UnknownTool or ConflictError."""
+        call = self._submitter.prepare(scope, tool_call_id, tool, args, key)
+        conflict = self.ledger.conflict_of(scope, tool_call_id, call.key, tool, call.args_sha256)
+        if conflict is not None:
+            raise conflict
 
     def submit(
         self,

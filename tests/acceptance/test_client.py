@@ -119,6 +119,8 @@ def test_run_turn__a_call_without_a_receipt_is_never_answered(world: Stack) -> N
         {"function": {"name": "write_file", "arguments": "[1, 2]"}},  # not a JSON object
         {"function": {"name": "no_such_tool", "arguments": "{}"}},
         {"function": {"name": "write_file", "arguments": '{"path": "../x", "content": "x"}'}},
+        # the id of a call already recorded, with other arguments (a ConflictError)
+        {"function": {"name": "write_file", "arguments": '{"path": "other", "content": "y"}'}},
     ],
 )
 def test_run_turn__a_turn_refused_for_one_call_records_none(
@@ -126,6 +128,9 @@ def test_run_turn__a_turn_refused_for_one_call_records_none(
 ) -> None:
     turn = openai_turn(2, "refused")
     turn["tool_calls"][1] = {"id": "refused_1", "type": "function", **bad}
+    with Client(world.settings()) as client:  # refused_1 recorded before, as the turn first had it
+        first = openai_turn(2, "refused")["tool_calls"][1]["function"]
+        client.submit("conv", "refused_1", "write_file", json.loads(first["arguments"]))
     asked: list[str] = []
 
     def policy(_tool: str, call_id: str, _args: Any) -> str:
