@@ -21,16 +21,21 @@ not approve (it returns None; with no ``approve`` at all, every call that is not
 is a tool with ``needs_approval``: the run stops with an interruption, and once
 ``RunState.approve`` lets it through, the resumed run submits it approved by
 ``approved_by`` (default ``openai-agents``). A call the SDK rejects is never submitted:
-nothing is recorded. A call already in the ledger (a replay) needs no second approval.
-A call without a receipt within ``timeout`` has nothing true to tell the model: the tool
-raises ``CallsWaiting`` naming it and the run stops (never an invented result); the same turn
-run again later with the same ids gets its receipt. The SDK raises it wrapped (a
-``UserError`` whose cause it is): ``calls_waiting(exc)`` finds it.
+nothing is recorded. A call already in the ledger and decided (a replay) needs no second
+approval; one recorded earlier and still waiting for a person pauses the run the same way,
+and the SDK's approval approves it in the ledger.
+
+The tool waits for its receipt (every approved call ends: its worker finishes it, or the
+sweep declares it ``unknown``), so the model is never told anything invented. A ``timeout``,
+if given, stops the run with ``CallsWaiting`` (wrapped by the SDK in a ``UserError``:
+``calls_waiting(exc)`` finds it); such a run cannot be resumed: run again, the model makes
+new call ids, which are new calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -39,7 +44,8 @@ from agents import FunctionTool, RunContextWrapper
 from agents.tool_context import ToolContext
 
 from toolledger.client import AsyncClient, Client, ReceiptTimeout
-from toolledger.ledger.errors import LedgerError
+from toolledger.ledger.errors import LedgerError, StateError
+from toolledger.ledger.transitions import Status
 from toolledger.tools import Registry, Tool
 from toolledger.turns import CallsWaiting
 
@@ -85,26 +91,27 @@ class _Ledger:
     def registry(self) -> Registry:
         return self.sync._submitter.registry
 
-    async def known(self, scope: str, tool_call_id: str) -> bool:
+    async def status(self, scope: str, tool_call_id: str) -> str | None:
+        """The call's status in the ledger; None if it is not recorded (or its id is one the
+        ledger refuses: submit will say so)."""
         try:
-            await asyncio.to_thread(self.sync.status, scope, tool_call_id)
-        except LedgerError:  # not recorded (or an id the ledger refuses: submit will say so)
-            return False
-        return True
+            return await asyncio.to_thread(self.sync.status, scope, tool_call_id)
+        except LedgerError:
+            return None
 
     async def call(
         self, scope: str, tool_call_id: str, tool: str, args: dict[str, Any], **kw: Any
     ) -> str:
-        timeout: float = kw.pop("timeout")
+        timeout: float | None = kw.pop("timeout")
+        by: str | None = kw.get("approved_by")
+        sync = self.sync
         try:
-            if isinstance(self.client, AsyncClient):
-                handle = await self.client.submit(scope, tool_call_id, tool, args, **kw)
-                receipt = await handle.result(timeout=timeout)
-            else:
-                sync_handle = await asyncio.to_thread(
-                    self.client.submit, scope, tool_call_id, tool, args, **kw
-                )
-                receipt = await asyncio.to_thread(sync_handle.result, timeout)
+            handle = await asyncio.to_thread(sync.submit, scope, tool_call_id, tool, args, **kw)
+            if handle.status == Status.PENDING_APPROVAL.value and by is not None:
+                # recorded earlier, waiting for a person; this run's approval is that decision
+                with contextlib.suppress(StateError):  # decided meanwhile: that stands
+                    await asyncio.to_thread(sync.approve, scope, tool_call_id, by=by)
+            receipt = await asyncio.to_thread(handle.result, timeout)
         except ReceiptTimeout as exc:
             raise CallsWaiting(scope, {tool_call_id: exc.status}) from None
         except LedgerError as exc:  # refused input, a conflict: nothing recorded
@@ -118,15 +125,17 @@ def ledger_function_tools(
     scope: Scope,
     tools: Iterable[Tool] | Iterable[str] | None = None,
     approve: Approve | None = None,
-    timeout: float = 60.0,
+    timeout: float | None = None,
     approved_by: str = SDK_APPROVER,
 ) -> list[FunctionTool]:
     """One ``FunctionTool`` per registered tool (``tools``: a subset, as Tools or names).
 
     ``scope``: the conversation or session id, or a function of the run context giving it.
     ``approve(tool, call_id, args)``: who approves a call (None: the SDK's approval decides,
-    the run pauses). ``timeout``: seconds to wait for a receipt before answering with the
-    call's status."""
+    the run pauses). ``timeout``: seconds to wait for a receipt (default: until there is one;
+    an approved call always ends, by its worker or as ``unknown`` by the sweep); past it the
+    tool raises CallsWaiting and the run stops, and it cannot be resumed: a new run asks the
+    model again, whose new call ids are new calls."""
     ledger = _Ledger(client)
     registry = ledger.registry
     chosen = (
@@ -142,7 +151,7 @@ def _function_tool(
     tool: Tool,
     scope: Scope,
     approve: Approve | None,
-    timeout: float,
+    timeout: float | None,
     sdk_approver: str,
 ) -> FunctionTool:
     def scope_of(ctx: RunContextWrapper[Any]) -> str:
@@ -158,7 +167,10 @@ def _function_tool(
     ) -> bool:
         if tool.read_only or policy(call_id, args) is not None:
             return False
-        return not await ledger.known(scope_of(ctx), call_id)  # a replay: decided before
+        status = await ledger.status(scope_of(ctx), call_id)
+        # new, or recorded earlier and still waiting for a person: the SDK's pause decides;
+        # any other status was decided before (a replay waits for, or returns, its receipt)
+        return status is None or status == Status.PENDING_APPROVAL.value
 
     async def invoke(ctx: ToolContext[Any], args_json: str) -> str:
         try:

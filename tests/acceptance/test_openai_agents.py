@@ -145,30 +145,54 @@ def test_example__runs_then_replays_without_running_again(world: Stack) -> None:
     assert (world.sandbox / "ex" / "report" / "summary.txt").read_text() == "all good\n"
 
 
-def test_no_receipt_in_time__the_run_stops_and_the_model_is_told_nothing(world: Stack) -> None:
-    """DESIGN §6: a call with no receipt has nothing true to tell the model: the run stops
-    with CallsWaiting naming it; run again once a person decided, it gets the receipt."""
+def test_recorded_earlier_and_waiting_for_a_person__the_run_pauses_as_for_a_new_call(
+    world: Stack,
+) -> None:
+    """A call already in the ledger, pending a person's approval: the model is told nothing
+    (DESIGN §6); the run pauses with the SDK's own interruption, which keeps the model's call
+    id, and the SDK's approval approves it in the ledger: one effect, the model's own id."""
     with Client(world.settings()) as client:  # recorded earlier, waiting for a person
         client.submit("conv-3", "call_a1", "append_file", APPEND[2])
 
-    async def go(timeout: float) -> ScriptedModel:
+    async def go() -> tuple[Any, ScriptedModel]:
         model = ScriptedModel([APPEND])
         async with AsyncClient(world.settings()) as client:
-            tools = ledger_function_tools(client, scope="conv-3", approve=None, timeout=timeout)
+            tools = ledger_function_tools(client, scope="conv-3", approve=None)
             agent = Agent(name="t", model=model, tools=list(tools))
-            result = await Runner.run(agent, "go", run_config=NO_TRACE)
-            assert not result.interruptions  # known to the ledger: its decision stands
-        return model
+            paused = await Runner.run(agent, "go", run_config=NO_TRACE)
+            assert [i.raw_item.call_id for i in paused.interruptions] == ["call_a1"]  # type: ignore[union-attr]
+            assert client.sync.status("conv-3", "call_a1") == "pending_approval"
+            state = paused.to_state()
+            state.approve(paused.interruptions[0])
+            return await Runner.run(agent, state, run_config=NO_TRACE), model
 
-    with pytest.raises(AgentsException) as stopped:  # the SDK wraps a tool's error
-        asyncio.run(go(0.5))
-    waiting = calls_waiting(stopped.value)
-    assert waiting is not None and waiting.waiting == {"call_a1": "pending_approval"}
-    assert not (world.sandbox / "conv-3" / "notes" / "log.txt").exists()
-    assert executions(world, "conv-3", "call_a1") == 0
-    with Client(world.settings()) as client:
-        client.approve("conv-3", "call_a1", by="alice")
-    seen = json.loads(asyncio.run(go(60)).seen["call_a1"])
-    assert "finished" not in seen and "error" not in seen  # its result, nothing else
-    assert (world.sandbox / "conv-3" / "notes" / "log.txt").read_text() == APPEND[2]["content"]
+    resumed, model = asyncio.run(go())
+    assert resumed.final_output == "Done: 1 tool results."
+    assert set(model.seen) == {"call_a1"}  # nothing answered while it waited
+    assert (world.sandbox / "conv-3" / "notes" / "log.txt").read_text() == "once\n"
     assert executions(world, "conv-3", "call_a1") == 1
+    ledger = world.ledger()
+    try:
+        assert ledger.get("conv-3", "call_a1").operation.decided_by == "openai-agents"
+    finally:
+        ledger.close()
+
+
+def test_an_explicit_timeout__the_run_stops_with_calls_waiting(world: Stack) -> None:
+    """With a timeout the run stops (the SDK wraps the error) and the model is told
+    nothing; the call itself goes on and ends once."""
+    held = ("call_h1", "probe_write", {"path": "held.txt", "content": "h", "hold_ms": 3000})
+
+    async def go() -> None:
+        async with AsyncClient(world.settings()) as client:
+            tools = ledger_function_tools(client, scope="conv-4", approve=always, timeout=0.3)
+            agent = Agent(name="t", model=ScriptedModel([held]), tools=list(tools))
+            await Runner.run(agent, "go", run_config=NO_TRACE)
+
+    with pytest.raises(AgentsException) as stopped:
+        asyncio.run(go())
+    waiting = calls_waiting(stopped.value)
+    assert waiting is not None and list(waiting.waiting) == ["call_h1"]
+    with Client(world.settings()) as client:
+        assert client.wait("conv-4", "call_h1", timeout=60).status.value == "succeeded"
+    assert executions(world, "conv-4", "call_h1") == 1
