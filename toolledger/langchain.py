@@ -51,6 +51,19 @@ CALL_ID_FIELD = "toolledger_tool_call_id"
 DEFAULT_APPROVER = "langgraph"
 
 
+try:  # a ToolNode lets a GraphBubbleUp through whatever its handle_tool_errors says
+    from langgraph.errors import GraphBubbleUp
+except ImportError:  # LangChain without LangGraph: a plain CallsWaiting
+
+    class GraphBubbleUp(Exception):  # type: ignore[no-redef]
+        pass
+
+
+class ToolCallsWaiting(CallsWaiting, GraphBubbleUp):
+    """CallsWaiting raised by a LangChain tool: also a LangGraph ``GraphBubbleUp``, so that a
+    ``ToolNode(handle_tool_errors=True)`` does not turn it into an error the model reads."""
+
+
 class MissingCallIdentity(ValueError):
     """The tool was invoked without a ToolCall id or outside a LangGraph thread."""
 
@@ -127,11 +140,11 @@ class LedgerTool(BaseTool):
         except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
             raise ToolException(f"toolledger refused the call: {exc}") from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
-            raise CallsWaiting(scope, {call_id: handle.status})
+            raise ToolCallsWaiting(scope, {call_id: handle.status})
         try:
             receipt = handle.result(timeout=self.timeout)
         except ReceiptTimeout as exc:
-            raise CallsWaiting(scope, {call_id: exc.status}) from None
+            raise ToolCallsWaiting(scope, {call_id: exc.status}) from None
         return ToolMessage(
             content=receipt.text,
             tool_call_id=call_id,

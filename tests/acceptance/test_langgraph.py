@@ -145,15 +145,16 @@ def test_crash_inside_the_tools_node__resume_replays_not_reruns(world: Stack) ->
     assert [executions(world, scope, i) for i in ids] == [1, 1]
 
 
+@pytest.mark.parametrize("handle_tool_errors", [False, True])
 @pytest.mark.parametrize("world", ["embedded"], indirect=True)
 def test_not_approved__the_run_stops_and_nothing_runs_until_a_person_decides(
-    world: Stack,
+    world: Stack, handle_tool_errors: bool
 ) -> None:
     """approve returns None: the call is recorded pending_approval and the tool raises
     CallsWaiting (DESIGN §6: nothing true to tell the model; no ToolMessage is made up);
     the graph stops at its checkpoint, runs nothing, and a re-run stops the same way. Once a
     person approved, the same checkpoint run again gets the receipt: one effect."""
-    scope = "lg-pending"
+    scope = f"lg-pending-{handle_tool_errors}"
     thread: RunnableConfig = {"configurable": {"thread_id": scope}}
     with Client(world.settings()) as client:
         tools = ledger_tools(client, approve=lambda *_: None, tools=["append_file"])
@@ -161,6 +162,8 @@ def test_not_approved__the_run_stops_and_nothing_runs_until_a_person_decides(
             ScriptedModel(calls=calls("pend")[:1]),
             tools,
             MemorySaver(),
+            # a ToolNode that hands every tool error to the model must let this one through
+            tools_node=ToolNode(tools, handle_tool_errors=handle_tool_errors),
             interrupt_before=["tools"],
         )
         graph.invoke({"messages": [HumanMessage("go")]}, thread)

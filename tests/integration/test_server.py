@@ -682,5 +682,14 @@ def test_ids_with_a_slash__an_escaped_suffix_is_part_of_the_id(server: Any, scop
         r = client.post(f"/api/calls/{scope}/x%2F{action}", json={"reason": "r"}, headers=h)
         assert r.status_code == 404, (action, r.text)
     assert ledger.get(scope, "x").operation.status is Status.PENDING_APPROVAL
+    login(client, "otto")  # the console's forms too
+    csrf = csrf_of(client.get(f"/calls/{scope}/x").text)
+    for action in ("approve", "reject", "retry", "resolve"):
+        r = client.post(
+            f"/calls/{scope}/x%2F{action}", data={"reason": "r", "csrf": csrf},
+            follow_redirects=False,
+        )  # fmt: skip
+        assert r.status_code == 404, (action, r.text)
+    assert ledger.get(scope, "x").operation.status is Status.PENDING_APPROVAL
     r = client.post(f"/api/calls/{scope}/x%2Fevents/approve", json={"reason": "r"}, headers=h)
     assert r.status_code == 200 and r.json()["tool_call_id"] == "x/events", r.text

@@ -11,9 +11,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
 from toolledger.ledger import inputs
-from toolledger.ledger.errors import InvalidArguments, NotFound
+from toolledger.ledger.errors import InvalidArguments
 from toolledger.server.auth import Token
-from toolledger.server.deps import api_token, desk_of, read_body
+from toolledger.server.deps import api_token, desk_of, read_body, require_suffix, suffixed
 
 router = APIRouter(prefix="/api")
 Who = Annotated[Token, Depends(api_token)]
@@ -111,25 +111,12 @@ async def resolve(request: Request, who: Who, execution_id: str) -> Any:
     )
 
 
-def _require_suffix(request: Request, suffix: str) -> None:
-    """A POST to an escaped id ending in ``/suffix`` names no action: never this one."""
-    if not _suffixed(request, suffix):
-        raise NotFound(f"no action at {request.url.path!r}: POST to the call's path + /{suffix}")
-
-
-def _suffixed(request: Request, suffix: str) -> bool:
-    """Whether the request's path really ends in ``/suffix``: a tool_call_id may hold "/",
-    sent escaped (``x%2Fevents``), which the router has already unescaped."""
-    raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
-    return raw.endswith(b"/" + suffix.encode())
-
-
 # A tool_call_id may hold "/": the routes with a suffix come before the bare one, and each
 # checks that its suffix was not the end of an escaped id.
 @router.get("/calls/{scope}/{tool_call_id:path}/events")
 def events(request: Request, who: Who, scope: str, tool_call_id: str) -> dict[str, Any]:
     """The call's event history, in order (the CLI's ``events``)."""
-    if not _suffixed(request, "events"):  # the call "x/events" itself
+    if not suffixed(request, "events"):  # the call "x/events" itself
         return show(request, who, scope, f"{tool_call_id}/events")
     return desk_of(request).events(who, scope, tool_call_id)
 
@@ -137,14 +124,14 @@ def events(request: Request, who: Who, scope: str, tool_call_id: str) -> dict[st
 @router.post("/calls/{scope}/{tool_call_id:path}/approve", openapi_extra=_body(DecisionBody))
 async def approve(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
     """Approve a pending call in the token's name, and enqueue it."""
-    _require_suffix(request, "approve")
+    require_suffix(request, "approve")
     return await _decide(request, who, scope, tool_call_id, approve=True)
 
 
 @router.post("/calls/{scope}/{tool_call_id:path}/reject", openapi_extra=_body(DecisionBody))
 async def reject(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
     """Reject a pending call in the token's name."""
-    _require_suffix(request, "reject")
+    require_suffix(request, "reject")
     return await _decide(request, who, scope, tool_call_id, approve=False)
 
 
@@ -152,7 +139,7 @@ async def reject(request: Request, who: Who, scope: str, tool_call_id: str) -> A
 async def retry(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
     """A new attempt under the same key; ``accept_duplicate`` for a tool that is not
     idempotent."""
-    _require_suffix(request, "retry")
+    require_suffix(request, "retry")
     body = await read_body(request, empty_ok=True)
     _fields(body, {"accept_duplicate", "reason"})
     accept = body.get("accept_duplicate", False)

@@ -26,7 +26,7 @@ from toolledger.server.auth import (
     Token,
     same_text,
 )
-from toolledger.server.deps import ERRORS, desk_of, token_of
+from toolledger.server.deps import ERRORS, desk_of, require_suffix, token_of
 
 router = APIRouter(include_in_schema=False)
 
@@ -291,6 +291,7 @@ async def call(request: Request, scope: str, tool_call_id: str) -> Response:
 
 
 async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> Response:
+    require_suffix(request, action)  # an escaped "x%2Fapprove" is the call x/approve's path
     who = _who(request)
     if who is None:
         return _login_redirect(request)
@@ -342,6 +343,7 @@ async def retry(request: Request, scope: str, tool_call_id: str) -> Response:
 @router.post("/calls/{scope}/{tool_call_id:path}/resolve")
 async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
     """Resolve one execution of this call (the form names it) with evidence."""
+    require_suffix(request, "resolve")
     who = _who(request)
     if who is None:
         return _login_redirect(request)

@@ -182,11 +182,26 @@ class LoopbackOnly:
         ours = (f"http://{host}".lower(), f"https://{host}".lower())
         # "null": a page whose referrer policy hides it; only the browser's own word that it is
         # same-origin (Sec-Fetch-Site, which no page can set) lets it through
-        if origin is not None and origin.lower() not in ours and not (
-            origin == "null" and site == "same-origin"
+        if (
+            origin is not None
+            and origin.lower() not in ours
+            and not (origin == "null" and site == "same-origin")
         ):
             return f"--insecure-local refuses a request from another site ({origin!r})"
         return None
+
+
+def require_suffix(request: Request, suffix: str) -> None:
+    """A POST to an escaped id ending in ``/suffix`` names no action: never this one."""
+    if not suffixed(request, suffix):
+        raise NotFound(f"no action at {request.url.path!r}: POST to the call's path + /{suffix}")
+
+
+def suffixed(request: Request, suffix: str) -> bool:
+    """Whether the request's path really ends in ``/suffix``: a tool_call_id may hold "/",
+    sent escaped (``x%2Fevents``), which the router has already unescaped."""
+    raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
+    return raw.endswith(b"/" + suffix.encode())
 
 
 def error_response(exc: BaseException) -> JSONResponse:
