@@ -6,6 +6,7 @@ Set TOOLLEDGER_SCREENSHOTS=docs/console to refresh the README's screenshots."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -70,16 +71,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def served(world: Stack, scope: str) -> Iterator[tuple[Stack, str, str]]:
-    """``toolledger serve`` for real, in its own process, on the test's stack; its tokens
-    see only this test's scope (the Postgres database is shared by the module's tests)."""
-    tokens = f"olga:operator:{OPERATOR}:{scope},abe:approver:{APPROVER}:{scope}"
+@contextlib.contextmanager
+def serving(world: Stack, env: dict[str, str], *options: str) -> Iterator[str]:
+    """``toolledger serve`` for real, in its own process: its base URL once it answers."""
     port = free_port()
-    log = (world.root / "serve.log").open("wb")
+    log_path = world.root / f"serve-{port}.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(
-        [*toolledger_argv(), "serve", "--port", str(port)],
-        env=world.env(api_tokens=tokens),
+        [*toolledger_argv(), "serve", *options, "--port", str(port)],
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -89,14 +89,25 @@ def served(world: Stack, scope: str) -> Iterator[tuple[Stack, str, str]]:
         try:
             return httpx.get(base + "/login", timeout=2).status_code == 200
         except httpx.HTTPError:
-            assert proc.poll() is None, (world.root / "serve.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             return False
 
-    wait_until(up, 60, "toolledger serve to answer")
-    yield world, base, scope
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    try:
+        wait_until(up, 60, "toolledger serve to answer")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture
+def served(world: Stack, scope: str) -> Iterator[tuple[Stack, str, str]]:
+    """Its tokens see only this test's scope (the Postgres database is shared by the
+    module's tests)."""
+    tokens = f"olga:operator:{OPERATOR}:{scope},abe:approver:{APPROVER}:{scope}"
+    with serving(world, world.env(api_tokens=tokens)) as base:
+        yield world, base, scope
 
 
 def login(page: Page, base: str, secret: str) -> None:
@@ -235,29 +246,9 @@ def test_the_inertness_check_catches_a_payload_that_runs(browser: Browser) -> No
 @pytest.fixture
 def served_locally(world: Stack) -> Iterator[tuple[Stack, str]]:
     """``toolledger serve --insecure-local``: no token, every request the operator."""
-    port = free_port()
-    log = (world.root / "serve-local.log").open("wb")
     env = {k: v for k, v in world.env().items() if not k.startswith("TOOLLEDGER_API_TOKENS")}
-    proc = subprocess.Popen(
-        [*toolledger_argv(), "serve", "--insecure-local", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(base + "/", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            assert proc.poll() is None, (world.root / "serve-local.log").read_text()
-            return False
-
-    wait_until(up, 60, "toolledger serve --insecure-local to answer")
-    yield world, base
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with serving(world, env, "--insecure-local") as base:
+        yield world, base
 
 
 @pytest.mark.parametrize("world", ["embedded"], indirect=True)
