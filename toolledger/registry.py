@@ -15,6 +15,7 @@ from typing import Any
 
 from toolledger.builtin_tools import BUILTINS
 from toolledger.config import ConfigError
+from toolledger.ledger.errors import InputError
 from toolledger.tools import Registry, Tool, tools_in
 
 ENTRY_POINT_GROUP = "toolledger.tools"
@@ -57,5 +58,5 @@ def _register(registry: Registry, found: list[Tool], where: str) -> None:
     for t in found:
         try:
             registry.register(t)
-        except ValueError as exc:
+        except (ValueError, InputError) as exc:  # a taken name, or one no tool may take
             raise ConfigError(f"{where}: {exc}") from None

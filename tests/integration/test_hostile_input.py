@@ -255,6 +255,11 @@ def tool_modules(tmp_path, monkeypatch):
         "class A(BaseModel):\n    x: int = 0\n"
         "@tool(read_only=True)\ndef write_file(args: A, ctx) -> dict:\n    return {}\n"
     )
+    (mods / "tl_proxied.py").write_text(  # the MCP proxy's names are no registered tool's
+        "from pydantic import BaseModel\nfrom toolledger.tools import tool\n"
+        "class A(BaseModel):\n    x: int = 0\n"
+        "@tool(name='mcp.write_file')\ndef w(args: A, ctx) -> dict:\n    return {}\n"
+    )
     monkeypatch.syspath_prepend(str(mods))
     return mods
 
@@ -265,6 +270,7 @@ def tool_modules(tmp_path, monkeypatch):
         ("tl_raises", "failed to load: RuntimeError: boom"),
         ("tl_exits", "failed to load: SystemExit: 0"),
         ("tl_shadows", "a different tool named 'write_file' is already registered"),
+        ("tl_proxied", "module 'tl_proxied': tool name 'mcp.write_file' is not"),
         ("tl_missing", "No module named 'tl_missing'"),
     ],
 )
