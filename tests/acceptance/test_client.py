@@ -19,7 +19,6 @@ import pytest
 
 from tests.acceptance.conftest import Stack, toolledger, wait_until
 from toolledger import AsyncClient, Client, ReceiptTimeout
-from toolledger.ledger.errors import LedgerError, NotFound
 from toolledger.ledger.transitions import Status
 from toolledger.recovery.transcript import repair_transcript
 from toolledger.turns import CallsWaiting
@@ -109,56 +108,6 @@ def test_run_turn__a_call_without_a_receipt_is_never_answered(world: Stack) -> N
     try:
         for call in ("wait_0", "wait_1"):
             assert len(ledger.get("conv", call).executions) == 1  # ran once each
-    finally:
-        ledger.close()
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"function": {"name": "write_file", "arguments": "[1, 2]"}},  # not a JSON object
-        {"function": {"name": "no_such_tool", "arguments": "{}"}},
-        {"function": {"name": "write_file", "arguments": '{"path": "../x", "content": "x"}'}},
-        # the id of a call already recorded, with other arguments (a ConflictError)
-        {"function": {"name": "write_file", "arguments": '{"path": "other", "content": "y"}'}},
-    ],
-)
-def test_run_turn__a_turn_refused_for_one_call_records_none(
-    world: Stack, bad: dict[str, Any]
-) -> None:
-    turn = openai_turn(2, "refused")
-    turn["tool_calls"][1] = {"id": "refused_1", "type": "function", **bad}
-    with Client(world.settings()) as client:  # refused_1 recorded before, as the turn first had it
-        first = openai_turn(2, "refused")["tool_calls"][1]["function"]
-        client.submit("conv", "refused_1", "write_file", json.loads(first["arguments"]))
-    asked: list[str] = []
-
-    def policy(_tool: str, call_id: str, _args: Any) -> str:
-        asked.append(call_id)
-        return "policy"
-
-    with Client(world.settings()) as client, pytest.raises(LedgerError):
-        client.run_turn("conv", turn, approve=policy, timeout=5)
-    assert asked == []  # refused before anyone was asked
-    ledger = world.ledger()
-    try:
-        with pytest.raises(NotFound):
-            ledger.get("conv", "refused_0")  # the first call, valid, recorded neither
-    finally:
-        ledger.close()
-
-
-def test_run_turn__a_turn_of_two_formats_is_refused(world: Stack) -> None:
-    """A Responses item and a chat message in one list: reading one format would pass over
-    the other's calls without a word."""
-    mixed = [*responses_turn(1, "mix_r"), openai_turn(1, "mix_c")]
-    with Client(world.settings()) as client, pytest.raises(LedgerError, match="one format"):
-        client.run_turn("conv", mixed, approve=always, timeout=5)
-    ledger = world.ledger()
-    try:
-        for call in ("mix_r_0", "mix_c_0"):
-            with pytest.raises(NotFound):
-                ledger.get("conv", call)
     finally:
         ledger.close()
 
