@@ -111,7 +111,10 @@ class _Ledger:
                 # recorded earlier, waiting for a person; this run's approval is that decision
                 with contextlib.suppress(StateError):  # decided meanwhile: that stands
                     await asyncio.to_thread(sync.approve, scope, tool_call_id, by=by)
-            receipt = await asyncio.to_thread(handle.result, timeout)
+            if isinstance(self.client, AsyncClient):  # woken on the loop: no thread held
+                receipt = await self.client.wait(scope, tool_call_id, timeout=timeout)
+            else:
+                receipt = await asyncio.to_thread(handle.result, timeout)
         except ReceiptTimeout as exc:
             raise CallsWaiting(scope, {tool_call_id: exc.status}) from None
         except LedgerError as exc:  # refused input, a conflict: nothing recorded
