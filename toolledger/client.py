@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from toolledger.config import Settings
 from toolledger.ledger import doorbell
@@ -38,6 +38,9 @@ from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import CallView, Receipt
 from toolledger.ledger.transitions import RECEIPT_STATUSES, Status
+
+if TYPE_CHECKING:
+    from toolledger.worker.submit import PreparedCall
 
 log = logging.getLogger("toolledger.client")
 P = ParamSpec("P")
@@ -298,15 +301,17 @@ class Client:
         args: dict[str, Any],
         *,
         key: str | None = None,
-    ) -> None:
+    ) -> PreparedCall:
         """Every check ``submit`` makes before it records anything (identifiers, size, the
         tool, its schema, sandbox paths) and the conflict it would find with what the ledger
         holds now (the id or key recorded for other arguments), recording nothing:
-        InputError, UnknownTool or ConflictError."""
+        InputError, UnknownTool or ConflictError. Returns the checked call, which
+        ``submit_checked`` records without checking it twice."""
         call = self._submitter.prepare(scope, tool_call_id, tool, args, key)
         conflict = self.ledger.conflict_of(scope, tool_call_id, call.key, tool, call.args_sha256)
         if conflict is not None:
             raise conflict
+        return call
 
     def submit(
         self,
@@ -322,8 +327,15 @@ class Client:
         """Validate, record and enqueue one call (a read-only tool runs at once). Submitting
         the same call again finds it: never a second action."""
         call = self._submitter.prepare(scope, tool_call_id, tool, args, key)
+        return self.submit_checked(call, approved_by=approved_by, reason=reason)
+
+    def submit_checked(
+        self, call: PreparedCall, *, approved_by: str | None = None, reason: str | None = None
+    ) -> CallHandle:
+        """``submit`` of a call ``check`` returned: recorded and enqueued as ``submit`` would
+        (a conflict that arose since the check is still refused by the ledger)."""
         out = self._submitter.submit(call, approved_by=approved_by, reason=reason)
-        return CallHandle(self, scope, tool_call_id, out)
+        return CallHandle(self, call.scope, call.tool_call_id, out)
 
     def approve(
         self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
@@ -476,6 +488,14 @@ class AsyncClient:
             key=key,
             approved_by=approved_by,
             reason=reason,
+        )
+        return AsyncCallHandle(self, handle)
+
+    async def submit_checked(
+        self, call: PreparedCall, *, approved_by: str | None = None, reason: str | None = None
+    ) -> AsyncCallHandle:
+        handle = await self._run(
+            self.sync.submit_checked, call, approved_by=approved_by, reason=reason
         )
         return AsyncCallHandle(self, handle)
 

@@ -34,6 +34,7 @@ from toolledger.recovery.replay import Call, Format, TranscriptError, detect
 
 if TYPE_CHECKING:
     from toolledger.client import AsyncClient, Client
+    from toolledger.worker.submit import PreparedCall
 
 Approve = Callable[[str, str, dict[str, Any]], Any]
 
@@ -80,14 +81,18 @@ def _status_of(exc: TimeoutError) -> str:
     return str(status)
 
 
-def checked_calls(client: Client, scope: str, message: Any) -> tuple[Format, list[Call], list[Any]]:
-    """The turn's format, its calls and their arguments, every call checked as ``submit``
-    would check it: a turn refused for one call records none."""
+def checked_calls(
+    client: Client, scope: str, message: Any
+) -> tuple[Format, list[Call], list[Any], list[PreparedCall]]:
+    """The turn's format, its calls, their arguments and the checked calls (each checked as
+    ``submit`` would check it, once): a turn refused for one call records none."""
     fmt, calls = parse_turn(message)
     arguments = [call_args(call) for call in calls]
-    for call, args in zip(calls, arguments, strict=True):
+    checked = [
         client.check(scope, call.id, call.name, args)
-    return fmt, calls, arguments
+        for call, args in zip(calls, arguments, strict=True)
+    ]
+    return fmt, calls, arguments, checked
 
 
 def answered(
@@ -108,13 +113,13 @@ def run_turn(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    fmt, calls, arguments = checked_calls(client, scope, message)
+    fmt, calls, arguments, checked = checked_calls(client, scope, message)
     asked = zip(calls, arguments, strict=True)
     approvers = [approve(c.name, c.id, a) if approve else None for c, a in asked]
     deadline = None if timeout is None else time.monotonic() + timeout
     handles = [  # in order: the model's order is the effects' order
-        (call, client.submit(scope, call.id, call.name, args, approved_by=approver))
-        for call, args, approver in zip(calls, arguments, approvers, strict=True)
+        (call, client.submit_checked(prepared, approved_by=approver))
+        for call, prepared, approver in zip(calls, checked, approvers, strict=True)
     ]
     outcomes: list[tuple[Call, Receipt | str]] = []
     for call, handle in handles:
@@ -134,14 +139,14 @@ async def run_turn_async(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    fmt, calls, arguments = checked_calls(client.sync, scope, message)
+    fmt, calls, arguments, checked = checked_calls(client.sync, scope, message)
     approvers = []
     for call, args in zip(calls, arguments, strict=True):
         approver = approve(call.name, call.id, args) if approve else None
         approvers.append(await approver if inspect.isawaitable(approver) else approver)
     handles = [
-        (call, await client.submit(scope, call.id, call.name, args, approved_by=approver))
-        for call, args, approver in zip(calls, arguments, approvers, strict=True)
+        (call, await client.submit_checked(prepared, approved_by=approver))
+        for call, prepared, approver in zip(calls, checked, approvers, strict=True)
     ]
 
     async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:

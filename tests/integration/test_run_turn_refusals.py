@@ -66,3 +66,22 @@ def test_run_turn__a_turn_of_two_formats_is_refused(client: Client, scope: str) 
     for call in ("mix_r_0", "mix_c_0"):
         with pytest.raises(NotFound):
             client.ledger.get(scope, call)
+
+
+def test_run_turn__each_call_is_checked_once(
+    client: Client, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's check of every call is the check its submit uses: prepared once per call."""
+    submitter = client._submitter
+    prepared: list[str] = []
+    real = submitter.prepare
+
+    def counted(scope: str, tool_call_id: str, *rest: Any) -> Any:
+        prepared.append(tool_call_id)
+        return real(scope, tool_call_id, *rest)
+
+    monkeypatch.setattr(submitter, "prepare", counted)
+    with pytest.raises(TimeoutError):  # CallsWaiting: nobody approved them
+        client.run_turn(scope, openai_turn(3, "once"), timeout=0)
+    assert prepared == ["once_0", "once_1", "once_2"]
+    assert [client.status(scope, f"once_{i}") for i in range(3)] == ["pending_approval"] * 3
