@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from toolledger.ledger import db, inputs, metrics
 from toolledger.ledger.base import event
-from toolledger.ledger.errors import ConflictError, InvalidTransition
+from toolledger.ledger.errors import ConflictError, InputError, InvalidTransition
 from toolledger.ledger.events import VerifyReport, verify
 from toolledger.ledger.execution import LEASE_SECONDS, LedgerExecution
 from toolledger.ledger.identity import MAX_ARGS_BYTES, check_call, check_text_id
@@ -102,6 +102,8 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
         if approved_by is not None:
             check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
         inputs.check_text(reason, "reason")
+        if reason is not None and approved_by is None:  # it would be dropped in silence
+            raise InputError("reason: it says why a call was approved; give approved_by too")
         check_text_id(actor, "actor", inputs.MAX_ACTOR)
         status = Status.APPROVED if approved_by else Status.PENDING_APPROVAL
         check_transition(None, status)

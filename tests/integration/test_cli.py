@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import row_counts, run_cli
+from toolledger.ledger.errors import InputError
 from toolledger.ledger.ledger import Ledger
 
 ARGS = '{"path": "a.txt", "content": "done"}'
@@ -62,6 +63,22 @@ def test_cli__bad_input_refused_exit_6_nothing_written(
     assert err.count("\n") == 1 and "Traceback" not in err
     assert out == ""
     assert row_counts(ledger.engine) == before
+
+
+def test_cli__a_reason_without_an_approver_is_refused_not_dropped(run, ledger, scope):
+    """--reason says why a call was approved: without --approved-by it was dropped in
+    silence, the call recorded pending as if no reason had been given."""
+    before = row_counts(ledger.engine)
+    code, out, err = submit(run, scope, "c1", ARGS, "--reason", "looked fine")
+    assert code == 2 and "--approved-by" in err and out == ""
+    assert row_counts(ledger.engine) == before
+    with pytest.raises(InputError, match="approved_by"):  # the Python API and the HTTP API
+        ledger.submit(scope, "c1", "write_file", json.loads(ARGS), reason="looked fine")
+    assert row_counts(ledger.engine) == before
+    code, out, _ = submit(
+        run, scope, "c1", ARGS, "--reason", "ok", "--approved-by", "ann", "--json"
+    )
+    assert code == 0 and json.loads(out)["status"] == "approved"
 
 
 @pytest.mark.parametrize("bad_scope", ["../x", "a/b", "..", "", "x" * 200, "a b"])

@@ -46,6 +46,8 @@ def submit(
     reason: str | None,
 ) -> None:
     """Record a call; approved at once with --approved-by, else pending_approval."""
+    if reason is not None and approved_by is None:  # it would be dropped in silence
+        raise click.UsageError("--reason says why a call was approved: give --approved-by too")
     args = parse_json_object(raw_args, "--args")
     call = c.submitter.prepare(scope, tool_call_id, tool, args, key)  # before any write
     out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
