@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import time
 from collections.abc import Iterator
 from queue import Empty
@@ -86,6 +87,18 @@ class Channel(kombu_sqla.Channel):
         return engine
 
 
+def _worker_stopping() -> bool:
+    """A worker asked to stop (SIGTERM, SIGQUIT): Celery's loop sees it only when a drain
+    returns, and its loop drains once more after it has seen it (``synloop`` runs a cycle in
+    a ``finally``), each drain up to 2 s — 2 to 4 s of an idle worker's warm shutdown spent
+    waiting for the doorbell (measured: 6.2 s to stop an idle worker, 4 s of it here)."""
+    state = sys.modules.get("celery.worker.state")
+    if state is None:  # a producer: no worker in this process
+        return False
+    flags = (state.should_stop, state.should_terminate)  # an exit code, 0 included
+    return any(flag is not None and flag is not False for flag in flags)
+
+
 class Transport(kombu_sqla.Transport):
     Channel = Channel
     polling_interval = POLL_SECONDS
@@ -96,6 +109,8 @@ class Transport(kombu_sqla.Transport):
         """kombu's loop, with its sleep replaced by a wait on the doorbell while idle."""
         started = time.monotonic()
         while True:
+            if _worker_stopping():  # no new job, and back to Celery's loop, which stops
+                raise TimeoutError()
             try:
                 self.cycle.get(self._deliver, timeout=timeout)  # type: ignore[union-attr]
                 return
