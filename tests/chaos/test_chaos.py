@@ -16,7 +16,7 @@ from toolledger.harness.chaos import EXTERNAL, ChaosConfig, run_chaos
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
 KEYS = ("faults", "duplicates", "effects_after_revocation", "shared_path_mismatches",
-        "hidden_effects", "lost", "stuck", "inbox", "unknown", "operator", "auto_retries",
+        "hidden_effects", "absent_effects", "foreign_effects", "lost", "stuck", "inbox", "unknown", "operator", "auto_retries",
         "statuses", "recovered_s", "duration_s")  # fmt: skip
 
 
@@ -25,6 +25,7 @@ def assert_clean(report: dict) -> None:
     assert not broken, json.dumps(broken, indent=2)
     assert report["duplicates"] == report["effects_after_revocation"] == 0
     assert report["shared_path_mismatches"] == report["hidden_effects"] == 0
+    assert report["absent_effects"] == report["foreign_effects"] == 0
     assert (report["lost"], report["stuck"]) == (0, 0)
     assert report["verify_ok"] and report["ok"]
 

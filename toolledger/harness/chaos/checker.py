@@ -91,15 +91,83 @@ class Facts:
 
 def one_effect_per_call(f: Facts) -> Invariant:
     """A call's effect happens at most once: each append's line at most once in its file,
-    each charge at most once at the service."""
+    each charge at most once at the service (under any key: the service deduplicates by key,
+    so a second charge of one call can only be under another), each execution's bytes landed
+    at most once on their path (finishing a crashed append again, ``redo``, is the same
+    landing)."""
     bad = []
     for job in (j for j in f.jobs if j.kind == "append"):
         n = (f.files.get(job.group) or "").splitlines(keepends=True).count(job.line)
         if n > 1:
             bad.append(f"{job.cid}: its line is in {job.group} {n} times")
-    per_key = Counter(c["key"] for c in f.charges if c["kind"] == "charge")
-    bad += [f"{key}: charged {n} times" for key, n in per_key.items() if n > 1]
-    return _invariant("at most one effect per call (lines, charges)", bad)
+    owner = {e["execution_id"]: e["idempotency_key"] for e in f.execs}
+    per_call = Counter(
+        owner.get(c.get("execution_id") or "", c["key"]) for c in f.charges if c["kind"] == "charge"
+    )
+    bad += [f"{key}: charged {n} times" for key, n in per_call.items() if n > 1]
+    landed = Counter(
+        (x["execution_id"], x["path"]) for x in f.landings or [] if not x.get("redo")
+    )
+    bad += [f"{eid} landed on {path} {n} times" for (eid, path), n in landed.items() if n > 1]
+    return _invariant("at most one effect per call (lines, charges, landings)", bad)
+
+
+def only_the_calls_effects(f: Facts) -> Invariant:
+    """The world holds nothing no call asked for: every line of an append log is one call's
+    whole line (no torn, glued or foreign line), every file one of its calls' bytes, every
+    charge one call's, with that call's terms, made by one of its executions."""
+    bad = []
+    lines_of: dict[str, set[str]] = defaultdict(set)
+    bytes_of: dict[str, set[str]] = defaultdict(set)
+    for job in f.jobs:
+        if job.kind == "append":
+            lines_of[job.group].add(job.line)
+        elif "path" in job.args:
+            bytes_of[job.args["path"]].add(job.args["content"])
+    for path, lines in lines_of.items():
+        for n, line in enumerate((f.files.get(path) or "").splitlines(keepends=True), 1):
+            if line not in lines:
+                bad.append(f"{path} line {n}: {line[:80]!r} is no call's line")
+    for path, contents in bytes_of.items():
+        found = f.files.get(path)
+        if found is not None and found not in contents:
+            bad.append(f"{path}: holds {found[:80]!r}, which no call on it wrote")
+    jobs, owner = f.job_of_key(), {e["execution_id"]: e["idempotency_key"] for e in f.execs}
+    for c in (c for c in f.charges if c["kind"] == "charge"):
+        job = jobs.get(c["key"])
+        terms = c.get("receipt") or {}
+        if job is None or job.kind != "charge":
+            bad.append(f"a charge under {c['key']!r}, which no call has")
+        elif owner.get(c.get("execution_id") or "") != job.key:
+            bad.append(f"{job.cid}: charged by {c.get('execution_id')}, not one of its executions")
+        elif (terms.get("account"), terms.get("cents")) != (job.args["account"], job.args["cents"]):
+            bad.append(f"{job.cid}: charged {terms}, not its terms")
+    return _invariant("the world holds only the calls' own effects", bad)
+
+
+def succeeded_effects_present(f: Facts) -> Invariant:
+    """Every call the ledger says succeeded (and no human was asked to review) has its effect
+    in the world: a write's file holds its bytes, an append's line is in its log, a charge is
+    at the service. Where landings are logged, each write or append whose own execution
+    committed has its landing: a log that records none measures nothing. (A shared path is
+    judged by its last success: an older write on it may be overwritten or set aside.)"""
+    bad = []
+    ran_by = defaultdict(list)
+    for e in f.execs:
+        ran_by[e["idempotency_key"]].append(e["execution_id"])
+    landed = {x["execution_id"] for x in f.landings or []}
+    for job in f.jobs:
+        op = f.ops.get(job.key)
+        if op is None or op["status"] != "succeeded" or op.get("review"):
+            continue
+        if job.kind != "shared" and not _effect_present(f, job):
+            bad.append(f"{job.cid} ({job.kind}): the ledger says succeeded, its effect is absent")
+        if f.landings is None or job.kind not in ("write", "append"):
+            continue
+        for eid in ran_by[job.key]:
+            if f.own_commit(eid) is not None and eid not in landed:
+                bad.append(f"{job.cid}: {eid} committed, no landing of it was logged")
+    return _invariant("every succeeded call's effect is in the world", bad)
 
 
 def no_effect_after_revocation(f: Facts) -> Invariant:
@@ -297,15 +365,17 @@ INVARIANTS: list[Callable[[Facts], Invariant]] = [
     shared_paths_match_the_ledger,
     effects_never_hidden,
     automatic_retries_proven,
+    succeeded_effects_present,
+    only_the_calls_effects,
 ]
 
 
 def check(f: Facts) -> dict[str, Any]:
-    dup, after, shared, hidden, auto = (fn(f) for fn in INVARIANTS)
+    dup, after, shared, hidden, auto, absent, foreign = (fn(f) for fn in INVARIANTS)
     ended, lost, stuck = every_call_ended(f)
     explained, reasons = unknowns_explained(f)
     verified = _invariant("verify: events rebuild state exactly", f.verify)
-    invariants = [dup, after, shared, hidden, auto, ended, explained, verified]
+    invariants = [dup, after, shared, hidden, auto, absent, foreign, ended, explained, verified]
     statuses = Counter(op["status"] for op in f.ops.values())
     inbox = [k for k, op in f.ops.items() if op["status"] in INBOX or op.get("review")]
     return {
@@ -314,6 +384,10 @@ def check(f: Facts) -> dict[str, Any]:
         "effects_after_revocation": after.count if f.landings is not None else None,
         "shared_path_mismatches": shared.count,
         "hidden_effects": hidden.count,
+        "absent_effects": absent.count,
+        "foreign_effects": foreign.count,
+        # a second request of a charged call, answered by the service's own deduplication
+        "charge_replays": sum(1 for c in f.charges if c["kind"] == "replay"),
         "lost": lost,
         "stuck": stuck,
         "verify_ok": verified.ok,

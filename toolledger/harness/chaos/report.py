@@ -36,6 +36,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"| shared paths not holding their last succeeded write | "
         f"{report['shared_path_mismatches']} |",
         f"| effects hidden behind failed/rejected/pending | {report['hidden_effects']} |",
+        f"| succeeded calls whose effect is absent | {report['absent_effects']} |",
+        f"| effects no call asked for (torn, foreign) | {report['foreign_effects']} |",
         f"| lost (never ran, never ended) | {report['lost']} |",
         f"| stuck (running after the final sweep) | {report['stuck']} |",
         f"| left in the humans' inbox (unknown or flagged) | {inbox['count']} "
