@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from toolledger.ledger.errors import InvalidTransition
 from toolledger.ledger.identity import args_sha256
 from toolledger.ledger.models import execution_events, executions, operations, tool_calls
-from toolledger.ledger.transitions import EventKind, Status, check_transition
+from toolledger.ledger.transitions import REVIEW, EventKind, Status, check_transition
 
 OpKey = tuple[str, str]
 
@@ -30,6 +30,8 @@ class RebuiltExecution:
     reconciled: bool = False
     fenced: bool = False
     effects: list[dict[str, Any]] | None = None
+    error: str | None = None
+    flags: int = 0  # flags raised on it that no review has settled yet
 
 
 @dataclass
@@ -103,6 +105,8 @@ class _Replay:
     def apply(self, ev: sa.Row[Any]) -> None:
         kind, detail = EventKind(ev.kind), ev.detail
         if kind is EventKind.SUBMITTED:
+            if self.op is not None:  # a call is recorded once: never over what it was
+                self.problem(f"seq {ev.seq}: submitted again")
             self.op = RebuiltOperation(tool=detail["tool"], args=detail["args"])
             self.op.tool_calls[detail["tool_call_id"]] = args_sha256(detail["args"])
             return
@@ -112,7 +116,7 @@ class _Replay:
             return
         try:
             self._apply(op, kind, ev)
-        except (InvalidTransition, KeyError) as exc:
+        except (InvalidTransition, KeyError, _NotAReview) as exc:
             self.problem(f"seq {ev.seq}: {kind}: {exc}")
 
     def _apply(self, op: RebuiltOperation, kind: EventKind, ev: sa.Row[Any]) -> None:
@@ -122,10 +126,10 @@ class _Replay:
         elif kind is EventKind.EVIDENCE:
             _ = op.executions[ev.execution_id]  # evidence must name a known execution
         elif kind is EventKind.FLAGGED:
-            _ = op.executions[ev.execution_id]
+            op.executions[ev.execution_id].flags += 1
             op.review = op.review or detail["reason"]
         elif kind is EventKind.REVIEWED:
-            _ = op.executions[ev.execution_id]
+            op.executions[ev.execution_id].flags = 0
             op.review = detail.get("review_after")  # flags raised on other executions wait
         elif kind is EventKind.WITHDRAWN:
             proven = op.executions[ev.execution_id]
@@ -150,13 +154,31 @@ class _Replay:
             new = Status(kind.value)
             ex = op.executions[ev.execution_id]
             check_transition(ex.status, new)
+            if (ex.status, new) in REVIEW:
+                _check_review(ex, ev)
             ex.status = new
             ex.result = detail.get("result")
             ex.reconciled = bool(detail.get("reconciled", False))
             if not ex.reconciled:
                 ex.effects = detail.get("effects")
+                ex.error = detail.get("error")
             if ex.attempt == op.authorized_attempts:
                 op.status = new
+
+
+class _NotAReview(Exception):
+    """A terminal status changed to another without what only a human's review may do."""
+
+
+def _check_review(ex: RebuiltExecution, ev: sa.Row[Any]) -> None:
+    """succeeded <-> failed is a human's correction of a flagged call's human or reconciler
+    decision: never an executor's own result, never without a flag waiting on it."""
+    if not ex.reconciled:
+        raise _NotAReview(f"{ex.status} was its executor's own result: that stands")
+    if not ex.flags:
+        raise _NotAReview(f"{ex.status} changed with no flag waiting on the execution")
+    if not (ev.detail.get("evidence") or {}).get("review"):
+        raise _NotAReview(f"{ex.status} changed by something other than a review")
 
 
 def _compare(
@@ -221,6 +243,7 @@ def _check_operation(
                 (f"{eid}.reconciled", row.reconciled, ex.reconciled),
                 (f"{eid}.fenced", row.fenced, ex.fenced),
                 (f"{eid}.effects", row.effects, ex.effects),
+                (f"{eid}.error", row.error, ex.error),
             ],
         )
 

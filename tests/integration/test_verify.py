@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
+
 import pytest
 import sqlalchemy as sa
 
 from toolledger.cli import main
+from toolledger.ledger.identity import args_sha256
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 
@@ -114,3 +118,145 @@ def test_events__append_only(fresh_db_url, statement):
     with pytest.raises(sa.exc.DBAPIError, match="append-only"), ledger.engine.begin() as conn:
         conn.exec_driver_sql(statement)
     assert ledger.verify().ok
+
+
+@pytest.mark.parametrize(
+    ("statement", "field"),
+    [
+        ("UPDATE executions SET fenced = NOT fenced WHERE execution_id = :eid", "fenced"),
+        (
+            'UPDATE executions SET effects = \'[{"path": "x"}]\' WHERE execution_id = :eid',
+            "effects",
+        ),
+        ("UPDATE executions SET error = 'forged' WHERE execution_id = :eid", "error"),
+        ("UPDATE executions SET attempt = 9 WHERE execution_id = :eid", "attempt"),
+        (
+            "UPDATE operations SET review = 'contradicted' WHERE idempotency_key = 'write_file:ok'",
+            "review",
+        ),
+        (
+            "UPDATE operations SET decided_by = 'mallory' WHERE idempotency_key = 'write_file:ok'",
+            "decided_by",
+        ),
+        (
+            "UPDATE operations SET authorized_attempts = 5 WHERE idempotency_key = 'write_file:ok'",
+            "authorized_attempts",
+        ),
+    ],
+    ids=["fenced", "effects", "error", "attempt", "review", "decided_by", "authorized"],
+)
+def test_verify__every_compared_column_is_compared(fresh_db_url, statement, field):
+    ledger = Ledger(fresh_db_url)
+    ids = mixed_history(ledger)
+    with ledger.engine.begin() as conn:
+        conn.execute(sa.text(statement), {"eid": ids["alpha:ok"]})
+    assert any(d.field.endswith(field) for d in ledger.verify().differences), field
+
+
+def forge_event(ledger: Ledger, key: str, kind: str, detail: dict, execution_id=None, **extra):
+    """An event inserted behind the ledger's back (the history refuses only updates and
+    deletes), in scope alpha."""
+    from toolledger.ledger.models import execution_events
+
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            execution_events.insert().values(
+                scope="alpha", idempotency_key=key, execution_id=execution_id, kind=kind,
+                actor="mallory", detail=detail, at=datetime.now(UTC), **extra,
+            )
+        )  # fmt: skip
+
+
+def problems(ledger: Ledger) -> list[str]:
+    return [d.field for d in ledger.verify().differences if d.table == "execution_events"]
+
+
+def test_verify__an_event_the_transitions_refuse_is_reported(fresh_db_url):
+    ledger = Ledger(fresh_db_url)
+    mixed_history(ledger)
+    forge_event(ledger, "write_file:ok", "approved", {"attempt": 2})  # succeeded -> approved
+    assert any("approved" in p for p in problems(ledger)), problems(ledger)
+
+
+def test_verify__an_event_naming_no_execution_of_its_call_is_reported(fresh_db_url):
+    ledger = Ledger(fresh_db_url)
+    ids = mixed_history(ledger)
+    forge_event(ledger, "write_file:ok", "evidence", {"x": 1}, execution_id=ids["alpha:bad"])
+    assert any("evidence" in p for p in problems(ledger)), problems(ledger)
+
+
+def test_verify__an_event_before_the_call_was_submitted_is_reported(fresh_db_url):
+    ledger = Ledger(fresh_db_url)
+    mixed_history(ledger)
+    forge_event(ledger, "write_file:ok", "evidence", {"x": 1}, seq=0)  # the first of its call
+    assert any("before submitted" in p for p in problems(ledger)), problems(ledger)
+
+
+def test_verify__a_call_submitted_again_over_its_history_is_reported(fresh_db_url):
+    """A second ``submitted`` restarted the replay: a call that ran with some arguments,
+    recorded again with others, and its execution row deleted verified clean."""
+    ledger = Ledger(fresh_db_url)
+    mixed_history(ledger)
+    other = {"path": "ok", "content": "evil"}
+    forge_event(ledger, "write_file:ok", "submitted",
+                {"tool": "write_file", "args": other, "tool_call_id": "ok"})  # fmt: skip
+    with ledger.engine.begin() as conn:
+        conn.execute(sa.text(
+            "UPDATE operations SET args = :args, args_sha256 = :sha, status = 'pending_approval',"
+            " authorized_attempts = 0, decided_by = NULL "
+            "WHERE scope = 'alpha' AND idempotency_key = 'write_file:ok'"),
+            {"args": json.dumps(other), "sha": args_sha256(other)})  # fmt: skip
+        conn.execute(sa.text("UPDATE tool_calls SET args_sha256 = :sha WHERE scope = 'alpha' "
+                             "AND tool_call_id = 'ok'"), {"sha": args_sha256(other)})  # fmt: skip
+        conn.execute(sa.text("DELETE FROM executions WHERE scope = 'alpha' AND "
+                             "idempotency_key = 'write_file:ok'"))  # fmt: skip
+    assert "seq" in " ".join(problems(ledger)) and any(
+        "submitted again" in p for p in problems(ledger)
+    ), ledger.verify().to_json()
+
+
+def test_verify__an_executors_own_result_turned_over_without_a_review_is_reported(
+    fresh_db_url,
+):
+    """succeeded -> failed is a human's correction of a reconciler's or a human's decision on
+    a flagged call: an executor's own result turned over by a forged event (rows to match)
+    verified clean."""
+    ledger = Ledger(fresh_db_url)
+    ids = mixed_history(ledger)
+    eid = ids["alpha:ok"]  # its executor's own succeeded
+    result = {"status": "failed"}
+    forge_event(ledger, "write_file:ok", "failed", {"result": result, "reconciled": True,
+                "evidence": {"kind": "human", "review": True}}, execution_id=eid)  # fmt: skip
+    with ledger.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE executions SET status = 'failed', result = :r, reconciled ="
+                             " true WHERE execution_id = :eid"),
+                     {"r": json.dumps(result), "eid": eid})  # fmt: skip
+        conn.execute(sa.text("UPDATE operations SET status = 'failed' WHERE scope = 'alpha' AND"
+                             " idempotency_key = 'write_file:ok'"))  # fmt: skip
+    assert any("executor's own result" in p for p in problems(ledger)), problems(ledger)
+
+
+def test_verify__a_reconciler_decision_turned_over_with_no_flag_waiting_is_reported(
+    fresh_db_url,
+):
+    ledger = Ledger(fresh_db_url)
+    ids = mixed_history(ledger)
+    eid = ids["alpha:unknown"]  # reconciled succeeded, never flagged
+    result = {"status": "failed"}
+    forge_event(ledger, "write_file:rec", "failed", {"result": result, "reconciled": True,
+                "evidence": {"kind": "human", "review": True}}, execution_id=eid)  # fmt: skip
+    with ledger.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE executions SET status = 'failed', result = :r "
+                             "WHERE execution_id = :eid"),
+                     {"r": json.dumps(result), "eid": eid})  # fmt: skip
+        conn.execute(sa.text("UPDATE operations SET status = 'failed' WHERE scope = 'alpha' AND"
+                             " idempotency_key = 'write_file:rec'"))  # fmt: skip
+    assert any("no flag waiting" in p for p in problems(ledger)), problems(ledger)
+
+
+def test_verify__a_missing_embedded_ledger_is_refused_not_created(tmp_path, capsys):
+    """A mistyped --db verified an empty ledger it had just created: ok, exit 0."""
+    missing = tmp_path / "typo.db"
+    assert main_exit(["--db", f"sqlite:///{missing}", "verify"]) == 1
+    assert "no ledger at" in capsys.readouterr().err
+    assert not missing.exists()

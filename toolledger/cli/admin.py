@@ -189,6 +189,11 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
 @pass_ctx
 def verify(c: Context) -> int:
     """Rebuild current state from the events alone; exit 1 on any difference."""
+    engine = c.unchecked_ledger.engine  # not connected yet: a SQLite file is not created
+    database = engine.url.database
+    if engine.dialect.name == "sqlite" and database and database != ":memory:":
+        if not os.path.exists(database):  # a mistyped --db would verify an empty new ledger
+            raise CliError(f"no ledger at {database}: nothing to verify", EXIT_FAILURE)
     report = c.ledger.verify()
     c.emit(
         report.to_json(),
