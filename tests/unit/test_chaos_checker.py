@@ -276,8 +276,12 @@ def _verify_differs(w: World) -> Facts:
 ONE_EFFECT = "at most one effect per call (lines, charges, landings)"
 FOREIGN = "the world holds only the calls' own effects"
 BREAKS = {
-    ONE_EFFECT: [_duplicate_line, _duplicate_charge, _charged_again_under_another_key,
-                 _landed_twice],  # fmt: skip
+    ONE_EFFECT: [
+        _duplicate_line,
+        _duplicate_charge,
+        _charged_again_under_another_key,
+        _landed_twice,
+    ],
     "no effect of a revoked execution lands": [
         _landing_without_own_commit,
         _stale_write_after_newer,
@@ -304,8 +308,13 @@ BREAKS = {
         _charge_never_made,
         _no_landing_logged,
     ],
-    FOREIGN: [_torn_line, _glued_lines, _foreign_bytes, _charge_by_another_calls_execution,
-              _charge_with_other_terms],  # fmt: skip
+    FOREIGN: [
+        _torn_line,
+        _glued_lines,
+        _foreign_bytes,
+        _charge_by_another_calls_execution,
+        _charge_with_other_terms,
+    ],
     "every call ends: succeeded, failed, rejected, or unknown for a human": [
         _call_never_ended,
         _call_stuck_running,

@@ -191,9 +191,9 @@ def verify(c: Context) -> int:
     """Rebuild current state from the events alone; exit 1 on any difference."""
     engine = c.unchecked_ledger.engine  # not connected yet: a SQLite file is not created
     database = engine.url.database
-    if engine.dialect.name == "sqlite" and database and database != ":memory:":
-        if not os.path.exists(database):  # a mistyped --db would verify an empty new ledger
-            raise CliError(f"no ledger at {database}: nothing to verify", EXIT_FAILURE)
+    embedded = engine.dialect.name == "sqlite" and database not in (None, "", ":memory:")
+    if embedded and not os.path.exists(str(database)):  # a mistyped --db: a new, empty one
+        raise CliError(f"no ledger at {database}: nothing to verify", EXIT_FAILURE)
     report = c.ledger.verify()
     c.emit(
         report.to_json(),

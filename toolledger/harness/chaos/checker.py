@@ -105,9 +105,7 @@ def one_effect_per_call(f: Facts) -> Invariant:
         owner.get(c.get("execution_id") or "", c["key"]) for c in f.charges if c["kind"] == "charge"
     )
     bad += [f"{key}: charged {n} times" for key, n in per_call.items() if n > 1]
-    landed = Counter(
-        (x["execution_id"], x["path"]) for x in f.landings or [] if not x.get("redo")
-    )
+    landed = Counter((x["execution_id"], x["path"]) for x in f.landings or [] if not x.get("redo"))
     bad += [f"{eid} landed on {path} {n} times" for (eid, path), n in landed.items() if n > 1]
     return _invariant("at most one effect per call (lines, charges, landings)", bad)
 
@@ -134,14 +132,17 @@ def only_the_calls_effects(f: Facts) -> Invariant:
             bad.append(f"{path}: holds {found[:80]!r}, which no call on it wrote")
     jobs, owner = f.job_of_key(), {e["execution_id"]: e["idempotency_key"] for e in f.execs}
     for c in (c for c in f.charges if c["kind"] == "charge"):
-        job = jobs.get(c["key"])
+        charged = jobs.get(c["key"])
         terms = c.get("receipt") or {}
-        if job is None or job.kind != "charge":
+        if charged is None or charged.kind != "charge":
             bad.append(f"a charge under {c['key']!r}, which no call has")
-        elif owner.get(c.get("execution_id") or "") != job.key:
-            bad.append(f"{job.cid}: charged by {c.get('execution_id')}, not one of its executions")
-        elif (terms.get("account"), terms.get("cents")) != (job.args["account"], job.args["cents"]):
-            bad.append(f"{job.cid}: charged {terms}, not its terms")
+        elif owner.get(c.get("execution_id") or "") != charged.key:
+            bad.append(f"{charged.cid}: charged by {c.get('execution_id')}, not its execution")
+        elif (terms.get("account"), terms.get("cents")) != (
+            charged.args["account"],
+            charged.args["cents"],
+        ):
+            bad.append(f"{charged.cid}: charged {terms}, not its terms")
     return _invariant("the world holds only the calls' own effects", bad)
 
 
