@@ -340,6 +340,14 @@ def test_compose_stack__kills_and_a_postgres_restart_leave_no_duplicate_and_noth
 
     ops = rows(engine, "SELECT scope, idempotency_key, tool, args, status FROM operations")
     execs = rows(engine, "SELECT * FROM executions")
+    commits = {  # each execution's own succeeded commit (a reconciler's is not one)
+        r["execution_id"]: r["seq"]
+        for r in rows(
+            engine,
+            "SELECT execution_id, seq, detail FROM execution_events WHERE kind = 'succeeded'",
+        )
+        if not r["detail"].get("reconciled")
+    }
     assert len(ops) == CALLS
 
     # The world, read from the sandbox volume on the host.
@@ -352,7 +360,9 @@ def test_compose_stack__kills_and_a_postgres_restart_leave_no_duplicate_and_noth
         return file.read_text() if file.exists() else None
 
     restart = next(f["at"] for f in faults if f["kind"] == "restart postgres")
-    verdict = judge(ops, execs, landings, read, killed_hosts=killed_hosts, restart_at=restart)
+    verdict = judge(
+        ops, execs, landings, read, commits=commits, killed_hosts=killed_hosts, restart_at=restart
+    )
     log(f"cut off: {dict(verdict.cut_off_by)}")
     assert verdict.ok, verdict.summary()
 

@@ -31,6 +31,7 @@ def ex(
     reconciled: bool = False,
 ) -> dict[str, Any]:
     return {
+        "execution_id": f"e-{key}" + (f"-{attempt}" if attempt > 1 else ""),
         "scope": scope,
         "idempotency_key": key,
         "attempt": attempt,
@@ -44,14 +45,14 @@ def ex(
 
 
 def landing(
-    scope: str, key: str, path: str, seq: int, execution_id: str = "e1", n: int = 0
+    scope: str, key: str, path: str, seq: int, execution_id: str = "", n: int = 0
 ) -> dict[str, Any]:
     return {
         "scope": scope,
         "key": key,
         "path": path,
         "seq": seq,
-        "execution_id": execution_id,
+        "execution_id": execution_id or f"e-{key}",
         "n": n,
         "redo": False,
     }
@@ -82,9 +83,10 @@ def clean() -> dict[str, Any]:
         "landings": [
             landing("s", "w1", "w1.txt", 10),
             landing("s", "a1", "log.txt", 11),
-            landing("s", "a3", "log.txt", 14, execution_id="e3"),
+            landing("s", "a3", "log.txt", 14),
         ],
         "files": {("s", "w1.txt"): "one\n", ("s", "log.txt"): "line 1\nline 3\n"},
+        "commits": {"e-w1": 10, "e-a1": 11, "e-a3": 14},
     }
 
 
@@ -94,6 +96,7 @@ def verdict(facts: dict[str, Any]):
         facts["execs"],
         facts["landings"],
         lambda scope, path: facts["files"].get((scope, path)),
+        commits=facts["commits"],
         killed_hosts=KILLED,
         restart_at=RESTART,
     )
@@ -123,7 +126,11 @@ CASES = {
         lambda f: f["execs"][3].update(started_at=T0 + timedelta(seconds=40)),  # after restart
     ],
     "one_effect": [
-        lambda f: f["landings"].append(landing("s", "w1", "w1.txt", 10, execution_id="e2")),
+        lambda f: (  # two attempts both ran and committed: each landed
+            f["execs"].append(ex("s", "w1", "succeeded", attempt=2)),
+            f["commits"].update({"e-w1-2": 12}),
+            f["landings"].append(landing("s", "w1", "w1.txt", 12, execution_id="e-w1-2")),
+        ),
         lambda f: f["landings"].append(landing("s", "w1", "w1.txt", 10, n=1)),  # one execution
         lambda f: f["files"].update({("s", "log.txt"): "line 1\nline 1\nline 3\n"}),
     ],
@@ -144,17 +151,37 @@ CASES = {
             f["files"].update({("s", "log.txt"): "line 1\nline 3"}),
         ),
     ],
+    "own_commit": [
+        lambda f: (  # a zombie landed after unknown; the reconciler then saw its bytes
+            f["ops"][3].update(status="succeeded"),
+            f["execs"][3].update(status="succeeded", reconciled=True),
+            f["landings"].append(landing("s", "w2", "w2.txt", 20)),
+            f["files"].update({("s", "w2.txt"): "two\n"}),
+        ),
+        lambda f: (  # revoked attempt 1 landed; attempt 2 committed, never landed
+            f["execs"][0].update(status="unknown"),
+            f["execs"].append(ex("s", "w1", "succeeded", attempt=2)),
+            f["commits"].pop("e-w1"),
+            f["commits"].update({"e-w1-2": 12}),
+        ),
+        lambda f: f["commits"].update({"e-w1": 9}),  # landed under another commit's seq
+        lambda f: f["landings"][0].update(execution_id="e-a1"),  # another call's execution
+    ],
 }
+#: Facts that break another judgement too, by their nature.
+ALSO = {"none_cut_off-0": {"own_commit"}}  # a call cut off has no commit to land by
 
 
 @pytest.mark.parametrize(
-    ("judgement", "mutate"),
-    [(j, m) for j, ms in CASES.items() for m in ms],
+    ("judgement", "mutate", "also"),
+    [(j, m, ALSO.get(f"{j}-{i}", set())) for j, ms in CASES.items() for i, m in enumerate(ms)],
     ids=[f"{j}-{i}" for j, ms in CASES.items() for i in range(len(ms))],
 )
-def test_judge__fails_on_facts_crafted_to_break_exactly_one_judgement(clean, judgement, mutate):
+def test_judge__fails_on_facts_crafted_to_break_exactly_one_judgement(
+    clean, judgement, mutate, also
+):
     v = verdict(broken(clean, mutate))
-    assert set(v.violations) == {judgement}, v.summary()
+    assert set(v.violations) == {judgement} | also, v.summary()
 
 
 def test_judge__a_redo_after_a_crash_is_one_effect_not_two(clean):
