@@ -201,9 +201,17 @@ class LedgerResolution(LedgerBase):
         flagged call's next attempt cannot be claimed until a human has reviewed it).
         """
         late = detail.get("late_result")
+        # its staged sandbox effects were refused at its fenced-out commit: they never landed
+        refused = bool(detail.get("staged")) and not detail.get("landed")
         with self._write() as conn:
             seq = self._evidence(conn, execution_id, detail, actor)
             ex = self._require_execution(conn, execution_id)
+            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
+            if refused and human and ex.status is Status.SUCCEEDED:
+                # a human said it happened; what it staged proves it did not (in the sandbox)
+                late_version = {"status": "not_applied", "staged": detail.get("staged")}
+                self._contradicted(conn, ex, human, late_version, seq, actor)
+                return seq
             if outcome is None or outcome not in TERMINAL or not isinstance(late, dict):
                 return seq
             if ex.status is Status.UNKNOWN:
@@ -212,15 +220,27 @@ class LedgerResolution(LedgerBase):
                     conn, execution_id, outcome, late, proof, actor, False, not idempotent
                 )
                 return seq
-            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
             if human and ex.status in TERMINAL and ex.status != outcome:
-                versions = {
-                    "human": {"status": ex.status.value, "result": ex.result, "by": human},
-                    "late": {"status": outcome.value, "result": late},
-                    "evidence_seq": seq,
-                }
-                self._flag(conn, ex, Review.CONTRADICTED, versions, actor)
+                late_version = {"status": outcome.value, "result": late}
+                self._contradicted(conn, ex, human, late_version, seq, actor)
         return seq
+
+    def _contradicted(
+        self,
+        conn: sa.Connection,
+        ex: ExecutionRecord,
+        human: str,
+        late: dict[str, Any],
+        seq: int,
+        actor: str,
+    ) -> None:
+        """Back to the humans' inbox, with both versions in the flag's event."""
+        versions = {
+            "human": {"status": ex.status.value, "result": ex.result, "by": human},
+            "late": late,
+            "evidence_seq": seq,
+        }
+        self._flag(conn, ex, Review.CONTRADICTED, versions, actor)
 
     def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None:
         """A committed effect that cannot land (its target became a directory, or a path
@@ -261,9 +281,12 @@ class LedgerResolution(LedgerBase):
             )
         ).first()
         if later is not None:
-            if not flag_both_ran:
-                return
             other = ExecutionRecord.from_row(later)
+            if not flag_both_ran and other.status is Status.SUCCEEDED:
+                return  # an idempotent tool ran twice to the same end: nothing to tell
+            # else a human must know: a non-idempotent tool's two effects, or an idempotent
+            # one's call whose own status (the later attempt's failed, unknown, or running
+            # yet) would hide the effect this proof shows
             both = {
                 "proven": {"execution_id": proven.execution_id, "attempt": proven.attempt},
                 "later": {

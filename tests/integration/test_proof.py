@@ -75,6 +75,39 @@ def test_withdrawal__attempt_2_already_claimed_both_stay_and_a_human_is_asked(le
     assert report.ok and report.flagged >= 1
 
 
+@pytest.mark.parametrize("later", ["succeeded", "failed", "running"])
+def test_withdrawal__an_idempotent_tools_proof_after_its_retry_ran_is_hidden_by_nothing(
+    ledger, scope, later
+):
+    """Attempt 1 proven succeeded (its late result) after a human's retry was claimed: for an
+    idempotent tool two runs are harmless, but the call's status is attempt 2's — a failed
+    (or not yet ended) attempt 2 would tell the model 'failed' for an effect that is there,
+    and nobody was told."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol")
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    if later != "running":
+        result = {"notified": 2} if later == "succeeded" else {"error": "409 duplicate"}
+        ledger.finish(second.execution_id, second.lease_token, Status(later), result)
+    late = {"late_result": {"notified": 1}, "proves": "succeeded"}
+    ledger.record_late_result(
+        first, late, actor="zombie", outcome=Status.SUCCEEDED, idempotent=True
+    )
+    view = ledger.get(scope, "c1")
+    assert view.executions[0].status is Status.SUCCEEDED  # attempt 1, reconciled
+    if later == "succeeded":  # the same end twice: nothing to tell
+        assert view.operation.review is None
+    else:
+        assert view.operation.review == Review.BOTH_RAN
+        flag = ledger.events(scope, "c1")[-1]
+        assert flag.detail["later"] == {
+            "execution_id": second.execution_id,
+            "attempt": 2,
+            "status": later,
+        }
+    assert ledger.verify().ok
+
+
 def test_withdrawal__a_failed_proof_withdraws_nothing(ledger, scope):
     first = unknown_attempt(ledger, scope)
     ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
@@ -164,6 +197,23 @@ def test_contradiction__agreeing_or_refused_late_results_flag_nothing(ledger, sc
     ledger.record_late_result(eid, refused, actor="z", outcome=None)
     assert ledger.get(scope, "c1").operation.review is None
     assert kinds(ledger, scope)[-2:] == ["evidence", "evidence"]
+
+
+def test_contradiction__a_human_success_against_effects_that_never_landed_is_flagged(ledger, scope):
+    """A human resolved a revoked execution as succeeded; its executor then woke, and its
+    commit was refused and its staged bytes dropped: the receipt said succeeded for an
+    append that never happened, and nobody was told."""
+    eid = unknown_attempt(ledger, scope, tool="append_file")
+    ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="I think it ran")
+    refused = {"late_result": {"path": "c1.txt"}, "status": "succeeded", "landed": False,
+               "staged": [{"n": 0, "path": "c1.txt"}], "proves": None}  # fmt: skip
+    ledger.record_late_result(eid, refused, actor="zombie", outcome=None)
+    view = ledger.get(scope, "c1")
+    assert view.operation.review == Review.CONTRADICTED
+    flag = ledger.events(scope, "c1")[-1]
+    assert flag.kind == "flagged" and flag.detail["human"]["status"] == "succeeded"
+    assert flag.detail["late"]["status"] == "not_applied"
+    assert ledger.verify().ok
 
 
 def test_contradiction__reconciler_decisions_are_not_contradicted(ledger, scope):
