@@ -317,6 +317,21 @@ def test_config__a_malformed_url_is_exit_2_and_never_echoes_its_password(
     assert code == 2 and says in err and "secret" not in err
 
 
+def test_config__every_commands_help_works_whatever_the_environment_holds(capsys, monkeypatch):
+    """``--help`` reads no setting: with a malformed URL in the environment every command's
+    help was the settings' error (exit 2), while the command itself still is."""
+    from toolledger.cli import COMMANDS
+
+    monkeypatch.setenv("TOOLLEDGER_DB", "mysql://u:secret@h/x")
+    # worker and beat hand --help to Celery, whose app is made from the settings
+    for name in sorted(set(COMMANDS) - {"worker", "beat"}):
+        argv = name.split() if name != "mcp" else ["mcp", "serve"]
+        code, out, err = run_cli(capsys, *argv, "--help")
+        assert code == 0 and "Usage:" in out and err == "", (name, err)
+    code, _out, err = run_cli(capsys, "list", "--json")
+    assert code == 2 and json.loads(err)["exit_code"] == 2 and "secret" not in err
+
+
 # ------------------------------------------------------------------ Hypothesis
 
 text_or_garbage = st.one_of(

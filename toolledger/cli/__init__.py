@@ -143,10 +143,16 @@ def cli(
     as_json: bool,
 ) -> None:
     """Run AI agents' side-effecting tool calls at most once, through any crash."""
-    from toolledger.cli.common import Context
-    from toolledger.config import Settings
+    from toolledger.cli.common import SETTINGS_ERROR, Context
+    from toolledger.config import ConfigError, Settings
 
-    settings = Settings.from_env(db=db, broker=broker, sandbox=Path(sandbox) if sandbox else None)
+    try:
+        settings = Settings.from_env(
+            db=db, broker=broker, sandbox=Path(sandbox) if sandbox else None
+        )
+    except ConfigError as exc:  # raised when a command needs settings, not for its --help
+        ctx.meta[SETTINGS_ERROR] = exc
+        return
     ctx.obj = Context(settings, json=as_json)
     ctx.call_on_close(ctx.obj.close)
 

@@ -11,6 +11,7 @@ settings or the worker; those are imported where they are first used.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -145,8 +146,9 @@ class Context:
 
 
 def _set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    if value:
-        ctx.find_object(Context).json = True  # type: ignore[union-attr]
+    found = ctx.find_object(Context)
+    if value and found is not None:
+        found.json = True
 
 
 def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -161,7 +163,26 @@ def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
-pass_ctx = click.make_pass_decorator(Context)
+#: Where the group keeps a settings error until a command needs the settings: ``--help``
+#: of every command works whatever the environment holds.
+SETTINGS_ERROR = "toolledger.settings_error"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def pass_ctx(f: F) -> F:
+    """Click's ``make_pass_decorator(Context)``, raising the settings' error (exit 2) when the
+    environment could not make a Context."""
+
+    @functools.wraps(f)
+    def with_context(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        found = ctx.find_object(Context)
+        if found is None:
+            raise ctx.find_root().meta[SETTINGS_ERROR]
+        return ctx.invoke(f, found, *args, **kwargs)
+
+    return with_context  # type: ignore[return-value]
 
 
 def parse_json_object(raw: str, what: str) -> dict[str, Any]:
