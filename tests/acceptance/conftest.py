@@ -27,6 +27,14 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = 
     raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
 
 
+def landed(path: Path, timeout: float = 30.0) -> str:
+    """The text of a file an effect lands in. A call's receipt is its commit; its bytes land
+    just after it (DESIGN §5), so a test that reads the world right after a receipt waits for
+    them (a read-after-receipt through the ledger sees them at once: ``read_file``)."""
+    wait_until(path.exists, timeout, f"{path} to land")
+    return path.read_text()
+
+
 @dataclass
 class Stack:
     """One test's world: its database, broker prefix, sandbox, effects log and workers."""

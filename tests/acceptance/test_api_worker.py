@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from tests.acceptance.conftest import Stack, wait_until
+from tests.acceptance.conftest import Stack, landed, wait_until
 from toolledger.server.app import create_app
 from toolledger.server.auth import parse_tokens
 
@@ -38,7 +38,7 @@ def test_submit_through_the_api__a_real_worker_runs_it(world: Stack, scope: str)
 
         shown = wait_until(done, 60, "the worker to run the call")
         assert shown["receipt"]["path"] == "out/1.txt"
-        assert (world.sandbox / scope / "out" / "1.txt").read_text() == "written via the API\n"
+        assert landed(world.sandbox / scope / "out" / "1.txt") == "written via the API\n"
         events = client.get(f"/api/calls/{scope}/call_1/events", headers=bot).json()["events"]
         actors = [(e["kind"], e["actor"]) for e in events]
         assert ("submitted", "bot") in actors and ("approved", "ops") in actors

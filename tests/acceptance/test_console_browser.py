@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.acceptance.conftest import Stack, wait_until
+from tests.acceptance.conftest import Stack, landed, wait_until
 from tests.conftest import CI
 from toolledger.harness.processes import toolledger_argv
 
@@ -169,7 +169,7 @@ def test_approve_in_the_browser__a_real_worker_runs_it(browser: Browser, served:
     wait_until(ran, 60, "the worker to run the approved call")
     assert "the file holds exactly the requested content" in page.inner_text("#file")
     assert "abe" in page.inner_text("#events")  # the token's name, recorded
-    assert (world.sandbox / scope / "reports" / "q0.txt").read_text() == ("the quarterly report\n")
+    assert landed(world.sandbox / scope / "reports" / "q0.txt") == ("the quarterly report\n")
     shot(page, "call.png")
     page.close()
 

@@ -26,7 +26,7 @@ from langgraph.graph import MessagesState
 from langgraph.prebuilt import ToolNode
 
 from examples.langgraph_agent import ScriptedModel, build_graph
-from tests.acceptance.conftest import Stack
+from tests.acceptance.conftest import Stack, landed
 from toolledger import Client
 from toolledger.langchain import MissingCallIdentity, ledger_tools
 from toolledger.ledger.errors import NotFound
@@ -104,7 +104,7 @@ def test_interrupted_before_tools__resumed_then_rerun_from_checkpoint_replays(
         assert [m.status for m in msgs] == ["success", "success"]
         assert state["messages"][-1].content == "Done: 2 tool results, 0 failed."
     log = world.sandbox / "lg-thread-1" / tag / "log.txt"
-    assert log.read_text() == "one line\n"  # appended once across both runs
+    assert landed(log) == "one line\n"  # appended once across both runs
     assert [executions(world, "lg-thread-1", i) for i in ids] == [1, 1]
 
 
@@ -141,7 +141,7 @@ def test_crash_inside_the_tools_node__resume_replays_not_reruns(world: Stack) ->
     expected = receipt_texts(world, scope, ids)
     assert [[m.content for m in run] for run in seen] == [expected, expected]
     assert [m.content for m in tool_messages(final)] == expected
-    assert (world.sandbox / scope / tag / "log.txt").read_text() == "one line\n"
+    assert landed(world.sandbox / scope / tag / "log.txt") == "one line\n"
     assert [executions(world, scope, i) for i in ids] == [1, 1]
 
 
@@ -212,7 +212,7 @@ def test_failed_or_refused_calls_are_error_tool_messages(world: Stack) -> None:
         other = {**ok, "args": {"path": "a.txt", "content": "b"}, "type": "tool_call"}
         msg = write.invoke(other, config)
         assert msg.status == "error" and "toolledger refused the call" in str(msg.content)
-    assert (world.sandbox / "lg-err" / "a.txt").read_text() == "a"
+    assert landed(world.sandbox / "lg-err" / "a.txt") == "a"
     assert not (world.root / "out.txt").exists()
     assert executions(world, "lg-err", "w2") == 1
 
@@ -248,5 +248,5 @@ def test_example_langgraph_agent__runs_then_replays_without_running_again(world:
     again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 0 and again.stdout == first.stdout  # replayed, same bytes
     log = world.sandbox / "ex-lg" / "report" / "log.txt"
-    assert log.read_text() == "checked\n"  # appended once across both runs
-    assert (world.sandbox / "ex-lg" / "report" / "summary.txt").read_text() == "all good\n"
+    assert landed(log) == "checked\n"  # appended once across both runs
+    assert landed(world.sandbox / "ex-lg" / "report" / "summary.txt") == "all good\n"

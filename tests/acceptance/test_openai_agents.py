@@ -24,7 +24,7 @@ from agents import Agent, RunConfig, Runner
 from agents.exceptions import AgentsException
 
 from examples.openai_agents_loop import ScriptedModel
-from tests.acceptance.conftest import Stack
+from tests.acceptance.conftest import Stack, landed
 from toolledger import AsyncClient, Client
 from toolledger.openai_agents import calls_waiting, ledger_function_tools, strict_schema_ok
 
@@ -60,7 +60,7 @@ def test_run__one_effect_then_replay_returns_the_first_receipt(world: Stack) -> 
     first, model1 = asyncio.run(one_turn(world, "conv-1"))
     assert first.final_output == "Done: 1 tool results."
     log = world.sandbox / "conv-1" / "notes" / "log.txt"
-    assert log.read_text() == "once\n"
+    assert landed(log) == "once\n"
     seen_first = model1.seen["call_a1"]
     with Client(world.settings()) as client:
         receipt = client.receipt("conv-1", "call_a1")
@@ -69,7 +69,7 @@ def test_run__one_effect_then_replay_returns_the_first_receipt(world: Stack) -> 
     again, model2 = asyncio.run(one_turn(world, "conv-1"))
     assert again.final_output == first.final_output
     assert model2.seen["call_a1"] == seen_first  # the model saw the first receipt
-    assert log.read_text() == "once\n"  # appended once
+    assert landed(log) == "once\n"  # appended once
     assert executions(world, "conv-1", "call_a1") == 1
 
 
@@ -86,7 +86,7 @@ def test_sync_client_and_scope_from_the_run_context(world: Stack) -> None:
 
     model = asyncio.run(go())
     assert json.loads(model.seen["call_a1"])["path"] == "notes/log.txt"
-    assert (world.sandbox / "ctx-s1" / "notes" / "log.txt").read_text() == "once\n"
+    assert landed(world.sandbox / "ctx-s1" / "notes" / "log.txt") == "once\n"
 
 
 def test_approval__pauses_the_run_and_resumes_with_one_effect(world: Stack) -> None:
@@ -107,7 +107,7 @@ def test_approval__pauses_the_run_and_resumes_with_one_effect(world: Stack) -> N
 
     _paused, resumed, model = asyncio.run(go())
     assert resumed.final_output == "Done: 1 tool results."
-    assert (world.sandbox / "conv-2" / "notes" / "log.txt").read_text() == "once\n"
+    assert landed(world.sandbox / "conv-2" / "notes" / "log.txt") == "once\n"
     assert executions(world, "conv-2", "call_a1") == 1
     ledger = world.ledger()
     try:
@@ -141,8 +141,8 @@ def test_example__runs_then_replays_without_running_again(world: Stack) -> None:
     assert set(out["tool_outputs"]) == {"call_1", "call_2"}
     again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 0 and again.stdout == first.stdout  # replayed, same bytes
-    assert (world.sandbox / "ex" / "report" / "log.txt").read_text() == "checked\n"
-    assert (world.sandbox / "ex" / "report" / "summary.txt").read_text() == "all good\n"
+    assert landed(world.sandbox / "ex" / "report" / "log.txt") == "checked\n"
+    assert landed(world.sandbox / "ex" / "report" / "summary.txt") == "all good\n"
 
 
 def test_recorded_earlier_and_waiting_for_a_person__the_run_pauses_as_for_a_new_call(
@@ -169,7 +169,7 @@ def test_recorded_earlier_and_waiting_for_a_person__the_run_pauses_as_for_a_new_
     resumed, model = asyncio.run(go())
     assert resumed.final_output == "Done: 1 tool results."
     assert set(model.seen) == {"call_a1"}  # nothing answered while it waited
-    assert (world.sandbox / "conv-3" / "notes" / "log.txt").read_text() == "once\n"
+    assert landed(world.sandbox / "conv-3" / "notes" / "log.txt") == "once\n"
     assert executions(world, "conv-3", "call_a1") == 1
     ledger = world.ledger()
     try:

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import redis
 
-from tests.acceptance.conftest import toolledger, wait_until
+from tests.acceptance.conftest import landed, toolledger, wait_until
 from toolledger.harness.processes import beat_process, process_state
 from toolledger.ledger.transitions import Status
 
@@ -50,7 +50,7 @@ def assert_retried_once(stack, scope):
     )
     assert (second.attempt, second.status, second.reconciled) == (2, Status.SUCCEEDED, False)
     assert ledger.receipt(scope, "c1").content == second.result
-    assert (stack.sandbox / scope / "out/1.txt").read_text() == "report 1"
+    assert landed(stack.sandbox / scope / "out/1.txt") == "report 1"
     (effect,) = stack.effects()
     assert effect["execution_id"] == second.execution_id and effect["attempt"] == 2
     assert [e.kind for e in ledger.events(scope, "c1")] == [
@@ -111,7 +111,7 @@ def test_recovery__zombie_append_lands_nothing_human_retry_lands_exactly_one_lin
     code, _out, err = toolledger(stack, "sweep", "--grace", "0", "--json")
     assert code == 0, err
     # Then exactly one line: the zombie's append was refused, never landed
-    assert (stack.sandbox / scope / "ledger.txt").read_text() == "charge $10\n"
+    assert landed(stack.sandbox / scope / "ledger.txt") == "charge $10\n"
     first, second = ledger.get(scope, "c1").executions
     assert (first.status, first.result["error"]) == (Status.FAILED, "not_applied")
     assert second.status is Status.SUCCEEDED

@@ -10,7 +10,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from tests.acceptance.conftest import wait_until
+from tests.acceptance.conftest import landed, wait_until
 from tests.helpers import pending_files
 from toolledger.harness.processes import process_state
 from toolledger.ledger.errors import ConflictError
@@ -45,7 +45,7 @@ def test_workers__500_calls_over_2_workers_each_exactly_once(stack, scope, recor
     # Then every file is exact and the effects log counts exactly 500 effects, one per key
     assert statuses(ledger, scope) == {Status.SUCCEEDED: 500}
     for i in range(500):
-        assert (stack.sandbox / scope / f"out/{i}.txt").read_text() == probe_args(i)["content"]
+        assert landed(stack.sandbox / scope / f"out/{i}.txt") == probe_args(i)["content"]
     effects = [e for e in stack.effects() if e["scope"] == scope]
     assert len(effects) == 500
     assert len({(e["key"], e["attempt"]) for e in effects}) == 500
