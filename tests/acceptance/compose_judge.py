@@ -42,10 +42,12 @@ def judge(
     landings: list[dict[str, Any]],
     read: Callable[[str, str], str | None],
     *,
+    commits: dict[str, int],
     killed_hosts: set[str],
     restart_at: datetime,
 ) -> Verdict:
-    """Six judgements.
+    """Seven judgements (``commits``: each execution's own succeeded commit, execution_id ->
+    its event's seq; a reconciler's or a human's decision is not one).
 
     ended          every call succeeded, or failed proven not applied (reconciled), or waits
                    in the inbox (unknown) — nothing approved or running is left;
@@ -56,7 +58,10 @@ def judge(
     as_requested   every succeeded call landed, and its file holds what was asked (a write's
                    bytes; an append's line exactly once in its file);
     in_order       on each path, effects landed in the order of their commits (the ledger's seq
-                   each landing recorded), and an append file's lines stand in that order.
+                   each landing recorded), and an append file's lines stand in that order;
+    own_commit     every landing is of an execution of its call whose own commit made it
+                   official, with that commit's seq: a revoked execution's bytes never land,
+                   even when its call succeeds later (by a reconciler, or another attempt).
     """
     v = Verdict()
     by_key = {(o["scope"], o["idempotency_key"]): o for o in ops}
@@ -98,7 +103,24 @@ def judge(
 
     _appends_once(v, by_key, read)
     _in_order(v, by_key, landings, read)
+    _own_commits(v, execs_of, landings, commits)
     return v
+
+
+def _own_commits(
+    v: Verdict,
+    execs_of: dict[Key, list[dict[str, Any]]],
+    landings: list[dict[str, Any]],
+    commits: dict[str, int],
+) -> None:
+    for ln in landings:
+        key, eid = (ln["scope"], ln["key"]), ln["execution_id"]
+        name = "/".join(key)
+        if eid not in {e["execution_id"] for e in execs_of.get(key, [])}:
+            v.add("own_commit", f"{name}: landed by {eid}, no execution of this call")
+        elif commits.get(eid) != ln["seq"]:
+            own = commits.get(eid)
+            v.add("own_commit", f"{name}: {eid} landed at seq {ln['seq']}, its own commit is {own}")
 
 
 def _in_order(
