@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from toolledger.config import Settings
 from toolledger.ledger import doorbell
-from toolledger.ledger.errors import NoReceipt
+from toolledger.ledger.errors import InputError, NoReceipt
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import CallView, Receipt
@@ -333,7 +333,12 @@ class Client:
         self, call: PreparedCall, *, approved_by: str | None = None, reason: str | None = None
     ) -> CallHandle:
         """``submit`` of a call ``check`` returned: recorded and enqueued as ``submit`` would
-        (a conflict that arose since the check is still refused by the ledger)."""
+        (a conflict that arose since the check is still refused by the ledger; arguments
+        changed since the check are refused, nothing recorded: check them again)."""
+        from toolledger.ledger.identity import args_sha256
+
+        if args_sha256(call.args) != call.args_sha256:
+            raise InputError(f"{call.tool_call_id}: its arguments changed after they were checked")
         out = self._submitter.submit(call, approved_by=approved_by, reason=reason)
         return CallHandle(self, call.scope, call.tool_call_id, out)
 

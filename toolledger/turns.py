@@ -22,6 +22,7 @@ back with the text ``repair`` writes, marked as an error.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import time
 from collections.abc import Callable
@@ -114,8 +115,8 @@ def run_turn(
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
     fmt, calls, arguments, checked = checked_calls(client, scope, message)
-    asked = zip(calls, arguments, strict=True)
-    approvers = [approve(c.name, c.id, a) if approve else None for c, a in asked]
+    asked = zip(calls, arguments, strict=True)  # each policy gets its own copy: what it does
+    approvers = [approve(c.name, c.id, copy.deepcopy(a)) if approve else None for c, a in asked]
     deadline = None if timeout is None else time.monotonic() + timeout
     handles = [  # in order: the model's order is the effects' order
         (call, client.submit_checked(prepared, approved_by=approver))
@@ -142,7 +143,7 @@ async def run_turn_async(
     fmt, calls, arguments, checked = checked_calls(client.sync, scope, message)
     approvers = []
     for call, args in zip(calls, arguments, strict=True):
-        approver = approve(call.name, call.id, args) if approve else None
+        approver = approve(call.name, call.id, copy.deepcopy(args)) if approve else None
         approvers.append(await approver if inspect.isawaitable(approver) else approver)
     handles = [
         (call, await client.submit_checked(prepared, approved_by=approver))

@@ -13,7 +13,7 @@ import pytest
 from tests.acceptance.test_client import openai_turn, responses_turn
 from toolledger import Client
 from toolledger.config import Settings
-from toolledger.ledger.errors import LedgerError, NotFound
+from toolledger.ledger.errors import InputError, LedgerError, NotFound
 
 
 @pytest.fixture
@@ -85,3 +85,25 @@ def test_run_turn__each_call_is_checked_once(
         client.run_turn(scope, openai_turn(3, "once"), timeout=0)
     assert prepared == ["once_0", "once_1", "once_2"]
     assert [client.status(scope, f"once_{i}") for i in range(3)] == ["pending_approval"] * 3
+
+
+def test_run_turn__arguments_changed_after_their_check_are_never_recorded(
+    client: Client, scope: str
+) -> None:
+    """The approval policy was handed the very arguments the check had passed, and the turn
+    recorded them as they were after it: a policy that changed them recorded a path escape
+    and a field the schema refuses (a cold review's repro)."""
+
+    def meddling(_tool: str, _call_id: str, args: dict[str, Any]) -> None:
+        args["path"], args["extra"] = "../escape.txt", 1
+
+    with pytest.raises(TimeoutError):  # nobody approved it: it waits, as it was checked
+        client.run_turn(scope, openai_turn(1, "meddled"), approve=meddling, timeout=0)
+    args = client.ledger.get(scope, "meddled_0").operation.args
+    assert args["path"] != "../escape.txt" and "extra" not in args
+    checked = client.check(scope, "changed", "write_file", {"path": "a.txt", "content": "x"})
+    checked.args["path"] = "../escape.txt"  # changed after its check: refused, not recorded
+    with pytest.raises(InputError, match="changed after"):
+        client.submit_checked(checked)
+    with pytest.raises(NotFound):
+        client.ledger.get(scope, "changed")
