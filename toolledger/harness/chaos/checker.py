@@ -92,9 +92,11 @@ class Facts:
 def one_effect_per_call(f: Facts) -> Invariant:
     """A call's effect happens at most once: each append's line at most once in its file,
     each charge at most once at the service (under any key: the service deduplicates by key,
-    so a second charge of one call can only be under another), each execution's bytes landed
-    at most once on their path (finishing a crashed append again, ``redo``, is the same
-    landing)."""
+    so a second charge of one call can only be under another), each execution's append landed
+    at most once (finishing a crashed append again, ``redo``, is the same landing). A write
+    may be logged twice for one landing: its line goes before the rename, and a rename that
+    failed (EIO) or a crash between the two is retried by the next settle — the same bytes on
+    the same path, one effect; the file and the commit order judge writes."""
     bad = []
     for job in (j for j in f.jobs if j.kind == "append"):
         n = (f.files.get(job.group) or "").splitlines(keepends=True).count(job.line)
@@ -105,7 +107,8 @@ def one_effect_per_call(f: Facts) -> Invariant:
         owner.get(c.get("execution_id") or "", c["key"]) for c in f.charges if c["kind"] == "charge"
     )
     bad += [f"{key}: charged {n} times" for key, n in per_call.items() if n > 1]
-    landed = Counter((x["execution_id"], x["path"]) for x in f.landings or [] if not x.get("redo"))
+    appends = (x for x in f.landings or [] if x.get("kind") == "append" and not x.get("redo"))
+    landed = Counter((x["execution_id"], x["path"]) for x in appends)
     bad += [f"{eid} landed on {path} {n} times" for (eid, path), n in landed.items() if n > 1]
     return _invariant("at most one effect per call (lines, charges, landings)", bad)
 
