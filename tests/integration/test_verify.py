@@ -260,3 +260,6 @@ def test_verify__a_missing_embedded_ledger_is_refused_not_created(tmp_path, caps
     assert main_exit(["--db", f"sqlite:///{missing}", "verify"]) == 1
     assert "no ledger at" in capsys.readouterr().err
     assert not missing.exists()
+    made = tmp_path / "made.db"  # SQLite's URI form names its file its own way: not refused
+    assert main_exit(["--db", f"sqlite:///{made}", "db", "upgrade"]) == 0
+    assert main_exit(["--db", f"sqlite:///file:{made}?mode=ro&uri=true", "verify"]) == 0

@@ -192,7 +192,8 @@ def verify(c: Context) -> int:
     engine = c.unchecked_ledger.engine  # not connected yet: a SQLite file is not created
     database = engine.url.database
     embedded = engine.dialect.name == "sqlite" and database not in (None, "", ":memory:")
-    if embedded and not os.path.exists(str(database)):  # a mistyped --db: a new, empty one
+    uri = str(database).startswith("file:")  # SQLite's URI form (?uri=true): its own rules
+    if embedded and not uri and not os.path.exists(str(database)):  # a mistyped --db
         raise CliError(f"no ledger at {database}: nothing to verify", EXIT_FAILURE)
     report = c.ledger.verify()
     c.emit(
