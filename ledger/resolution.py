@@ -393,8 +393,9 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is not the one its call is flagged for "
                     f"({flagged or op.review}): review that one",
                 )
-            if status is not ex.status:
-                self._correct(conn, ex, status, by, evidence)
+            proof = (
+                self._correct(conn, ex, status, by, evidence) if status is not ex.status else None
+            )
             # what else the call is flagged for, raised on other executions, still waits
             left = [f for f in waiting if f.execution_id != execution_id]
             after = left[0].reason if left else None
@@ -412,6 +413,8 @@ class LedgerResolution(LedgerBase):
                 conn,
                 event(EventKind.REVIEWED, ex.scope, ex.idempotency_key, by, detail, execution_id),
             )
+            if proof is not None:  # after the review: a flag it raises is not settled by it
+                self._after_correction(conn, ex, status, proof, by)
             return self._require_execution(conn, execution_id)
 
     @staticmethod
@@ -434,7 +437,7 @@ class LedgerResolution(LedgerBase):
 
     def _correct(
         self, conn: sa.Connection, ex: ExecutionRecord, status: Status, by: str, evidence: str
-    ) -> None:
+    ) -> dict[str, Any]:
         check_transition(ex.status, status)
         result: dict[str, Any] = {"status": status.value, "resolved_by": by, "evidence": evidence}
         result["corrects"] = ex.result
@@ -450,6 +453,18 @@ class LedgerResolution(LedgerBase):
         proof = {"kind": "human", "by": by, "text": evidence, "review": True}
         detail = {"result": result, "reconciled": True, "evidence": proof}
         self._append(conn, event(status, ex.scope, ex.idempotency_key, by, detail, ex.execution_id))
+        return proof
+
+    def _after_correction(
+        self,
+        conn: sa.Connection,
+        ex: ExecutionRecord,
+        status: Status,
+        proof: dict[str, Any],
+        by: str,
+    ) -> None:
+        """A correction to succeeded is proof: it beats a later attempt's permission, or
+        flags that both ran."""
         op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
         if status is Status.SUCCEEDED and op.authorized_attempts > ex.attempt:
             corrected = self._require_execution(conn, ex.execution_id)

@@ -275,6 +275,24 @@ def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decisio
     assert code == 0 and json.loads(out)["ok"]
 
 
+def test_review__a_flag_the_review_itself_raises_is_not_settled_by_it(ledger, scope):
+    """A review correcting attempt 1 to succeeded while attempt 2 was claimed flags both_ran;
+    the review's own ``reviewed`` event, appended after, settled that flag with the one it
+    answered: both ran, and nobody was asked (a cold review's repro)."""
+    a = unknown_attempt(ledger, scope)  # notify: not idempotent
+    ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    b = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    late = {"late_result": {"sent": 1}}
+    ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    ledger.review(a, Status.SUCCEEDED, by="bob", evidence="the late result is right")
+    assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
+    assert kinds(ledger, scope)[-3:] == ["succeeded", "reviewed", "flagged"]
+    assert ledger.events(scope, "c1")[-1].detail["later"]["execution_id"] == b.execution_id
+    assert ledger.verify().ok
+
+
 def test_review__confirming_keeps_the_status_and_clears_the_flag(ledger, scope):
     eid = contradicted(ledger, scope)
     ledger.resolve(eid, Status.FAILED, by="erin", evidence="really not sent: smtp log")
