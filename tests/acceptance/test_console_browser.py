@@ -215,7 +215,8 @@ def test_script_payloads_are_text_not_code(browser: Browser, served: Any) -> Non
         PAYLOADS[0][:200],
         "probe_write",
         {"path": "x.txt", "content": "\n".join(PAYLOADS)},
-        reason=PAYLOADS[1],
+        approved_by="olga",
+        reason=PAYLOADS[1],  # shown in the approval's event
     )
     page = browser.new_page()
     login(page, base, OPERATOR)
