@@ -215,6 +215,19 @@ def test_verify__a_call_submitted_again_over_its_history_is_reported(fresh_db_ur
     ), ledger.verify().to_json()
 
 
+def turn_over_to_failed(ledger: Ledger, key: str, eid: str) -> None:
+    """A forged human correction of ``eid`` to failed, the rows made to match."""
+    result = {"status": "failed"}
+    forge_event(ledger, key, "failed", {"result": result, "reconciled": True,
+                "evidence": {"kind": "human", "review": True}}, execution_id=eid)  # fmt: skip
+    with ledger.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE executions SET status = 'failed', result = :r, reconciled ="
+                             " true WHERE execution_id = :eid"),
+                     {"r": json.dumps(result), "eid": eid})  # fmt: skip
+        conn.execute(sa.text("UPDATE operations SET status = 'failed' WHERE scope = 'alpha' AND"
+                             " idempotency_key = :key"), {"key": key})  # fmt: skip
+
+
 def test_verify__an_executors_own_result_turned_over_without_a_review_is_reported(
     fresh_db_url,
 ):
@@ -223,16 +236,7 @@ def test_verify__an_executors_own_result_turned_over_without_a_review_is_reporte
     verified clean."""
     ledger = Ledger(fresh_db_url)
     ids = mixed_history(ledger)
-    eid = ids["alpha:ok"]  # its executor's own succeeded
-    result = {"status": "failed"}
-    forge_event(ledger, "write_file:ok", "failed", {"result": result, "reconciled": True,
-                "evidence": {"kind": "human", "review": True}}, execution_id=eid)  # fmt: skip
-    with ledger.engine.begin() as conn:
-        conn.execute(sa.text("UPDATE executions SET status = 'failed', result = :r, reconciled ="
-                             " true WHERE execution_id = :eid"),
-                     {"r": json.dumps(result), "eid": eid})  # fmt: skip
-        conn.execute(sa.text("UPDATE operations SET status = 'failed' WHERE scope = 'alpha' AND"
-                             " idempotency_key = 'write_file:ok'"))  # fmt: skip
+    turn_over_to_failed(ledger, "write_file:ok", ids["alpha:ok"])  # its executor's own success
     assert any("executor's own result" in p for p in problems(ledger)), problems(ledger)
 
 
@@ -241,16 +245,7 @@ def test_verify__a_reconciler_decision_turned_over_with_no_flag_waiting_is_repor
 ):
     ledger = Ledger(fresh_db_url)
     ids = mixed_history(ledger)
-    eid = ids["alpha:unknown"]  # reconciled succeeded, never flagged
-    result = {"status": "failed"}
-    forge_event(ledger, "write_file:rec", "failed", {"result": result, "reconciled": True,
-                "evidence": {"kind": "human", "review": True}}, execution_id=eid)  # fmt: skip
-    with ledger.engine.begin() as conn:
-        conn.execute(sa.text("UPDATE executions SET status = 'failed', result = :r "
-                             "WHERE execution_id = :eid"),
-                     {"r": json.dumps(result), "eid": eid})  # fmt: skip
-        conn.execute(sa.text("UPDATE operations SET status = 'failed' WHERE scope = 'alpha' AND"
-                             " idempotency_key = 'write_file:rec'"))  # fmt: skip
+    turn_over_to_failed(ledger, "write_file:rec", ids["alpha:unknown"])  # reconciled, no flag
     assert any("no flag waiting" in p for p in problems(ledger)), problems(ledger)
 
 
