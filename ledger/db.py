@@ -18,7 +18,13 @@ import sqlalchemy as sa
 
 from toolledger.ledger import doorbell, writers
 from toolledger.ledger.lightreads import pg_connect_args
-from toolledger.ledger.revision import MIGRATIONS, VERSION_TABLE, SchemaError, files_head
+from toolledger.ledger.revision import (
+    MIGRATIONS,
+    VERSION_TABLE,
+    SchemaError,
+    files_head,
+    files_revisions,
+)
 from toolledger.ledger.types import dumps
 
 if TYPE_CHECKING:
@@ -181,12 +187,24 @@ def stored_revision(engine: sa.Engine) -> str | None:
     return str(rows[0][0]) if len(rows) == 1 else None
 
 
+def refuse_newer(engine: sa.Engine, stored: str | None = None) -> None:
+    """SchemaError if the ledger is at a revision this code does not know: a newer toolledger
+    migrated it, and no migration of this code can take it anywhere."""
+    stored = stored if stored is not None else stored_revision(engine)
+    if stored is not None and stored not in files_revisions():
+        raise SchemaError(
+            f"the ledger schema is at revision {stored}, newer than this code knows "
+            f"(its newest is {files_head()}): upgrade toolledger itself"
+        )
+
+
 def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
     """Check the schema is at head. An empty embedded SQLite ledger is created on the spot;
     anything else (Postgres, or an older revision) must be migrated on purpose."""
     stored = stored_revision(engine)
     if stored is not None and stored == files_head():
         return  # the usual case, settled without importing Alembic
+    refuse_newer(engine, stored)
     current, head = current_revision(engine), head_revision()
     if current == head:
         return

@@ -43,3 +43,11 @@ def files_head(versions: Path = MIGRATIONS / "versions") -> str | None:
     if len(heads) != 1 or len(parents) != len(revisions) or not parents <= revisions | {None}:
         return None
     return heads.pop()
+
+
+def files_revisions(versions: Path = MIGRATIONS / "versions") -> set[str]:
+    """Every revision the migration files name (read as text, no Alembic)."""
+    found: set[str] = set()
+    for path in versions.glob("*.py"):
+        found.update(_REVISION.findall(path.read_text(encoding="utf-8")))
+    return found

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from toolledger.config import Settings
 from toolledger.ledger import doorbell
+from toolledger.ledger.db import ensure_schema
 from toolledger.ledger.errors import InputError, NoReceipt
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
@@ -271,6 +272,11 @@ class Client:
 
         self.settings = settings if settings is not None else Settings.from_env()
         self._submitter = Submitter(self.settings)
+        try:  # as the CLI and the workers do: nothing read or written on another schema
+            ensure_schema(self._submitter.ledger.engine)
+        except BaseException:
+            self._submitter.close()
+            raise
         self.poll_interval = poll_interval
         self.notifier = Notifier(self.settings.db)
         self.stats = Stats()

@@ -82,3 +82,51 @@ def test_migrations__downgrade_to_base_and_up_again(empty_url):
     upgrade(engine)
     assert _diff(engine) == []
     engine.dispose()
+
+
+def _row_counts(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {
+            t: conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one()
+            for t in ("operations", "tool_calls", "executions", "execution_events")
+        }
+
+
+@pytest.mark.parametrize("where", ["behind", "ahead"])
+def test_schema__the_client_refuses_another_schema_as_the_cli_does(
+    empty_url, tmp_path, capsys, where
+):
+    """The Python Client (and what is built on it: the adapters, ``mcp serve``/``proxy``,
+    ``wait``) never checked the schema: it wrote calls to a ledger the CLI and the workers
+    refuse, and failed with a raw OperationalError on an old one (a cold review)."""
+    from tests.helpers import run_cli
+    from toolledger import Client
+    from toolledger.config import Settings
+    from toolledger.ledger.revision import SchemaError
+
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    if where == "behind":
+        downgrade(engine, "0003")
+    else:  # a newer toolledger migrated it
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE alembic_version SET version_num = '0099'"))
+    before = _row_counts(engine)
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": empty_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox")}
+    )  # fmt: skip
+    says = "newer than this code" if where == "ahead" else "toolledger db upgrade"
+    with pytest.raises(SchemaError, match=says):
+        Client(settings)
+    code, _, err = run_cli(capsys, "--db", empty_url, "list")
+    assert code == 1 and says in err
+    code, _, err = run_cli(capsys, "--db", empty_url, "db", "upgrade")
+    if where == "ahead":  # no migration of this code takes it anywhere: exit 1, said so
+        assert code == 1 and says in err
+        assert _row_counts(engine) == before
+    else:  # the advice given works
+        assert code == 0
+        with Client(settings):
+            pass
+    engine.dispose()

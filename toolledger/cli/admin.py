@@ -35,6 +35,7 @@ def db_upgrade(c: Context, revision: str) -> None:
     """Create or migrate the schema (Alembic)."""
     from toolledger.ledger import db as ledger_db
 
+    ledger_db.refuse_newer(c.unchecked_ledger.engine)  # exit 1: no revision here is ahead
     with _known_revision(revision):
         ledger_db.upgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
@@ -49,6 +50,7 @@ def db_downgrade(c: Context, revision: str) -> None:
     """Migrate the schema down (``base`` drops every table)."""
     from toolledger.ledger import db as ledger_db
 
+    ledger_db.refuse_newer(c.unchecked_ledger.engine)
     with _known_revision(revision):
         ledger_db.downgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
