@@ -43,7 +43,7 @@ from typing import Any
 from agents import FunctionTool, RunContextWrapper
 from agents.tool_context import ToolContext
 
-from toolledger.client import AsyncClient, Client, ReceiptTimeout
+from toolledger.client import AsyncCallHandle, AsyncClient, Client, ReceiptTimeout
 from toolledger.ledger.errors import LedgerError, StateError
 from toolledger.ledger.transitions import Status
 from toolledger.tools import Registry, Tool
@@ -112,7 +112,8 @@ class _Ledger:
                 with contextlib.suppress(StateError):  # decided meanwhile: that stands
                     await asyncio.to_thread(sync.approve, scope, tool_call_id, by=by)
             if isinstance(self.client, AsyncClient):  # woken on the loop: no thread held
-                receipt = await self.client.wait(scope, tool_call_id, timeout=timeout)
+                # (a read-only call ran at once, unrecorded: its handle holds its receipt)
+                receipt = await AsyncCallHandle(self.client, handle).result(timeout)
             else:
                 receipt = await asyncio.to_thread(handle.result, timeout)
         except ReceiptTimeout as exc:

@@ -26,6 +26,7 @@ from agents.exceptions import AgentsException
 from examples.openai_agents_loop import ScriptedModel
 from tests.acceptance.conftest import Stack, landed
 from toolledger import AsyncClient, Client
+from toolledger.config import Settings
 from toolledger.openai_agents import calls_waiting, ledger_function_tools, strict_schema_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,3 +197,33 @@ def test_an_explicit_timeout__the_run_stops_with_calls_waiting(world: Stack) -> 
     with Client(world.settings()) as client:
         assert client.wait("conv-4", "call_h1", timeout=60).status.value == "succeeded"
     assert executions(world, "conv-4", "call_h1") == 1
+
+
+@pytest.mark.parametrize("async_client", [True, False], ids=["async", "sync"])
+def test_a_read_only_tool__answers_its_result(tmp_path: Path, async_client: bool) -> None:
+    """A read-only call runs at once and is not recorded: its handle holds its receipt. With
+    an AsyncClient the tool waited in the ledger instead, and told the model "no call"."""
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'l.db'}",
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+        }
+    )  # fmt: skip  (no worker: a read-only call needs none)
+    (tmp_path / "sb" / "ro").mkdir(parents=True)
+    (tmp_path / "sb" / "ro" / "x.txt").write_text("hello from the sandbox")
+
+    async def go() -> ScriptedModel:
+        model = ScriptedModel([("call_r1", "read_file", {"path": "x.txt"})])
+        client: Any = AsyncClient(settings) if async_client else Client(settings)
+        try:
+            tools = ledger_function_tools(client, scope="ro", approve=always, timeout=5)
+            await Runner.run(Agent(name="t", model=model, tools=list(tools)), "go",
+                             run_config=NO_TRACE)  # fmt: skip
+        finally:
+            await client.close() if async_client else client.close()
+        return model
+
+    model = asyncio.run(go())
+    assert "hello from the sandbox" in model.seen["call_r1"], model.seen
