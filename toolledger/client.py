@@ -333,7 +333,7 @@ class Client:
         """Validate, record and enqueue one call (a read-only tool runs at once). Submitting
         the same call again finds it: never a second action."""
         call = self._submitter.prepare(scope, tool_call_id, tool, args, key)
-        return self.submit_checked(call, approved_by=approved_by, reason=reason)
+        return self._record(call, approved_by, reason)
 
     def submit_checked(
         self, call: PreparedCall, *, approved_by: str | None = None, reason: str | None = None
@@ -345,6 +345,11 @@ class Client:
 
         if args_sha256(call.args) != call.args_sha256:
             raise InputError(f"{call.tool_call_id}: its arguments changed after they were checked")
+        return self._record(call, approved_by, reason)
+
+    def _record(
+        self, call: PreparedCall, approved_by: str | None, reason: str | None
+    ) -> CallHandle:
         out = self._submitter.submit(call, approved_by=approved_by, reason=reason)
         return CallHandle(self, call.scope, call.tool_call_id, out)
 

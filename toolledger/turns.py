@@ -84,16 +84,12 @@ def _status_of(exc: TimeoutError) -> str:
 
 def checked_calls(
     client: Client, scope: str, message: Any
-) -> tuple[Format, list[Call], list[Any], list[PreparedCall]]:
-    """The turn's format, its calls, their arguments and the checked calls (each checked as
-    ``submit`` would check it, once): a turn refused for one call records none."""
+) -> tuple[Format, list[Call], list[PreparedCall]]:
+    """The turn's format, its calls and each one checked as ``submit`` would check it, once
+    (its arguments are the checked call's): a turn refused for one call records none."""
     fmt, calls = parse_turn(message)
-    arguments = [call_args(call) for call in calls]
-    checked = [
-        client.check(scope, call.id, call.name, args)
-        for call, args in zip(calls, arguments, strict=True)
-    ]
-    return fmt, calls, arguments, checked
+    checked = [client.check(scope, call.id, call.name, call_args(call)) for call in calls]
+    return fmt, calls, checked
 
 
 def answered(
@@ -114,9 +110,11 @@ def run_turn(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    fmt, calls, arguments, checked = checked_calls(client, scope, message)
-    asked = zip(calls, arguments, strict=True)  # each policy gets its own copy: what it does
-    approvers = [approve(c.name, c.id, copy.deepcopy(a)) if approve else None for c, a in asked]
+    fmt, calls, checked = checked_calls(client, scope, message)
+    asked = zip(calls, checked, strict=True)  # each policy gets its own copy: what it does
+    approvers = [
+        approve(c.name, c.id, copy.deepcopy(p.args)) if approve else None for c, p in asked
+    ]
     deadline = None if timeout is None else time.monotonic() + timeout
     handles = [  # in order: the model's order is the effects' order
         (call, client.submit_checked(prepared, approved_by=approver))
@@ -140,10 +138,10 @@ async def run_turn_async(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    fmt, calls, arguments, checked = checked_calls(client.sync, scope, message)
+    fmt, calls, checked = checked_calls(client.sync, scope, message)
     approvers = []
-    for call, args in zip(calls, arguments, strict=True):
-        approver = approve(call.name, call.id, copy.deepcopy(args)) if approve else None
+    for call, prepared in zip(calls, checked, strict=True):
+        approver = approve(call.name, call.id, copy.deepcopy(prepared.args)) if approve else None
         approvers.append(await approver if inspect.isawaitable(approver) else approver)
     handles = [
         (call, await client.submit_checked(prepared, approved_by=approver))
