@@ -130,3 +130,50 @@ def test_schema__the_client_refuses_another_schema_as_the_cli_does(
         with Client(settings):
             pass
     engine.dispose()
+
+
+def test_downgrade__below_0002_refuses_to_drop_what_only_0002_holds(empty_url, capsys):
+    """A downgrade to 0001 dropped ``fenced`` and ``effects``: upgraded again, every execution
+    was unfenced with no effects, ``verify`` differed ever after and the sweep treated fenced
+    executions as unfenced (a cold review). It now refuses, exit 1, one line, nothing changed."""
+    from tests.helpers import run_cli
+    from toolledger.ledger.ledger import Ledger
+    from toolledger.ledger.transitions import Status
+
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    ledger = Ledger(empty_url)
+    ledger.submit("s", "ran", "write_file", {"path": "p", "content": "1"}, approved_by="al")
+    claimed = ledger.claim("s", "write_file:ran", 1, worker_id="w1")
+    ledger.finish(claimed.execution_id, claimed.lease_token, Status.SUCCEEDED, {"ok": True})
+    before = _row_counts(engine)
+    code, out, err = run_cli(capsys, "--db", empty_url, "db", "downgrade", "--revision", "0001")
+    assert code == 1, (out, err)
+    assert "downgrade below 0002 refused" in err and "1 executions that ran fenced" in err
+    assert len(err.strip().splitlines()) == 1
+    assert current_revision(engine) == head_revision()
+    assert _row_counts(engine) == before
+    assert ledger.verify().ok
+    assert _diff(engine) == []
+    ledger.close()
+    engine.dispose()
+
+
+def test_downgrade__below_0002_goes_when_nothing_ran(empty_url):
+    """Calls recorded but never run hold nothing of 0002's: down to 0001 and up again, the
+    ledger rebuilds clean."""
+    from toolledger.ledger.ledger import Ledger
+
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    ledger = Ledger(empty_url)
+    ledger.submit("s", "waits", "write_file", {"path": "p", "content": "1"})
+    ledger.close()
+    downgrade(engine, "0001")
+    assert current_revision(engine) == "0001"
+    upgrade(engine)
+    ledger = Ledger(empty_url)
+    assert ledger.verify().ok
+    assert _diff(engine) == []
+    ledger.close()
+    engine.dispose()

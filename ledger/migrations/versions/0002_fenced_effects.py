@@ -74,11 +74,54 @@ def upgrade() -> None:
     _event_kinds(NEW_KINDS)
 
 
+#: What only this revision holds, each counted before a downgrade drops it.
+HELD_HERE = {
+    "executions that ran fenced": "SELECT count(*) FROM executions WHERE fenced",
+    "executions with landed effects": "SELECT count(*) FROM executions WHERE effects IS NOT NULL",
+    "calls waiting for a review": "SELECT count(*) FROM operations WHERE review IS NOT NULL",
+    "events of kinds 0001 does not know": (
+        "SELECT count(*) FROM execution_events WHERE kind IN ('flagged', 'reviewed', 'withdrawn')"
+    ),
+}
+
+
+def _refuse_loss() -> None:
+    """A downgrade never drops what the ledger relies on: an upgrade after it would find the
+    executions unfenced and their effects gone (``verify`` would differ ever after, the sweep
+    would treat fenced executions as unfenced), and 0001's CHECK refuses the newer event kinds."""
+    from toolledger.ledger.revision import SchemaError
+
+    bind = op.get_bind()
+    held = {what: bind.execute(sa.text(query)).scalar_one() for what, query in HELD_HERE.items()}
+    lost = ", ".join(f"{n} {what}" for what, n in held.items() if n)
+    if lost:
+        raise SchemaError(
+            f"downgrade below 0002 refused: it would drop what only 0002 holds ({lost}); "
+            "nothing was changed (to go back, restore a copy of the ledger taken before it "
+            "was upgraded)"
+        )
+
+
 def downgrade() -> None:
+    _refuse_loss()
     _event_kinds(OLD_KINDS)
     op.drop_index(op.f("ix_operations_review"), table_name="operations")
-    with op.batch_alter_table("operations") as batch:
-        batch.drop_column("review")
-    with op.batch_alter_table("executions") as batch:
-        batch.drop_column("effects")
-        batch.drop_column("fenced")
+    for table, column in (
+        ("operations", "review"),
+        ("executions", "effects"),
+        ("executions", "fenced"),
+    ):
+        _drop_column(table, column)
+
+
+def _drop_column(table: str, column: str) -> None:
+    """On SQLite, ALTER TABLE DROP COLUMN (3.35+) where a batch would rebuild the table: the
+    rebuild drops ``operations`` while ``tool_calls`` and ``executions`` refer to it, which
+    the foreign keys refuse on any ledger holding a call."""
+    import sqlite3
+
+    if op.get_bind().dialect.name == "sqlite" and sqlite3.sqlite_version_info >= (3, 35):
+        op.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        return
+    with op.batch_alter_table(table) as batch:
+        batch.drop_column(column)
