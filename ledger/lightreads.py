@@ -1,4 +1,4 @@
-"""A call read on the database driver alone (sqlite3 or psycopg): ``show`` and ``events``.
+"""A call read on the database driver alone (sqlite3, or libpq: ``pq``): ``show`` and ``events``.
 
 Importing SQLAlchemy costs a CLI command 0.3 s here, several times the query it runs. These
 reads ask what ``LedgerReads`` asks, with the same statements written out, and build the same
@@ -64,7 +64,7 @@ def pg_connect_args(
     timeout: float | None, *, statement_timeout: bool = True, given: Mapping[str, Any] = {}
 ) -> dict[str, Any]:
     """psycopg's connect arguments for a ledger connection (``db.create_engine`` passes them
-    through SQLAlchemy; these reads pass them to psycopg itself).
+    through SQLAlchemy; these reads pass them to libpq or psycopg themselves).
 
     Every statement planned with its values: psycopg prepares statements after a few uses,
     and Postgres may then cache a generic plan chosen while, say, no row was running: a
@@ -144,13 +144,25 @@ class LightReads:
         if scheme in ("postgres", "postgresql", "postgresql+psycopg"):
             if "%" in rest.rpartition("@")[2]:
                 return None  # libpq decodes a host or a database name, SQLAlchemy may not
+            connect_args = pg_connect_args(timeout, statement_timeout=False)
+            return cls._pg_connect("postgresql://" + rest, connect_args)
+        return None
+
+    @classmethod
+    def _pg_connect(cls, url: str, connect_args: dict[str, Any]) -> LightReads:
+        """On libpq itself (``pq``: psycopg's import is most of a CLI command's time), else
+        on psycopg, where no libpq can be loaded."""
+        from toolledger.ledger import pq
+
+        try:
+            pq.library()
+        except pq.Error:
             import psycopg
             from psycopg.rows import dict_row
 
-            connect_args = pg_connect_args(timeout, statement_timeout=False)
-            pg = psycopg.connect("postgresql://" + rest, row_factory=dict_row, **connect_args)
+            pg = psycopg.connect(url, row_factory=dict_row, **connect_args)
             return cls(pg, "postgresql", psycopg.Error)
-        return None
+        return cls(pq.connect(url, **connect_args), "postgresql", pq.Error)
 
     def close(self) -> None:
         self._conn.close()

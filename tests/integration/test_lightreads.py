@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from toolledger.cli.common import Context
 from toolledger.config import Settings
-from toolledger.ledger import lightreads
+from toolledger.ledger import lightreads, pq
 from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.lightreads import CallReads, Fallback, LightReads
@@ -124,19 +124,83 @@ def _booleans_as_stored(m: pytest.MonkeyPatch) -> None:
     m.setattr(lightreads, "BOOLEANS", frozenset())
 
 
+def _libpq_booleans_as_text(m: pytest.MonkeyPatch) -> None:
+    """'f' is a true string: a boolean left as libpq's text reads as True."""
+    convert = pq._convert
+    m.setattr(pq, "_convert", lambda oid, text: text if oid == pq.BOOL else convert(oid, text))
+
+
+def _open(ledger: Ledger) -> LightReads:
+    reads = LightReads.open(str(ledger.engine.url.render_as_string(hide_password=False)), 5.0)
+    assert reads is not None
+    return reads
+
+
 def test_lightreads__comparison_fails_on_reads_broken_on_purpose(
-    ledger: Ledger, light: LightReads, scope, backend
+    ledger: Ledger, scope, backend, monkeypatch
 ):
+    """Each conversion is seen to matter. On Postgres the session's time zone is not UTC
+    (PGTZ), so a timestamp left as the server gives it differs from the ledger's."""
     _calls(ledger, scope)
     expected = _answers(ledger, scope)
+    monkeypatch.setenv("PGTZ", "Asia/Kolkata")
     breaks: dict[str, Callable[[pytest.MonkeyPatch], None]] = {"timestamp": _utc_as_given}
     if backend == "sqlite":  # psycopg gives booleans already: nothing to break there
         breaks["boolean"] = _booleans_as_stored
+    else:  # libpq gives text: booleans are converted from it
+        breaks["libpq boolean"] = _libpq_booleans_as_text
     for name, break_it in breaks.items():
         with pytest.MonkeyPatch.context() as m:
             break_it(m)
+            light = _open(ledger)
             assert _answers(light, scope) != expected, name
+            light.close()
+    light = _open(ledger)
     assert _answers(light, scope) == expected  # and mended, they agree again
+    light.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("driver", ["libpq", "psycopg"])
+def test_lightreads__on_postgres_either_driver_gives_the_ledgers_records(
+    pg_url: str, scope, monkeypatch, driver
+):
+    """Postgres is read on libpq itself (``pq``) where one loads, else on psycopg; both give
+    the ledger's records, in a session whose time zone is not UTC too."""
+    ledger = Ledger(pg_url)
+    _calls(ledger, scope)
+    expected = _answers(ledger, scope)
+    if driver == "psycopg":
+        monkeypatch.setattr(pq, "library", partial(_no_libpq))
+    for tz in ("UTC", "America/St_Johns"):
+        monkeypatch.setenv("PGTZ", tz)
+        light = _open(ledger)
+        assert type(light._conn).__module__.startswith(
+            "toolledger.ledger.pq" if driver == "libpq" else "psycopg"
+        )
+        assert _answers(light, scope) == expected, tz
+        light.close()
+    ledger.close()
+
+
+def _no_libpq() -> Any:
+    raise pq.Error("no libpq to load")
+
+
+@pytest.mark.postgres
+def test_lightreads__libpq_sends_values_apart_from_the_statement(pg_url: str, scope):
+    """A call id full of quotes and placeholders is a value, never statement text."""
+    ledger = Ledger(pg_url)
+    hostile = "a'; DROP TABLE operations; -- %s $1 ? é"
+    ledger.submit(scope, hostile, "write_file", {"path": "p", "content": "x"})
+    light = _open(ledger)
+    assert type(light._conn).__module__ == "toolledger.ledger.pq"
+    assert light.get(scope, hostile).tool_call_id == hostile
+    with pytest.raises(LedgerError):
+        light.get(scope, hostile + "x")
+    light.close()
+    assert ledger.get(scope, hostile).tool_call_id == hostile
+    ledger.close()
 
 
 def test_lightreads__column_sets_are_the_models_types():

@@ -141,6 +141,22 @@ def test_cli__loads_only_what_the_command_uses(
     assert among(modules, forbidden) == caught
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("prelude", "caught"), [("", set()), ("import psycopg", {"psycopg"})], ids=["light", "crafted"]
+)
+def test_cli__show_on_postgres_loads_no_driver_module(
+    home: Path, pg_url: str, prelude: str, caught: set[str]
+) -> None:
+    """On Postgres too ``show`` and ``events`` read on libpq itself (``ledger.pq``): importing
+    psycopg was most of their time."""
+    for command in ("show", "events"):
+        code, modules = loaded(["--db", pg_url, command, *CALL], home, prelude)
+        assert code == 4
+        assert "toolledger.ledger.pq" in modules
+        assert among(modules, SHOW_HEAVY) == caught
+
+
 def test_cli__help_imports_no_command_module(home: Path) -> None:
     _, modules = loaded(["--help"], home)
     assert {m for m in modules if m.startswith("toolledger.cli.")} == {"toolledger.cli.common"}

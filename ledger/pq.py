@@ -1,0 +1,190 @@
+"""libpq itself, through ctypes: the light reads' Postgres connection (``lightreads``).
+
+``import psycopg`` costs a CLI command ~95 ms on the bench machine (its adapters, its error
+classes, asyncio and importlib.metadata), more than the whole of ``toolledger show`` besides;
+``ctypes`` and the same libpq cost ~5 ms. These few calls are what psycopg's own pure-Python
+implementation (``psycopg.pq._pq_ctypes``) makes, on the libpq psycopg ships with
+(``psycopg_binary.libs``), else the system's. Only what the light reads use is here: connect
+with the same parameters psycopg is given, one statement at a time with its values sent apart
+from the text (``PQexecParams``: never interpolated), text results converted as psycopg
+converts the column types the ledger has. Anything this module cannot do raises ``Error``, and
+the reads hand over to the ledger (SQLAlchemy on psycopg), which words every error as always.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+CONNECTION_OK = 0
+PGRES_COMMAND_OK, PGRES_TUPLES_OK = 1, 2
+TEXT = 0
+#: Type OIDs (pg_type) converted from their text form; any other column stays text.
+BOOL, INT8, INT2, INT4, TIMESTAMP, TIMESTAMPTZ = 16, 20, 21, 23, 1114, 1184
+
+_lib: ctypes.CDLL | None = None
+
+
+class Error(Exception):
+    """libpq could not be loaded, could not connect, or a statement failed."""
+
+
+def _candidates() -> list[str]:
+    """psycopg's own libpq first (the one every other connection of toolledger uses)."""
+    found: list[str] = []
+    spec = importlib.util.find_spec("psycopg_binary")  # located, not imported
+    if spec is not None and spec.origin:
+        libs = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), "psycopg_binary.libs")
+        found += sorted(glob.glob(os.path.join(glob.escape(libs), "libpq*.so*")))
+    return [*found, "libpq.so.5", "libpq.5.dylib"]
+
+
+def library() -> ctypes.CDLL:
+    """libpq, loaded once, with the signatures of the functions used here."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    for name in _candidates():
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise Error("no libpq to load")
+    p, i, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+    signatures: dict[str, tuple[Any, list[Any]]] = {
+        "PQconnectdbParams": (p, [ctypes.POINTER(s), ctypes.POINTER(s), i]),
+        "PQstatus": (i, [p]),
+        "PQerrorMessage": (s, [p]),
+        "PQfinish": (None, [p]),
+        "PQexecParams": (p, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
+        "PQresultStatus": (i, [p]),
+        "PQresultErrorMessage": (s, [p]),
+        "PQntuples": (i, [p]),
+        "PQnfields": (i, [p]),
+        "PQfname": (s, [p, i]),
+        "PQftype": (ctypes.c_uint, [p, i]),
+        "PQgetisnull": (i, [p, i, i]),
+        "PQgetvalue": (p, [p, i, i]),
+        "PQgetlength": (i, [p, i, i]),
+        "PQclear": (None, [p]),
+    }
+    for fn, (restype, argtypes) in signatures.items():
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = argtypes
+    _lib = lib
+    return lib
+
+
+def _text(value: Any) -> bytes:
+    return str(value).encode("utf-8")
+
+
+def _convert(oid: int, text: str) -> Any:
+    """A value from its text form, as psycopg's default loaders give it."""
+    if oid == BOOL:
+        return text == "t"
+    if oid in (INT2, INT4, INT8):
+        return int(text)
+    if oid in (TIMESTAMP, TIMESTAMPTZ):
+        return datetime.fromisoformat(text)  # ISO DateStyle: set at connect
+    return text
+
+
+class Rows:
+    """What ``execute`` returns: ``fetchall()``, as psycopg's cursor with ``dict_row``."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self._rows = rows
+
+    def fetchall(self) -> list[dict[str, Any]]:
+        return self._rows
+
+
+class Connection:
+    """One libpq connection; a transaction begins with the first statement and ends at
+    ``rollback`` (psycopg's default, which the light reads relied on)."""
+
+    def __init__(self, url: str, params: Mapping[str, Any]) -> None:
+        lib = library()
+        # The URL is expanded as a conninfo (``expand_dbname``); the parameters after it win,
+        # as psycopg's keyword arguments win over its conninfo.
+        options = " ".join(o for o in (str(params.get("options", "")), "-c DateStyle=ISO,YMD") if o)
+        settings = {**{k: v for k, v in params.items() if v is not None}, "options": options}
+        settings["client_encoding"] = "UTF8"
+        keys = [b"dbname", *(_text(k) for k in settings)]
+        values = [_text(url), *(_text(v) for v in settings.values())]
+        kw = (ctypes.c_char_p * (len(keys) + 1))(*keys, None)
+        vals = (ctypes.c_char_p * (len(values) + 1))(*values, None)
+        conn = lib.PQconnectdbParams(kw, vals, 1)
+        if not conn:
+            raise Error("libpq: out of memory")
+        if lib.PQstatus(conn) != CONNECTION_OK:
+            message = (lib.PQerrorMessage(conn) or b"").decode("utf-8", "replace").strip()
+            lib.PQfinish(conn)
+            raise Error(message or "connection failed")
+        self._conn: int | None = conn
+        self._in_transaction = False
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        """``sql`` with psycopg's ``%s`` placeholders, its values sent as parameters."""
+        if not self._in_transaction:
+            self._run("BEGIN", ())
+            self._in_transaction = True
+        return self._run(sql, params)
+
+    def rollback(self) -> None:
+        if self._in_transaction:
+            self._in_transaction = False
+            self._run("ROLLBACK", ())
+
+    def close(self) -> None:
+        if self._conn is not None:
+            library().PQfinish(self._conn)
+            self._conn = None
+
+    def _run(self, sql: str, params: Sequence[Any]) -> Rows:
+        if self._conn is None:
+            raise Error("the connection is closed")
+        lib = library()
+        parts = sql.split("%s")
+        if len(parts) != len(params) + 1:
+            raise Error(f"{len(parts) - 1} placeholders for {len(params)} values")
+        text = "".join(f"{part}${n}" for n, part in enumerate(parts[:-1], 1)) + parts[-1]
+        values = (ctypes.c_char_p * max(1, len(params)))(
+            *(None if v is None else _text(v) for v in params)
+        )
+        res = lib.PQexecParams(self._conn, _text(text), len(params), None, values, None, None, TEXT)
+        if not res:
+            raise Error((lib.PQerrorMessage(self._conn) or b"").decode("utf-8", "replace"))
+        try:
+            status = lib.PQresultStatus(res)
+            if status not in (PGRES_COMMAND_OK, PGRES_TUPLES_OK):
+                message = lib.PQresultErrorMessage(res) or b""
+                raise Error(message.decode("utf-8", "replace").strip() or f"status {status}")
+            fields = range(lib.PQnfields(res))
+            names = [lib.PQfname(res, f).decode("utf-8") for f in fields]
+            oids = [lib.PQftype(res, f) for f in fields]
+            rows = []
+            for r in range(lib.PQntuples(res)):
+                row: dict[str, Any] = {}
+                for f in fields:
+                    if lib.PQgetisnull(res, r, f):
+                        row[names[f]] = None
+                        continue
+                    raw = ctypes.string_at(lib.PQgetvalue(res, r, f), lib.PQgetlength(res, r, f))
+                    row[names[f]] = _convert(oids[f], raw.decode("utf-8"))
+                rows.append(row)
+            return Rows(rows)
+        finally:
+            lib.PQclear(res)
+
+
+def connect(url: str, **params: Any) -> Connection:
+    return Connection(url, params)
