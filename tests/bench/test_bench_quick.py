@@ -50,9 +50,12 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     raw = report["raw"]
     assert set(raw["protocol_jobs_per_s"]) == {
         f"{d}/{i}" for d in ("postgres", "sqlite") for i in ("toolledger", "handwritten", "insert")
-    } | {"sqlite/handwritten_queued"}
+    } | {"sqlite/handwritten_queued", "postgres/handwritten_minimal"}
     queued = report["sqlite_vs_handwritten"]["vs_handwritten_queued_by_processes"]
     assert all(q["median"] > 0 for q in queued.values()), queued
+    minimal = report["ledger_vs_handwritten"]["vs_minimal_by_processes"]
+    assert all(m["median"] > 0 for m in minimal.values()), minimal
+    assert "against the minimal SQL written from scratch" in (out / "bench.md").read_text()
     assert {"toolledger", "toolledger_threads", "celery_noop", "celery_write"} <= set(raw["e2e"])
     for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
         assert e2e["cpu_ms_per_call"]["median"] > 0, name
@@ -78,6 +81,10 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     assert packages["celery"] == metadata.version("celery"), packages
     assert f"celery {packages['celery']}" in (out / "bench.md").read_text()
     assert "(threads: the production configuration)" in (out / "bench.md").read_text()
+    # and under what durability: fsync and synchronous commit on, for every side
+    for side in ("toolledger", "baselines"):
+        assert report["machine"]["durability"][side] == {"fsync": "on", "synchronous_commit": "on"}
+    assert "durability, as each side's sessions saw it" in (out / "bench.md").read_text()
     assert "| backend | processes | toolledger user / sys |" in (out / "bench.md").read_text()
     assert "| toolledger - celery_write |" in (out / "bench.md").read_text()
     assert (

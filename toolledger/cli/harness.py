@@ -180,11 +180,15 @@ def bench(
 
     out = out or Path("bench/out") / time.strftime("%Y%m%d-%H%M%S")
     say = (lambda _t: None) if c.json else (lambda t: click.echo(t, err=True))
-    report = run_bench(
-        BenchConfig(
-            pg=pg, redis=redis, out=out, quick=quick, rounds=rounds, only=only, progress=say
-        )
+    from toolledger.harness.bench.runner import Bent
+
+    config = BenchConfig(
+        pg=pg, redis=redis, out=out, quick=quick, rounds=rounds, only=only, progress=say
     )
+    try:
+        report = run_bench(config)
+    except Bent as exc:  # fsync or synchronous commit off: no figure would mean anything
+        raise click.UsageError(str(exc)) from None
     report["files"] = write_all(report, out)
     names = ", ".join(Path(f).name for f in report["files"].values())
     c.emit(report, lambda r: markdown(r) + f"\nreport: {out} ({names})")

@@ -6,6 +6,11 @@ handwritten     the same 2-commit protocol in psycopg (sqlite3 on SQLite): on Po
                 the limit
 insert          a bare INSERT … ON CONFLICT DO NOTHING + commit, no file: the floor of any
                 Postgres-backed queue
+handwritten_minimal
+                Postgres only: the same 2-commit protocol written from scratch, the simplest
+                correct statements (a claim and a terminal write, each one statement with its
+                event): what the ledger's own SQL costs — its review guard, path locks, lease
+                and effect columns — which the handwritten loop, running that SQL, cannot see
 handwritten_queued
                 SQLite only: the hand-written loop with its two transactions taken in turn
                 (ledger.writers), as toolledger's are: what the writers' queue alone is worth,
@@ -35,11 +40,13 @@ from toolledger.ledger.db import create_engine
 
 IMPLS = ("toolledger", "handwritten", "insert")
 QUEUED = "handwritten_queued"
+MINIMAL = "handwritten_minimal"
 
 
 def impls(dialect: str) -> tuple[str, ...]:
-    """What the protocol runs on ``dialect``: the writers' queue exists on SQLite only."""
-    return (*IMPLS, QUEUED) if dialect == "sqlite" else IMPLS
+    """What the protocol runs on ``dialect``: the writers' queue exists on SQLite only, the
+    minimal statements are written for Postgres."""
+    return (*IMPLS, QUEUED) if dialect == "sqlite" else (*IMPLS, MINIMAL)
 
 
 NOW = "strftime('%Y-%m-%d %H:%M:%f','now') || '000'"
@@ -96,6 +103,65 @@ def _handwritten_pg_job(url: str, sandbox: str) -> Any:
             "detail": '{"result":' + result + ',"error":null,"reconciled":false}',
         }  # fmt: skip
         assert conn.execute(finish_sql, finish, prepare=True).fetchone() is not None
+
+    return job
+
+
+# The protocol written from scratch (not the ledger's statements): claim + running event in one
+# statement, terminal + result + event in another, autocommit.
+MINIMAL_CLAIM = """
+WITH op AS (
+    SELECT args FROM operations WHERE scope = %(scope)s AND idempotency_key = %(key)s
+      AND status = 'approved' AND authorized_attempts = 1
+), claimed AS (
+    INSERT INTO executions (execution_id, scope, idempotency_key, attempt, status, worker_id,
+                            lease_token, lease_expires_at, heartbeat_at, started_at, reconciled)
+    SELECT %(eid)s, %(scope)s, %(key)s, 1, 'running', 'bench', %(token)s,
+           now() + interval '30 seconds', now(), now(), false FROM op
+    ON CONFLICT (scope, idempotency_key, attempt) DO NOTHING RETURNING execution_id
+), moved AS (
+    UPDATE operations SET status = 'running' WHERE scope = %(scope)s
+      AND idempotency_key = %(key)s AND status = 'approved' AND EXISTS (SELECT FROM claimed)
+), logged AS (
+    INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
+    SELECT %(scope)s, %(key)s, %(eid)s, 'running', 'bench', now(), '{"attempt":1}' FROM claimed
+)
+SELECT op.args FROM claimed, op
+"""
+MINIMAL_FINISH = """
+WITH done AS (
+    UPDATE executions SET status = 'succeeded', result = %(result)s::json, finished_at = now()
+    WHERE execution_id = %(eid)s AND status = 'running' AND lease_token = %(token)s
+    RETURNING scope, idempotency_key, attempt
+), moved AS (
+    UPDATE operations o SET status = 'succeeded' FROM done WHERE o.scope = done.scope
+      AND o.idempotency_key = done.idempotency_key AND o.status = 'running'
+      AND o.authorized_attempts = done.attempt
+), logged AS (
+    INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
+    SELECT scope, idempotency_key, %(eid)s, 'succeeded', 'bench', now(), %(detail)s::json
+    FROM done
+)
+SELECT count(*) FROM done
+"""
+
+
+def _minimal_pg_job(url: str, sandbox: str) -> Any:
+    import psycopg
+
+    conn = psycopg.connect(plain_url(url), autocommit=True)
+
+    def job(scope: str, key: str) -> None:
+        eid, token = str(uuid.uuid4()), secrets.token_hex(16)
+        params = {"scope": scope, "key": key, "eid": eid, "token": token}
+        row = conn.execute(MINIMAL_CLAIM, params, prepare=True).fetchone()
+        assert row is not None
+        args = row[0]
+        atomic_write(str(Path(sandbox) / scope), args["path"], args["content"].encode())
+        result = json.dumps({"path": args["path"], "bytes_written": len(args["content"])})
+        detail = '{"result":' + result + ',"error":null,"reconciled":false}'
+        finish = {**params, "result": result, "detail": detail}
+        assert conn.execute(MINIMAL_FINISH, finish, prepare=True).fetchone() == (1,)
 
     return job
 
@@ -198,6 +264,7 @@ def run_share(
         "insert": _insert_job,
         "handwritten": _handwritten_sqlite_job if url.startswith("sqlite") else _handwritten_pg_job,
         QUEUED: functools.partial(_handwritten_sqlite_job, queued=True),
+        MINIMAL: _minimal_pg_job,
     }
     factory = factories[impl]
     writers.set_blocking()  # a group process runs the worker's path, as the worker does

@@ -52,14 +52,19 @@ def markdown(r: dict[str, Any]) -> str:
         queued = (h.get("vs_handwritten_queued_by_processes") or {}).get(h.get("processes"))
         if queued:  # the same ratio, the loop given the writers' queue too (no goal)
             lines.append(f"| {label}, against the loop in turn too | {_fmt(queued)} | | |")
+        minimal = (h.get("vs_minimal_by_processes") or {}).get(h.get("processes"))
+        if minimal:  # against statements written from scratch: the ledger's SQL's cost too
+            lines.append(
+                f"| {label}, against the minimal SQL written from scratch | {_fmt(minimal)} | | |"
+            )
     if "protocol_jobs_per_s" in raw:
         lines += [
             "",
             "Ledger protocol, jobs/s (claim + running, atomic file write, terminal + result):",
             "",
             "| backend | processes | toolledger | hand-written | hand-written, in turn "
-            "(the writers' queue) | bare INSERT |",
-            "|---|---|---|---|---|---|",
+            "(the writers' queue) | hand-written, minimal SQL | bare INSERT |",
+            "|---|---|---|---|---|---|---|",
         ]
         proto = raw["protocol_jobs_per_s"]
         for dialect in ("postgres", "sqlite"):
@@ -68,7 +73,13 @@ def markdown(r: dict[str, Any]) -> str:
                     f"| {dialect} | {p} | "
                     + " | ".join(
                         _fmt(proto[f"{dialect}/{impl}"][p]) if f"{dialect}/{impl}" in proto else "-"
-                        for impl in ("toolledger", "handwritten", "handwritten_queued", "insert")
+                        for impl in (
+                            "toolledger",
+                            "handwritten",
+                            "handwritten_queued",
+                            "handwritten_minimal",
+                            "insert",
+                        )
                     )
                     + " |"
                 )
@@ -128,6 +139,12 @@ def markdown(r: dict[str, Any]) -> str:
     if packages := r.get("machine", {}).get("packages"):
         versions = ", ".join(f"{n} {v}" for n, v in packages.items() if v)
         lines += ["", f"Packages: {versions}."]
+    if durable := r.get("machine", {}).get("durability"):
+        said = "; ".join(
+            f"{side}: " + ", ".join(f"{k} {v}" for k, v in values.items())
+            for side, values in durable.items()
+        )
+        lines += [f"Postgres durability, as each side's sessions saw it: {said}."]
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -196,10 +213,11 @@ def plot(r: dict[str, Any], path: Path) -> None:
             ("toolledger", "tab:green"),
             ("handwritten", "tab:blue"),
             ("handwritten_queued", "tab:cyan"),
+            ("handwritten_minimal", "tab:purple"),
             ("insert", "tab:gray"),
         ):
             series = raw["protocol_jobs_per_s"].get(f"{dialect}/{impl}")
-            if series is None:  # the writers' queue is SQLite's
+            if series is None:  # the writers' queue is SQLite's, the minimal SQL Postgres's
                 continue
             xs = [int(p) for p in series]
             ax.plot(

@@ -24,7 +24,7 @@ from toolledger.harness.bench.common import (
 )
 from toolledger.harness.bench.e2e import E2E, VARIANTS, peer_databases
 from toolledger.harness.bench.procs import Group
-from toolledger.harness.bench.protocol import QUEUED, impls, run_protocol
+from toolledger.harness.bench.protocol import MINIMAL, QUEUED, impls, run_protocol
 from toolledger.harness.bench.report import GOALS
 from toolledger.harness.bench.roundtrip import run_roundtrip
 from toolledger.harness.bench.sweep_bench import (
@@ -73,6 +73,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.only is not None:
         return run_alone(cfg)
     began = time.time()
+    durable = durability(cfg.pg)
     figures = Figures()
     cfg.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="toolledger-bench-"))
@@ -118,7 +119,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             cli_start.run_cli_start(figures, cli_dbs, work / "cli", cfg.cli_runs)
         version = _pg_version(proto_dbs["postgres"])
     report = summarise(cfg, figures, e2e.missing)
-    report["machine"] = _machine(version)
+    report["machine"] = {**_machine(version), "durability": durable}
     report["duration_s"] = round(time.time() - began, 1)
     return report
 
@@ -153,6 +154,7 @@ def run_alone(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.only not in ALONE:
         raise ValueError(f"bench: {cfg.only!r} cannot run alone (one of {', '.join(ALONE)})")
     began = time.time()
+    durable = durability(cfg.pg) if cfg.pg else None
     figures = Figures()
     cfg.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="toolledger-bench-"))
@@ -198,7 +200,7 @@ def run_alone(cfg: BenchConfig) -> dict[str, Any]:
     report.update(
         quick=cfg.quick,
         rounds=cfg.rounds,
-        machine=_machine(version),
+        machine={**_machine(version), "durability": durable},
         duration_s=round(time.time() - began, 1),
     )
     return report
@@ -257,6 +259,47 @@ def _roundtrip_stacks(cfg: BenchConfig, pg: str, root: Path) -> dict[str, dict[s
     }
 
 
+#: "No bending" (issue 18): fsync and synchronous commit stay on, for every side.
+DURABLE = {
+    "fsync": ("on",),
+    # without synchronous replication, "local" and "remote_*" wait for the local flush as "on"
+    "synchronous_commit": ("on", "local", "remote_write", "remote_apply"),
+}
+
+
+class Bent(ValueError):
+    """A setting that would bend the figures: the bench refuses to measure under it."""
+
+
+def durability(url: str) -> dict[str, dict[str, str]]:
+    """What the server says of ``DURABLE`` to a session as toolledger opens it and to one as
+    the baselines and peers open theirs (plain libpq: ``PGOPTIONS`` applies there, while
+    toolledger's own ``options`` override it); ``Bent`` if either side is off."""
+    import psycopg
+
+    from toolledger.harness.bench.common import plain_url
+
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        ours = {n: str(conn.exec_driver_sql(f"SHOW {n}").scalar_one()) for n in DURABLE}
+    engine.dispose()
+    with psycopg.connect(plain_url(url), autocommit=True) as plain:
+        theirs = {n: str((plain.execute(f"SHOW {n}").fetchone() or ("?",))[0]) for n in DURABLE}
+    sides = {"toolledger": ours, "baselines": theirs}
+    bent = [
+        f"{name}={value} ({side})"
+        for side, values in sides.items()
+        for name, value in values.items()
+        if value not in DURABLE[name]
+    ]
+    if bent:
+        raise Bent(
+            f"bench: refused to measure with {', '.join(bent)} (the server's settings, or "
+            "PGOPTIONS): fsync and synchronous commit stay on"
+        )
+    return sides
+
+
 def _pg_version(url: str) -> str:
     engine = create_engine(url)
     with engine.connect() as conn:
@@ -294,6 +337,13 @@ def _protocol_summary(cfg: BenchConfig, f: Figures) -> dict[str, Any]:
             "processes": n,
             "by_processes": by_processes["postgres"],
             "sqlite_by_processes": by_processes["sqlite"],
+            # no goal: the same ratio against the protocol's simplest statements, written from
+            # scratch: the handwritten loop runs the ledger's own SQL, so what that SQL costs
+            # shows here only
+            "vs_minimal_by_processes": {
+                p: ratio(f[f"postgres/toolledger/{p}"], f[f"postgres/{MINIMAL}/{p}"])
+                for p in cfg.processes
+            },
         },
         "sqlite_vs_handwritten": {
             **_goal("sqlite_vs_handwritten", by_processes["sqlite"][n]),
