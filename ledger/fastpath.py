@@ -173,12 +173,16 @@ class HeldConnectionStore(Store):
         return pooled
 
     def _give_back(self, pooled: Any) -> None:
+        """Close a finished thread's connection rather than return it to the pool: ``_setup``
+        configured it for these statements alone (on Postgres autocommit and cached generic
+        plans), and the pool would hand it to the generic path, whose transactions would then
+        commit statement by statement (a cold review: a refused submit's operation stayed)."""
         with self._lock:
             if pooled not in self._held:
                 return
             self._held.remove(pooled)
         with contextlib.suppress(Exception):
-            pooled.close()
+            pooled.invalidate()
 
     def _drop(self, pooled: Any) -> None:
         """Forget a broken connection (the next call opens another)."""

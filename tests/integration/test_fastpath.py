@@ -458,3 +458,38 @@ def test_fastpath__sqlite_store_and_bench_baseline_run_with_the_ledgers_pragmas(
         assert store == engine and bench == engine
     finally:
         ledger.close()
+
+
+@pytest.mark.postgres
+def test_fastpath__a_finished_threads_connection_never_reaches_the_generic_path(pg_url):
+    """A thread that used the Postgres fast path ends: its connection (autocommit, cached
+    generic plans) went back to the pool, and the generic path's next transaction on it
+    committed statement by statement — a submit refused for a key conflict left its operation
+    behind, which the sweep re-published and a worker ran (a cold review)."""
+    import gc
+    import threading
+
+    from toolledger.ledger.errors import ConflictError
+
+    ledger = Ledger(pg_url)
+    args = {"path": "p", "content": "x"}
+    for n in range(3):  # threads that come and go, one per request (serve, the MCP proxy)
+        thread = threading.Thread(
+            target=ledger.submit, args=("s", f"c{n}", "write_file", args), kwargs={"key": f"k{n}"}
+        )
+        thread.start()
+        thread.join()
+        del thread
+        gc.collect()
+        with ledger._write() as conn:
+            assert conn.connection.dbapi_connection.autocommit is False
+            assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() != "auto"
+    count = sa.select(sa.func.count()).select_from(operations)
+    with ledger.engine.connect() as conn:
+        before = conn.execute(count).scalar_one()
+    with pytest.raises(ConflictError):  # c1 already names k1: nothing of k9 may stay
+        ledger.submit("s", "c1", "write_file", args, key="k9")
+    with ledger.engine.connect() as conn:
+        assert conn.execute(count).scalar_one() == before
+    assert ledger.verify().ok
+    ledger.close()
