@@ -70,14 +70,20 @@ SELECT claimed.lease_expires_at, op.tool, op.args FROM claimed, op
 """
 ).columns(executions.c.lease_expires_at, operations.c.tool, operations.c.args)
 
+#: Every column named, never ``*``: a migration that adds a column while workers of this code
+#: still run (the documented upgrade order) must not change what these statements return, nor
+#: the result type of the plans psycopg has prepared for them.
+_EXECUTION_COLUMNS = ", ".join(c.name for c in executions.c)
+_OPERATION_COLUMNS = ", ".join(c.name for c in operations.c)
+
 _FINISH = sa.text(
-    """
+    f"""
 WITH done AS (
     UPDATE executions
     SET status = :status, result = CAST(:result AS json), error = :error, finished_at = now(),
         effects = CAST(:effects AS json)
     WHERE execution_id = :execution_id AND status = :running AND lease_token = :lease_token
-    RETURNING *
+    RETURNING {_EXECUTION_COLUMNS}
 ), locks AS (
     SELECT pg_advisory_xact_lock(k)
     FROM (SELECT DISTINCT unnest(CAST(:lock_keys AS bigint[])) AS k FROM done) AS keys
@@ -89,12 +95,12 @@ WITH done AS (
       AND o.status = :running AND o.authorized_attempts = done.attempt
 ), logged AS (
     INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
-    SELECT scope, idempotency_key, execution_id, :status, coalesce(worker_id, 'worker'), now(),
-           CAST(:detail AS json)
+    SELECT scope, idempotency_key, execution_id, :status,
+           coalesce(nullif(worker_id, ''), 'worker'), now(), CAST(:detail AS json)
     FROM done, (SELECT count(*) FROM locks) AS held
     RETURNING seq
 )
-SELECT done.*, logged.seq FROM done, logged
+SELECT {", ".join(f"done.{c.name}" for c in executions.c)}, logged.seq FROM done, logged
 """
 ).columns(*executions.c, execution_events.c.seq)
 
@@ -109,7 +115,7 @@ def _psycopg_sql(statement: sa.TextualSelect) -> str:
 
 
 _SUBMIT = sa.text(
-    """
+    f"""
 WITH op AS (
     INSERT INTO operations (scope, idempotency_key, tool, args, args_sha256, status,
                             authorized_attempts, decided_by, decided_at, reason, created_at,
@@ -118,7 +124,7 @@ WITH op AS (
             CASE WHEN :approved THEN now() END, :reason, now(),
             CASE WHEN :stamp THEN now() END)
     ON CONFLICT (scope, idempotency_key) DO NOTHING
-    RETURNING *
+    RETURNING {_OPERATION_COLUMNS}
 ), called AS (
     INSERT INTO tool_calls (scope, tool_call_id, idempotency_key, args_sha256, created_at)
     SELECT scope, :tool_call_id, idempotency_key, args_sha256, now() FROM op
@@ -129,7 +135,7 @@ WITH op AS (
                      (2, :status, :decider, :decision)) AS v(n, kind, actor, detail)
     ORDER BY v.n
 )
-SELECT * FROM op
+SELECT {_OPERATION_COLUMNS} FROM op
 """
 ).columns(*operations.c)
 

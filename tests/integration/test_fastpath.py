@@ -5,6 +5,7 @@ broken on purpose (a forgotten event, a row not moved, a doorbell not rung)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -493,3 +494,55 @@ def test_fastpath__a_finished_threads_connection_never_reaches_the_generic_path(
         assert conn.execute(count).scalar_one() == before
     assert ledger.verify().ok
     ledger.close()
+
+
+@pytest.mark.postgres
+def test_fastpath__a_column_added_while_this_code_runs_changes_nothing(pg_server, pg_template):
+    """The documented upgrade runs ``db upgrade`` before the new workers start, so this code
+    meets a schema with more columns. ``RETURNING *`` then returned them: a prepared statement
+    failed ("cached plan must not change result type"), a fresh one raised ValueError after
+    its commit (a call that succeeded told it failed; a cold review). Every column is named."""
+    with fresh_pg_database(pg_server, pg_template) as url:
+        ledger = Ledger(url)
+        assert isinstance(ledger.store, PostgresStore)
+        args = {"path": "p", "content": "x"}
+        for n in range(6):  # past psycopg's prepare threshold: the plans are cached
+            ledger.submit("s", f"c{n}", "write_file", args, key=f"k{n}", approved_by="al")
+            claim = ledger.claim("s", f"k{n}", 1, worker_id="w")
+            assert claim is not None
+            ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"n": n})
+        with ledger.engine.begin() as conn:  # a newer toolledger's migration
+            for table in ("operations", "executions", "execution_events"):
+                conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN newer integer")
+        ledger.submit("s", "c9", "write_file", args, key="k9", approved_by="al")
+        claim = ledger.claim("s", "k9", 1, worker_id="w")
+        assert claim is not None
+        done = ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"n": 9})
+        assert done.execution.status == Status.SUCCEEDED
+        assert ledger.get("s", "c9").operation.status == Status.SUCCEEDED
+        ledger.close()
+
+
+@pytest.mark.parametrize(
+    "dialect", [pytest.param("postgresql", marks=pytest.mark.postgres), "sqlite"]
+)
+def test_fastpath__an_empty_worker_id_is_logged_as_the_generic_path_logs_it(
+    request, dialect, tmp_path
+):
+    """The generic finish logs ``worker_id or 'worker'``; the Postgres one logged ''."""
+    if dialect == "postgresql":
+        url_cm = fresh_pg_database(request.getfixturevalue("pg_server"),
+                                   request.getfixturevalue("pg_template"))  # fmt: skip
+    else:
+        url_cm = contextlib.nullcontext(
+            fresh_sqlite_database(request.getfixturevalue("sqlite_template"), tmp_path / "db")
+        )
+    with url_cm as url:
+        ledger = Ledger(url)
+        assert isinstance(ledger.store, FAST[dialect])
+        ledger.submit("s", "c", "write_file", {"path": "p", "content": "x"}, approved_by="al")
+        claim = ledger.claim("s", "write_file:c", 1, worker_id="")
+        assert claim is not None
+        ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": 1})
+        assert ledger.events("s", "c")[-1].actor == "worker"
+        ledger.close()
