@@ -78,6 +78,14 @@ def create_engine(
 
 def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.Engine:
     busy_ms = SQLITE_BUSY_TIMEOUT_MS if timeout is None else max(1, int(timeout * 1000))
+    on_file = url.database not in (None, "", ":memory:") and url.query.get("mode") != "memory"
+    if timeout is not None and on_file:
+        # A worker, as on Postgres: the fast path keeps a connection per thread for the
+        # thread's life, so a threads pool of 15 took the default pool's 5 + 10 and the lease
+        # keeper waited SQLAlchemy's 30 s for one, its leases expiring (a cold review).
+        kwargs.setdefault("pool_size", 5)
+        kwargs["max_overflow"] = max(kwargs.get("max_overflow", 10), 40)
+        kwargs.setdefault("pool_timeout", timeout)
     engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
 
     @sa.event.listens_for(engine, "do_connect")

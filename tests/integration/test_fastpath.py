@@ -546,3 +546,37 @@ def test_fastpath__an_empty_worker_id_is_logged_as_the_generic_path_logs_it(
         ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": 1})
         assert ledger.events("s", "c")[-1].actor == "worker"
         ledger.close()
+
+
+def test_fastpath__a_threads_pool_of_twenty_leaves_connections_for_the_rest(sqlite_url):
+    """Each thread keeps its own connection out of the pool for good; with SQLite's default
+    pool (5 + 10) a sixteenth thread, or the lease keeper, waited 30 s for one (a cold
+    review). A worker's engine (``timeout`` given) leaves room, as on Postgres."""
+    import threading
+
+    ledger = Ledger(sqlite_url, timeout=2)
+    held = threading.Barrier(21)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker_thread() -> None:
+        try:
+            ledger.store.connection()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        held.wait(60)
+        done.wait(60)
+
+    threads = [threading.Thread(target=worker_thread) for _ in range(20)]
+    for t in threads:
+        t.start()
+    held.wait(60)
+    try:
+        assert errors == []
+        ledger.submit("s", "c", "write_file", {"path": "p", "content": "x"})  # the rest's turn
+        assert ledger.get("s", "c").operation.status == Status.PENDING_APPROVAL
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        ledger.close()
