@@ -23,6 +23,7 @@ invalidated and replaced on the next call.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import weakref
@@ -146,9 +147,35 @@ def psycopg_statements() -> tuple[str, str, dict[str, str]]:
     return _psycopg_sql(_CLAIM), _psycopg_sql(_FINISH), dict(_STATUSES)
 
 
+#: Every held-connection store of this process, for a fork's child to forget (below).
+_STORES: weakref.WeakSet[HeldConnectionStore] = weakref.WeakSet()
+#: What a forked child inherited and must neither use nor close: closing a psycopg connection
+#: ends the parent's session (libpq sends Terminate on the shared socket), and a pooled one
+#: garbage-collected would be reset on it. Kept referenced for the child's life.
+_INHERITED: list[Any] = []
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: the connections the threads held are the parent's (the same
+    sockets); the child opens its own. The engine's pool is the parent's too: SQLAlchemy's
+    recipe, ``dispose(close=False)``."""
+    for store in list(_STORES):
+        with contextlib.suppress(Exception):
+            _INHERITED.extend(store._held)
+            store._held = []
+            store._local = threading.local()
+            store._lock = threading.Lock()
+            store.engine.dispose(close=False)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class HeldConnectionStore(Store):
     """A store whose statements go straight to a DB-API connection each thread keeps checked
-    out of the engine's pool (``ledger.fastpath_sqlite`` shares this with Postgres)."""
+    out of the engine's pool (``ledger.fastpath_sqlite`` shares this with Postgres). A forked
+    child never uses its parent's (``_forget_in_child``)."""
 
     def __init__(self, ledger: LedgerBase) -> None:
         super().__init__(ledger)
@@ -156,6 +183,7 @@ class HeldConnectionStore(Store):
         self._local = threading.local()
         self._held: list[Any] = []
         self._lock = threading.Lock()
+        _STORES.add(self)
 
     def _setup(self, dbapi: Any) -> None:
         """Configure a connection once, when a thread first takes it."""

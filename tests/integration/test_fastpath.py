@@ -580,3 +580,50 @@ def test_fastpath__a_threads_pool_of_twenty_leaves_connections_for_the_rest(sqli
         for t in threads:
             t.join()
         ledger.close()
+
+
+@pytest.mark.postgres
+def test_fastpath__a_forked_child_opens_its_own_connections(pg_server, pg_template):
+    """A process that used the ledger forks (a preloading server, a user's process pool): the
+    connection its thread held was shared with the child, outside the pool that SQLAlchemy's
+    fork recipe resets — both talked on one socket, and submits that failed had committed (a
+    cold review). The child now forgets its parent's connections and opens its own."""
+    import os
+
+    with fresh_pg_database(pg_server, pg_template) as url:
+        ledger = Ledger(url)
+        assert isinstance(ledger.store, PostgresStore)
+        args = {"path": "p", "content": "x"}
+        ledger.submit("s", "warm", "write_file", args)
+        parent_backend = ledger.store.connection().dbapi_connection.info.backend_pid
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never raise into pytest
+            os.close(r)
+            try:
+                backend = ledger.store.connection().dbapi_connection.info.backend_pid
+                failed = 0
+                for i in range(100):
+                    try:
+                        ledger.submit("s", f"child{i}", "write_file", args)
+                    except Exception:  # noqa: BLE001 - counted
+                        failed += 1
+                os.write(w, json.dumps({"backend": backend, "failed": failed}).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        failed = 0
+        for i in range(100):
+            try:
+                ledger.submit("s", f"parent{i}", "write_file", args)
+            except Exception:  # noqa: BLE001 - counted
+                failed += 1
+        os.waitpid(pid, 0)
+        child = json.loads(os.read(r, 10_000) or b"{}")
+        os.close(r)
+        assert child.get("backend") not in (None, parent_backend), child
+        assert (failed, child["failed"]) == (0, 0)
+        with ledger.engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(operations)).scalar() == 201
+        assert ledger.verify().ok
+        ledger.close()
