@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,46 @@ class Settings:
             derived["db_timeout"] = round(max(1.0, self.lease_seconds / 4), 3)
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Refuse what no single value shows wrong: the ledger (its home, its SQLite files)
+        inside the sandbox, where an agent's ``write_file`` reaches it (a cold review wrote
+        "pwned" over ``ledger.db``); a ledger in memory, which forgets every call when the
+        process ends; a queue name Celery would read as a list."""
+        sandbox = _real(self.sandbox)
+        places = {"TOOLLEDGER_HOME": self.home}
+        for name, url in (("TOOLLEDGER_DB", self.db), ("TOOLLEDGER_BROKER", self.broker)):
+            if path := _sqlite_file(url):
+                places[name] = Path(path)
+        for name, place in places.items():
+            real = _real(place)
+            # home: none of its folders may be a scope's; a SQLite file: not in a scope's folder
+            # (one at the sandbox's top is no scope's: a scope is a folder of that name)
+            if name == "TOOLLEDGER_HOME":
+                reachable = real == sandbox or sandbox in real.parents
+            else:
+                reachable = sandbox in real.parent.parents
+            if reachable:
+                where = "its SQLite file is" if name != "TOOLLEDGER_HOME" else f"{place} is"
+                raise ConfigError(
+                    f"{name}: {where} inside the sandbox ({self.sandbox}): the agents' tools "
+                    "could write over the ledger; put the sandbox and the ledger apart"
+                )
+        scheme, _, rest = self.db.partition("://")
+        if scheme.startswith("sqlite") and (
+            rest in ("", "/", "/:memory:") or "mode=memory" in rest or rest.startswith("/?")
+        ):
+            raise ConfigError(
+                "TOOLLEDGER_DB: an in-memory SQLite ledger forgets every call when the process "
+                "ends: give it a file (sqlite:///path/ledger.db)"
+            )
+        if not _QUEUE_NAME.fullmatch(self.queue):
+            raise ConfigError(
+                f"TOOLLEDGER_QUEUE={self.queue!r}: a queue name is 1-200 of [A-Za-z0-9._-] "
+                "(a comma would make Celery's workers consume a list of queues the jobs never "
+                "reach)"
+            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"settings are frozen: use with_({name}=...)")
@@ -168,6 +209,23 @@ class Settings:
         made = object.__new__(cls)
         made._fill(values)
         return made
+
+
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def _real(path: Path) -> Path:
+    """``path`` absolute with every symlink of its existing part resolved (it may not exist)."""
+    return Path(os.path.realpath(os.path.abspath(path)))
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names (``sqlite:///x.db``, ``embedded+sqlite:///x.db``), if any."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or not scheme.endswith("sqlite"):
+        return None
+    path = rest.split("?", 1)[0]
+    return path if path and path != ":memory:" and not path.startswith("file:") else None
 
 
 _DB_SCHEMES = ("postgresql", "postgres", "sqlite")
@@ -311,6 +369,18 @@ def _bounded(read: Callable[[Any], Any], *, zero: bool) -> Callable[[Any], Any]:
 
 
 _positive, _non_negative = _bounded(_number, zero=False), _bounded(_number, zero=True)
+#: A lease longer than a day is a mistake, not a setting: 1e12 s overflowed the database's
+#: timestamps (a claim committed, its lease in year 33715, the call never run; a cold review).
+MAX_LEASE_SECONDS = 86_400.0
+
+
+def _lease(value: Any) -> float:
+    seconds = float(_positive(value))
+    if seconds > MAX_LEASE_SECONDS:
+        raise ValueError(f"Input should be at most {MAX_LEASE_SECONDS:g} seconds (a day)")
+    return seconds
+
+
 _positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_integer, zero=True)
 
 #: Every setting: its name -> (how a given value is read and checked, its default). Read by
@@ -322,7 +392,7 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "broker": (_text, ""),
     "broker_prefix": (_text, ""),
     "sandbox": (_path, Path()),
-    "lease_seconds": (_positive, 30.0),
+    "lease_seconds": (_lease, 30.0),
     "soft_time_limit": (_non_negative, 0.0),
     "time_limit": (_non_negative, 0.0),
     "visibility_timeout": (_positive, 3600.0),

@@ -155,3 +155,58 @@ def test_settings__frozen_comparable_and_never_showing_a_url():
         with pytest.raises(ConfigError) as err:
             Settings.from_env({"TOOLLEDGER_DB": bad})
         assert "secret" not in str(err.value) and "TOOLLEDGER_DB" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        # the ledger where an agent's write_file reaches it (a cold review overwrote ledger.db)
+        ({"SANDBOX": "{t}/sb", "HOME": "{t}/sb/tenant1"}, "TOOLLEDGER_HOME: {t}/sb/tenant1 is"),
+        ({"SANDBOX": "{t}/sb", "HOME": "{t}/sb"}, "TOOLLEDGER_HOME: {t}/sb is inside"),
+        ({"SANDBOX": "{t}/sb", "HOME": "{t}/h", "DB": "sqlite:///{t}/sb/s/l.db"}, "TOOLLEDGER_DB"),
+        (
+            {"SANDBOX": "{t}/sb", "HOME": "{t}/h", "BROKER": "embedded+sqlite:///{t}/sb/s/b.db"},
+            "TOOLLEDGER_BROKER",
+        ),
+        ({"SANDBOX": "{t}/sb", "HOME": "{t}/link"}, "inside the sandbox"),  # through a symlink
+        # a ledger that forgets every call when the process ends
+        ({"DB": "sqlite://"}, "in-memory SQLite ledger"),
+        ({"DB": "sqlite:///:memory:"}, "in-memory SQLite ledger"),
+        ({"DB": "sqlite:///x.db?mode=memory&uri=true"}, "in-memory SQLite ledger"),
+        # a queue Celery reads as a list: jobs published to 'jobs,fast', consumed from neither
+        ({"QUEUE": "jobs,fast"}, "TOOLLEDGER_QUEUE='jobs,fast'"),
+        ({"QUEUE": "a b"}, "TOOLLEDGER_QUEUE"),
+        # a lease past the database's timestamps
+        ({"LEASE_SECONDS": "1e12"}, "TOOLLEDGER_LEASE_SECONDS='1e12': Input should be at most"),
+    ],
+)
+def test_settings__a_layout_no_single_value_shows_wrong_is_refused(tmp_path, env, says):
+    (tmp_path / "sb").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "sb" / "h", target_is_directory=False)
+    t = str(tmp_path)
+    given = {f"TOOLLEDGER_{k}": v.format(t=t) for k, v in env.items()}
+    given.setdefault("TOOLLEDGER_HOME", f"{t}/home")
+    with pytest.raises(ConfigError) as refused:
+        Settings.from_env(given)
+    assert says.format(t=t) in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_settings__ledger_and_sandbox_apart_or_sandbox_in_home_are_fine(tmp_path):
+    home = tmp_path / "home"
+    assert Settings.from_env({"TOOLLEDGER_HOME": str(home)}).sandbox == home / "sandbox"
+    settings = Settings.from_env(
+        {"TOOLLEDGER_HOME": str(home), "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+         "TOOLLEDGER_QUEUE": "tools.fast-1", "TOOLLEDGER_LEASE_SECONDS": "86400",
+         "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'sbx' / 'ledger.db'}"}
+    )  # fmt: skip
+    assert settings.queue == "tools.fast-1" and settings.lease_seconds == 86400
+
+
+def test_settings__a_sqlite_file_at_the_sandboxs_top_is_no_scopes(tmp_path):
+    """A scope is a folder under the sandbox: a file at its top is none of theirs."""
+    settings = Settings.from_env(
+        {"TOOLLEDGER_HOME": str(tmp_path / "home"), "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+         "TOOLLEDGER_BROKER": f"embedded+sqlite:///{tmp_path / 'sb' / 'b.db'}"}
+    )  # fmt: skip
+    assert settings.sandbox == tmp_path / "sb"
