@@ -6,7 +6,7 @@ classes, asyncio and importlib.metadata), more than the whole of ``toolledger sh
 implementation (``psycopg.pq._pq_ctypes``) makes, on the libpq psycopg ships with
 (``psycopg_binary.libs``), else the system's. Only what the light reads use is here: connect
 with the same parameters psycopg is given, one statement at a time with its values sent apart
-from the text (``PQexecParams``: never interpolated), text results converted as psycopg
+from the text (``PQsendQueryParams``: never interpolated), text results converted as psycopg
 converts the column types the ledger has. Anything this module cannot do raises ``Error``, and
 the reads hand over to the ledger (SQLAlchemy on psycopg), which words every error as always.
 """
@@ -17,11 +17,14 @@ import ctypes
 import glob
 import importlib.util
 import os
+import select
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-CONNECTION_OK = 0
+CONNECTION_OK, CONNECTION_BAD = 0, 1
+POLLING_FAILED, POLLING_READING, POLLING_WRITING, POLLING_OK = 0, 1, 2, 3
 PGRES_COMMAND_OK, PGRES_TUPLES_OK = 1, 2
 TEXT = 0
 #: Type OIDs (pg_type) converted from their text form; any other column stays text.
@@ -59,11 +62,16 @@ def library() -> ctypes.CDLL:
         raise Error("no libpq to load")
     p, i, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
     signatures: dict[str, tuple[Any, list[Any]]] = {
-        "PQconnectdbParams": (p, [ctypes.POINTER(s), ctypes.POINTER(s), i]),
+        "PQconnectStartParams": (p, [ctypes.POINTER(s), ctypes.POINTER(s), i]),
+        "PQconnectPoll": (i, [p]),
+        "PQsocket": (i, [p]),
+        "PQsendQueryParams": (i, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
+        "PQconsumeInput": (i, [p]),
+        "PQisBusy": (i, [p]),
+        "PQgetResult": (p, [p]),
         "PQstatus": (i, [p]),
         "PQerrorMessage": (s, [p]),
         "PQfinish": (None, [p]),
-        "PQexecParams": (p, [p, s, i, p, ctypes.POINTER(s), p, p, i]),
         "PQresultStatus": (i, [p]),
         "PQresultErrorMessage": (s, [p]),
         "PQntuples": (i, [p]),
@@ -78,8 +86,16 @@ def library() -> ctypes.CDLL:
     for fn, (restype, argtypes) in signatures.items():
         getattr(lib, fn).restype = restype
         getattr(lib, fn).argtypes = argtypes
+    lib.PQsetNoticeProcessor.restype = p
+    lib.PQsetNoticeProcessor.argtypes = [p, _NOTICE, p]
     _lib = lib
     return lib
+
+
+#: Server notices (a WARNING at connect, say) are dropped, as psycopg drops them: libpq's
+#: default processor writes them to stderr, where a command's one error line or JSON goes.
+_NOTICE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+_DROP_NOTICE = _NOTICE(lambda _arg, _message: None)
 
 
 def _text(value: Any) -> bytes:
@@ -93,7 +109,7 @@ def _convert(oid: int, text: str) -> Any:
     if oid in (INT2, INT4, INT8):
         return int(text)
     if oid in (TIMESTAMP, TIMESTAMPTZ):
-        return datetime.fromisoformat(text)  # ISO DateStyle: set at connect
+        return datetime.fromisoformat(text)  # ISO DateStyle asked at connect (PGDATESTYLE wins)
     return text
 
 
@@ -122,15 +138,44 @@ class Connection:
         values = [_text(url), *(_text(v) for v in settings.values())]
         kw = (ctypes.c_char_p * (len(keys) + 1))(*keys, None)
         vals = (ctypes.c_char_p * (len(values) + 1))(*values, None)
-        conn = lib.PQconnectdbParams(kw, vals, 1)
+        # Started, then polled from Python: the notice processor is set before the server's
+        # startup messages arrive, and every wait is a select() that Ctrl-C interrupts (one
+        # blocking libpq call held SIGINT until it returned).
+        conn = lib.PQconnectStartParams(kw, vals, 1)
         if not conn:
             raise Error("libpq: out of memory")
-        if lib.PQstatus(conn) != CONNECTION_OK:
-            message = (lib.PQerrorMessage(conn) or b"").decode("utf-8", "replace").strip()
-            lib.PQfinish(conn)
-            raise Error(message or "connection failed")
+        lib.PQsetNoticeProcessor(conn, _DROP_NOTICE, None)
         self._conn: int | None = conn
         self._in_transaction = False
+        timeout = float(settings.get("connect_timeout", 0) or 0)
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        polled = POLLING_WRITING
+        try:
+            while polled != POLLING_OK:
+                if polled == POLLING_FAILED or lib.PQstatus(conn) == CONNECTION_BAD:
+                    raise Error(self._message() or "connection failed")
+                self._wait(polled == POLLING_READING, deadline)
+                polled = lib.PQconnectPoll(conn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _message(self) -> str:
+        return (library().PQerrorMessage(self._conn) or b"").decode("utf-8", "replace").strip()
+
+    def _wait(self, reading: bool, deadline: float | None) -> None:
+        """Until the socket is ready (or ``deadline``, monotonic): interruptible."""
+        sock = library().PQsocket(self._conn)
+        if sock < 0:
+            raise Error(self._message() or "no socket")
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise Error("timeout expired")
+        ready = (
+            select.select([sock], [], [], left) if reading else select.select([], [sock], [], left)
+        )
+        if not any(ready):
+            raise Error("timeout expired")
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
         """``sql`` with psycopg's ``%s`` placeholders, its values sent as parameters."""
@@ -160,9 +205,24 @@ class Connection:
         values = (ctypes.c_char_p * max(1, len(params)))(
             *(None if v is None else _text(v) for v in params)
         )
-        res = lib.PQexecParams(self._conn, _text(text), len(params), None, values, None, None, TEXT)
+        if not lib.PQsendQueryParams(
+            self._conn, _text(text), len(params), None, values, None, None, TEXT
+        ):
+            raise Error(self._message() or "cannot send the statement")
+        res = None
+        while True:  # every result of the statement; the last non-null one is kept
+            while lib.PQisBusy(self._conn):
+                self._wait(True, None)
+                if not lib.PQconsumeInput(self._conn):
+                    raise Error(self._message() or "connection lost")
+            got = lib.PQgetResult(self._conn)
+            if not got:
+                break
+            if res:
+                lib.PQclear(res)
+            res = got
         if not res:
-            raise Error((lib.PQerrorMessage(self._conn) or b"").decode("utf-8", "replace"))
+            raise Error(self._message() or "no result")
         try:
             status = lib.PQresultStatus(res)
             if status not in (PGRES_COMMAND_OK, PGRES_TUPLES_OK):
@@ -179,7 +239,10 @@ class Connection:
                         row[names[f]] = None
                         continue
                     raw = ctypes.string_at(lib.PQgetvalue(res, r, f), lib.PQgetlength(res, r, f))
-                    row[names[f]] = _convert(oids[f], raw.decode("utf-8"))
+                    try:
+                        row[names[f]] = _convert(oids[f], raw.decode("utf-8"))
+                    except ValueError as exc:  # PGDATESTYLE, an encoding: the ledger words it
+                        raise Error(f"column {names[f]}: {exc}") from None
                 rows.append(row)
             return Rows(rows)
         finally:

@@ -273,3 +273,41 @@ def test_lightreads__a_driver_error_hands_the_read_to_the_ledger(ledger: Ledger,
     assert got == ledger.get(scope, "succeeded")
     assert context.light_reads is None  # and the ledger answers from now on
     context.close()
+
+
+@pytest.mark.postgres
+def test_lightreads__libpq_drops_server_notices_and_hands_bad_text_to_the_ledger(
+    pg_server: str, pg_template: str, scope, monkeypatch
+):
+    """libpq's default notice processor wrote a server WARNING to stderr, under ``--json``
+    too (psycopg drops notices); and a value libpq's text does not convert (``PGDATESTYLE``
+    overrides the ISO style asked at connect) escaped as ValueError instead of handing the
+    read to the ledger (a cold review)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import fresh_pg_database
+
+    with fresh_pg_database(pg_server, pg_template) as url:
+        ledger = Ledger(url)
+        _calls(ledger, scope)
+        name = ledger.engine.url.database
+        plain = ledger.engine.url.render_as_string(hide_password=False)
+        import psycopg
+
+        # every connection now gets a WARNING (set on a session that never loaded plpgsql)
+        with psycopg.connect(plain.replace("+psycopg", ""), autocommit=True) as conn:
+            conn.execute(f"ALTER DATABASE \"{name}\" SET plpgsql.bogus = '1'")
+            conn.execute(f"ALTER DATABASE \"{name}\" SET session_preload_libraries = 'plpgsql'")
+        argv = [sys.executable, "-m", "toolledger", "--db", plain, "--json", "show"]
+        done = subprocess.run(
+            [*argv, "--scope", scope, "--tool-call-id", "succeeded"], capture_output=True, text=True
+        )
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        monkeypatch.setenv("PGDATESTYLE", "SQL, DMY")
+        light = LightReads.open(plain, 5.0)
+        assert light is not None
+        with pytest.raises(Fallback):
+            light.get(scope, "succeeded")
+        light.close()
+        ledger.close()

@@ -45,6 +45,9 @@ class CallIdentity:
     tool_call_id: str
     #: Whether the host named the call (``_meta``); if not, asking again is a new call.
     named_by_host: bool = True
+    #: Whether the scope is this connection's own (``mcp-<session>``: no ``--scope``, none in
+    #: ``_meta``): a reconnected host lands in another, so it must send this one to find it.
+    session_scope: bool = False
 
 
 def call_identity(
@@ -69,7 +72,7 @@ def call_identity(
     tool_call_id = check_text_id(raw_id, "tool_call_id", MAX_TOOL_CALL_ID)
     raw_scope = meta.get(META_SCOPE) if meta else None
     where = check_scope(scope if raw_scope is None else raw_scope)
-    return CallIdentity(where, tool_call_id, named)
+    return CallIdentity(where, tool_call_id, named, raw_scope is None and where == f"mcp-{session}")
 
 
 def one_line(message: str) -> str:
@@ -113,7 +116,14 @@ def pending_result(ident: CallIdentity, status: str) -> types.CallToolResult:
     goes on, and the same tool_call_id later gets its receipt. Asking again is safe only for
     a call the host named (``_meta``): for any other, a second request is a second call, and
     the answer says so instead of inviting it."""
-    if ident.named_by_host:
+    if ident.named_by_host and ident.session_scope:  # a promise only this connection keeps
+        again = (
+            "Call the tool again with the same toolledger/tool_call_id to get its result; "
+            f"it will not run again. After a reconnect, also send _meta {META_SCOPE!r} = "
+            f"{ident.scope!r}: this connection's calls are kept in that scope, and a new "
+            "connection has a scope of its own (where the same id would be a new call)."
+        )
+    elif ident.named_by_host:
         again = (
             "Call the tool again with the same toolledger/tool_call_id to get its result; "
             "it will not run again."

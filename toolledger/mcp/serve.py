@@ -48,7 +48,9 @@ INSTRUCTIONS = (
     f"_meta[{META_TOOL_CALL_ID!r}] with the model's tool call id (and optionally "
     f"_meta[{META_SCOPE!r}]): calling again with the same id returns the same result instead "
     "of running the tool again. A result that says it has not finished is not a failure: "
-    "ask again with the same id."
+    "ask again with the same id. Unless the server was started with a scope, a call sent "
+    f"without _meta[{META_SCOPE!r}] is kept in this connection's own scope: after a "
+    "reconnect, send the scope its result named (_meta) with the same id."
 )
 
 

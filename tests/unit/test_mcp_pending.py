@@ -1,0 +1,35 @@
+"""What a "not finished yet" answer promises holds: a call kept in the connection's own scope
+(``mcp-<session>``) is found after a reconnect only with that scope, and the answer says so (a
+cold review's host asked again on a new connection and the tool ran twice)."""
+
+from __future__ import annotations
+
+from toolledger.mcp.common import META_SCOPE, META_TOOL_CALL_ID, call_identity, pending_result
+
+
+def _message(result) -> str:
+    return str(result.structured_content["message"])
+
+
+def test_pending__a_call_in_the_connections_own_scope_names_the_scope_to_send():
+    ident = call_identity({META_TOOL_CALL_ID: "call_1"}, 7, scope="mcp-abc", session="abc")
+    assert ident.named_by_host and ident.session_scope
+    said = _message(pending_result(ident, "running"))
+    assert "After a reconnect" in said and "'mcp-abc'" in said and META_SCOPE in said
+
+
+def test_pending__a_scope_the_host_or_the_server_fixed_needs_no_more():
+    for meta, scope in (
+        ({META_TOOL_CALL_ID: "call_1", META_SCOPE: "mine"}, "mcp-abc"),  # the host's
+        ({META_TOOL_CALL_ID: "call_1"}, "team"),  # mcp serve --scope team
+    ):
+        ident = call_identity(meta, 7, scope=scope, session="abc")
+        assert not ident.session_scope
+        said = _message(pending_result(ident, "running"))
+        assert "will not run again" in said and "After a reconnect" not in said
+
+
+def test_pending__an_unnamed_call_is_told_not_to_ask_again():
+    ident = call_identity({}, 7, scope="mcp-abc", session="abc")
+    assert not ident.named_by_host
+    assert "Do not call the tool again" in _message(pending_result(ident, "running"))
