@@ -13,7 +13,8 @@ import sqlalchemy as sa
 
 from tests.conftest import fresh_pg_database
 from tests.helpers import run_cli
-from toolledger.harness.bench.runner import Bent, durability
+from toolledger.harness.bench import common
+from toolledger.harness.bench.common import Bent, durability
 from toolledger.ledger.db import create_engine
 
 pytestmark = pytest.mark.postgres
@@ -60,3 +61,22 @@ def test_bench__refuses_before_measuring_exit_2(
     assert code == 2 and "refused to measure with synchronous_commit=off" in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()  # nothing measured, nothing written
+
+
+def test_durability__every_scratch_database_is_checked_where_it_is_measured(
+    pg_server: str, pg_template: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The measurements run in scratch databases, not in the one ``--pg`` names: a setting
+    that reaches only them (a role's, for some databases) must be caught there too."""
+    import contextlib
+
+    with fresh_pg_database(pg_server, pg_template) as url:
+        engine = create_engine(url)
+        with engine.begin() as conn:
+            name = engine.url.database
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
+        engine.dispose()
+        monkeypatch.setattr(common, "scratch_database", lambda *a, **k: contextlib.nullcontext(url))
+        checked = common.scratch_postgres(pg_server, "checked")
+        with pytest.raises(Bent, match="synchronous_commit=off"), checked:
+            pass

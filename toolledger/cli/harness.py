@@ -180,7 +180,7 @@ def bench(
 
     out = out or Path("bench/out") / time.strftime("%Y%m%d-%H%M%S")
     say = (lambda _t: None) if c.json else (lambda t: click.echo(t, err=True))
-    from toolledger.harness.bench.runner import Bent
+    from toolledger.harness.bench.common import Bent
 
     config = BenchConfig(
         pg=pg, redis=redis, out=out, quick=quick, rounds=rounds, only=only, progress=say

@@ -19,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from toolledger.harness.scratch import scratch_database
+from toolledger.ledger.db import create_engine as ledger_engine
 from toolledger.ledger.db import normalize_url
 
 
@@ -72,9 +73,51 @@ class Figures:
 
 @contextmanager
 def scratch_postgres(url: str, label: str, *, migrate: bool = True) -> Iterator[str]:
-    """A database of its own on the server of ``url``, dropped afterwards."""
+    """A database of its own on the server of ``url``, dropped afterwards; refused (``Bent``)
+    if durability is off in it (a role's setting for some databases reaches it, not the
+    database of ``url`` the run checked first)."""
     with scratch_database(url, f"toolledger_bench_{label}", migrate=migrate) as target:
+        durability(target)
         yield target
+
+
+#: "No bending" (issue 18): fsync and synchronous commit stay on, for every side.
+DURABLE = {
+    "fsync": ("on",),
+    # without synchronous replication, "local" and "remote_*" wait for the local flush as "on"
+    "synchronous_commit": ("on", "local", "remote_write", "remote_apply"),
+}
+
+
+class Bent(ValueError):
+    """A setting that would bend the figures: the bench refuses to measure under it."""
+
+
+def durability(url: str) -> dict[str, dict[str, str]]:
+    """What the server says of ``DURABLE`` to a session as toolledger opens it and to one as
+    the baselines and peers open theirs (plain libpq: ``PGOPTIONS`` applies there, while
+    toolledger's own ``options`` override it); ``Bent`` if either side is off."""
+    import psycopg
+
+    engine = ledger_engine(url)
+    with engine.connect() as conn:
+        ours = {n: str(conn.exec_driver_sql(f"SHOW {n}").scalar_one()) for n in DURABLE}
+    engine.dispose()
+    with psycopg.connect(plain_url(url), autocommit=True) as plain:
+        theirs = {n: str((plain.execute(f"SHOW {n}").fetchone() or ("?",))[0]) for n in DURABLE}
+    sides = {"toolledger": ours, "baselines": theirs}
+    bent = [
+        f"{name}={value} ({side})"
+        for side, values in sides.items()
+        for name, value in values.items()
+        if value not in DURABLE[name]
+    ]
+    if bent:
+        raise Bent(
+            f"bench: refused to measure with {', '.join(bent)} (the server's settings, or "
+            "PGOPTIONS): fsync and synchronous commit stay on"
+        )
+    return sides
 
 
 def plain_url(url: str) -> str:

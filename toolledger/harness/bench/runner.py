@@ -19,6 +19,7 @@ from toolledger.harness.bench.common import (
     CPU_PARTS,
     Figures,
     difference,
+    durability,
     ratio,
     scratch_postgres,
 )
@@ -257,47 +258,6 @@ def _roundtrip_stacks(cfg: BenchConfig, pg: str, root: Path) -> dict[str, dict[s
             "broker": f"embedded+sqlite:///{root / 'broker.db'}",
         },
     }
-
-
-#: "No bending" (issue 18): fsync and synchronous commit stay on, for every side.
-DURABLE = {
-    "fsync": ("on",),
-    # without synchronous replication, "local" and "remote_*" wait for the local flush as "on"
-    "synchronous_commit": ("on", "local", "remote_write", "remote_apply"),
-}
-
-
-class Bent(ValueError):
-    """A setting that would bend the figures: the bench refuses to measure under it."""
-
-
-def durability(url: str) -> dict[str, dict[str, str]]:
-    """What the server says of ``DURABLE`` to a session as toolledger opens it and to one as
-    the baselines and peers open theirs (plain libpq: ``PGOPTIONS`` applies there, while
-    toolledger's own ``options`` override it); ``Bent`` if either side is off."""
-    import psycopg
-
-    from toolledger.harness.bench.common import plain_url
-
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        ours = {n: str(conn.exec_driver_sql(f"SHOW {n}").scalar_one()) for n in DURABLE}
-    engine.dispose()
-    with psycopg.connect(plain_url(url), autocommit=True) as plain:
-        theirs = {n: str((plain.execute(f"SHOW {n}").fetchone() or ("?",))[0]) for n in DURABLE}
-    sides = {"toolledger": ours, "baselines": theirs}
-    bent = [
-        f"{name}={value} ({side})"
-        for side, values in sides.items()
-        for name, value in values.items()
-        if value not in DURABLE[name]
-    ]
-    if bent:
-        raise Bent(
-            f"bench: refused to measure with {', '.join(bent)} (the server's settings, or "
-            "PGOPTIONS): fsync and synchronous commit stay on"
-        )
-    return sides
 
 
 def _pg_version(url: str) -> str:
