@@ -602,22 +602,12 @@ def test_fastpath__a_forked_child_opens_its_own_connections(pg_server, pg_templa
             os.close(r)
             try:
                 backend = ledger.store.connection().dbapi_connection.info.backend_pid
-                failed = 0
-                for i in range(100):
-                    try:
-                        ledger.submit("s", f"child{i}", "write_file", args)
-                    except Exception:  # noqa: BLE001 - counted
-                        failed += 1
+                failed = _failed_submits(ledger, "child", args)
                 os.write(w, json.dumps({"backend": backend, "failed": failed}).encode())
             finally:
                 os._exit(0)
         os.close(w)
-        failed = 0
-        for i in range(100):
-            try:
-                ledger.submit("s", f"parent{i}", "write_file", args)
-            except Exception:  # noqa: BLE001 - counted
-                failed += 1
+        failed = _failed_submits(ledger, "parent", args)
         os.waitpid(pid, 0)
         child = json.loads(os.read(r, 10_000) or b"{}")
         os.close(r)
@@ -627,3 +617,14 @@ def test_fastpath__a_forked_child_opens_its_own_connections(pg_server, pg_templa
             assert conn.execute(sa.select(sa.func.count()).select_from(operations)).scalar() == 201
         assert ledger.verify().ok
         ledger.close()
+
+
+def _failed_submits(ledger: Ledger, who: str, args: dict[str, Any]) -> int:
+    """Submit 100 calls named after ``who``; how many raised."""
+    failed = 0
+    for i in range(100):
+        try:
+            ledger.submit("s", f"{who}{i}", "write_file", args)
+        except Exception:  # noqa: BLE001 - counted
+            failed += 1
+    return failed
