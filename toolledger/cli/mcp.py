@@ -95,7 +95,7 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
 )
 @click.option(
     "--lease",
-    type=Seconds(min=0, min_open=True),
+    type=Seconds(min=0, min_open=True, max=86_400),  # a day: config.MAX_LEASE_SECONDS
     default=None,
     help="Seconds a forward's claim holds, renewed every lease/3 while it runs "
     "[default: TOOLLEDGER_LEASE_SECONDS].",
