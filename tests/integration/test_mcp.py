@@ -505,6 +505,127 @@ def test_proxy__an_upstream_that_dies_mid_call_leaves_it_unknown_and_stops_the_p
         ledger.close()
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has stopped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def unknown_event(world: Stack, scope: str, tool_call_id: str) -> Any:
+    ledger = Ledger(world.db)
+    try:
+        (ex,) = ledger.get(scope, tool_call_id).executions
+        (marked,) = [e for e in ledger.events(scope, tool_call_id) if e.kind == "unknown"]
+        return ex, marked
+    finally:
+        ledger.close()
+
+
+def test_proxy__an_upstream_that_never_answers_is_cancelled_at_the_time_limit_and_unknown(
+    world: Stack, tmp_path: Path
+) -> None:
+    """Without a limit, a hung upstream kept the call running forever (its lease renewed,
+    out of the sweep's reach). With ``--time-limit 1`` the call is unknown at once, said by
+    the proxy, and the proxy serves on."""
+    log, release = tmp_path / "upstream.log", tmp_path / "release"
+    scope = scope_of("hung")
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release)}
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(
+            world, *proxy_argv("--time-limit", "1", "--timeout", "20"), **env
+        ) as s:
+            started = time.monotonic()
+            with anyio.fail_after(30):
+                out["hung"] = await s.call_tool(
+                    "slow_charge", {"amount": 3}, meta={ID: "h1", SCOPE: scope}
+                )
+            out["took"] = time.monotonic() - started
+            release.touch()  # the upstream (blocked, not reading) can go on
+            with anyio.fail_after(30):
+                out["next"] = await s.call_tool(
+                    "charge", {"amount": 4}, meta={ID: "h2", SCOPE: scope}
+                )
+            out["again"] = await s.call_tool(
+                "slow_charge", {"amount": 3}, meta={ID: "h1", SCOPE: scope}
+            )
+        return out
+
+    out = run_async(go)
+    hung = out["hung"]
+    assert hung.is_error and hung.meta["toolledger/status"] == "unknown"
+    assert out["took"] < 15  # the limit, not the host's 20 s wait
+    assert out["again"] == hung  # replayed, never forwarded again
+    assert out["next"].meta["toolledger/status"] == "succeeded"
+    assert [c["tool"] for c in invocations(log)] == ["slow_charge", "charge"]
+    ex, marked = unknown_event(world, scope, "h1")
+    assert ex.status.value == "unknown"
+    assert "no answer within the time limit of 1 s" in marked.detail["reason"]
+    assert marked.actor.startswith("mcp-proxy@")  # the proxy said so, no sweep
+
+
+def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstream(
+    world: Stack, tmp_path: Path
+) -> None:
+    """SIGTERM used to end the proxy at once: the call stayed running until a sweep, and an
+    upstream that does not read its stdin ran on, orphaned. Now the proxy records the call
+    unknown itself and takes its upstream down with it."""
+    log, release = tmp_path / "upstream.log", tmp_path / "release"
+    scope = scope_of("term")
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release)}
+    pids: dict[str, int] = {}
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(world, *proxy_argv(), **env) as s:
+
+            async def call() -> None:
+                try:
+                    out["result"] = await s.call_tool(
+                        "slow_charge", {"amount": 9}, meta={ID: "t1", SCOPE: scope}
+                    )
+                except Exception as exc:  # noqa: BLE001 - the proxy went away
+                    out["error"] = exc
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while not invocations(log):
+                        await anyio.sleep(0.05)
+                    (line,) = invocations(log)
+                    pids.update(upstream=line["pid"], proxy=line["ppid"])
+                    os.kill(line["ppid"], signal.SIGTERM)
+                    deadline = time.monotonic() + 20
+                    while (alive(pids["proxy"]) or alive(pids["upstream"])) and (
+                        time.monotonic() < deadline
+                    ):
+                        await anyio.sleep(0.05)
+                    out["proxy_alive"] = alive(pids["proxy"])
+                    out["upstream_alive"] = alive(pids["upstream"])
+                    tg.cancel_scope.cancel()
+        return out
+
+    try:
+        out = run_async(go)
+        assert "result" not in out or out["result"].meta["toolledger/status"] == "unknown"
+        assert not out["proxy_alive"]
+        assert not out["upstream_alive"]  # stopped with its proxy, though it reads nothing
+        ex, marked = unknown_event(world, scope, "t1")
+        assert ex.status.value == "unknown"  # at once, by the proxy: no lease to wait out
+        assert "the proxy was stopped while the upstream ran it" in marked.detail["reason"]
+        assert marked.actor.startswith("mcp-proxy@")
+        assert len(invocations(log)) == 1
+    finally:
+        release.touch()
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_proxy__refuses_upstream_tools_it_cannot_record(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
     env.update(

@@ -38,7 +38,7 @@ class Upstream:
 
 def proxy_for(ledger: Ledger, upstream: Upstream) -> Proxy:
     proxy = object.__new__(Proxy)  # only what _forward uses
-    proxy.ledger, proxy.upstream, proxy.lease = ledger, upstream, 30.0
+    proxy.ledger, proxy.upstream, proxy.lease, proxy.time_limit = ledger, upstream, 30.0, 20.0
     proxy.idempotent, proxy.worker_id = set(), "mcp-proxy@test:1"
     return proxy
 
@@ -68,6 +68,34 @@ def test_forward__a_call_still_held_is_sent_once_and_finished(ledger: Ledger, sc
     assert upstream.sent[0].params.name == "charge"  # the upstream's own name
     assert upstream.sent[0].params.meta == {"toolledger/idempotency_key": "mcp.charge:c2"}
     assert ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
+
+
+def test_forward__stopped_between_claim_and_send_is_recorded_failed_not_sent(
+    ledger: Ledger, scope: str
+) -> None:
+    """SIGTERM (the whole run cancelled) while the lease is being confirmed: nothing was sent,
+    and the proxy records so (``failed``, not sent) instead of leaving the call running."""
+    upstream = Upstream()
+    claim = claimed(ledger, scope, "c3")
+    proxy = proxy_for(ledger, upstream)
+    real = proxy._db
+
+    async def stalled_renewal(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn == ledger.renew_lease:
+            await anyio.sleep(30)
+        return await real(fn, *args, **kwargs)
+
+    proxy._db = stalled_renewal  # type: ignore[method-assign]
+
+    async def stopped() -> None:
+        with anyio.move_on_after(0.3):
+            await proxy._forward(claim)
+
+    anyio.run(stopped)
+    assert upstream.sent == []
+    (ex,) = ledger.get(scope, "c3").executions
+    assert ex.status is Status.FAILED
+    assert ex.result is not None and "not sent upstream" in ex.result["content"][0]["text"]
 
 
 def test_proxied__an_upstream_write_file_is_never_run_as_the_built_in(

@@ -100,6 +100,13 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
     help="Seconds a forward's claim holds, renewed every lease/3 while it runs "
     "[default: TOOLLEDGER_LEASE_SECONDS].",
 )
+@click.option(
+    "--time-limit",
+    type=Seconds(min=0, min_open=True, max=86_400),
+    default=None,
+    help="Seconds an upstream call may run; then it is cancelled upstream and recorded "
+    "unknown [default: TOOLLEDGER_SOFT_TIME_LIMIT, as a worker's tool].",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @json_option
 @pass_ctx
@@ -110,13 +117,15 @@ def proxy(
     timeout: float,
     idempotent: tuple[str, ...],
     lease: float | None,
+    time_limit: float | None,
     command: tuple[str, ...],
 ) -> None:
     """Put the ledger in front of another MCP server: toolledger mcp proxy -- COMMAND [ARGS].
 
     Each call is recorded, forwarded upstream once (with _meta toolledger/idempotency_key)
-    and answered from the ledger ever after; a call cut off mid-forward becomes unknown and
-    is never forwarded again.
+    and answered from the ledger ever after; a call cut off mid-forward (the proxy killed or
+    stopped, the upstream gone, past --time-limit) becomes unknown and is never forwarded
+    again. SIGTERM stops the proxy and its upstream at once.
     """
     if command[0].startswith("-"):  # a mistyped option, taken for the upstream command
         raise CliError(
@@ -140,6 +149,7 @@ def proxy(
                 idempotent=idempotent,
                 lease=lease,
                 timeout=timeout,
+                time_limit=time_limit,
             )
         )
     except UpstreamError as exc:

@@ -9,11 +9,20 @@ them over its own stdio. A ``tools/call`` goes through the ledger as a worker's 
    sent upstream); only the claim's winner forwards, so a call is forwarded at most once
    per authorised attempt, whoever asks and however often;
 3. **forward** upstream with the idempotency key in ``_meta["toolledger/idempotency_key"]``,
-   renewing the lease every lease/3 while it runs;
+   renewing the lease every lease/3 while it runs, for at most ``--time-limit`` seconds
+   (``TOOLLEDGER_SOFT_TIME_LIMIT``, the limit after which a worker's tool is recorded
+   unknown): a forward still unanswered then is cancelled upstream
+   (``notifications/cancelled``) and recorded ``unknown`` — without a limit, an upstream that
+   hangs would keep the call ``running`` forever, its lease renewed, out of the sweep's reach;
 4. **finish** with the upstream's ``CallToolResult`` serialised as the result (``succeeded``,
    or ``failed`` when it says ``isError``); an upstream that answers with a protocol error
    or breaks the connection instead leaves the call ``unknown``: whether the tool ran
    cannot be told from here.
+
+SIGTERM (or SIGHUP) stops the proxy at once, as an MCP host does after closing its stdin:
+each forward still running is cancelled upstream and recorded ``unknown`` by the proxy itself
+(no sweep needed), then the upstream is stopped (its stdin closed, then its process tree
+killed), so that no upstream outlives its proxy.
 
 Every answer is the call's receipt, rebuilt from the ledger: the first answer and every
 replay are the same. A proxy killed mid-forward leaves its execution ``running``; once its
@@ -32,15 +41,21 @@ know the tool.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import sys
+import threading
 from collections.abc import AsyncIterable, Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar, cast
 
 import anyio
 import anyio.abc
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import mcp.types as types
 import pydantic
@@ -87,6 +102,13 @@ RECORD_TRIES = 6
 RECORD_BACKOFF_SECONDS = 0.2
 
 _TOOL_NAME = "1-60 of [A-Za-z0-9_-]"
+
+#: The reasons the proxy records a forward ``unknown`` with when it is stopped.
+STOPPED_MID_FORWARD = (
+    "the proxy was stopped while the upstream ran it: cancelled upstream, whether it ran is unknown"
+)
+STOPPED_BEFORE_SEND = "not sent upstream: the proxy was stopped between its claim and its send"
+NOT_SENT = {"content": [{"type": "text", "text": STOPPED_BEFORE_SEND}], "isError": True}
 
 
 class UpstreamError(Exception):
@@ -191,11 +213,13 @@ class Proxy:
         idempotent: set[str],
         lease: float,
         timeout: float,
+        time_limit: float,
     ) -> None:
         self.client, self.ledger, self.upstream = client, ledger, upstream
         self.forwards, self.gone = forwards, gone
         self.scope, self.session, self.approved_by = scope, session, approved_by
         self.idempotent, self.lease, self.timeout = idempotent, lease, timeout
+        self.time_limit = time_limit
         self.tools = {t.name: self._relisted(t) for t in tools}
         self.worker_id = f"mcp-proxy@{socket.gethostname()}:{os.getpid()}"
 
@@ -288,14 +312,31 @@ class Proxy:
                 _meta={META_IDEMPOTENCY_KEY: claim.idempotency_key},
             )
         )
-        if not await self._still_ours(claim):
-            return
+        try:
+            if not await self._still_ours(claim):
+                return
+        except anyio.get_cancelled_exc_class():  # the proxy stops: claimed, never sent
+            with anyio.CancelScope(shield=True):
+                await self._record(claim, Status.FAILED, NOT_SENT, STOPPED_BEFORE_SEND)
+            raise
         result: types.CallToolResult | None = None
         failure = ""
         async with anyio.create_task_group() as leases:
             leases.start_soon(self._keep_lease, claim)
             try:
-                result = await self.upstream.send_request(request, types.CallToolResult)
+                with anyio.fail_after(self.time_limit):  # the write and the wait, both
+                    result = await self.upstream.send_request(request, types.CallToolResult)
+            except TimeoutError:  # cancelled upstream by the SDK as the scope unwound
+                failure = (
+                    f"no answer within the time limit of {self.time_limit:g} s "
+                    "(--time-limit): cancelled upstream"
+                )
+            except anyio.get_cancelled_exc_class():  # the proxy stops (SIGTERM) mid-forward
+                leases.cancel_scope.cancel()
+                log.warning("%s: the proxy stops mid-forward: unknown", claim.execution_id)
+                with anyio.CancelScope(shield=True):
+                    await self._record(claim, Status.UNKNOWN, None, STOPPED_MID_FORWARD)
+                raise
             except Exception as exc:  # noqa: BLE001 - no result: whether it ran is unknown
                 failure = one_line(f"{type(exc).__name__}: {exc}")
             leases.cancel_scope.cancel()
@@ -499,11 +540,14 @@ async def proxy(
     idempotent: Sequence[str] = (),
     lease: float | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    time_limit: float | None = None,
 ) -> None:
     """Start ``command`` as the upstream MCP server and serve its tools over stdio, every call
     through the ledger, until the host closes stdin (in-flight forwards are finished and
-    recorded first) or the upstream exits (then UpstreamError: a proxy without its upstream
-    stops, so that the host sees it and starts it again).
+    recorded first, each within ``time_limit``), SIGTERM or SIGHUP arrives (in-flight forwards
+    are cancelled and recorded unknown, the upstream stopped) or the upstream exits (then
+    UpstreamError: a proxy without its upstream stops, so that the host sees it and starts it
+    again).
 
     Raises ConfigError (exit 2) for upstream tools the proxy cannot serve, UpstreamError when
     the upstream does not start, answer, or stay."""
@@ -514,6 +558,9 @@ async def proxy(
     lease = settings.lease_seconds if lease is None else lease
     if not lease > 0:
         raise ConfigError(f"--lease must be positive, not {lease}")
+    time_limit = settings.soft_time_limit if time_limit is None else time_limit
+    if not time_limit > 0:
+        raise ConfigError(f"--time-limit must be positive, not {time_limit}")
     session = new_session()
     default_scope = check_scope(scope if scope is not None else f"mcp-{session}")
     params = StdioServerParameters(command=command[0], args=list(command[1:]), env=upstream_env())
@@ -526,35 +573,45 @@ async def proxy(
     problem: str | None = None
     exited = False
     gone = anyio.Event()
+    stopped_by: list[str] = []
     try:
-        async with stdio_client(params) as (up_read, up_write), anyio.create_task_group() as pipe:
-            sink, relayed = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-            pipe.start_soon(_relay, up_read, sink, gone)
-            async with ClientSession(relayed, up_write) as upstream:
-                try:
-                    await upstream.initialize()
-                    tools = await _list_all(upstream)
-                except Exception as exc:  # noqa: BLE001 - reported as the upstream's failure
-                    raise UpstreamError(f"upstream {command[0]!r} did not answer: {exc}") from None
-                problem = refusal(tools, set(idempotent))
-                if problem is None:
-                    async with anyio.create_task_group() as forwards:
-                        handlers = Proxy(
-                            client,
-                            ledger,
-                            upstream,
-                            tools,
-                            forwards,
-                            gone,
-                            scope=default_scope,
-                            session=session,
-                            approved_by=approved_by,
-                            idempotent=set(idempotent),
-                            lease=lease,
-                            timeout=timeout,
-                        )
-                        exited = await _serve(handlers.server(), gone)
-            pipe.cancel_scope.cancel()
+        async with anyio.create_task_group() as stopping:
+            stopping.start_soon(_stop_on_signal, stopping.cancel_scope, stopped_by)
+            async with (
+                stdio_client(params) as (up_read, up_write),
+                anyio.create_task_group() as pipe,
+            ):
+                sink, relayed = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+                pipe.start_soon(_relay, up_read, sink, gone)
+                async with ClientSession(relayed, up_write) as upstream:
+                    try:
+                        await upstream.initialize()
+                        tools = await _list_all(upstream)
+                    except Exception as exc:  # noqa: BLE001 - reported as the upstream's failure
+                        raise UpstreamError(
+                            f"upstream {command[0]!r} did not answer: {exc}"
+                        ) from None
+                    problem = refusal(tools, set(idempotent))
+                    if problem is None:
+                        async with anyio.create_task_group() as forwards:
+                            handlers = Proxy(
+                                client,
+                                ledger,
+                                upstream,
+                                tools,
+                                forwards,
+                                gone,
+                                scope=default_scope,
+                                session=session,
+                                approved_by=approved_by,
+                                idempotent=set(idempotent),
+                                lease=lease,
+                                timeout=timeout,
+                                time_limit=time_limit,
+                            )
+                            exited = await _serve(handlers.server(), gone)
+                pipe.cancel_scope.cancel()
+            stopping.cancel_scope.cancel()  # served to the end: no signal to wait for
     except BaseException as exc:  # anyio wraps what its task groups raise
         inner = _only(exc)
         if isinstance(inner, UpstreamError | ConfigError | OSError) and inner is not exc:
@@ -563,15 +620,68 @@ async def proxy(
     finally:
         await client.close()
         ledger.close()
+    if stopped_by:
+        log.warning("stopped by %s", stopped_by[0])
+        return
     if problem is not None:
         raise ConfigError(problem)
     if exited:
         raise UpstreamError(f"the upstream server {command[0]!r} exited; the proxy stops with it")
 
 
+async def _stop_on_signal(scope: anyio.CancelScope, stopped_by: list[str]) -> None:
+    """Cancel ``scope`` (the proxy's whole run) at SIGTERM or SIGHUP: the forwards record
+    themselves unknown, then ``stdio_client`` stops the upstream as it unwinds. (SIGINT needs
+    nothing: asyncio cancels the main task itself.)"""
+    with contextlib.ExitStack() as stack:
+        try:
+            signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP))
+        except (ValueError, NotImplementedError, RuntimeError):  # not the main thread
+            return
+        async for signum in signals:
+            stopped_by.append(signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+class _StdinLines:
+    """The host's stdin as ``stdio_server`` reads it (``async for line``), read by a daemon
+    thread. The SDK's own reader blocks one of anyio's worker threads (not a daemon, and not
+    abandoned when cancelled) in ``read`` until the host closes stdin, so a proxy told to stop
+    by SIGTERM could neither unwind (its upstream never stopped) nor exit."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = anyio.create_memory_object_stream[str](16)
+        text = open(  # noqa: SIM115 - the thread's for the process's life (a private dup)
+            os.dup(sys.stdin.fileno()), encoding="utf-8", errors="replace"
+        )
+        token = anyio.lowlevel.current_token()
+        threading.Thread(
+            target=self._pump, args=(text, token), name="toolledger-stdin", daemon=True
+        ).start()
+
+    def _pump(self, text: TextIO, token: anyio.lowlevel.EventLoopToken) -> None:
+        # the loop ended, or stdin broke: the end of the input either way
+        with contextlib.suppress(Exception):
+            for line in iter(text.readline, ""):
+                anyio.from_thread.run(self._send.send, line, token=token)
+        with contextlib.suppress(Exception):
+            anyio.from_thread.run_sync(self._send.close, token=token)
+
+    def __aiter__(self) -> _StdinLines:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+
 async def _serve(server: Server[Any], gone: anyio.Event) -> bool:
     """Serve over stdio until the host closes stdin (False) or the upstream exits (True)."""
-    async with stdio_server() as (read, write), anyio.create_task_group() as serving:
+    stdin = cast("anyio.AsyncFile[str]", _StdinLines())
+    async with stdio_server(stdin) as (read, write), anyio.create_task_group() as serving:
 
         async def stop_when_gone() -> None:
             await gone.wait()
