@@ -505,6 +505,35 @@ def test_proxy__an_upstream_that_dies_mid_call_leaves_it_unknown_and_stops_the_p
         ledger.close()
 
 
+def test_proxy__arguments_the_upstream_schema_refuses_are_refused_with_nothing_recorded(
+    world: Stack, tmp_path: Path
+) -> None:
+    """Recorded and forwarded, a call with arguments the upstream's own inputSchema refuses
+    would spend its key on a call that can never run. It is refused in one line instead,
+    before anything is recorded or sent; the same id with good arguments then runs."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("schema")
+
+    async def go() -> list[Any]:
+        async with mcp_server(world, *proxy_argv(), MCP_UPSTREAM_LOG=str(log)) as s:
+            return [
+                await s.call_tool("charge", {"amount": "five"}, meta={ID: "s1", SCOPE: scope}),
+                await s.call_tool("charge", {}, meta={ID: "s1", SCOPE: scope}),
+                await s.call_tool("charge", {"amount": 5}, meta={ID: "s1", SCOPE: scope}),
+            ]
+
+    wrong_type, missing, good = run_async(go)
+    assert wrong_type.is_error and wrong_type.meta is None
+    (text,) = [b.text for b in wrong_type.content]
+    assert (
+        text
+        == "arguments refused by 'charge''s inputSchema at 'amount': 'five' is not of type 'integer'"
+    )
+    assert missing.is_error and "'amount' is a required property" in missing.content[0].text
+    assert good.meta["toolledger/status"] == "succeeded"  # the id was not spent
+    assert [c["arguments"] for c in invocations(log)] == [{"amount": 5}]
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie nobody reaped has stopped)."""
     try:

@@ -57,6 +57,10 @@ import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.protocols
+import jsonschema.validators
 import mcp.types as types
 import pydantic
 import sqlalchemy as sa
@@ -72,7 +76,7 @@ from mcp.shared.message import SessionMessage
 from toolledger.client import AsyncClient, ReceiptTimeout
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger import inputs
-from toolledger.ledger.errors import InputError, LedgerError, StaleFence
+from toolledger.ledger.errors import InputError, InvalidArguments, LedgerError, StaleFence
 from toolledger.ledger.identity import (
     PROXIED_PREFIX,
     check_scope,
@@ -221,6 +225,7 @@ class Proxy:
         self.idempotent, self.lease, self.timeout = idempotent, lease, timeout
         self.time_limit = time_limit
         self.tools = {t.name: self._relisted(t) for t in tools}
+        self.validators = {t.name: _validator(t) for t in tools}
         self.worker_id = f"mcp-proxy@{socket.gethostname()}:{os.getpid()}"
 
     def _relisted(self, tool: types.Tool) -> types.Tool:
@@ -261,6 +266,7 @@ class Proxy:
                 params.meta, ctx.request_id, scope=self.scope, session=self.session
             )
             args = inputs.check_value(params.arguments or {}, "arguments")
+            _check_arguments(params.name, self.validators[params.name], args)
             submitted = await self._db(
                 self.ledger.submit,
                 ident.scope,
@@ -482,6 +488,45 @@ class Proxy:
                 _db_error(exc),
                 detail,
             )
+
+
+def _validator(tool: types.Tool) -> jsonschema.protocols.Validator | None:
+    """A validator of the upstream tool's ``inputSchema`` (its ``$schema``, else JSON Schema
+    2020-12, as MCP says); None, with a warning, for a schema that is not one: its calls are
+    then forwarded unchecked, as the upstream would take them."""
+    schema = tool.input_schema
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        log.warning(
+            "upstream tool %r: its inputSchema is not a JSON Schema (%s): its arguments are "
+            "not checked",
+            tool.name,
+            one_line(exc.message),
+        )
+        return None
+    return cls(schema)
+
+
+def _check_arguments(
+    name: str, validator: jsonschema.protocols.Validator | None, args: dict[str, Any]
+) -> None:
+    """Refuse (InputError: nothing recorded, nothing sent) arguments the upstream's own
+    ``inputSchema`` refuses: recorded and forwarded, such a call would end ``unknown`` or
+    ``failed`` with its key spent on a call that could never run."""
+    if validator is None:
+        return
+    error = jsonschema.exceptions.best_match(validator.iter_errors(args))
+    if error is None:
+        return
+    where = "/".join(str(p) for p in error.absolute_path)
+    said = one_line(error.message)  # it quotes the value: a long one is cut
+    raise InvalidArguments(
+        f"arguments refused by {name!r}'s inputSchema"
+        + (f" at {where[:100]!r}" if where else "")
+        + f": {said[:300]}{'…' if len(said) > 300 else ''}"
+    )
 
 
 def _db_error(exc: sa.exc.SQLAlchemyError) -> str:

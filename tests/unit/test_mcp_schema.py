@@ -1,0 +1,53 @@
+"""The proxy's check of arguments against an upstream tool's ``inputSchema``."""
+
+from __future__ import annotations
+
+import mcp.types as types
+import pytest
+
+from toolledger.ledger.errors import InvalidArguments
+from toolledger.mcp.proxy import _check_arguments, _validator
+
+
+def tool(schema: dict[str, object]) -> types.Tool:
+    return types.Tool(name="t", input_schema=schema)
+
+
+def test_a_schema_that_is_not_one_is_not_checked_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken = tool({"type": "object", "properties": {"a": {"type": 5}}})
+    assert _validator(broken) is None
+    assert "its inputSchema is not a JSON Schema" in caplog.text
+    _check_arguments("t", None, {"a": "anything"})  # forwarded as the upstream would take it
+
+
+def test_the_refusal_names_where_and_cuts_a_long_value() -> None:
+    nested = tool(
+        {
+            "type": "object",
+            "properties": {"rows": {"type": "array", "items": {"type": "integer"}}},
+        }
+    )
+    validator = _validator(nested)
+    assert validator is not None
+    _check_arguments("t", validator, {"rows": [1, 2]})
+    with pytest.raises(InvalidArguments, match=r"at 'rows/1': 'x' is not of type 'integer'$"):
+        _check_arguments("t", validator, {"rows": [1, "x"]})
+    with pytest.raises(InvalidArguments) as refused:
+        _check_arguments("t", validator, {"rows": ["y" * 10_000]})
+    assert len(str(refused.value)) < 450 and str(refused.value).endswith("…")
+
+
+def test_the_schema_dialect_it_names_is_the_one_used() -> None:
+    draft4 = tool(
+        {
+            "$schema": "http://json-schema.org/draft-04/schema#",
+            "type": "object",
+            "properties": {"n": {"type": "number", "maximum": 3, "exclusiveMaximum": True}},
+        }
+    )  # draft 4's boolean exclusiveMaximum: not a valid 2020-12 schema
+    validator = _validator(draft4)
+    assert validator is not None
+    with pytest.raises(InvalidArguments, match="maximum"):
+        _check_arguments("t", validator, {"n": 3})
