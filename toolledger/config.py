@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,7 @@ class Settings:
 
     @property
     def embedded_broker(self) -> bool:
-        return self.broker.startswith(("embedded+", "sqla+", "filesystem:"))
+        return self.broker.startswith(("embedded+", "sqla+"))
 
     def check(self) -> None:
         """Refuse inconsistent limits (DESIGN §7): soft < hard < lease < visibility timeout."""
@@ -201,7 +202,9 @@ class Settings:
         """From the TOOLLEDGER_* variables of ``env`` (default: the process's environment),
         then ``overrides`` (None: not given). A bad value is a ConfigError naming it."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        values = _from_environ(os.environ if env is None else env)
+        environ = os.environ if env is None else env
+        _warn_misspelt(environ)
+        values = _from_environ(environ)
         return cls._made(_checked({**values, **given}, PREFIX))
 
     @classmethod
@@ -222,23 +225,32 @@ def _real(path: Path) -> Path:
 def _sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names (``sqlite:///x.db``, ``embedded+sqlite:///x.db``), if any."""
     scheme, sep, rest = url.partition(":///")
-    if not sep or not scheme.endswith("sqlite"):
+    if not sep or "sqlite" not in scheme.lower().split("+"):
         return None
     path = rest.split("?", 1)[0]
     return path if path and path != ":memory:" and not path.startswith("file:") else None
 
 
-_DB_SCHEMES = ("postgresql", "postgres", "sqlite")
+#: The schemes a setting's URL may have, exactly (a prefix let ``sqlitex://`` and ``redisx://``
+#: through to a connection's error, or to none: kombu took ``memory://`` and the call sat
+#: approved for ever).
+_DB_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg", "sqlite", "sqlite+pysqlite")
 _BROKER_SCHEMES = (
     "redis",
     "rediss",
-    "embedded+",
-    "sqla+",
-    "filesystem",
     "amqp",
+    "amqps",
     "pyamqp",
-    "memory",
+    "embedded+sqlite",
+    *(f"sqla+{scheme}" for scheme in _DB_SCHEMES),
 )
+#: Schemes kombu knows that cannot carry toolledger's jobs, and why.
+_BROKER_REFUSED = {
+    "memory": "memory:// keeps each process's jobs in that process: no worker (another process) "
+    "would ever receive one",
+    "filesystem": "kombu's filesystem transport needs folders no URL gives, and it lost messages "
+    "under polling consumers (worker/broker.py): use embedded+sqlite:///PATH",
+}
 #: Settings whose value is never echoed in an error (a URL may carry a password).
 _SECRET = {"db", "broker"}
 
@@ -253,6 +265,61 @@ def _from_environ(env: Mapping[str, str]) -> dict[str, str]:
         if value and upper.startswith(PREFIX) and (upper not in found or variable == upper):
             found[upper] = value
     return {name: found[PREFIX + name.upper()] for name in FIELDS if PREFIX + name.upper() in found}
+
+
+#: TOOLLEDGER_* variables that are not settings but are read elsewhere (the API, the logs, the
+#: metrics, the harnesses and the tests): never taken for a misspelt setting.
+OTHER_VARIABLES = frozenset(
+    {
+        "API_TOKENS",
+        "API_TOKENS_FILE",
+        "API_SESSION_KEY",
+        "LOG_FORMAT",
+        "METRICS",
+        "METRICS_PORT",
+        "SERVE_PORT",
+        "SERVE_INSECURE_LOCAL",
+        "DEBUG",
+        "SCOPE",
+        "FOLDER_WATCH",
+        "SCREENSHOTS",
+        "CHROMIUM",
+        "BASELINE_DONE",
+    }
+)
+_warned: set[str] = set()
+
+
+def _warn_misspelt(env: Mapping[str, str]) -> None:
+    """Say once, on stderr, that a TOOLLEDGER_* variable close to a setting's name is not
+    one (``TOOLLEDGER_LEASE_SECOND`` was ignored without a word: the lease stayed 30 s).
+    Only close names: other TOOLLEDGER_* variables have readers of their own."""
+    unknown = []
+    for variable in env:
+        upper = variable.upper()
+        rest = upper.removeprefix(PREFIX)
+        if not (
+            rest == upper
+            or rest.lower() in FIELDS
+            or rest in OTHER_VARIABLES
+            or rest.startswith(("TEST_", "CHAOS_"))
+            or variable in _warned
+        ):
+            unknown.append(variable)
+    if not unknown:
+        return
+    import difflib  # only then: every command reads the settings
+
+    names = [PREFIX + name.upper() for name in FIELDS]
+    for variable in unknown:
+        close = difflib.get_close_matches(variable.upper(), names, n=1, cutoff=0.85)
+        if close:
+            _warned.add(variable)
+            print(
+                f"toolledger: warning: {variable} is not a setting (did you mean {close[0]}?): "
+                "ignored",
+                file=sys.stderr,
+            )
 
 
 def _checked(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -299,7 +366,10 @@ def _check_url(name: str, value: str) -> None:
             else "it does not parse"
         )
         raise ValueError(f"not a URL: {what}") from None
-    if not parts.scheme.startswith(schemes):
+    scheme = parts.scheme.lower()
+    if name == "broker" and scheme in _BROKER_REFUSED:
+        raise ValueError(_BROKER_REFUSED[scheme])
+    if scheme not in schemes:
         raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
     if "\x00" in value:
         raise ValueError("holds a NUL character")
@@ -383,6 +453,20 @@ def _lease(value: Any) -> float:
 
 _positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_integer, zero=True)
 
+
+def _within(read: Callable[[Any], Any], low: float, high: float, unit: str) -> Callable[[Any], Any]:
+    """``read``, then refused outside [low, high]: past these a value is a mistake (1e30
+    bytes of file content read as "no limit"; a sweep every millisecond)."""
+
+    def check(value: Any) -> Any:
+        number = read(value)
+        if not low <= number <= high:
+            raise ValueError(f"Input should be from {low:g} to {high:g} {unit}")
+        return number
+
+    return check
+
+
 #: Every setting: its name -> (how a given value is read and checked, its default). Read by
 #: hand, not by pydantic-settings: importing that costs a CLI command more than its whole
 #: query (0.2 s of the 0.25 s issue 18 allows ``toolledger show``).
@@ -396,9 +480,11 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "soft_time_limit": (_non_negative, 0.0),
     "time_limit": (_non_negative, 0.0),
     "visibility_timeout": (_positive, 3600.0),
-    "max_args_bytes": (_positive_int, MAX_ARGS_BYTES),
-    "max_content_bytes": (_positive_int, 512 * 1024),
-    "sweep_interval": (_positive, 10.0),
+    # arguments live in a JSON column; file content is held in memory while it is staged
+    "max_args_bytes": (_within(_integer, 1, 64 * 1024 * 1024, "bytes (64 MiB)"), MAX_ARGS_BYTES),
+    "max_content_bytes": (_within(_integer, 1, 1024**3, "bytes (1 GiB)"), 512 * 1024),
+    # as beat --interval: at least 0.1 s
+    "sweep_interval": (_within(_number, 0.1, MAX_LEASE_SECONDS, "seconds"), 10.0),
     "sweep_grace": (_non_negative, 5.0),
     "requeue_after": (_positive, 120.0),
     "tools": (_text, ""),

@@ -111,7 +111,7 @@ def test_settings__read_by_hand_refuse_what_cannot_be_used():
         ({"TOOLLEDGER_LEASE_SECONDS": "nan"}, "finite"),
         ({"TOOLLEDGER_LEASE_SECONDS": "inf"}, "finite"),
         ({"TOOLLEDGER_LEASE_SECONDS": "\u0663\u0660"}, "valid number"),  # Arabic-Indic 30
-        ({"TOOLLEDGER_MAX_ARGS_BYTES": "0"}, "greater than 0"),
+        ({"TOOLLEDGER_MAX_ARGS_BYTES": "0"}, "from 1 to"),
         ({"TOOLLEDGER_MAX_ARGS_BYTES": "10.5"}, "valid integer"),
         ({"TOOLLEDGER_MAX_AUTO_RETRIES": "-1"}, "greater than or equal to 0"),
     ):
@@ -210,3 +210,71 @@ def test_settings__a_sqlite_file_at_the_sandboxs_top_is_no_scopes(tmp_path):
          "TOOLLEDGER_BROKER": f"embedded+sqlite:///{tmp_path / 'sb' / 'b.db'}"}
     )  # fmt: skip
     assert settings.sandbox == tmp_path / "sb"
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"TOOLLEDGER_BROKER": "memory://"}, "no worker (another process) would ever receive"),
+        ({"TOOLLEDGER_BROKER": "filesystem://"}, "use embedded+sqlite:///PATH"),
+        ({"TOOLLEDGER_BROKER": "redisx://127.0.0.1:6379/0"}, "scheme 'redisx' is not one of"),
+        ({"TOOLLEDGER_BROKER": "embedded+postgresql:///x"}, "scheme 'embedded+postgresql'"),
+        ({"TOOLLEDGER_DB": "sqlitex:///x.db"}, "scheme 'sqlitex' is not one of"),
+        ({"TOOLLEDGER_DB": "postgresql+psycopg2://u@h/d"}, "scheme 'postgresql+psycopg2'"),
+        ({"TOOLLEDGER_MAX_CONTENT_BYTES": "1e30"}, "from 1 to 1.07374e+09 bytes"),
+        ({"TOOLLEDGER_MAX_ARGS_BYTES": str(2**40)}, "bytes (64 MiB)"),
+        ({"TOOLLEDGER_SWEEP_INTERVAL": "0.01"}, "from 0.1 to 86400 seconds"),
+    ],
+)
+def test_settings__urls_and_bounds_a_run_could_not_use_are_refused(env, says):
+    """Each was taken before (a cold review): ``memory://`` recorded the call, exit 0, and no
+    worker ever saw it; a scheme matched by its prefix (``sqlitex://``) reached a connection's
+    error (exit 1, not 2); 1e30 bytes of content meant no limit; a sweep every 10 ms."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        Settings.from_env({"TOOLLEDGER_HOME": "/tmp/h", **env})
+
+
+@pytest.mark.parametrize(
+    "broker",
+    [
+        "redis://127.0.0.1:6379/0",
+        "rediss://h:6380/0",
+        "amqp://guest@h//",
+        "pyamqp://h//",
+        "embedded+sqlite:///tmp/h/broker.db",
+        "sqla+sqlite:///tmp/h/b.db",
+        "sqla+postgresql://u@h/d",
+    ],
+)
+def test_settings__the_brokers_kombu_can_carry_jobs_on_are_taken(broker):
+    db = "postgresql+psycopg://u@h/d"
+    assert Settings.from_env({"TOOLLEDGER_BROKER": broker, "TOOLLEDGER_DB": db}).broker == broker
+
+
+def test_settings__a_sqlite_file_named_with_its_driver_is_still_kept_out_of_the_sandbox(
+    tmp_path,
+):
+    env = {
+        "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+        "TOOLLEDGER_DB": f"sqlite+pysqlite:///{tmp_path / 'sb' / 'scope' / 'ledger.db'}",
+        "TOOLLEDGER_HOME": str(tmp_path / "home"),
+    }
+    with pytest.raises(ConfigError, match="inside the sandbox"):
+        Settings.from_env(env)
+
+
+def test_settings__a_misspelt_variable_is_named_once_other_variables_are_not(capsys):
+    env = {
+        "TOOLLEDGER_HOME": "/tmp/h",
+        "TOOLLEDGER_LEASE_SECOND": "5",  # the lease stayed 30 s without a word
+        "TOOLLEDGER_API_TOKENS": "x",  # read by the API, not a setting
+        "TOOLLEDGER_TEST_PG": "1",
+        "TOOLLEDGER_SOMETHING_ELSE_ENTIRELY": "1",
+    }
+    assert Settings.from_env(env).lease_seconds == 30.0
+    Settings.from_env(env)
+    err = capsys.readouterr().err
+    assert err == (
+        "toolledger: warning: TOOLLEDGER_LEASE_SECOND is not a setting "
+        "(did you mean TOOLLEDGER_LEASE_SECONDS?): ignored\n"
+    )
