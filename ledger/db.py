@@ -58,14 +58,15 @@ def create_engine(
     kwargs.setdefault("hide_parameters", True)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, timeout=timeout, **kwargs)
+    # The fast path keeps one connection per thread out of this pool for the thread's life (a
+    # worker's threads pool, or a user's threads submitting through one Client: one each, for
+    # good), so leave room for the rest: with 4 + 8 a thirteenth thread waited 30 s and
+    # failed (a cold review). Overflow connections close when given back: none idle.
     kwargs.setdefault("pool_size", 4)
-    kwargs.setdefault("max_overflow", 8)
+    kwargs["max_overflow"] = max(kwargs.get("max_overflow", 40), 40)
     if timeout is not None:
-        # A worker: the fast path keeps one connection per thread out of this pool for the
-        # thread's life (a threads pool: one per thread, for good), so leave room for the
-        # lease keeper and the rest; and a checkout waits at most ``timeout``, never
-        # SQLAlchemy's 30 s default, so no renewal waits past the lease for a connection.
-        kwargs["max_overflow"] = max(kwargs["max_overflow"], 40)
+        # A worker: a checkout waits at most ``timeout``, never SQLAlchemy's 30 s default,
+        # so no renewal waits past the lease for a connection.
         kwargs.setdefault("pool_timeout", timeout)
     # A connection the server killed (pg_terminate_backend, a restart) is noticed at checkout,
     # not by the statement that needed it; the hot path keeps its own connections (fastpath).

@@ -628,3 +628,38 @@ def _failed_submits(ledger: Ledger, who: str, args: dict[str, Any]) -> int:
         except Exception:  # noqa: BLE001 - counted
             failed += 1
     return failed
+
+
+def test_fastpath__sixteen_threads_submitting_through_one_client_get_a_connection_each(pg_url):
+    """A Client's engine (no timeout: the agent's side) had 4 + 8 connections; each thread
+    keeps one for its life, so a thirteenth thread submitting at once waited 30 s and failed
+    (a cold review). It leaves room as a worker's does."""
+    import threading
+
+    ledger = Ledger(pg_url)
+    submitted = threading.Barrier(17)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def agent_thread(n: int) -> None:
+        try:
+            ledger.submit("s", f"c{n}", "write_file", {"path": f"p{n}", "content": "x"})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        submitted.wait(90)
+        done.wait(90)
+
+    threads = [threading.Thread(target=agent_thread, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    submitted.wait(90)
+    try:
+        assert errors == []
+        assert {ledger.get("s", f"c{n}").operation.status for n in range(16)} == {
+            Status.PENDING_APPROVAL
+        }
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        ledger.close()
