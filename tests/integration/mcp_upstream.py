@@ -10,6 +10,9 @@ parent's pid (the proxy). Tools:
 - ``refuse``: answers with ``isError``;
 - ``crash``: exits the server at once, without an answer;
 - ``bad.name`` too, when ``MCP_UPSTREAM_BAD_NAME`` is set (not a toolledger tool name).
+
+``MCP_UPSTREAM_PAGES`` makes ``tools/list`` misbehave: ``same`` (a next cursor that is the
+same again), ``endless`` (always one more page), ``silent`` (no answer at all).
 """
 
 from __future__ import annotations
@@ -63,7 +66,15 @@ def count(name: str, arguments: dict[str, Any], meta: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-async def list_tools(_ctx: Any, _params: Any) -> types.ListToolsResult:
+async def list_tools(_ctx: Any, params: Any) -> types.ListToolsResult:
+    pages = os.environ.get("MCP_UPSTREAM_PAGES")
+    if pages == "same":  # a cursor that leads back to itself
+        return types.ListToolsResult(tools=tools(), next_cursor="again")
+    if pages == "endless":  # always one more page
+        cursor = int(params.cursor) if params and params.cursor else 0
+        return types.ListToolsResult(tools=[], next_cursor=str(cursor + 1))
+    if pages == "silent":  # never answers
+        await anyio.sleep_forever()
     return types.ListToolsResult(tools=tools())
 
 

@@ -680,6 +680,15 @@ def test_proxy__refuses_upstream_tools_it_cannot_record(tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "--idempotent 'nope'" in unknown.stderr
     missing = run("proxy", "--", str(tmp_path / "no-such-server"))
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    # a tools/list that never ends, or never answers, stopped the start for ever
+    for pages, says in (
+        ("same", "gave the cursor 'again' twice"),
+        ("endless", "has more than 100 pages"),
+        ("silent", "did not answer within 2 s"),
+    ):
+        stuck = run(*proxy_argv("--start-timeout", "2"), MCP_UPSTREAM_PAGES=pages)
+        assert stuck.returncode == 1 and says in stuck.stderr, (pages, stuck.stderr)
+        assert "Traceback" not in stuck.stderr
     assert not (tmp_path / "upstream.log").exists()  # nothing was called
 
 

@@ -107,6 +107,13 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
     help="Seconds an upstream call may run; then it is cancelled upstream and recorded "
     "unknown [default: TOOLLEDGER_SOFT_TIME_LIMIT, as a worker's tool].",
 )
+@click.option(
+    "--start-timeout",
+    type=Seconds(min=0, min_open=True, max=86_400),
+    default=120.0,
+    show_default=True,
+    help="Seconds the upstream may take to start and list its tools; then the proxy exits 1.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @json_option
 @pass_ctx
@@ -118,6 +125,7 @@ def proxy(
     idempotent: tuple[str, ...],
     lease: float | None,
     time_limit: float | None,
+    start_timeout: float,
     command: tuple[str, ...],
 ) -> None:
     """Put the ledger in front of another MCP server: toolledger mcp proxy -- COMMAND [ARGS].
@@ -150,6 +158,7 @@ def proxy(
                 lease=lease,
                 timeout=timeout,
                 time_limit=time_limit,
+                start_timeout=start_timeout,
             )
         )
     except UpstreamError as exc:

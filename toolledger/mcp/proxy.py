@@ -540,16 +540,30 @@ def _version() -> str:
     return version("toolledger")
 
 
+#: Seconds the upstream may take to start, initialise and list its tools (``npx -y`` may
+#: download its package first).
+START_TIMEOUT = 120.0
+
+#: Pages of ``tools/list`` read at most: an upstream that always says "more" (a cold review's
+#: did) stopped the proxy's start for ever.
+MAX_TOOL_PAGES = 100
+
+
 async def _list_all(upstream: ClientSession) -> list[types.Tool]:
     tools: list[types.Tool] = []
     cursor: str | None = None
-    while True:
+    seen: set[str] = set()
+    for _ in range(MAX_TOOL_PAGES):
         params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
         page = await upstream.list_tools(params=params)
         tools.extend(page.tools)
         cursor = page.next_cursor
         if not cursor:
             return tools
+        if cursor in seen:
+            raise UpstreamError(f"the upstream's tools/list gave the cursor {cursor[:80]!r} twice")
+        seen.add(cursor)
+    raise UpstreamError(f"the upstream's tools/list has more than {MAX_TOOL_PAGES} pages")
 
 
 def _only(exc: BaseException) -> BaseException:
@@ -586,6 +600,7 @@ async def proxy(
     lease: float | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     time_limit: float | None = None,
+    start_timeout: float = START_TIMEOUT,
 ) -> None:
     """Start ``command`` as the upstream MCP server and serve its tools over stdio, every call
     through the ledger, until the host closes stdin (in-flight forwards are finished and
@@ -630,8 +645,14 @@ async def proxy(
                 pipe.start_soon(_relay, up_read, sink, gone)
                 async with ClientSession(relayed, up_write) as upstream:
                     try:
-                        await upstream.initialize()
-                        tools = await _list_all(upstream)
+                        with anyio.fail_after(start_timeout):
+                            await upstream.initialize()
+                            tools = await _list_all(upstream)
+                    except TimeoutError:
+                        raise UpstreamError(
+                            f"upstream {command[0]!r} did not answer within {start_timeout:g} s "
+                            "(--start-timeout)"
+                        ) from None
                     except Exception as exc:  # noqa: BLE001 - reported as the upstream's failure
                         raise UpstreamError(
                             f"upstream {command[0]!r} did not answer: {exc}"
