@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import threading
 import weakref
 from datetime import UTC, datetime
@@ -236,6 +237,22 @@ class HeldConnectionStore(Store):
         self._local = threading.local()
 
 
+def _closed_by_server(dbapi: Any) -> bool:
+    """Whether the server ended this idle connection (``pg_terminate_backend``, a restart, an
+    idle timeout): it then sent its last words and closed, so the socket reads while no
+    statement runs. A held connection is checked by this, not by a pre-ping (a round trip a
+    call): the call after such an end failed once (a cold review). A healthy idle connection
+    is not readable (it LISTENs to nothing); if something else ever made it so, the cost is one
+    new connection."""
+    try:
+        if dbapi.closed:
+            return True
+        readable, _, _ = select.select([dbapi.pgconn.socket], [], [], 0)
+    except Exception:  # noqa: BLE001 - no socket to ask: the session is gone
+        return True
+    return bool(readable)
+
+
 class PostgresStore(HeldConnectionStore):
     """Claim, finish and the submit of a new call as single autocommit statements."""
 
@@ -259,6 +276,9 @@ class PostgresStore(HeldConnectionStore):
         params = {**_STATUSES, **params}
         try:
             pooled = self.connection()
+            if _closed_by_server(pooled.dbapi_connection):
+                self._drop(pooled)
+                pooled = self.connection()
         except psycopg.Error as exc:  # raw_connection() does not translate driver errors
             raise sa.exc.DBAPIError.instance(
                 sql, params, exc, psycopg.Error, hide_parameters=True

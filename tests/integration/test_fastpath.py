@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -662,4 +663,24 @@ def test_fastpath__sixteen_threads_submitting_through_one_client_get_a_connectio
         done.set()
         for t in threads:
             t.join()
+        ledger.close()
+
+
+def test_fastpath__a_held_connection_the_server_ended_is_replaced_before_the_next_call(pg_url):
+    """pg_terminate_backend (a restart, an idle timeout) ends a thread's held connection while
+    it idles; the next call failed once before it was replaced (a cold review). It is noticed
+    before the statement is sent now, and the call goes through."""
+    ledger = Ledger(pg_url)
+    try:
+        ledger.submit("s", "c1", "write_file", {"path": "p", "content": "x"})
+        pid = ledger.store.connection().dbapi_connection.info.backend_pid
+        with sa.create_engine(
+            pg_url.replace("postgresql://", "postgresql+psycopg://", 1)
+        ).connect() as admin:
+            assert admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+        time.sleep(0.5)  # its last words reach the socket
+        ledger.submit("s", "c2", "write_file", {"path": "p", "content": "y"})
+        assert ledger.get("s", "c2").operation.status == Status.PENDING_APPROVAL
+        assert ledger.store.connection().dbapi_connection.info.backend_pid != pid
+    finally:
         ledger.close()
