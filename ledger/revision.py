@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from toolledger.ledger.errors import StateError
+
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: Alembic's table of the revision a database is at (its default name, which env.py keeps).
 VERSION_TABLE = "alembic_version"
@@ -22,6 +24,11 @@ _DOWN = re.compile(
 
 class SchemaError(RuntimeError):
     """The ledger's schema is missing or not at the revision this code needs."""
+
+
+class DowngradeRefused(SchemaError, StateError):
+    """A downgrade that would drop what the ledger holds: the ledger's state does not allow
+    it (exit 5), and nothing was changed."""
 
 
 def files_head(versions: Path = MIGRATIONS / "versions") -> str | None:

@@ -89,13 +89,13 @@ def _refuse_loss() -> None:
     """A downgrade never drops what the ledger relies on: an upgrade after it would find the
     executions unfenced and their effects gone (``verify`` would differ ever after, the sweep
     would treat fenced executions as unfenced), and 0001's CHECK refuses the newer event kinds."""
-    from toolledger.ledger.revision import SchemaError
+    from toolledger.ledger.revision import DowngradeRefused
 
     bind = op.get_bind()
     held = {what: bind.execute(sa.text(query)).scalar_one() for what, query in HELD_HERE.items()}
     lost = ", ".join(f"{n} {what}" for what, n in held.items() if n)
     if lost:
-        raise SchemaError(
+        raise DowngradeRefused(
             f"downgrade below 0002 refused: it would drop what only 0002 holds ({lost}); "
             "nothing was changed (to go back, restore a copy of the ledger taken before it "
             "was upgraded)"
