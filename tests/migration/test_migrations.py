@@ -177,3 +177,59 @@ def test_downgrade__below_0002_goes_when_nothing_ran(empty_url):
     assert _diff(engine) == []
     ledger.close()
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_downgrade__from_0002_a_fence_committed_meanwhile_is_counted_not_dropped(pg_server):
+    """From exactly 0002, the downgrade counted what only 0002 holds, then dropped it: an
+    execution fenced by a transaction still open at the count (invisible to it) committed
+    before the drop, and its fence was dropped uncounted. The count and the drop are under
+    one lock now: the downgrade waits for that transaction, sees its fence, and refuses."""
+    import threading
+    import time
+
+    from toolledger.ledger.revision import DowngradeRefused
+
+    with fresh_pg_database(pg_server, "template0") as url:
+        engine = create_engine(url)
+        upgrade(engine, "0002")
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO operations (scope, idempotency_key, tool, args, args_sha256, "
+                    "status, authorized_attempts, created_at) VALUES ('s', 'k', 'write_file', "
+                    "'{}', repeat('0', 64), 'running', 1, now())"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    "INSERT INTO executions (execution_id, scope, idempotency_key, attempt, "
+                    "status, started_at, reconciled) VALUES ('e1', 's', 'k', 1, 'running', "
+                    "now(), false)"
+                )
+            )
+        outcome: list[BaseException | None] = []
+
+        def go_down() -> None:
+            try:
+                downgrade(engine, "0001")
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                outcome.append(exc)
+
+        fencer = engine.connect()
+        fencing = fencer.begin()
+        fencer.execute(sa.text("UPDATE executions SET fenced = true WHERE execution_id = 'e1'"))
+        down = threading.Thread(target=go_down)
+        down.start()
+        time.sleep(1.5)  # the downgrade is under way, waiting for the fencer
+        fencing.commit()
+        fencer.close()
+        down.join(60)
+        try:
+            assert len(outcome) == 1 and isinstance(outcome[0], DowngradeRefused), outcome
+            assert current_revision(engine) == "0002"
+            with engine.connect() as conn:
+                assert conn.execute(sa.text("SELECT fenced FROM executions")).scalar_one()
+        finally:
+            engine.dispose()

@@ -92,6 +92,14 @@ def _refuse_loss() -> None:
     from toolledger.ledger.revision import DowngradeRefused
 
     bind = op.get_bind()
+    if bind.dialect.name == "postgresql":
+        # the count and the drop under one lock (the migration's transaction): a claim or a
+        # finish committed between them would be dropped uncounted
+        bind.execute(
+            sa.text(
+                "LOCK TABLE operations, executions, execution_events IN SHARE ROW EXCLUSIVE MODE"
+            )
+        )
     held = {what: bind.execute(sa.text(query)).scalar_one() for what, query in HELD_HERE.items()}
     lost = ", ".join(f"{n} {what}" for what, n in held.items() if n)
     if lost:
