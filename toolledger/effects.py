@@ -1004,9 +1004,12 @@ class Effects:
                 state = ledger.effect_states([eid]).get(eid)
                 if _is_running(state) and state is not None and state.lease_token == token:
                     raise
-            if state is not None and state.own_success and record["status"] == "succeeded":
-                self._drop_spool(eid)  # recorded meanwhile, by another settle: nothing is late
-                return
+        if state is not None and state.own_success and record["status"] == "succeeded":
+            # recorded meanwhile by another settle, or before the spool by its executor's own
+            # commit whose answer was lost: the spool is that commit, not a late result (only
+            # the token's holder commits an unreconciled success)
+            self._drop_spool(eid)
+            return
         if state is not None and record.get("late") is not None:
             marker = record["late"]["spool"]
             if not any(e.detail.get("spool") == marker for e in ledger.evidence_of(eid)):

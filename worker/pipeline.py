@@ -423,13 +423,26 @@ class Executor:
         still not be recorded (retries exhausted, the soft time limit) is spooled on disk.
         """
         pause = TERMINAL_BACKOFF_SECONDS
+        ambiguous = False  # a try failed: its commit may have succeeded all the same
         try:
             for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
                 try:
                     return self._write_terminal(claim, status, result, error, staged)
                 except StaleFence:
-                    return self._late(claim, status, result, error, staged)
+                    if not ambiguous:
+                        return self._late(claim, status, result, error, staged)
+                    # the row left running: maybe by our own earlier commit, whose answer was
+                    # lost. Only the row can tell (a cold review: read as a revocation, a
+                    # committed success's bytes were dropped, and verify said ok)
+                    written = self._already_written(claim, status, result, error, staged)
+                    if written is not None:
+                        return written
+                    log.warning(
+                        "terminal write of %s: the row left running, unreadable for now",
+                        claim.execution_id,
+                    )
                 except sa.exc.SQLAlchemyError as exc:
+                    ambiguous = True
                     log.warning("terminal write of %s failed: %s", claim.execution_id, _brief(exc))
                 if not tries_left:
                     break

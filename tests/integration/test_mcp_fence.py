@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import pytest
+import sqlalchemy as sa
 from mcp import types
 
 from toolledger.builtin_tools import BUILTINS
@@ -96,6 +97,40 @@ def test_forward__stopped_between_claim_and_send_is_recorded_failed_not_sent(
     (ex,) = ledger.get(scope, "c3").executions
     assert ex.status is Status.FAILED
     assert ex.result is not None and "not sent upstream" in ex.result["content"][0]["text"]
+
+
+def test_forward__its_own_commit_unanswered_then_unreadable_is_not_called_late(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finish commits and its answer is lost, the re-read fails too: the next try finds
+    the row no longer running. That was taken for a revocation (a late result recorded on the
+    call's own success, as the worker did: a cold review); the row is read first now."""
+    monkeypatch.setattr("toolledger.mcp.proxy.RECORD_BACKOFF_SECONDS", 0.01)
+    upstream = Upstream()
+    claim = claimed(ledger, scope, "c4")
+    real_finish, real_states = ledger.finish, ledger.effect_states
+    calls = {"finish": 0, "blind": 1}
+
+    def finish(*args: Any, **kwargs: Any) -> Any:
+        calls["finish"] += 1
+        done = real_finish(*args, **kwargs)
+        if calls["finish"] == 1:
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("connection reset"))
+        return done
+
+    def effect_states(ids: Any) -> Any:
+        if calls["blind"]:
+            calls["blind"] -= 1
+            raise sa.exc.OperationalError("SELECT", {}, Exception("server closed"))
+        return real_states(ids)
+
+    monkeypatch.setattr(ledger, "finish", finish)
+    monkeypatch.setattr(ledger, "effect_states", effect_states)
+    anyio.run(proxy_for(ledger, upstream)._forward, claim)
+    assert len(upstream.sent) == 1
+    assert ledger.get(scope, "c4").operation.status is Status.SUCCEEDED
+    kinds = [e.kind for e in ledger.events(scope, "c4")]
+    assert kinds.count("succeeded") == 1 and "evidence" not in kinds
 
 
 def test_proxied__an_upstream_write_file_is_never_run_as_the_built_in(

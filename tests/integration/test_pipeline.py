@@ -573,6 +573,54 @@ def test_pipeline__ambiguous_commit_is_resolved_by_rereading(run, ledger, db_url
     flaky.close()
 
 
+class CommitThenFailThenBlind(Ledger):
+    """The terminal COMMIT succeeds and its answer is lost, and the re-read after it fails
+    ``blind`` times too (the server closed every connection a moment)."""
+
+    def __init__(self, url: str, blind: int) -> None:
+        super().__init__(url)
+        self.blind, self.finishes = blind, 0
+
+    def finish(self, *args: Any, **kwargs: Any) -> Any:
+        self.finishes += 1
+        done = super().finish(*args, **kwargs)
+        if self.finishes == 1:
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("connection reset after commit"))
+        return done
+
+    def effect_states(self, ids: Any) -> Any:
+        if self.blind:
+            self.blind -= 1
+            raise sa.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+        return super().effect_states(ids)
+
+
+@pytest.mark.parametrize("blind", [1, 100])
+def test_pipeline__an_own_commit_unanswered_and_unreadable_lands_its_bytes(
+    run, ledger, db_url, tmp_path, monkeypatch, blind
+):
+    """A cold review: the retry after the lost answer found the row no longer running (its
+    own commit had moved it), took that for a revocation and dropped the staged bytes of a
+    committed success; verify said ok and the file never came. Now the row is read again
+    (once it answers: ``blind=1``), or the result is spooled and the next settle lands the
+    bytes (``blind=100``): either way the bytes land once, and no late result is recorded."""
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    flaky = CommitThenFailThenBlind(db_url, blind)
+    outcome, view = run(
+        "append_file", {"path": "a.txt", "content": "hello\n"}, executor_ledger=flaky
+    )
+    assert outcome.state == ("finished" if blind == 1 else "unrecorded")
+    assert view.current.status is Status.SUCCEEDED and not view.current.reconciled
+    if blind > 1:
+        effects_of(Sandbox(tmp_path)).settle(ledger)  # the next sweep, or the worker's start
+    assert (tmp_path / view.scope / "a.txt").read_text() == "hello\n"
+    kinds = [e.kind for e in ledger.events(view.scope, view.tool_call_id)]
+    assert kinds.count("succeeded") == 1 and "evidence" not in kinds
+    assert ledger.verify().ok
+    assert pending_files(Sandbox(tmp_path)) == []
+    flaky.close()
+
+
 class AlwaysFails(Ledger):
     def finish(self, *args: Any, **kwargs: Any) -> Any:
         raise sa.exc.OperationalError("UPDATE", {}, Exception("database is gone"))

@@ -412,18 +412,22 @@ class Proxy:
         read again before another try (a commit may succeed while the client sees it fail).
         Revoked meanwhile: the result is kept as evidence (it reconciles an unknown call)."""
         pause = RECORD_BACKOFF_SECONDS
+        ambiguous = False  # a try failed: its commit may have succeeded all the same
         for tries_left in range(RECORD_TRIES - 1, -1, -1):
             try:
                 await self._db(self._write, claim, status, result, error)
                 return
             except StaleFence:
-                break
+                if not ambiguous:
+                    break
+                # maybe our own earlier commit moved the row: read below before calling it late
             except sa.exc.SQLAlchemyError as exc:
+                ambiguous = True
                 log.warning("terminal write of %s failed: %s", claim.execution_id, _db_error(exc))
             if not tries_left:
                 log.error(
-                    "could not record %s of %s (result %s): it stays running until the sweep "
-                    "marks it unknown",
+                    "could not record %s of %s, nor read whether an earlier try did (result "
+                    "%s): if it is still running, the sweep marks it unknown",
                     status.value,
                     claim.execution_id,
                     result,
