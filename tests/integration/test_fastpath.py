@@ -644,7 +644,7 @@ def test_fastpath__sixteen_threads_submitting_through_one_client_get_a_connectio
 
     def agent_thread(n: int) -> None:
         try:
-            ledger.submit("s", f"c{n}", "write_file", {"path": f"p{n}", "content": "x"})
+            ledger.submit("sixteen", f"c{n}", "write_file", {"path": f"p{n}", "content": "x"})
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         submitted.wait(90)
@@ -656,7 +656,7 @@ def test_fastpath__sixteen_threads_submitting_through_one_client_get_a_connectio
     submitted.wait(90)
     try:
         assert errors == []
-        assert {ledger.get("s", f"c{n}").operation.status for n in range(16)} == {
+        assert {ledger.get("sixteen", f"c{n}").operation.status for n in range(16)} == {
             Status.PENDING_APPROVAL
         }
     finally:
@@ -672,15 +672,15 @@ def test_fastpath__a_held_connection_the_server_ended_is_replaced_before_the_nex
     before the statement is sent now, and the call goes through."""
     ledger = Ledger(pg_url)
     try:
-        ledger.submit("s", "c1", "write_file", {"path": "p", "content": "x"})
+        ledger.submit("ended", "c1", "write_file", {"path": "p", "content": "x"})
         pid = ledger.store.connection().dbapi_connection.info.backend_pid
         with sa.create_engine(
             pg_url.replace("postgresql://", "postgresql+psycopg://", 1)
         ).connect() as admin:
             assert admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
         time.sleep(0.5)  # its last words reach the socket
-        ledger.submit("s", "c2", "write_file", {"path": "p", "content": "y"})
-        assert ledger.get("s", "c2").operation.status == Status.PENDING_APPROVAL
+        ledger.submit("ended", "c2", "write_file", {"path": "p", "content": "y"})
+        assert ledger.get("ended", "c2").operation.status == Status.PENDING_APPROVAL
         assert ledger.store.connection().dbapi_connection.info.backend_pid != pid
     finally:
         ledger.close()

@@ -14,6 +14,9 @@ def test_engine__a_workers_pool_has_room_for_its_threads_and_a_bounded_wait() ->
     assert worker.pool.size() + worker.pool._max_overflow >= 44  # type: ignore[attr-defined]
 
 
-def test_engine__a_humans_engine_keeps_the_small_pool() -> None:
-    cli = create_engine(URL)
-    assert cli.pool.size() + cli.pool._max_overflow == 12  # type: ignore[attr-defined]
+def test_engine__a_clients_engine_keeps_four_idle_and_room_for_its_threads() -> None:
+    """An agent's Client: each thread submitting keeps a connection (the fast path), so 4 + 8
+    failed a thirteenth thread after 30 s; overflow connections close when given back."""
+    client = create_engine(URL)
+    assert client.pool.size() == 4  # kept idle
+    assert client.pool.size() + client.pool._max_overflow >= 44  # type: ignore[attr-defined]
