@@ -55,9 +55,14 @@ def write_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
 
 
 def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
-    """The file's bytes equal the request's (SHA-256): succeeded. The file is missing: the
-    effect is absent, and writing it now overwrites nothing. Different bytes: cannot tell
-    what is right (someone may have written them since): a human decides. Reads only."""
+    """The file's bytes equal the request's (SHA-256): succeeded. The file is missing and
+    no bytes for it wait to land: the effect is absent, and writing it now overwrites
+    nothing. Missing but bytes for it staged or committed, not landed yet (a newer call's
+    write, say): cannot tell yet (a cold review: an automatic retry authorised then landed
+    after that newer write, over it). Different bytes: cannot tell what is right (someone
+    may have written them since): a human decides. Reads only."""
+    from toolledger.effects import effects_of  # not at import: the CLI's start
+
     data = args.content.encode("utf-8")
     wanted = hashlib.sha256(data).hexdigest()
     if not ctx.sandbox.attached:
@@ -67,6 +72,12 @@ def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
     except (OSError, SandboxError):  # e.g. a hard link now: not what a write leaves
         return None
     if found is None:
+        try:
+            waiting = effects_of(ctx.sandbox).pending_on(ctx.scope, args.path)
+        except OSError:
+            return None  # cannot look: cannot tell
+        if waiting:
+            return None
         return Absent({"method": "target file is missing", "path": args.path})
     if found != wanted:
         return None

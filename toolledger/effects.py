@@ -358,7 +358,10 @@ def _remove_if_free(fd: int, sfd: int, name: str) -> int:
 
 
 def effects_of(sandbox: Sandbox) -> Effects:
-    """The pending area of ``sandbox`` (one per sandbox object)."""
+    """The pending area of ``sandbox`` (one per sandbox object; a tool's staging view gives
+    the area it stages into)."""
+    if isinstance(sandbox, StagingSandbox):
+        return sandbox._area
     found = _EFFECTS.get(sandbox)
     if found is None:
         found = _EFFECTS[sandbox] = Effects(sandbox)
@@ -636,6 +639,16 @@ class Effects:
                 elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing, limit):
                     steps.append(step)
             self._land_in_order(pfd, steps, book, landing)
+
+    def pending_on(self, scope: str, path: str) -> bool:
+        """Whether bytes for this path wait in the pending area: staged by a running
+        execution, or committed and not landed yet. While they do, the file as it stands does
+        not say what the path will hold: a reconciler that finds it missing cannot call the
+        effect absent (an automatic retry would land after them, over a newer write)."""
+        if not self.pending_dir.is_dir():
+            return False
+        with self._pending() as pfd:
+            return bool(self._path_files(pfd, path_hash(scope, path)))
 
     def _path_files(self, pfd: int, h: str) -> list[StageFile]:
         return [f for f in self._scan(pfd)[0] if f.h == h and f.kind != "refused"]

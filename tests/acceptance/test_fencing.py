@@ -589,3 +589,27 @@ def test_order__an_automatic_retry_never_overwrites_a_newer_write(world, scope):
     assert world.file(scope, "p.txt") == b"NEW (c2)\n"
     world.wake(zombie)
     assert world.file(scope, "p.txt") == b"NEW (c2)\n"
+
+
+def test_order__an_automatic_retry_never_overwrites_a_newer_write_not_landed_yet(world, scope):
+    """A cold review: as above, but c2's executor died between its commit and its landing.
+    The retry's reconciler saw p.txt still missing (c2's bytes committed, waiting to land),
+    called the effect absent, wrote c1's older bytes and committed after c2: they landed
+    last, over c2's. Bytes waiting on the path now mean "cannot tell": superseded."""
+    world.submit(scope, "c1", "write_file", write("p.txt", "OLD (c1)\n"))
+    zombie = world.execute(scope, "c1", failpoints="before_effect=stop")
+    world.frozen(zombie)
+    world.revoke(scope)
+    assert world.sweep().auto_retried == 1  # target missing: attempt 2 authorised
+    world.submit(scope, "c2", "write_file", write("p.txt", "NEW (c2)\n"))
+    crashed = world.execute(scope, "c2", failpoints="after_terminal=exit(9)")
+    crashed.communicate(timeout=60)  # committed, not landed
+    assert world.ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
+    assert world.file(scope, "p.txt") is None
+    late = world.run(scope, "c1")  # attempt 2 runs only now
+    assert (late["status"], late["executions"][-1]["result"]["error"]) == ("failed", "superseded")
+    world.sweep()
+    assert world.file(scope, "p.txt") == b"NEW (c2)\n"
+    world.wake(zombie)
+    world.sweep()
+    assert world.file(scope, "p.txt") == b"NEW (c2)\n"
