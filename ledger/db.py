@@ -63,7 +63,7 @@ def create_engine(
     # good), so leave room for the rest: with 4 + 8 a thirteenth thread waited 30 s and
     # failed (a cold review). Overflow connections close when given back: none idle.
     kwargs.setdefault("pool_size", 4)
-    kwargs["max_overflow"] = max(kwargs.get("max_overflow", 40), 40)
+    kwargs.setdefault("max_overflow", 40)  # a caller's own choice stands (the API's reader)
     if timeout is not None:
         # A worker: a checkout waits at most ``timeout``, never SQLAlchemy's 30 s default,
         # so no renewal waits past the lease for a connection.

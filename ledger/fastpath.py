@@ -247,10 +247,14 @@ def _closed_by_server(dbapi: Any) -> bool:
     try:
         if dbapi.closed:
             return True
-        readable, _, _ = select.select([dbapi.pgconn.socket], [], [], 0)
+        fd = dbapi.pgconn.socket
     except Exception:  # noqa: BLE001 - no socket to ask: the session is gone
         return True
-    return bool(readable)
+    # poll, not select: select refuses a descriptor past 1023 (a cold review: every call of a
+    # process with many files open took a new connection)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class PostgresStore(HeldConnectionStore):
@@ -278,7 +282,7 @@ class PostgresStore(HeldConnectionStore):
             pooled = self.connection()
             if _closed_by_server(pooled.dbapi_connection):
                 self._drop(pooled)
-                pooled = self.connection()
+                pooled = self.connection()  # a new one: not asked again
         except psycopg.Error as exc:  # raw_connection() does not translate driver errors
             raise sa.exc.DBAPIError.instance(
                 sql, params, exc, psycopg.Error, hide_parameters=True

@@ -238,6 +238,7 @@ _DB_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg", "sqlite", "sqlite
 _BROKER_SCHEMES = (
     "redis",
     "rediss",
+    "redis+socket",
     "amqp",
     "amqps",
     "pyamqp",

@@ -1017,10 +1017,14 @@ class Effects:
                 state = ledger.effect_states([eid]).get(eid)
                 if _is_running(state) and state is not None and state.lease_token == token:
                     raise
-        if state is not None and state.own_success and record["status"] == "succeeded":
+        if (
+            state is not None
+            and state.status.value == record["status"]
+            and (state.own_success or (state.status is Status.FAILED and not state.reconciled))
+        ):
             # recorded meanwhile by another settle, or before the spool by its executor's own
             # commit whose answer was lost: the spool is that commit, not a late result (only
-            # the token's holder commits an unreconciled success)
+            # the token's holder commits an unreconciled terminal status)
             self._drop_spool(eid)
             return
         if state is not None and record.get("late") is not None:

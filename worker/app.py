@@ -43,9 +43,9 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     transport hands every option it does not know to create_engine)."""
     scheme = settings.broker.split("://", 1)[0]
     options: dict[str, Any] = {}
-    if scheme in ("redis", "rediss", "sentinel", "sqs"):
+    if scheme in ("redis", "rediss", "redis+socket", "sentinel", "sqs"):
         options["visibility_timeout"] = int(settings.visibility_timeout)
-    if settings.broker_prefix and scheme in ("redis", "rediss", "sentinel"):
+    if settings.broker_prefix and scheme in ("redis", "rediss", "redis+socket", "sentinel"):
         options["global_keyprefix"] = settings.broker_prefix
     return options
 

@@ -684,3 +684,29 @@ def test_fastpath__a_held_connection_the_server_ended_is_replaced_before_the_nex
         assert ledger.store.connection().dbapi_connection.info.backend_pid != pid
     finally:
         ledger.close()
+
+
+def test_fastpath__a_process_with_many_files_open_keeps_its_connection(pg_url):
+    """The check above used select(), which refuses a descriptor past 1023: in a process with
+    that many files open every call took a new connection (a cold review)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1500, hard), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    ledger = Ledger(pg_url)
+    try:
+        ledger.submit("many", "c0", "write_file", {"path": "p", "content": "x"})
+        conn = ledger.store.connection().dbapi_connection
+        assert conn.pgconn.socket > 1023
+        pid = conn.info.backend_pid
+        for n in range(1, 6):
+            ledger.submit("many", f"c{n}", "write_file", {"path": "p", "content": "x"})
+        assert ledger.store.connection().dbapi_connection.info.backend_pid == pid
+    finally:
+        ledger.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

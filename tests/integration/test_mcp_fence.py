@@ -6,6 +6,7 @@ registered one is never run as the registered one. On both backends."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,11 @@ import sqlalchemy as sa
 from mcp import types
 
 from toolledger.builtin_tools import BUILTINS
-from toolledger.ledger.errors import InvalidIdentifier
+from toolledger.ledger.errors import InvalidArguments, InvalidIdentifier
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
-from toolledger.mcp.proxy import Proxy, ledger_name
+from toolledger.mcp.common import CallIdentity
+from toolledger.mcp.proxy import Proxy, _validator, ledger_name
 from toolledger.recovery import humans
 from toolledger.recovery.reconcile import late_result
 from toolledger.sandbox import Sandbox
@@ -131,6 +133,126 @@ def test_forward__its_own_commit_unanswered_then_unreadable_is_not_called_late(
     assert ledger.get(scope, "c4").operation.status is Status.SUCCEEDED
     kinds = [e.kind for e in ledger.events(scope, "c4")]
     assert kinds.count("succeeded") == 1 and "evidence" not in kinds
+
+
+def test_record__a_stale_fence_on_the_last_try_keeps_the_result_as_evidence(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every try failed and every re-read too, then the last try met a stale fence (the sweep
+    had revoked the call): the result was dropped (a cold review of the mend above). A stale
+    fence is a definite answer: the result is kept as the call's evidence."""
+    monkeypatch.setattr("toolledger.mcp.proxy.RECORD_BACKOFF_SECONDS", 0.001)
+    claim = claimed(ledger, scope, "c5")
+    real_finish = ledger.finish
+    tries = {"n": 0}
+
+    def finish(*args: Any, **kwargs: Any) -> Any:
+        tries["n"] += 1
+        if tries["n"] < 6:
+            raise sa.exc.OperationalError("UPDATE", {}, Exception("server closed"))
+        ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+        return real_finish(*args, **kwargs)
+
+    def blind(_ids: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("server closed"))
+
+    monkeypatch.setattr(ledger, "finish", finish)
+    monkeypatch.setattr(ledger, "effect_states", blind)
+    anyio.run(proxy_for(ledger, Upstream())._forward, claim)
+    assert tries["n"] == 6
+    monkeypatch.undo()
+    assert "evidence" in [e.kind for e in ledger.events(scope, "c5")]
+    (ex,) = ledger.get(scope, "c5").executions  # the late result settled the unknown call
+    assert (ex.status, ex.reconciled) == (Status.SUCCEEDED, True)
+
+
+def test_record__a_stop_during_the_back_off_still_records_the_answer(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while the terminal write waited to try again: the upstream's answer was lost,
+    nothing recorded, not even logged (a cold review). The record is shielded now."""
+    monkeypatch.setattr("toolledger.mcp.proxy.RECORD_BACKOFF_SECONDS", 0.5)
+    claim = claimed(ledger, scope, "c6")
+    real_finish = ledger.finish
+    tries = {"n": 0}
+
+    def finish(*args: Any, **kwargs: Any) -> Any:
+        tries["n"] += 1
+        if tries["n"] == 1:
+            raise sa.exc.OperationalError("UPDATE", {}, Exception("server closed"))
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(ledger, "finish", finish)
+
+    async def stopped() -> None:
+        with anyio.move_on_after(0.2):  # within the back-off
+            await proxy_for(ledger, Upstream())._forward(claim)
+
+    anyio.run(stopped)
+    monkeypatch.undo()
+    assert ledger.get(scope, "c6").operation.status is Status.SUCCEEDED
+
+
+def schema_proxy(ledger: Ledger, schema: dict[str, Any]) -> Proxy:
+    proxy = proxy_for(ledger, Upstream())
+    proxy.validators = {"t": _validator(types.Tool(name="t", input_schema=schema))}
+    return proxy
+
+
+class SlowValidator:
+    """A validator that takes a second: a schema expensive to apply."""
+
+    def iter_errors(self, _instance: Any) -> Any:
+        time.sleep(1.0)
+        return iter(())
+
+
+def test_schema_check__runs_off_the_loop_and_is_bounded(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check ran on the proxy's event loop: one call with 5,000 objects under
+    ``uniqueItems`` held every other request, and the lease renewals, for 32 s (a cold
+    review). It runs in a thread now (the loop goes on), within 5 s, else refused."""
+    ident = CallIdentity(scope, "s1")
+    proxy = schema_proxy(ledger, {"type": "object"})
+    proxy.validators["t"] = SlowValidator()  # type: ignore[assignment]
+    ticks: list[float] = []
+
+    async def checking() -> None:
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            await proxy._check_new("t", {}, ident)
+            tg.cancel_scope.cancel()
+
+    anyio.run(checking)
+    assert len(ticks) >= 10  # the loop ran while the check did
+    monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 0.2)
+    with pytest.raises(InvalidArguments, match=r"could not be checked .* within 0\.2 s"):
+        anyio.run(proxy._check_new, "t", {}, ident)
+    unique = schema_proxy(ledger, {"properties": {"xs": {"type": "array", "uniqueItems": True}}})
+    monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 5.0)
+    many = {"xs": [{"k": i} for i in range(6000)]}  # pairwise: about a minute
+    anyio.run(unique._check_new, "t", many, ident)  # within the bound: taken
+
+
+def test_schema_check__a_recorded_call_is_answered_whatever_the_schema_says_now(
+    ledger: Ledger, scope: str
+) -> None:
+    """After the upstream's schema changed, a call already recorded (and run) was answered
+    "arguments refused … nothing recorded" (a cold review): read as never run, it invites a
+    second charge. A recorded call goes on to the ledger's replay (or conflict)."""
+    strict = schema_proxy(
+        ledger, {"type": "object", "required": ["currency"], "properties": {"amount": {}}}
+    )
+    ledger.submit(scope, "paid", ledger_name("t"), {"amount": 5}, approved_by="host")
+    anyio.run(strict._check_new, "t", {"amount": 5}, CallIdentity(scope, "paid"))  # no refusal
+    with pytest.raises(InvalidArguments, match="'currency' is a required property"):
+        anyio.run(strict._check_new, "t", {"amount": 5}, CallIdentity(scope, "new"))
 
 
 def test_proxied__an_upstream_write_file_is_never_run_as_the_built_in(

@@ -621,6 +621,23 @@ def test_pipeline__an_own_commit_unanswered_and_unreadable_lands_its_bytes(
     flaky.close()
 
 
+def test_pipeline__an_own_failure_unanswered_and_unreadable_is_not_evidence(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    """As above for a tool that failed: its spool is its own commit, not a late result (a
+    cold review of the mend: a spooled failure still became an evidence event)."""
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    flaky = CommitThenFailThenBlind(db_url, 100)
+    outcome, view = run("reports_failure", executor_ledger=flaky)
+    assert outcome.state == "unrecorded"
+    assert view.current.status is Status.FAILED and not view.current.reconciled
+    effects_of(Sandbox(tmp_path)).settle(ledger)
+    kinds = [e.kind for e in ledger.events(view.scope, view.tool_call_id)]
+    assert kinds.count("failed") == 1 and "evidence" not in kinds
+    assert pending_files(Sandbox(tmp_path)) == []
+    flaky.close()
+
+
 class AlwaysFails(Ledger):
     def finish(self, *args: Any, **kwargs: Any) -> Any:
         raise sa.exc.OperationalError("UPDATE", {}, Exception("database is gone"))

@@ -239,6 +239,7 @@ def test_settings__urls_and_bounds_a_run_could_not_use_are_refused(env, says):
     [
         "redis://127.0.0.1:6379/0",
         "rediss://h:6380/0",
+        "redis+socket:///run/redis/redis.sock",
         "amqp://guest@h//",
         "pyamqp://h//",
         "embedded+sqlite:///tmp/h/broker.db",

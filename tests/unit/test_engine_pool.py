@@ -20,3 +20,10 @@ def test_engine__a_clients_engine_keeps_four_idle_and_room_for_its_threads() -> 
     client = create_engine(URL)
     assert client.pool.size() == 4  # kept idle
     assert client.pool.size() + client.pool._max_overflow >= 44  # type: ignore[attr-defined]
+
+
+def test_engine__a_callers_own_pool_sizes_stand() -> None:
+    """The API's reader chose 8 + 16; forcing 40 overflow on it (a cold review) let one
+    process take 48 of the server's 100 connections."""
+    reader = create_engine(URL, pool_size=8, max_overflow=16)
+    assert (reader.pool.size(), reader.pool._max_overflow) == (8, 16)  # type: ignore[attr-defined]

@@ -51,3 +51,37 @@ def test_the_schema_dialect_it_names_is_the_one_used() -> None:
     assert validator is not None
     with pytest.raises(InvalidArguments, match="maximum"):
         _check_arguments("t", validator, {"n": 3})
+
+
+def test_unique_items_by_json_equality_in_linear_time() -> None:
+    """jsonschema compares unhashable items pairwise: 3,000 small objects took ~13 s on the
+    proxy's loop, past its 5 s bound (a cold review). The proxy's own ``uniqueItems`` keeps
+    JSON Schema's equality: key order does not matter, 1 and 1.0 are one, true and 1 not."""
+    validator = _validator(
+        tool({"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}})
+    )
+    assert validator is not None
+    _check_arguments("t", validator, {"xs": [{"k": i, "v": [i, str(i)]} for i in range(3000)]})
+    _check_arguments("t", validator, {"xs": [True, 1, "1", None, [1], {"a": 1}]})
+    for same in (
+        [{"a": 1, "b": 2}, {"b": 2, "a": 1}],
+        [1, 1.0],
+        [[1, {"x": None}], [1, {"x": None}]],
+    ):
+        with pytest.raises(InvalidArguments, match="non-unique"):
+            _check_arguments("t", validator, {"xs": same})
+
+
+def test_a_schema_it_cannot_apply_leaves_the_arguments_unchecked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An unresolvable ``$ref`` passes ``check_schema`` and raises only when applied: every
+    call of that tool failed with an internal error (a cold review); it is forwarded as the
+    upstream would take it, as for a schema that is not one."""
+    remote = tool(
+        {"type": "object", "properties": {"a": {"$ref": "https://example.invalid/a.json"}}}
+    )
+    validator = _validator(remote)
+    assert validator is not None
+    _check_arguments("t", validator, {"a": 1})
+    assert "its inputSchema cannot be applied" in caplog.text

@@ -103,9 +103,9 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
 @click.option(
     "--time-limit",
     type=Seconds(min=0, min_open=True, max=86_400),
-    default=None,
-    help="Seconds an upstream call may run; then it is cancelled upstream and recorded "
-    "unknown [default: TOOLLEDGER_SOFT_TIME_LIMIT, as a worker's tool].",
+    default=3600.0,
+    show_default=True,
+    help="Seconds an upstream call may run; then it is cancelled upstream and recorded unknown.",
 )
 @click.option(
     "--start-timeout",

@@ -10,8 +10,9 @@ them over its own stdio. A ``tools/call`` goes through the ledger as a worker's 
    per authorised attempt, whoever asks and however often;
 3. **forward** upstream with the idempotency key in ``_meta["toolledger/idempotency_key"]``,
    renewing the lease every lease/3 while it runs, for at most ``--time-limit`` seconds
-   (``TOOLLEDGER_SOFT_TIME_LIMIT``, the limit after which a worker's tool is recorded
-   unknown): a forward still unanswered then is cancelled upstream
+   (an hour unless given: long enough for any upstream call that works, short of for ever,
+   and not a worker's 20 s, which would cut calls that used to finish): a forward still
+   unanswered then is cancelled upstream
    (``notifications/cancelled``) and recorded ``unknown`` — without a limit, an upstream that
    hangs would keep the call ``running`` forever, its lease renewed, out of the sweep's reach;
 4. **finish** with the upstream's ``CallToolResult`` serialised as the result (``succeeded``,
@@ -48,7 +49,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterable, Callable, Sequence
+from collections.abc import AsyncIterable, Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, TextIO, TypeVar, cast
 
@@ -76,7 +77,13 @@ from mcp.shared.message import SessionMessage
 from toolledger.client import AsyncClient, ReceiptTimeout
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger import inputs
-from toolledger.ledger.errors import InputError, InvalidArguments, LedgerError, StaleFence
+from toolledger.ledger.errors import (
+    InputError,
+    InvalidArguments,
+    LedgerError,
+    NotFound,
+    StaleFence,
+)
 from toolledger.ledger.identity import (
     PROXIED_PREFIX,
     check_scope,
@@ -88,6 +95,7 @@ from toolledger.ledger.records import Claim, Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY
 from toolledger.mcp.common import (
+    CallIdentity,
     call_identity,
     error_result,
     log_to_stderr,
@@ -266,7 +274,7 @@ class Proxy:
                 params.meta, ctx.request_id, scope=self.scope, session=self.session
             )
             args = inputs.check_value(params.arguments or {}, "arguments")
-            _check_arguments(params.name, self.validators[params.name], args)
+            await self._check_new(params.name, args, ident)
             submitted = await self._db(
                 self.ledger.submit,
                 ident.scope,
@@ -301,6 +309,37 @@ class Proxy:
             raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
         return reply(receipt)
 
+    async def _check_new(self, name: str, args: dict[str, Any], ident: CallIdentity) -> None:
+        """Refuse arguments the upstream's ``inputSchema`` refuses, for a call not recorded
+        yet: one already recorded is answered from the ledger (its replay, or a conflict),
+        whatever the upstream's schema says now (refused after an upgrade of the upstream, a
+        call that ran read as one that never did). Checked in a thread, within
+        ``SCHEMA_CHECK_SECONDS``: never on the loop that renews the leases."""
+        validator = self.validators[name]
+        if validator is None:
+            return
+        try:
+            with anyio.fail_after(SCHEMA_CHECK_SECONDS):
+                await anyio.to_thread.run_sync(
+                    partial(_check_arguments, name, validator, args), abandon_on_cancel=True
+                )
+        except (InvalidArguments, TimeoutError) as exc:
+            if await self._db(self._recorded, ident):
+                return
+            if isinstance(exc, TimeoutError):
+                raise InvalidArguments(
+                    f"arguments could not be checked against {name!r}'s inputSchema within "
+                    f"{SCHEMA_CHECK_SECONDS:g} s: refused"
+                ) from None
+            raise
+
+    def _recorded(self, ident: CallIdentity) -> bool:
+        try:
+            self.ledger.get(ident.scope, ident.tool_call_id)
+        except NotFound:
+            return False
+        return True
+
     def _check_upstream(self) -> None:
         if self.gone.is_set():
             raise MCPError(
@@ -326,31 +365,39 @@ class Proxy:
                 await self._record(claim, Status.FAILED, NOT_SENT, STOPPED_BEFORE_SEND)
             raise
         result: types.CallToolResult | None = None
-        failure = ""
-        async with anyio.create_task_group() as leases:
-            leases.start_soon(self._keep_lease, claim)
-            try:
-                with anyio.fail_after(self.time_limit):  # the write and the wait, both
-                    result = await self.upstream.send_request(request, types.CallToolResult)
-            except TimeoutError:  # cancelled upstream by the SDK as the scope unwound
-                failure = (
-                    f"no answer within the time limit of {self.time_limit:g} s "
-                    "(--time-limit): cancelled upstream"
-                )
-            except anyio.get_cancelled_exc_class():  # the proxy stops (SIGTERM) mid-forward
+        failure = STOPPED_MID_FORWARD
+        try:
+            async with anyio.create_task_group() as leases:
+                leases.start_soon(self._keep_lease, claim)
+                try:
+                    with anyio.fail_after(self.time_limit):  # the write and the wait, both
+                        result = await self.upstream.send_request(request, types.CallToolResult)
+                except TimeoutError:  # cancelled upstream by the SDK as the scope unwound
+                    failure = (
+                        f"upstream gave no result: no answer within the time limit of "
+                        f"{self.time_limit:g} s (--time-limit): cancelled upstream"
+                    )
+                except Exception as exc:  # noqa: BLE001 - no result: whether it ran is unknown
+                    failure = "upstream gave no result: " + one_line(f"{type(exc).__name__}: {exc}")
                 leases.cancel_scope.cancel()
+        except anyio.get_cancelled_exc_class():
+            # the proxy stops (SIGTERM): mid-forward, or with the answer in hand while the
+            # lease keeper was being stopped. Either way it is recorded before the proxy goes.
+            if result is None:
                 log.warning("%s: the proxy stops mid-forward: unknown", claim.execution_id)
-                with anyio.CancelScope(shield=True):
-                    await self._record(claim, Status.UNKNOWN, None, STOPPED_MID_FORWARD)
-                raise
-            except Exception as exc:  # noqa: BLE001 - no result: whether it ran is unknown
-                failure = one_line(f"{type(exc).__name__}: {exc}")
-            leases.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._outcome(claim, result, failure)
+            raise
+        with anyio.CancelScope(shield=True):  # a stop meanwhile waits for the record
+            await self._outcome(claim, result, failure)
+
+    async def _outcome(
+        self, claim: Claim, result: types.CallToolResult | None, failure: str
+    ) -> None:
+        """Record what the forward came back with: the upstream's result, else unknown."""
         if result is None:
-            log.warning(
-                "%s: the upstream gave no result (%s): unknown", claim.execution_id, failure
-            )
-            await self._record(claim, Status.UNKNOWN, None, f"upstream gave no result: {failure}")
+            log.warning("%s: %s: unknown", claim.execution_id, failure)
+            await self._record(claim, Status.UNKNOWN, None, failure)
         else:
             status = Status.FAILED if result.is_error else Status.SUCCEEDED
             error = "the upstream tool reported an error" if result.is_error else None
@@ -418,8 +465,8 @@ class Proxy:
                 await self._db(self._write, claim, status, result, error)
                 return
             except StaleFence:
-                if not ambiguous:
-                    break
+                if not ambiguous or not tries_left:
+                    break  # not running under our token: in doubt, the result is evidence
                 # maybe our own earlier commit moved the row: read below before calling it late
             except sa.exc.SQLAlchemyError as exc:
                 ambiguous = True
@@ -494,12 +541,49 @@ class Proxy:
             )
 
 
+def _canonical(value: Any) -> Any:
+    """A hashable stand-in for a JSON value, equal where JSON Schema's equality says equal
+    (1 and 1.0 alike, true and 1 not; objects regardless of key order)."""
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int | float):
+        return ("n", value)
+    if isinstance(value, str):
+        return ("s", value)
+    if value is None:
+        return ("z",)
+    if isinstance(value, list):
+        return ("l", tuple(_canonical(v) for v in value))
+    if isinstance(value, dict):
+        return ("d", frozenset((k, _canonical(v)) for k, v in value.items()))
+    return ("o", repr(value))
+
+
+def _unique_items(
+    validator: Any, unique: Any, instance: Any, _schema: Any
+) -> Iterator[jsonschema.ValidationError]:
+    """``uniqueItems`` in linear time: jsonschema's own compares unhashable items pairwise
+    (a cold review: 8,000 small objects, 103 KB, took 84 s on the proxy's loop)."""
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    seen: set[Any] = set()
+    for item in instance:
+        key = _canonical(item)
+        if key in seen:
+            yield jsonschema.ValidationError("has non-unique elements")
+            return
+        seen.add(key)
+
+
 def _validator(tool: types.Tool) -> jsonschema.protocols.Validator | None:
     """A validator of the upstream tool's ``inputSchema`` (its ``$schema``, else JSON Schema
     2020-12, as MCP says); None, with a warning, for a schema that is not one: its calls are
     then forwarded unchecked, as the upstream would take them."""
     schema = tool.input_schema
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    checker: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
+        cls, {"uniqueItems": _unique_items}
+    )
     try:
         cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -510,7 +594,7 @@ def _validator(tool: types.Tool) -> jsonschema.protocols.Validator | None:
             one_line(exc.message),
         )
         return None
-    return cls(schema)
+    return checker(schema)
 
 
 def _check_arguments(
@@ -521,7 +605,15 @@ def _check_arguments(
     ``failed`` with its key spent on a call that could never run."""
     if validator is None:
         return
-    error = jsonschema.exceptions.best_match(validator.iter_errors(args))
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(args))
+    except Exception as exc:  # noqa: BLE001 - a $ref it cannot resolve, say: cannot check
+        log.warning(
+            "upstream tool %r: its inputSchema cannot be applied (%s): arguments not checked",
+            name,
+            one_line(f"{type(exc).__name__}: {exc}")[:300],
+        )
+        return
     if error is None:
         return
     where = "/".join(str(p) for p in error.absolute_path)
@@ -543,6 +635,12 @@ def _version() -> str:
 
     return version("toolledger")
 
+
+#: Seconds a forward may wait for the upstream's answer unless ``--time-limit`` says.
+DEFAULT_TIME_LIMIT = 3600.0
+
+#: Seconds a call's arguments may take to be checked against the upstream's schema.
+SCHEMA_CHECK_SECONDS = 5.0
 
 #: Seconds the upstream may take to start, initialise and list its tools (``npx -y`` may
 #: download its package first).
@@ -622,7 +720,7 @@ async def proxy(
     lease = settings.lease_seconds if lease is None else lease
     if not lease > 0:
         raise ConfigError(f"--lease must be positive, not {lease}")
-    time_limit = settings.soft_time_limit if time_limit is None else time_limit
+    time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     if not time_limit > 0:
         raise ConfigError(f"--time-limit must be positive, not {time_limit}")
     session = new_session()
