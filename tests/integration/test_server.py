@@ -378,6 +378,21 @@ def test_tokens__parsing_refuses_what_is_unsafe() -> None:
             parse_tokens(bad, "t")
 
 
+def test_tokens__a_hash_inside_a_secret_is_the_secrets_and_no_error_quotes_a_field() -> None:
+    """A cold review: ``0123456789abcdef#Xq9!mZ2@pL7`` was cut at the "#" (the full secret
+    refused, its first 16 characters taken); an entry written out of order printed the
+    secret in the error that stopped the server."""
+    (t,) = parse_tokens("ana:operator:0123456789abcdef#Xq9!mZ2@pL7", "TOOLLEDGER_API_TOKENS")
+    assert t.secret == "0123456789abcdef#Xq9!mZ2@pL7"
+    (t,) = parse_tokens("# the operators\nana:operator:0123456789abcdef # Ana's", "file")
+    assert t.secret == "0123456789abcdef"
+    secret = "Zk3v9QpL7mW2xR8tY4nB"
+    for out_of_order in (f"{secret}:operator:ana", f"ana:{secret}:operator"):
+        with pytest.raises(ConfigError) as refused:
+            parse_tokens(out_of_order, "t")
+        assert secret not in str(refused.value)
+
+
 def test_no_tokens__refuses_to_build_unless_insecure_local(tmp_path: Path) -> None:
     settings = Settings.from_env(
         {"TOOLLEDGER_DB": f"sqlite:///{tmp_path}/l.db", "TOOLLEDGER_HOME": str(tmp_path)}
@@ -561,7 +576,7 @@ def test_serve__refuses_to_start_exposed_without_tokens(
     assert code == 2 and "loopback" in err
     monkeypatch.setenv("TOOLLEDGER_API_TOKENS", "a:admin:0123456789abcdef")
     code, _, err = run_cli(capsys, "--db", db, "serve")
-    assert code == 2 and "role 'admin'" in err
+    assert code == 2 and "the second field is not a role" in err
     monkeypatch.setenv("TOOLLEDGER_API_TOKENS_FILE", str(tmp_path / "missing"))
     code, _, err = run_cli(capsys, "--db", db, "serve")
     assert code == 2 and "cannot read" in err

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -85,10 +86,15 @@ class Token:
 LOCAL = Token("local", Role.OPERATOR, secrets.token_urlsafe(32))
 
 
+_COMMENT = re.compile(r"(^|\s)#.*$")
+
+
 def parse_tokens(text: str, source: str) -> list[Token]:
     """Entries ``name:role:secret[:scope|scope]`` separated by commas or newlines."""
     tokens: list[Token] = []
-    lines = [line.split("#", 1)[0] for line in text.splitlines()]
+    # a comment starts at a "#" that begins the line or follows a space: one inside a secret
+    # is the secret's (it was cut there, and the token refused, without a word)
+    lines = [_COMMENT.sub("", line) for line in text.splitlines()]
     entries = [e.strip() for line in lines for e in line.split(",") if e.strip()]
     for n, entry in enumerate(entries, 1):
         where = f"{source}, entry {n}"
@@ -105,10 +111,12 @@ def parse_tokens(text: str, source: str) -> list[Token]:
             )
         except LedgerError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+        # neither message quotes a field: in an entry written out of order, any may be the
+        # secret (a cold review: "ana:SECRET:operator" printed the secret at start)
         if role not in Role.__members__.values():
-            raise ConfigError(f"{where}: role {role!r} is not one of {', '.join(Role)}")
+            raise ConfigError(f"{where}: the second field is not a role ({', '.join(Role)})")
         if len(secret) < MIN_SECRET:
-            raise ConfigError(f"{where}: secret of {name!r} is shorter than {MIN_SECRET}")
+            raise ConfigError(f"{where}: the third field, the secret, is shorter than {MIN_SECRET}")
         if scopes is not None and not scopes:
             raise ConfigError(f"{where}: empty scope list for {name!r}")
         tokens.append(Token(name, Role(role), secret, scopes))
