@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 
@@ -155,3 +156,47 @@ def test_tools__user_module_from_env(run, tmp_path, monkeypatch):
     _, out, _ = run("tools", "--json")
     names = [t["name"] for t in json.loads(out)["tools"]]
     assert "send_greeting" in names
+
+
+def test_submit__a_broker_that_never_answers_fails_the_publish_in_bounded_time(
+    run, ledger, scope, monkeypatch
+):
+    """A Redis that accepts connections and never answers (frozen, partitioned) held every
+    publish for ever: kombu's sockets wait without a timeout, and ``serve`` hung with all its
+    threads in publishes (a cold review). The publish fails now, the call recorded for the
+    sweep to publish."""
+    import socket
+    import threading
+
+    held: list[socket.socket] = []
+    hole = socket.create_server(("127.0.0.1", 0))
+    port = hole.getsockname()[1]
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(hole.accept()[0])  # never read, never answered
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("TOOLLEDGER_BROKER", f"redis://127.0.0.1:{port}/0")
+    monkeypatch.setattr("toolledger.worker.app.BROKER_SOCKET_TIMEOUT", 0.5)
+    out: list[tuple[int, str, str]] = []
+    args = {"path": "a", "content": "x"}
+    submitting = threading.Thread(
+        target=lambda: out.append(
+            submit(run, scope, "c1", "write_file", args, "--approved-by", "al", "--json")
+        ),
+        daemon=True,
+    )
+    try:
+        submitting.start()
+        submitting.join(120)
+        assert not submitting.is_alive(), "the publish waited for a broker that never answers"
+        code, stdout, _ = out[0]
+        data = json.loads(stdout)
+        assert code == 0 and data["status"] == "approved" and data["enqueued"] is False
+        assert ledger.get(scope, "c1").operation.enqueued_at is None  # the sweep publishes it
+    finally:
+        hole.close()
+        for conn in held:
+            conn.close()
