@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +21,8 @@ from toolledger.server.auth import LOCAL, Authenticator, Token
 from toolledger.server.deps import BodyLimit, LoopbackOnly, error_response, max_body_for
 from toolledger.server.state import Desk
 from toolledger.worker.submit import Submitter
+
+log = logging.getLogger("toolledger.server")
 
 
 def create_app(
@@ -41,6 +45,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await anyio.to_thread.run_sync(_warm, sub)
         yield
         app.state.desk.close()
         if submitter is None:
@@ -96,6 +101,21 @@ def create_app(
         _mount_metrics(app, sub)
 
     return app
+
+
+def _warm(sub: Submitter) -> None:
+    """Import, before the first request, what the first publish would import on a request's
+    thread: Celery, the broker's kombu transport and, through kombu's SQLAlchemy transport,
+    ``sqlalchemy.orm``, which other threads' statements reach meanwhile (a cold review: the
+    first decisions sent at once to a fresh server saw a half-imported ``sqlalchemy.orm`` and
+    answered 500). Nothing connects; a transport that cannot load is left to the request,
+    which reports it."""
+    import sqlalchemy.orm  # noqa: F401
+
+    try:
+        sub.app.connection_for_write().transport  # noqa: B018 - loads the transport's module
+    except Exception as exc:  # noqa: BLE001 - the first publish says what is wrong
+        log.warning("the broker's transport could not be loaded at start: %s", exc)
 
 
 def _mount_metrics(app: FastAPI, sub: Submitter) -> None:
