@@ -477,6 +477,22 @@ def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
     assert (op.status, op.decided_by, op.reason) == (Status.APPROVED, "ann", "fine")
 
 
+def test_console__a_reason_of_several_lines_as_a_browser_sends_it(server: Any, scope: str) -> None:
+    """A textarea's line breaks arrive as CRLF: every two-line reason or evidence was refused
+    for its U+000D (a cold review, with Chromium). They are lines; a lone CR is refused."""
+    client, ledger = server
+    pending(ledger, scope, "p2")
+    login(client, "ann")
+    token = csrf_of(client.get(f"/calls/{scope}/p2").text)
+    url = f"/calls/{scope}/p2/approve"
+    r = client.post(url, data={"reason": "a\rb", "csrf": token}, follow_redirects=False)
+    assert r.status_code == 422
+    reason = "Checked with the customer.\r\nTicket 4411."
+    r = client.post(url, data={"reason": reason, "csrf": token}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    assert ledger.get(scope, "p2").operation.reason == "Checked with the customer.\nTicket 4411."
+
+
 def test_console__viewer_sees_no_forms_and_cannot_post(server: Any, scope: str) -> None:
     client, ledger = server
     pending(ledger, scope, "p")

@@ -102,7 +102,10 @@ def _who(request: Request) -> Token | None:
 async def _form(request: Request, who: Token) -> dict[str, str]:
     """The posted form, once its CSRF token proved it came from one of our pages."""
     form = await request.form()
-    fields = {k: v for k, v in form.items() if isinstance(v, str)}
+    # a browser sends a textarea's line breaks as CRLF (the HTML form encoding): the text's
+    # lines are LF, as the API takes them (a two-line reason was refused for its U+000D; a
+    # cold review). A lone CR is still the input rules' to refuse.
+    fields = {k: v.replace("\r\n", "\n") for k, v in form.items() if isinstance(v, str)}
     if not desk_of(request).auth.check_csrf(_session(request), fields.get("csrf")):
         raise CsrfRefused()
     return fields
