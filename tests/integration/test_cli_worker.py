@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from tests.helpers import row_counts, run_cli
+from toolledger.ledger.transitions import Status
 
 
 @pytest.fixture
@@ -200,3 +201,18 @@ def test_submit__a_broker_that_never_answers_fails_the_publish_in_bounded_time(
         hole.close()
         for conn in held:
             conn.close()
+
+
+def test_submit__an_approval_for_a_call_already_waiting_is_said_not_applied(run, ledger, scope):
+    """The same call again with an approver answered "existing", pending, and nothing else:
+    the approval silently dropped (a cold review, through the API). It says so now."""
+    args = {"path": "a", "content": "x"}
+    code, _, _ = submit(run, scope, "c1", "write_file", args)
+    assert code == 0
+    code, out, _ = submit(run, scope, "c1", "write_file", args, "--approved-by", "al", "--json")
+    data = json.loads(out)
+    assert code == 0 and (data["outcome"], data["status"]) == ("existing", "pending_approval")
+    assert "was not applied" in data["warning"]
+    code, out, _ = submit(run, scope, "c1", "write_file", args, "--approved-by", "al")
+    assert "warning: the call already exists, waiting for approval" in out
+    assert ledger.get(scope, "c1").operation.status is Status.PENDING_APPROVAL

@@ -61,6 +61,8 @@ def _human_submit(d: dict[str, Any]) -> str:
     line = f"{d['outcome']}: {call} -> {d['idempotency_key']} [{d['status']}]"
     if d.get("enqueue_error"):  # recorded and approved; the sweep will publish it
         line += f"\nwarning: not enqueued ({d['enqueue_error']}); the sweep will re-enqueue it"
+    if d.get("warning"):
+        line += f"\nwarning: {d['warning']}"
     if "result" in d:
         line += "\n" + json.dumps(d["result"], ensure_ascii=False, indent=2)
     return line
