@@ -574,15 +574,22 @@ def test_order__an_effect_that_cannot_land_after_its_commit_is_flagged(world, sc
     assert [c["tool_call_id"] for c in json.loads(out)["calls"]] == ["c1"]
 
 
-def test_order__an_automatic_retry_never_overwrites_a_newer_write(world, scope):
-    """Before: the sweep saw p.txt missing and authorised attempt 2 of c1; c2 then wrote
-    p.txt; attempt 2 ran later and overwrote c2's bytes with c1's older request."""
+def c1_frozen_its_retry_authorised_then_c2(world: Any, scope: str) -> Any:
+    """c1 (write p.txt) frozen before its effect and revoked, its attempt 2 authorised on the
+    missing target; then c2, a newer write of p.txt, submitted. The frozen process is kept."""
     world.submit(scope, "c1", "write_file", write("p.txt", "OLD (c1)\n"))
     zombie = world.execute(scope, "c1", failpoints="before_effect=stop")
     world.frozen(zombie)
     world.revoke(scope)
     assert world.sweep().auto_retried == 1  # target missing: attempt 2 authorised
     world.submit(scope, "c2", "write_file", write("p.txt", "NEW (c2)\n"))
+    return zombie
+
+
+def test_order__an_automatic_retry_never_overwrites_a_newer_write(world, scope):
+    """Before: the sweep saw p.txt missing and authorised attempt 2 of c1; c2 then wrote
+    p.txt; attempt 2 ran later and overwrote c2's bytes with c1's older request."""
+    zombie = c1_frozen_its_retry_authorised_then_c2(world, scope)
     assert world.run(scope, "c2")["status"] == "succeeded"
     late = world.run(scope, "c1")  # attempt 2 runs only now
     assert (late["status"], late["executions"][-1]["result"]["error"]) == ("failed", "superseded")
@@ -596,12 +603,7 @@ def test_order__an_automatic_retry_never_overwrites_a_newer_write_not_landed_yet
     The retry's reconciler saw p.txt still missing (c2's bytes committed, waiting to land),
     called the effect absent, wrote c1's older bytes and committed after c2: they landed
     last, over c2's. Bytes waiting on the path now mean "cannot tell": superseded."""
-    world.submit(scope, "c1", "write_file", write("p.txt", "OLD (c1)\n"))
-    zombie = world.execute(scope, "c1", failpoints="before_effect=stop")
-    world.frozen(zombie)
-    world.revoke(scope)
-    assert world.sweep().auto_retried == 1  # target missing: attempt 2 authorised
-    world.submit(scope, "c2", "write_file", write("p.txt", "NEW (c2)\n"))
+    zombie = c1_frozen_its_retry_authorised_then_c2(world, scope)
     crashed = world.execute(scope, "c2", failpoints="after_terminal=exit(9)")
     crashed.communicate(timeout=60)  # committed, not landed
     assert world.ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
