@@ -493,6 +493,28 @@ def test_console__a_reason_of_several_lines_as_a_browser_sends_it(server: Any, s
     assert ledger.get(scope, "p2").operation.reason == "Checked with the customer.\nTicket 4411."
 
 
+def test_console__a_chunked_form_over_the_bound_is_413_as_a_declared_one(
+    server: Any, scope: str
+) -> None:
+    """A body sent without a length is refused as soon as it passes the bound: it answered
+    422 in the console (the login and every form), 413 only when declared (a cold review)."""
+    client, ledger = server
+    pending(ledger, scope, "big")
+    login(client, "ann")
+    token = csrf_of(client.get(f"/calls/{scope}/big").text)
+
+    def chunks() -> Any:
+        yield f"csrf={token}&reason=".encode()
+        for _ in range(40):
+            yield b"x" * 10_000
+
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    for url in (f"/calls/{scope}/big/approve", "/login"):
+        r = client.post(url, content=chunks(), headers=form, follow_redirects=False)
+        assert r.status_code == 413, (url, r.status_code)
+    assert ledger.get(scope, "big").operation.status is Status.PENDING_APPROVAL
+
+
 def test_console__viewer_sees_no_forms_and_cannot_post(server: Any, scope: str) -> None:
     client, ledger = server
     pending(ledger, scope, "p")

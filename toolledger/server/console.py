@@ -26,7 +26,7 @@ from toolledger.server.auth import (
     Token,
     same_text,
 )
-from toolledger.server.deps import ERRORS, desk_of, require_suffix, token_of
+from toolledger.server.deps import ERRORS, BodyTooLarge, desk_of, require_suffix, token_of
 
 router = APIRouter(include_in_schema=False)
 
@@ -118,6 +118,8 @@ class CsrfRefused(LedgerError):
 def _status_of(exc: BaseException) -> int:
     if isinstance(exc, CsrfRefused):
         return 403
+    if isinstance(exc, BodyTooLarge):  # a chunked body found over the bound mid-stream
+        return 413
     return next((status for cls, status, _, _ in ERRORS if isinstance(exc, cls)), 500)
 
 
