@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from fastapi.testclient import TestClient
 
@@ -513,6 +514,47 @@ def test_console__a_chunked_form_over_the_bound_is_413_as_a_declared_one(
         r = client.post(url, content=chunks(), headers=form, follow_redirects=False)
         assert r.status_code == 413, (url, r.status_code)
     assert ledger.get(scope, "big").operation.status is Status.PENDING_APPROVAL
+
+
+def test_api__a_client_gone_mid_body_is_no_server_error(server: Any) -> None:
+    """A client that disconnects before its body is read left an unhandled ClientDisconnect
+    and a traceback in the log (a cold review): it is an ordinary end now."""
+    client, _ledger = server
+    sent: list[dict[str, Any]] = []
+    messages = iter(
+        [
+            {"type": "http.request", "body": b'{"scope": "s", ', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+
+    async def receive() -> dict[str, Any]:
+        return next(messages)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/calls",
+        "raw_path": b"/api/calls",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"content-type", b"application/json"),
+            (b"authorization", f"Bearer {SECRETS['otto']}".encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+        "state": {},
+    }
+    anyio.run(client.app, scope, receive, send)  # raised ClientDisconnect before
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
 
 
 def test_console__viewer_sees_no_forms_and_cannot_post(server: Any, scope: str) -> None:

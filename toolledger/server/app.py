@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger.db import ensure_schema
@@ -88,6 +89,15 @@ def create_app(
         if not request.url.path.startswith("/api/"):  # a person reads the console's
             return console.render(request, "error.html", 422, who=None, error=message)
         return JSONResponse({"error": message, "kind": "input", "exit_code": 6}, 422)
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, _exc: ClientDisconnect) -> Response:
+        # the client left mid-body: nothing was done, nobody reads an answer, and it is no
+        # error of the server's (it logged a traceback; a cold review)
+        log.info(
+            "%s %s: the client left before its body was read", request.method, request.url.path
+        )
+        return Response(status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:
