@@ -516,6 +516,24 @@ def test_console__a_chunked_form_over_the_bound_is_413_as_a_declared_one(
     assert ledger.get(scope, "big").operation.status is Status.PENDING_APPROVAL
 
 
+def test_console__a_form_that_is_not_utf8_is_refused_not_replaced(server: Any, scope: str) -> None:
+    """Starlette's parser read bytes that are not UTF-8 as U+FFFD: a rejection was recorded
+    with the reason "a\ufffd\ufffd\ufffdb" where the API refuses such text (a cold review)."""
+    client, ledger = server
+    pending(ledger, scope, "u8")
+    login(client, "ann")
+    token = csrf_of(client.get(f"/calls/{scope}/u8").text)
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    body = f"csrf={token}&reason=a%ED%A0%80b"
+    r = client.post(f"/calls/{scope}/u8/reject", content=body, headers=form, follow_redirects=False)
+    assert r.status_code == 422 and "not UTF-8" in r.text
+    assert ledger.get(scope, "u8").operation.status is Status.PENDING_APPROVAL
+    body = f"csrf={token}&reason=caf%C3%A9+ok"
+    r = client.post(f"/calls/{scope}/u8/reject", content=body, headers=form, follow_redirects=False)
+    assert r.status_code == 303
+    assert ledger.get(scope, "u8").operation.reason == "café ok"
+
+
 def test_api__a_client_gone_mid_body_is_no_server_error(server: Any) -> None:
     """A client that disconnects before its body is read left an unhandled ClientDisconnect
     and a traceback in the log (a cold review): it is an ordinary end now."""
