@@ -3,25 +3,15 @@ the test's interpreter has imported everything long before."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
-from toolledger.harness.processes import toolledger_argv
+from toolledger.harness.console_load import start_server
 
 OPERATOR = "cold-operator-secret-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_serve__the_first_decisions_sent_at_once_to_a_fresh_server_all_answer(
@@ -31,29 +21,10 @@ def test_serve__the_first_decisions_sent_at_once_to_a_fresh_server_all_answer(
     transport imports ``sqlalchemy.orm``, which the other threads' statements reach: they saw
     it half-imported and answered 500 (a cold review: 5 runs of 5). The server imports them
     before its first request now. Every decision answers, and each call is decided once."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
-    env.update(
-        TOOLLEDGER_HOME=str(tmp_path / "home"),
-        TOOLLEDGER_API_TOKENS=f"op:operator:{OPERATOR}",
-    )
-    server = subprocess.Popen(
-        [*toolledger_argv(), "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "serve.log").open("w"),
-    )
-    base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {OPERATOR}"}
+    home = tmp_path / "home"
+    server, base = start_server(f"sqlite:///{home / 'ledger.db'}", home, OPERATOR, role="operator")
+    auth = {"Authorization": f"Bearer {OPERATOR}"}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/api/inbox", headers=auth, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.2)
         calls = 40
         for n in range(calls):
             body = {
@@ -85,7 +56,7 @@ def test_serve__the_first_decisions_sent_at_once_to_a_fresh_server_all_answer(
         assert sum(answers.values()) == calls * 2
         assert all(code in (200, 409) for _action, code in answers), (
             answers,
-            (tmp_path / "serve.log").read_text()[-3000:],
+            (home / "serve.log").read_text()[-3000:],
         )
         statuses = Counter(
             httpx.get(f"{base}/api/calls/cold/c{n}", headers=auth).json()["status"]

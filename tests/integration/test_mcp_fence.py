@@ -135,6 +135,29 @@ def test_forward__its_own_commit_unanswered_then_unreadable_is_not_called_late(
     assert kinds.count("succeeded") == 1 and "evidence" not in kinds
 
 
+def finish_failing(
+    ledger: Ledger,
+    monkeypatch: pytest.MonkeyPatch,
+    failures: int,
+    before_success: Any = None,
+) -> dict[str, int]:
+    """The ledger's finish fails ``failures`` times (nothing committed), then runs
+    (``before_success`` first); returns the count of tries."""
+    real_finish = ledger.finish
+    tries = {"n": 0}
+
+    def finish(*args: Any, **kwargs: Any) -> Any:
+        tries["n"] += 1
+        if tries["n"] <= failures:
+            raise sa.exc.OperationalError("UPDATE", {}, Exception("server closed"))
+        if before_success is not None:
+            before_success()
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(ledger, "finish", finish)
+    return tries
+
+
 def test_record__a_stale_fence_on_the_last_try_keeps_the_result_as_evidence(
     ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,20 +166,15 @@ def test_record__a_stale_fence_on_the_last_try_keeps_the_result_as_evidence(
     fence is a definite answer: the result is kept as the call's evidence."""
     monkeypatch.setattr("toolledger.mcp.proxy.RECORD_BACKOFF_SECONDS", 0.001)
     claim = claimed(ledger, scope, "c5")
-    real_finish = ledger.finish
-    tries = {"n": 0}
 
-    def finish(*args: Any, **kwargs: Any) -> Any:
-        tries["n"] += 1
-        if tries["n"] < 6:
-            raise sa.exc.OperationalError("UPDATE", {}, Exception("server closed"))
+    def revoked() -> None:  # the sweep, before the sixth try
         ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
-        return real_finish(*args, **kwargs)
+
+    tries = finish_failing(ledger, monkeypatch, 5, before_success=revoked)
 
     def blind(_ids: Any) -> Any:
         raise sa.exc.OperationalError("SELECT", {}, Exception("server closed"))
 
-    monkeypatch.setattr(ledger, "finish", finish)
     monkeypatch.setattr(ledger, "effect_states", blind)
     anyio.run(proxy_for(ledger, Upstream())._forward, claim)
     assert tries["n"] == 6
@@ -173,16 +191,7 @@ def test_record__a_stop_during_the_back_off_still_records_the_answer(
     nothing recorded, not even logged (a cold review). The record is shielded now."""
     monkeypatch.setattr("toolledger.mcp.proxy.RECORD_BACKOFF_SECONDS", 0.5)
     claim = claimed(ledger, scope, "c6")
-    real_finish = ledger.finish
-    tries = {"n": 0}
-
-    def finish(*args: Any, **kwargs: Any) -> Any:
-        tries["n"] += 1
-        if tries["n"] == 1:
-            raise sa.exc.OperationalError("UPDATE", {}, Exception("server closed"))
-        return real_finish(*args, **kwargs)
-
-    monkeypatch.setattr(ledger, "finish", finish)
+    finish_failing(ledger, monkeypatch, 1)
 
     async def stopped() -> None:
         with anyio.move_on_after(0.2):  # within the back-off

@@ -51,6 +51,17 @@ def _shared(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+def _seconds(name: str, default: float, help: str) -> Callable[..., Any]:
+    """A positive number of seconds, at most a day, with its default shown."""
+    return click.option(
+        name,
+        type=Seconds(min=0, min_open=True, max=86_400),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
 def _require_mcp() -> None:
     try:
         import mcp  # noqa: F401
@@ -100,19 +111,15 @@ def serve(c: Context, scope: str | None, approved_by: str, timeout: float) -> No
     help="Seconds a forward's claim holds, renewed every lease/3 while it runs "
     "[default: TOOLLEDGER_LEASE_SECONDS].",
 )
-@click.option(
+@_seconds(
     "--time-limit",
-    type=Seconds(min=0, min_open=True, max=86_400),
-    default=3600.0,
-    show_default=True,
-    help="Seconds an upstream call may run; then it is cancelled upstream and recorded unknown.",
+    3600.0,
+    "Seconds an upstream call may run; then it is cancelled upstream and recorded unknown.",
 )
-@click.option(
+@_seconds(
     "--start-timeout",
-    type=Seconds(min=0, min_open=True, max=86_400),
-    default=120.0,
-    show_default=True,
-    help="Seconds the upstream may take to start and list its tools; then the proxy exits 1.",
+    120.0,
+    "Seconds the upstream may take to start and list its tools; then the proxy exits 1.",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @json_option

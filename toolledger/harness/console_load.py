@@ -233,8 +233,10 @@ def free_port() -> int:
 
 
 def start_server(
-    db_url: str, home: Path, token: str, workers: int = 1
+    db_url: str, home: Path, token: str, workers: int = 1, role: str = "viewer"
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """A real ``toolledger serve`` on a free port with one token of ``role``, once it answers;
+    its log is ``home/serve.log``."""
     import httpx
 
     port = free_port()
@@ -244,7 +246,7 @@ def start_server(
         home=str(home),
         sandbox=str(home / "sandbox"),
         broker=f"embedded+sqlite:///{home / 'broker.db'}",
-        api_tokens=f"load:viewer:{token}",
+        api_tokens=f"load:{role}:{token}",
     )
     log = (home / "serve.log").open("wb")
     proc = subprocess.Popen(
