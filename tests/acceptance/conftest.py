@@ -67,8 +67,11 @@ class Stack:
     def ledger(self) -> Ledger:
         return Ledger(self.db)
 
-    def worker(self, name: str = "w1", concurrency: int = 2, **env: str) -> ManagedProcess:
-        proc = worker_process(name, self.env(**env), self.root / "logs", concurrency=concurrency)
+    def worker(
+        self, name: str = "w1", concurrency: int = 2, pool: str = "prefork", **env: str
+    ) -> ManagedProcess:
+        log_dir = self.root / "logs"
+        proc = worker_process(name, self.env(**env), log_dir, concurrency=concurrency, pool=pool)
         self.workers.append(proc)
         return proc.start().wait_ready()
 
@@ -92,7 +95,7 @@ def stack(pg_url: str, redis_server: str, redis_prefix: str, tmp_path: Path) -> 
     s = Stack(pg_url, redis_server, redis_prefix, tmp_path, settings_env)
     yield s
     for proc in s.workers:
-        proc.stop()
+        proc.stop(warm=False)  # every check is done: no warm shutdown to wait for
 
 
 def toolledger(stack: Stack, *argv: str, **env: str) -> tuple[int, str, str]:
@@ -134,4 +137,4 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
     s.worker("w1", concurrency=2)
     yield s
     for proc in s.workers:
-        proc.stop()
+        proc.stop(warm=False)  # every check is done: no warm shutdown to wait for

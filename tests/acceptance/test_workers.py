@@ -166,6 +166,35 @@ def test_workers__zombie_past_its_lease_lands_nothing_late_result_is_evidence(st
     sub.close()
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_workers__warm_shutdown_mid_call_finishes_it_lands_it_and_exits_0(stack, scope, pool):
+    """A deploy's SIGTERM: the call in hand finishes, commits and lands, the worker exits 0; a
+    call sent during the shutdown runs once, in this worker (the threads pool runs what it
+    was handed) or the next. The fixtures' teardowns SIGKILL their workers, so this is where
+    a warm shutdown is held to what it promises."""
+    w = stack.worker("w1", pool=pool)
+    sub = stack.submitter()
+    ledger = stack.ledger()
+    slow = {**probe_args(1), "hold_ms": 3000}
+    sub.submit(sub.prepare(scope, "c1", "probe_write", slow), approved_by="alice")
+    wait_until(lambda: ledger.get(scope, "c1").executions, 60, "the claim")
+    w.signal(signal.SIGTERM)
+    sub.submit(sub.prepare(scope, "c2", "probe_write", probe_args(2)), approved_by="alice")
+    assert w.wait(60), "the worker did not stop"
+    assert w.proc is not None and w.proc.returncode == 0, w.log_text()[-3000:]
+    view = ledger.get(scope, "c1")
+    assert [e.status for e in view.executions] == [Status.SUCCEEDED]
+    assert landed(stack.sandbox / scope / "out/1.txt") == slow["content"]
+    assert ledger.get(scope, "c2").operation.status in (Status.APPROVED, Status.SUCCEEDED)
+    stack.worker("w2", pool=pool)
+    wait_until(lambda: ledger.get(scope, "c2").operation.status is Status.SUCCEEDED, 60, "c2")
+    assert landed(stack.sandbox / scope / "out/2.txt") == probe_args(2)["content"]
+    assert sorted(e["key"] for e in stack.effects()) == ["probe_write:c1", "probe_write:c2"]
+    assert [len(ledger.get(scope, c).executions) for c in ("c1", "c2")] == [1, 1]
+    assert ledger.verify().ok
+    sub.close()
+
+
 def test_workers__outbox_enqueue_failure_is_visible_and_recorded(stack, scope):
     # A broker nobody listens on: the call is recorded and approved, enqueued_at stays unset.
     sub = stack.submitter(broker="redis://127.0.0.1:1/0")

@@ -31,6 +31,8 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
         capsys,
         "bench",
         "--quick",
+        "--rounds",  # one round reaches every section (CI time); the rounds' arithmetic is
+        "1",  # held in tests/unit/test_bench_gaps.py
         "--pg",
         pg_server,
         "--redis",
@@ -41,6 +43,7 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     )
     assert code == 0, stderr
     report = json.loads(stdout)
+    assert report["rounds"] == 1
     assert list(report)[: len(HEADLINES)] == list(HEADLINES)  # the headline ratios come first
     for name in HEADLINES:
         figure = report[name]

@@ -87,7 +87,7 @@ def world(
     s.worker("w1", concurrency=2)
     yield s
     for proc in s.workers:
-        proc.stop()
+        proc.stop(warm=False)  # every check is done: no warm shutdown to wait for
     if prefix:
         import redis
 
