@@ -201,6 +201,18 @@ class EffectState:
     def own_success(self) -> bool:
         return self.status is Status.SUCCEEDED and not self.reconciled and self.seq > 0
 
+    def holds_own_write(self, status: Status) -> bool:
+        """Whether the row already holds what its executor meant to write, ``status``, by that
+        executor's own terminal write: asked when a commit's answer was lost, which looks like
+        a revocation until the row is read. An unreconciled ``succeeded`` (with its own
+        succeeded event) or ``failed`` is only ever committed by the lease token's holder: a
+        revocation leaves ``unknown``, a reconciliation or a human's resolution sets
+        ``reconciled``. An unreconciled ``unknown`` counts whoever wrote it (the sweep's mark
+        says the same); a settle of a spooled ``unknown`` asks only for the two others."""
+        if self.status is not status or self.reconciled:
+            return False
+        return self.seq > 0 if status is Status.SUCCEEDED else True
+
 
 @dataclass(frozen=True, slots=True)
 class Claim:

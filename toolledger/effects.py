@@ -1019,12 +1019,11 @@ class Effects:
                     raise
         if (
             state is not None
-            and state.status.value == record["status"]
-            and (state.own_success or (state.status is Status.FAILED and not state.reconciled))
+            and record["status"] in ("succeeded", "failed")
+            and state.holds_own_write(Status(record["status"]))
         ):
             # recorded meanwhile by another settle, or before the spool by its executor's own
-            # commit whose answer was lost: the spool is that commit, not a late result (only
-            # the token's holder commits an unreconciled terminal status)
+            # commit whose answer was lost: the spool is that commit, not a late result
             self._drop_spool(eid)
             return
         if state is not None and record.get("late") is not None:

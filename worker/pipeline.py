@@ -500,7 +500,7 @@ class Executor:
             return None
         if state is None or state.status is Status.RUNNING:
             return None  # not written yet: try again
-        if state.status is status and not state.reconciled:
+        if state.holds_own_write(status):
             metrics.transition(claim.tool, status)  # our commit did land
             return Outcome("finished", claim.execution_id, status, result, state.seq)
         return self._late(claim, status, result, error, staged)

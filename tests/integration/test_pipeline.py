@@ -638,6 +638,36 @@ def test_pipeline__an_own_failure_unanswered_and_unreadable_is_not_evidence(
     flaky.close()
 
 
+class FailsWhileAHumanDecides(Ledger):
+    """The terminal write fails (nothing committed); meanwhile the sweep marks the execution
+    unknown and a human resolves it ``failed``: the executor's next try meets a terminal row
+    that is not its own write."""
+
+    def finish(self, execution_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "decided", False):
+            self.decided = True
+            self.mark_unknown(execution_id, reason="lease expired", actor="sweep")
+            self.resolve(execution_id, Status.FAILED, by="alice", evidence="saw it fail")
+            raise sa.exc.OperationalError("UPDATE", {}, Exception("connection reset"))
+        return super().finish(execution_id, *args, **kwargs)
+
+
+def test_pipeline__a_human_resolution_met_after_a_lost_write_is_not_taken_for_its_own(
+    run, ledger, db_url, monkeypatch
+):
+    """Same status, but a human's word (``reconciled``): the executor's result is a late
+    result, kept as evidence, not an own commit that needs no record."""
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    deciding = FailsWhileAHumanDecides(db_url)
+    outcome, view = run("reports_failure", executor_ledger=deciding)
+    assert outcome.state == "stale"
+    assert view.current.status is Status.FAILED and view.current.reconciled
+    kinds = [e.kind for e in ledger.events(view.scope, view.tool_call_id)]
+    assert kinds[-1] == "evidence", kinds
+    assert ledger.verify().ok
+    deciding.close()
+
+
 class AlwaysFails(Ledger):
     def finish(self, *args: Any, **kwargs: Any) -> Any:
         raise sa.exc.OperationalError("UPDATE", {}, Exception("database is gone"))

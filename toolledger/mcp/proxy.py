@@ -488,7 +488,7 @@ class Proxy:
                 continue
             found = state.get(claim.execution_id)
             if found is not None and found.status is not Status.RUNNING:
-                if found.status is status and not found.reconciled:
+                if found.holds_own_write(status):
                     return  # the earlier try committed
                 break
         await self._late(claim, status, result, error)
