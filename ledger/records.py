@@ -209,9 +209,9 @@ class EffectState:
         revocation leaves ``unknown``, a reconciliation or a human's resolution sets
         ``reconciled``. An unreconciled ``unknown`` counts whoever wrote it (the sweep's mark
         says the same); a settle of a spooled ``unknown`` asks only for the two others."""
-        if self.status is not status or self.reconciled:
-            return False
-        return self.seq > 0 if status is Status.SUCCEEDED else True
+        if status is Status.SUCCEEDED:
+            return self.own_success
+        return self.status is status and not self.reconciled
 
 
 @dataclass(frozen=True, slots=True)

@@ -643,8 +643,12 @@ class FailsWhileAHumanDecides(Ledger):
     unknown and a human resolves it ``failed``: the executor's next try meets a terminal row
     that is not its own write."""
 
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.decided = False
+
     def finish(self, execution_id: str, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(self, "decided", False):
+        if not self.decided:
             self.decided = True
             self.mark_unknown(execution_id, reason="lease expired", actor="sweep")
             self.resolve(execution_id, Status.FAILED, by="alice", evidence="saw it fail")
