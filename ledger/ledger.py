@@ -26,6 +26,7 @@ from toolledger.ledger.outbox import LedgerOutbox
 from toolledger.ledger.reads import op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord, Submitted
 from toolledger.ledger.resolution import LedgerResolution
+from toolledger.ledger.sessions import LedgerSessions
 from toolledger.ledger.store import Store
 from toolledger.ledger.transitions import RETRYABLE, EventKind, Status, check_transition
 from toolledger.ledger.types import db_now, dumps
@@ -33,7 +34,7 @@ from toolledger.ledger.types import db_now, dumps
 __all__ = ["LEASE_SECONDS", "Ledger"]
 
 
-class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox):
+class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
     """The execution layer's own record of every side-effecting tool call.
 
     ``timeout``: seconds any statement, connect, lock wait or idle moment in a transaction may

@@ -4,6 +4,8 @@ operations       one row per logical action (scope, idempotency_key): what, appr
 tool_calls       each tool_call_id the model gave -> the action it names
 executions       one row per real attempt; inserting (scope, key, attempt) IS the claim
 execution_events the append-only history; current state can be rebuilt from it alone
+ended_sessions   console sessions logged out before their cookie expired (not the ledger's
+                 state: the server's, kept where all its processes read)
 
 Core, not the ORM: nothing maps rows to objects (records.py builds frozen dataclasses from
 rows), and ``sqlalchemy.orm`` would add a third to every command's start.
@@ -172,4 +174,16 @@ execution_events = sa.Table(
     _column("detail", JSONType),
     sa.CheckConstraint(_in("kind", EventKind), name="kind"),
     sa.Index("ix_execution_events_operation", "scope", "idempotency_key", "seq"),
+)
+
+#: A console session logged out before its cookie expired: refused from then on, in every
+#: server process. A row outlives its cookie by nothing; logouts prune the expired ones.
+ended_sessions = sa.Table(
+    "ended_sessions",
+    metadata,
+    _column("session_id", sa.String(32), primary_key=True),
+    _column("token", sa.String(256)),
+    _when("ended_at"),
+    _when("expires_at"),
+    sa.Index("ix_ended_sessions_expires_at", "expires_at"),
 )

@@ -48,7 +48,9 @@ def server(fresh_db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledg
     yield from serving(fresh_db_url, tmp_path)
 
 
-def serving(db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledger]]:
+def serving(
+    db_url: str, tmp_path: Path, session_key: bytes | None = None
+) -> Iterator[tuple[TestClient, Ledger]]:
     settings = Settings.from_env(
         {
             "TOOLLEDGER_DB": db_url,
@@ -58,7 +60,7 @@ def serving(db_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Ledger]]:
             "TOOLLEDGER_HOME": str(tmp_path / "home"),
         }
     )
-    app = create_app(settings, parse_tokens(TOKENS, "test"), metrics=False)
+    app = create_app(settings, parse_tokens(TOKENS, "test"), metrics=False, session_key=session_key)
     ledger = Ledger(db_url)
     with TestClient(app) as client:
         yield client, ledger
@@ -420,6 +422,25 @@ def test_sessions__signed_expiring_and_ended_by_rotation() -> None:
     assert auth.by_session(cookie.split(".")[0] + ".é", now=1001.0) is None
 
 
+def test_sessions__a_cookie_without_a_well_formed_session_id_is_refused() -> None:
+    """A cookie signed before session ids (migration 0005) names no session a logout could
+    end: it is refused, and its holder logs in again."""
+    t = parse_tokens("ann:approver:0123456789abcdef", "t")[0]
+    auth = Authenticator([t], b"k" * 32)
+    good = auth.session_of(auth.session_for(t, now=1000.0), now=1001.0)
+    assert good is not None and len(good.id) == 22 and good.expires == 1000 + 8 * 3600
+    fingerprint = auth._fingerprint(t)
+    for body in (
+        {"n": "ann", "f": fingerprint, "e": 9999999999},
+        {"n": "ann", "f": fingerprint, "s": "short", "e": 9999999999},
+        {"n": "ann", "f": fingerprint, "s": 12345, "e": 9999999999},
+        {"n": "ann", "f": fingerprint, "s": "a" * 21 + "/", "e": 9999999999},
+    ):
+        payload = base64.urlsafe_b64encode(json.dumps(body).encode()).rstrip(b"=").decode()
+        cookie = f"{payload}.{auth._sign(payload)}"  # signed with the key: only the id is wrong
+        assert auth.by_session(cookie, now=1001.0) is None, body
+
+
 def test_sessions__the_cookie_is_no_oracle_for_the_secret() -> None:
     """The cookie is readable by whoever holds it: its fingerprint of the token is keyed
     with the session key, so a weak secret cannot be found from it offline."""
@@ -643,6 +664,66 @@ def test_console__a_not_landed_call_is_confirmed_not_decided(server: Any, scope:
     assert r.status_code == 303
     view = ledger.get(scope, "n")
     assert (view.operation.review, view.current.status) == (None, Status.SUCCEEDED)
+
+
+def test_console__logout_ends_the_session_in_every_server_process(
+    fresh_db_url: str, tmp_path: Path, scope: str
+) -> None:
+    """A copy of a logged-out cookie (a proxy's log, a shared profile) is refused, by this
+    server process and by another on the same ledger; the same token's other sessions stay."""
+    key = b"s" * 32
+    one, two = serving(fresh_db_url, tmp_path, key), serving(fresh_db_url, tmp_path / "b", key)
+    (client, ledger), (other, _) = next(one), next(two)
+    try:
+        pending(ledger, scope, "p")
+        login(client, "ann")
+        copied = client.cookies["toolledger_session"]
+        login(other, "ann")  # the same token's second session, in the other process
+        page = client.get(f"/calls/{scope}/p")
+        assert page.status_code == 200
+        r = client.post("/logout", data={"csrf": csrf_of(page.text)}, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/login"
+        for c in (client, other):
+            c.cookies.clear()  # the other's own session goes: only the copy is sent
+            c.cookies.set("toolledger_session", copied)
+            assert c.get(f"/calls/{scope}/p", follow_redirects=False).status_code == 303
+            r = c.post(
+                f"/calls/{scope}/p/approve",
+                data={"reason": "replayed", "csrf": csrf_of(page.text)},
+                follow_redirects=False,
+            )
+            assert r.status_code == 303 and r.headers["location"].startswith("/login")
+        assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
+        other.cookies.clear()
+        login(other, "ann")  # a fresh session after the logout is good
+        assert other.get(f"/calls/{scope}/p").status_code == 200
+    finally:
+        one.close()
+        two.close()
+
+
+def test_console__a_logout_forgets_the_ended_sessions_whose_cookies_expired(
+    server: Any, scope: str
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    import sqlalchemy as sa
+
+    from toolledger.ledger.models import ended_sessions
+
+    client, ledger = server
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    ledger.end_session("x" * 22, "ann", past)  # its cookie expired: nothing left to refuse
+    assert ledger.session_ended("x" * 22)
+    ledger.end_session("y" * 22, "ann", past + timedelta(hours=1))  # prunes x
+    assert not ledger.session_ended("x" * 22) and ledger.session_ended("y" * 22)
+    ledger.end_session("x" * 22, "ann", past)
+    login(client, "ann")
+    page = client.get("/")
+    client.post("/logout", data={"csrf": csrf_of(page.text)}, follow_redirects=False)
+    with ledger.engine.connect() as conn:
+        left = {r.session_id for r in conn.execute(sa.select(ended_sessions.c.session_id))}
+    assert "x" * 22 not in left and "y" * 22 in left and len(left) == 2
 
 
 def test_console__open_redirect_refused(server: Any) -> None:

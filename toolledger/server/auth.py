@@ -6,8 +6,10 @@ Tokens come from ``TOOLLEDGER_API_TOKENS`` (comma-separated ``name:role:secret``
 *name* is the actor the ledger records; nothing in a request can change it.
 
 A browser logs in with a token once and then holds a signed session cookie (HttpOnly,
-SameSite=Strict) naming the token; rotating or removing the token ends its sessions. Every
-form carries a CSRF token derived from the session.
+SameSite=Strict) naming the token and a random session id; rotating or removing the token ends
+its sessions, logging out ends that one (its id is recorded in the ledger's database, which
+every server process reads: ``ledger.sessions``). Every form carries a CSRF token derived from
+the session.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ MIN_SECRET = 16
 SESSION_SECONDS = 8 * 3600
 SESSION_COOKIE = "toolledger_session"
 LOGIN_COOKIE = "toolledger_login"
+#: A session id as ``session_for`` writes it (``secrets.token_urlsafe(16)``).
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{22}")
 
 
 class Forbidden(LedgerError):
@@ -161,6 +165,15 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+@dataclass(frozen=True)
+class Session:
+    """What a valid session cookie says: whose it is, its id and when it expires (epoch s)."""
+
+    token: Token
+    id: str
+    expires: int
+
+
 class Authenticator:
     """Finds the token behind a request: a bearer secret, or a session cookie."""
 
@@ -194,6 +207,7 @@ class Authenticator:
             {
                 "n": token.name,
                 "f": self._fingerprint(token),
+                "s": secrets.token_urlsafe(16),
                 "e": int((now or time.time()) + SESSION_SECONDS),
             },
             separators=(",", ":"),
@@ -202,6 +216,12 @@ class Authenticator:
         return f"{payload}.{self._sign(payload)}"
 
     def by_session(self, cookie: str | None, now: float | None = None) -> Token | None:
+        session = self.session_of(cookie, now)
+        return None if session is None else session.token
+
+    def session_of(self, cookie: str | None, now: float | None = None) -> Session | None:
+        """The session a cookie holds, if its signature, token and expiry are good. Whether it
+        was ended by a logout is the ledger's to say (``Desk.session_live``)."""
         if not cookie or cookie.count(".") != 1:
             return None
         payload, mac = cookie.split(".")
@@ -209,9 +229,9 @@ class Authenticator:
             return None
         try:
             body = json.loads(_unb64(payload))
-            name, fingerprint, expires = body["n"], body["f"], body["e"]
+            name, fingerprint, sid, expires = body["n"], body["f"], body["s"], body["e"]
         except (ValueError, KeyError, TypeError):
-            return None
+            return None  # a cookie from before session ids (0005): log in again
         token = self._by_name.get(name) if isinstance(name, str) else None
         if token is None or not (
             isinstance(fingerprint, str) and same_text(self._fingerprint(token), fingerprint)
@@ -219,7 +239,9 @@ class Authenticator:
             return None  # removed or rotated since
         if not isinstance(expires, int) or expires < (now or time.time()):
             return None
-        return token
+        if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
+            return None
+        return Session(token, sid, expires)
 
     def csrf_for(self, session: str) -> str:
         """The CSRF token of a session: forms carry it, a forged cross-site post cannot."""

@@ -27,7 +27,14 @@ from toolledger.server.auth import (
     Token,
     same_text,
 )
-from toolledger.server.deps import ERRORS, BodyTooLarge, desk_of, require_suffix, token_of
+from toolledger.server.deps import (
+    ERRORS,
+    BodyTooLarge,
+    desk_of,
+    require_suffix,
+    session_of,
+    token_of,
+)
 
 router = APIRouter(include_in_schema=False)
 
@@ -96,8 +103,15 @@ def _login_redirect(request: Request) -> RedirectResponse:
     return RedirectResponse("/login?" + urlencode({"next": target}), status_code=303)
 
 
-def _who(request: Request) -> Token | None:
-    return token_of(request, cookie=True)
+async def _who(request: Request) -> Token | None:
+    """The token behind a console request: the local operator's, a bearer secret's, or a
+    session cookie's that no logout has ended (one read of the database, off the loop)."""
+    session = session_of(request)
+    if session is None:
+        return token_of(request)
+    if not await run_in_threadpool(desk_of(request).session_live, session):
+        return None
+    return session.token
 
 
 async def _form(request: Request, who: Token) -> dict[str, str]:
@@ -213,13 +227,16 @@ async def login(request: Request) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
-    who = _who(request)
+    who = await _who(request)
     if who is None:
         return _login_redirect(request)
     try:
         await _form(request, who)
     except CsrfRefused as exc:
         return render(request, "error.html", 403, who=who, error=str(exc))
+    session = session_of(request)
+    if session is not None:  # a bearer secret or the local operator has no session to end
+        await run_in_threadpool(desk_of(request).end_session, session)
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
@@ -230,7 +247,7 @@ async def logout(request: Request) -> Response:
 
 @router.get("/")
 async def inbox(request: Request) -> Response:
-    who = _who(request)
+    who = await _who(request)
     if who is None:
         return _login_redirect(request)
     desk = desk_of(request)
@@ -254,7 +271,7 @@ async def calls(
     review: bool = False,
     cursor: str | None = None,
 ) -> Response:
-    who = _who(request)
+    who = await _who(request)
     if who is None:
         return _login_redirect(request)
     status, scope = status or None, scope or None
@@ -303,7 +320,7 @@ async def _call_page(
 
 @router.get("/calls/{scope}/{tool_call_id:path}")
 async def call(request: Request, scope: str, tool_call_id: str) -> Response:
-    who = _who(request)
+    who = await _who(request)
     if who is None:
         return _login_redirect(request)
     return await _call_page(request, who, scope, tool_call_id)
@@ -314,7 +331,7 @@ async def call(request: Request, scope: str, tool_call_id: str) -> Response:
 
 async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> Response:
     require_suffix(request, action)  # an escaped "x%2Fapprove" is the call x/approve's path
-    who = _who(request)
+    who = await _who(request)
     if who is None:
         return _login_redirect(request)
     desk = desk_of(request)
@@ -366,7 +383,7 @@ async def retry(request: Request, scope: str, tool_call_id: str) -> Response:
 async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
     """Resolve one execution of this call (the form names it) with evidence."""
     require_suffix(request, "resolve")
-    who = _who(request)
+    who = await _who(request)
     if who is None:
         return _login_redirect(request)
     desk = desk_of(request)

@@ -17,7 +17,7 @@ from toolledger.ledger.errors import (
     NotFound,
     StateError,
 )
-from toolledger.server.auth import SESSION_COOKIE, Forbidden, Token
+from toolledger.server.auth import SESSION_COOKIE, Forbidden, Session, Token
 from toolledger.server.state import Desk
 
 #: The ledger's errors as HTTP statuses, with the CLI's kind and exit code; first match wins.
@@ -44,23 +44,31 @@ def desk_of(request: Request) -> Desk:
     return desk
 
 
-def token_of(request: Request, *, cookie: bool) -> Token | None:
-    """The token behind the request: a bearer secret, else (console) a session cookie."""
+def _bearer(request: Request) -> str | None:
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
+
+
+def token_of(request: Request) -> Token | None:
+    """The token behind the request: the local operator's, or a bearer secret's."""
     state = request.app.state
     if state.local is not None:
         return state.local  # type: ignore[no-any-return]
-    auth = desk_of(request).auth
-    header = request.headers.get("authorization", "")
-    scheme, _, secret = header.partition(" ")
-    if scheme.lower() == "bearer" and secret.strip():
-        return auth.by_secret(secret.strip())
-    if cookie:
-        return auth.by_session(request.cookies.get(SESSION_COOKIE))
-    return None
+    secret = _bearer(request)
+    return None if secret is None else desk_of(request).auth.by_secret(secret)
+
+
+def session_of(request: Request) -> Session | None:
+    """The console's session cookie, unless the request is the local operator's or carries a
+    bearer secret (which then decides alone). Whether a logout ended it is not judged here:
+    ``Desk.session_live`` reads the database."""
+    if request.app.state.local is not None or _bearer(request) is not None:
+        return None
+    return desk_of(request).auth.session_of(request.cookies.get(SESSION_COOKIE))
 
 
 def api_token(request: Request) -> Token:
-    token = token_of(request, cookie=False)
+    token = token_of(request)
     if token is None:
         raise Unauthorized()
     return token

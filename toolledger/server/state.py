@@ -7,7 +7,7 @@ import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from toolledger.config import Settings
@@ -20,7 +20,7 @@ from toolledger.ledger.records import CallView, EventRecord, ListedCall
 from toolledger.ledger.transitions import TERMINAL, Status, parse_status
 from toolledger.recovery.humans import resolve as resolve_call
 from toolledger.recovery.humans import retry as retry_call
-from toolledger.server.auth import Action, Authenticator, Token
+from toolledger.server.auth import Action, Authenticator, Session, Token
 from toolledger.worker.submit import Submitter
 
 _T = TypeVar("_T")
@@ -110,6 +110,17 @@ class Desk:
             if not exc.connection_invalidated:
                 raise
             return work(self.reader)
+
+    # ------------------------------------------------------------------ sessions
+
+    def session_live(self, session: Session) -> bool:
+        """Not ended by a logout (in this process or any other)."""
+        return not self._read(lambda ledger: ledger.session_ended(session.id))
+
+    def end_session(self, session: Session) -> None:
+        """Logout: the session is refused from now on, by every server process."""
+        expires = datetime.fromtimestamp(session.expires, UTC)
+        self.ledger.end_session(session.id, session.token.name, expires)
 
     def close(self) -> None:
         if self._reader is not None and self._reader is not self.ledger:
