@@ -373,7 +373,54 @@ def test_state_counts__each_part_can_use_a_partial_index(pg_url):
     for index in ("ix_operations_waiting", "ix_operations_approved_unclaimed"):
         assert index in plan, plan
     assert "ix_operations_review" in plan, plan
+    assert "ix_executions_unknown" in plan, plan  # the oldest unknown (the oldest pending
+    # approval: ix_operations_attention or ix_operations_waiting, as the planner prices them)
     assert "Seq Scan" not in plan, plan
+
+
+def test_inbox_oldest__since_the_submit_and_since_the_lease_expired(fresh_db_url):
+    """A pending approval waits since its submit; an unknown call since its execution's lease
+    expired, and only while the call is still unknown (a retried attempt's old execution
+    stays unknown, and must not be taken for a call waiting on a person)."""
+    from toolledger.observability.metrics import LedgerStateCollector, state_counts
+
+    ledger = Ledger(fresh_db_url)
+    try:
+        assert state_counts(ledger)["oldest"] == {}
+
+        def went_unknown(call: str, lease: float) -> float:
+            ledger.submit("s", call, "write_file", {"path": call, "content": "x"}, approved_by="b")
+            claim = ledger.claim("s", f"write_file:{call}", 1, worker_id="w", lease_seconds=lease)
+            assert claim is not None
+            ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+            (ex,) = ledger.get("s", call).executions
+            assert ex.lease_expires_at is not None
+            return ex.lease_expires_at.timestamp()
+
+        went_unknown("retried", 1)  # the earliest lease of all, then retried: approved now
+        ledger.authorize_retry("s", "retried", by="otto", accept_duplicate=True)
+        ledger.submit("s", "p1", "write_file", {"path": "p1", "content": "x"})
+        ledger.submit("s", "p2", "write_file", {"path": "p2", "content": "x"})
+        unknown = went_unknown("u1", 30)
+        went_unknown("u2", 60)
+        oldest = state_counts(ledger)["oldest"]
+        first = ledger.get("s", "p1").operation.created_at.timestamp()
+        assert oldest == {
+            "pending_approval": pytest.approx(first, abs=1e-3),
+            "unknown": pytest.approx(unknown, abs=1e-3),
+        }
+        samples = {
+            tuple(s.labels.items()): s.value
+            for family in LedgerStateCollector(ledger, ttl=0).collect()
+            if family.name == "toolledger_inbox_oldest_timestamp_seconds"
+            for s in family.samples
+        }
+        assert samples == {
+            (("kind", "pending_approval"),): pytest.approx(first, abs=1e-3),
+            (("kind", "unknown"),): pytest.approx(unknown, abs=1e-3),
+        }
+    finally:
+        ledger.close()
 
 
 def test_collector__cached_for_its_ttl(sqlite_url):

@@ -18,7 +18,12 @@ import yaml
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 ALERTS = DEPLOY / "alerts.yml"
 CI = os.environ.get("CI", "").lower() == "true"
-EXPECTED = {"ToolledgerInboxNotEmpty", "ToolledgerLeaseExpirationsRising", "ToolledgerSweepStalled"}
+EXPECTED = {
+    "ToolledgerInboxNotEmpty",
+    "ToolledgerCallWaitingLong",
+    "ToolledgerLeaseExpirationsRising",
+    "ToolledgerSweepStalled",
+}
 
 
 def promtool() -> str:
@@ -61,7 +66,7 @@ def alerts() -> set[str]:
     return {r["alert"] for g in doc["groups"] for r in g["rules"] if "alert" in r}
 
 
-def test_alert_rules__schema_and_the_three_alerts():
+def test_alert_rules__schema_and_the_four_alerts():
     assert schema_errors(yaml.safe_load(ALERTS.read_text())) == []
     assert alerts() == EXPECTED
 
@@ -83,7 +88,7 @@ def test_promtool__check_rules_and_config():
     tool = promtool()
     checked = run(tool, "check", "rules", "alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 3 rules found" in checked.stdout
+    assert "SUCCESS: 4 rules found" in checked.stdout
     config = run(tool, "check", "config", "prometheus.yml")
     assert config.returncode == 0, config.stdout + config.stderr
 

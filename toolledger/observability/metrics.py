@@ -4,7 +4,8 @@ Prefork: a Celery worker's children count into prometheus_client's multiprocess 
 (``PROMETHEUS_MULTIPROC_DIR``; a fresh temporary directory per worker unless set, wiped at
 start), and the worker's main process serves them all, summed, on one endpoint — so a
 child killed mid-task keeps what it counted. The beat and ``toolledger serve`` also serve
-the ledger's gauges (``toolledger_calls{status}``, ``toolledger_inbox{kind}``), read through
+the ledger's gauges (``toolledger_calls{status}``, ``toolledger_inbox{kind}``,
+``toolledger_inbox_oldest_timestamp_seconds{kind}``), read through
 the partial indexes and cached for ``CACHE_SECONDS``; workers do not (N workers would each
 query the ledger per scrape).
 
@@ -23,13 +24,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from toolledger.ledger import metrics as counters
-from toolledger.ledger.models import operations
+from toolledger.ledger.models import executions, operations
 from toolledger.ledger.transitions import Status
 
 if TYPE_CHECKING:
@@ -64,9 +66,12 @@ def metrics_port(default: int, env: Mapping[str, str] | None = None) -> int:
 # ------------------------------------------------------------------------ the ledger's gauges
 
 
-def state_counts(ledger: Ledger) -> dict[str, dict[str, int]]:
-    """{"calls": {status: n}, "inbox": {kind: n}} from current state, one statement whose
-    parts each match a partial index's predicate (so none scans the table)."""
+def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
+    """{"calls": {status: n}, "inbox": {kind: n}, "oldest": {kind: epoch seconds}} from
+    current state, two statements whose parts each match a partial index's predicate (so none
+    scans the table). "oldest" says since when the longest-waiting call of a kind has waited
+    on a person: a pending approval since it was submitted, an unknown call since its
+    execution's lease expired; a kind with nothing waiting is left out."""
     o = operations.c
     waiting = (
         sa.select(sa.literal("calls"), o.status, sa.func.count())
@@ -81,18 +86,41 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, int]]:
         .where(o.review.is_not(None))
         .group_by(o.review)
     )
-    calls = {s.value: 0 for s in OPEN_STATUSES}
-    flagged: dict[str, int] = {}
+    calls: dict[str, float] = {s.value: 0 for s in OPEN_STATUSES}
+    flagged: dict[str, float] = {}
     with ledger.engine.connect() as conn:
         for part, name, n in conn.execute(sa.union_all(waiting, approved, review)):
             (calls if part == "calls" else flagged)[str(name)] = int(n)
-    inbox = {
+        oldest = {
+            str(kind): when.timestamp()
+            for kind, when in conn.execute(_oldest_waiting())
+            if when is not None
+        }
+    inbox: dict[str, float] = {
         "pending_approval": calls[Status.PENDING_APPROVAL],
         "unknown": calls[Status.UNKNOWN],
         "contradicted": flagged.pop("contradicted", 0),
     }
     inbox.update(flagged)  # both_ran, not_landed: also waiting on a human
-    return {"calls": calls, "inbox": inbox}
+    return {"calls": calls, "inbox": inbox, "oldest": oldest}
+
+
+def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
+    """The oldest pending approval (ix_operations_attention: its first entry) and the unknown
+    execution of a still-unknown call whose lease expired first (ix_executions_unknown: few
+    rows by nature; an attempt retried since is no longer the operation's)."""
+    o, e = operations.c, executions.c
+    pending = sa.select(
+        sa.literal("pending_approval").label("kind"), sa.func.min(o.created_at).label("since")
+    ).where(o.status == Status.PENDING_APPROVAL.value)
+    unknown = sa.select(sa.literal("unknown"), sa.func.min(e.lease_expires_at)).where(
+        e.status == Status.UNKNOWN.value,
+        o.scope == e.scope,
+        o.idempotency_key == e.idempotency_key,
+        o.status == Status.UNKNOWN.value,
+        o.authorized_attempts == e.attempt,
+    )
+    return sa.union_all(pending, unknown)
 
 
 class LedgerStateCollector:
@@ -101,9 +129,9 @@ class LedgerStateCollector:
     def __init__(self, ledger: Ledger, ttl: float = CACHE_SECONDS) -> None:
         self.ledger, self.ttl = ledger, ttl
         self._lock = threading.Lock()
-        self._cached: tuple[float, dict[str, dict[str, int]]] | None = None
+        self._cached: tuple[float, dict[str, dict[str, float]]] | None = None
 
-    def counts(self) -> dict[str, dict[str, int]] | None:
+    def counts(self) -> dict[str, dict[str, float]] | None:
         with self._lock:
             now = time.monotonic()
             if self._cached is None or now - self._cached[0] >= self.ttl:
@@ -133,8 +161,17 @@ class LedgerStateCollector:
         )
         for kind, n in counts["inbox"].items():
             inbox.add_metric([kind], n)
+        oldest = GaugeMetricFamily(
+            "toolledger_inbox_oldest_timestamp_seconds",
+            "Since when the longest-waiting call has waited on a human (Unix time): a pending "
+            "approval since its submit, an unknown call since its lease expired.",
+            labels=["kind"],
+        )
+        for kind, since in counts["oldest"].items():
+            oldest.add_metric([kind], since)
         yield calls
         yield inbox
+        yield oldest
 
 
 # ------------------------------------------------------------------------ registries
