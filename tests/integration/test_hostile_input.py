@@ -323,11 +323,15 @@ def test_config__every_commands_help_works_whatever_the_environment_holds(capsys
     from toolledger.cli import COMMANDS
 
     monkeypatch.setenv("TOOLLEDGER_DB", "mysql://u:secret@h/x")
-    # worker and beat hand --help to Celery, whose app is made from the settings
-    for name in sorted(set(COMMANDS) - {"worker", "beat"}):
+    for name in sorted(COMMANDS):
         argv = name.split() if name != "mcp" else ["mcp", "serve"]
         code, out, err = run_cli(capsys, *argv, "--help")
         assert code == 0 and "Usage:" in out and err == "", (name, err)
+    # the worker's help is ours, then Celery's worker options (from an app of no settings)
+    code, out, err = run_cli(capsys, "worker", "-h")
+    assert code == 0 and "--log-format" in out and "--concurrency" in out, err
+    code, _out, err = run_cli(capsys, "worker")
+    assert code == 2 and err.count("\n") == 1 and "TOOLLEDGER_DB" in err
     code, _out, err = run_cli(capsys, "list", "--json")
     assert code == 2 and json.loads(err)["exit_code"] == 2 and "secret" not in err
 

@@ -170,6 +170,15 @@ SETTINGS_ERROR = "toolledger.settings_error"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def context_of(ctx: click.Context) -> Context:
+    """The command's Context, or the settings' error (exit 2) if the environment could not
+    make one."""
+    found = ctx.find_object(Context)
+    if found is None:
+        raise ctx.find_root().meta[SETTINGS_ERROR]
+    return found
+
+
 def pass_ctx(f: F) -> F:
     """Click's ``make_pass_decorator(Context)``, raising the settings' error (exit 2) when the
     environment could not make a Context."""
@@ -177,10 +186,7 @@ def pass_ctx(f: F) -> F:
     @functools.wraps(f)
     def with_context(*args: Any, **kwargs: Any) -> Any:
         ctx = click.get_current_context()
-        found = ctx.find_object(Context)
-        if found is None:
-            raise ctx.find_root().meta[SETTINGS_ERROR]
-        return ctx.invoke(f, found, *args, **kwargs)
+        return ctx.invoke(f, context_of(ctx), *args, **kwargs)
 
     return with_context  # type: ignore[return-value]
 

@@ -10,7 +10,14 @@ from typing import Any
 import click
 import sqlalchemy as sa
 
-from toolledger.cli.common import Context, Seconds, call_options, json_option, pass_ctx
+from toolledger.cli.common import (
+    Context,
+    Seconds,
+    call_options,
+    context_of,
+    json_option,
+    pass_ctx,
+)
 from toolledger.ledger.errors import StateError
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
@@ -90,21 +97,39 @@ def _given(args: tuple[str, ...], *names: str) -> bool:
     return any(a in names or a.startswith(tuple(f"{n}=" for n in names)) for a in args)
 
 
+def _help_with_celerys(ctx: click.Context) -> None:
+    """``worker --help``: ours, then Celery's worker options (they pass through). Needs no
+    settings: help is asked for to find out how to give them."""
+    from celery import Celery
+
+    click.echo(ctx.get_help())
+    click.echo("\nCelery's worker options, passed through:\n")
+    try:
+        Celery("toolledger", set_as_current=False).worker_main(["worker", "--help"])
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+
+
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     add_help_option=False,
 )
 @log_format_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
-@pass_ctx
-def worker(c: Context, log_format: str | None, celery_args: tuple[str, ...]) -> None:
+@click.pass_context
+def worker(ctx: click.Context, log_format: str | None, celery_args: tuple[str, ...]) -> None:
     """Run a Celery worker with toolledger's app and defaults.
 
     Celery's worker options pass through (--concurrency, --pool, --loglevel, -n, -Q, …);
     by default it consumes the job queue and the sweep queue, at loglevel INFO.
     """
+    if _given(celery_args, "-h", "--help"):
+        _help_with_celerys(ctx)
+        return
     from toolledger.worker.app import check_worker_start, create_app
 
+    c = context_of(ctx)
     _use_log_format(log_format)
     settings = c.settings
     check_worker_start(settings)
