@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -320,6 +321,57 @@ def invocations(log: Path) -> list[dict[str, Any]]:
 
 def proxy_argv(*options: str) -> list[str]:
     return ["proxy", *options, "--", sys.executable, UPSTREAM]
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
+    world: Stack, command: str
+) -> None:
+    """A line that is not JSON gets -32700, JSON that is no message -32600, each with id null
+    (JSON-RPC 2.0 §5.1); the SDK dropped both without a word. The next request is answered."""
+    hello = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"},
+        },
+    }
+    lines = [
+        json.dumps(hello),
+        '{"jsonrpc":"2.0","method":"notifications/initialized"}',
+        "not json {",
+        '{"jsonrpc":"2.0","id":5,"method":42}',
+        '{"jsonrpc":"2.0","id":2,"method":"ping"}',
+    ]
+    argv = ["serve"] if command == "serve" else proxy_argv()
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "mcp", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            env=world.env(),
+            text=True,
+            cwd=ROOT,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        killer = threading.Timer(60, proc.kill)  # a reply that never comes fails, not hangs
+        killer.start()
+        try:
+            proc.stdin.write("\n".join(lines) + "\n")
+            proc.stdin.flush()
+            replies = [json.loads(proc.stdout.readline() or "null") for _ in range(4)]
+            proc.stdin.close()
+            proc.wait(60)
+        finally:
+            killer.cancel()
+            proc.kill()
+    errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
+    assert errors == [(None, -32700), (None, -32600)], replies
+    assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies
 
 
 def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(

@@ -7,15 +7,20 @@ tool error (``isError``, one line), never a crash of the server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import anyio
 import mcp.types as types
+from anyio.streams.memory import MemoryObjectReceiveStream
+from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 
 from toolledger.ledger.errors import InvalidIdentifier
 from toolledger.ledger.identity import check_scope, check_text_id
@@ -27,6 +32,8 @@ from toolledger.mcp import (
     META_STATUS,
     META_TOOL_CALL_ID,
 )
+
+log = logging.getLogger("toolledger.mcp")
 
 #: Longest tool_call_id accepted (as on the command line).
 MAX_TOOL_CALL_ID = 256
@@ -157,3 +164,45 @@ def log_to_stderr(level: int = logging.WARNING) -> None:
     logging.basicConfig(
         stream=sys.stderr, level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+
+
+class _Sends(Protocol):
+    async def send(self, item: SessionMessage, /) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def answering_malformed(
+    read: AsyncIterable[SessionMessage | Exception], write: _Sends
+) -> AsyncIterator[MemoryObjectReceiveStream[SessionMessage | Exception]]:
+    """The host's messages, each line that is no JSON-RPC message answered as JSON-RPC 2.0
+    asks — an error with id null: -32700 for text that is not JSON, -32600 for JSON that is no
+    message — where the SDK's server drops it without a word (a host waiting on a reply to a
+    request it mangled waited forever)."""
+    send, receive = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+
+    async def pump() -> None:
+        async with send:
+            async for item in read:
+                if not isinstance(item, Exception):
+                    await send.send(item)
+                    continue
+                not_json = isinstance(item, ValidationError) and any(
+                    e["type"] == "json_invalid" for e in item.errors()
+                )
+                code, text = (
+                    (types.PARSE_ERROR, "Parse error")
+                    if not_json
+                    else (types.INVALID_REQUEST, "Invalid Request")
+                )
+                log.warning("a line from the host is no JSON-RPC message: %s", text)
+                error = types.ErrorData(code=code, message=text)
+                await write.send(
+                    SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=error))
+                )
+
+    async with anyio.create_task_group() as pumping:
+        pumping.start_soon(pump)
+        try:
+            yield receive
+        finally:
+            pumping.cancel_scope.cancel()

@@ -96,6 +96,7 @@ from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY
 from toolledger.mcp.common import (
     CallIdentity,
+    answering_malformed,
     call_identity,
     error_result,
     log_to_stderr,
@@ -849,7 +850,11 @@ class _StdinLines:
 async def _serve(server: Server[Any], gone: anyio.Event) -> bool:
     """Serve over stdio until the host closes stdin (False) or the upstream exits (True)."""
     stdin = cast("anyio.AsyncFile[str]", _StdinLines())
-    async with stdio_server(stdin) as (read, write), anyio.create_task_group() as serving:
+    async with (
+        stdio_server(stdin) as (raw, write),
+        answering_malformed(raw, write) as read,
+        anyio.create_task_group() as serving,
+    ):
 
         async def stop_when_gone() -> None:
             await gone.wait()

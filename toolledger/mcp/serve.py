@@ -30,6 +30,7 @@ from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.mcp import DEFAULT_TIMEOUT, META_SCOPE, META_TOOL_CALL_ID
 from toolledger.mcp.common import (
+    answering_malformed,
     call_identity,
     error_result,
     log_to_stderr,
@@ -155,7 +156,7 @@ async def serve(
             approved_by=approved_by,
             timeout=timeout,
         )
-        async with stdio_server() as (read, write):
+        async with stdio_server() as (raw, write), answering_malformed(raw, write) as read:
             await server.run(read, write, server.create_initialization_options())
     finally:
         await client.close()
