@@ -337,6 +337,11 @@ def test_repair_cli__in_place_out_and_exit_codes(db_url, ledger, scope, tmp_path
     assert code == 0 and summary["format"] == "openai" and len(summary["inserted"]) == 1
     assert path.read_text() == original  # --out leaves the input alone
     assert tool_results("openai", (tmp_path / "fixed.jsonl").read_text(), "jsonl")[0][0] == "c1"
+    code, out, err = run_cli(
+        capsys, "--db", db_url, "repair", str(path), "--scope", scope, "--out", "-", "--json"
+    )  # stdout is the transcript, whole; the summary asked for is on stderr, one JSON line
+    assert code == 0 and out == (tmp_path / "fixed.jsonl").read_text()
+    assert json.loads(err)["out"] == "-" and len(json.loads(err)["inserted"]) == 1
     code, out, _ = run_cli(capsys, "--db", db_url, "repair", str(path), "--scope", scope)
     assert code == 0 and "1 inserted" in out and path.read_text() != original
     path.write_text(

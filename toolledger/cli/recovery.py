@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -158,7 +159,8 @@ def retry(
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
-    help="Write here ('-': stdout) instead of in place.",
+    help="Write here ('-': stdout; with --json the summary then goes to stderr) instead of "
+    "in place.",
 )
 @json_option
 @pass_ctx
@@ -174,6 +176,9 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
             transcript.read_bytes(), c.ledger, scope, fmt, name=str(transcript)
         )
         click.echo(report.text.encode("utf-8"), nl=False)
+        if c.json:  # stdout is the transcript's: the summary a script asked for goes to stderr
+            data = {"transcript": str(transcript), "out": "-", **report.to_json()}
+            click.echo(json.dumps(data, ensure_ascii=False, default=str), err=True)
         return
     report = repair_file(transcript, c.ledger, scope, fmt, out)
     data = {"transcript": str(transcript), "out": str(out or transcript), **report.to_json()}
