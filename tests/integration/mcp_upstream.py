@@ -9,7 +9,9 @@ parent's pid (the proxy). Tools:
   ``MCP_UPSTREAM_RELEASE`` exists (a forward the test can cut off);
 - ``refuse``: answers with ``isError``;
 - ``crash``: exits the server at once, without an answer;
-- ``bad.name`` too, when ``MCP_UPSTREAM_BAD_NAME`` is set (not a toolledger tool name).
+- ``bad name`` too, when ``MCP_UPSTREAM_BAD_NAME`` is set (not a toolledger tool name);
+- ``admin.tools.list`` and ``user-profile/update`` (charge as well), when
+  ``MCP_UPSTREAM_SPEC_NAMES`` is set: names MCP allows (SEP-986).
 
 ``MCP_UPSTREAM_PAGES`` makes ``tools/list`` misbehave: ``same`` (a next cursor that is the
 same again), ``endless`` (always one more page), ``silent`` (no answer at all).
@@ -48,7 +50,10 @@ def tools() -> list[types.Tool]:
         types.Tool(name="crash", description="Exits mid-call.", input_schema={"type": "object"}),
     ]
     if os.environ.get("MCP_UPSTREAM_BAD_NAME"):
-        listed.append(types.Tool(name="bad.name", input_schema={"type": "object"}))
+        listed.append(types.Tool(name="bad name", input_schema={"type": "object"}))
+    if os.environ.get("MCP_UPSTREAM_SPEC_NAMES"):  # SEP-986's own examples: '.' and '/'
+        for name in ("admin.tools.list", "user-profile/update"):
+            listed.append(types.Tool(name=name, input_schema=AMOUNT))
     return listed
 
 

@@ -702,6 +702,33 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_proxy__tool_names_with_the_dot_and_slash_mcp_allows(world: Stack, tmp_path: Path) -> None:
+    """SEP-986 allows '.' and '/' in a tool name (its examples: admin.tools.list,
+    user-profile/update); the proxy refused to start on such an upstream."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("names")
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_SPEC_NAMES": "1"}
+
+    async def go() -> list[Any]:
+        async with mcp_server(world, *proxy_argv(), **env) as s:
+            listed = {t.name for t in (await s.list_tools()).tools}
+            assert {"admin.tools.list", "user-profile/update"} <= listed
+            return [
+                await s.call_tool(name, {"amount": 1}, meta={ID: f"n{i % 2}", SCOPE: scope})
+                for i, name in enumerate(("admin.tools.list", "user-profile/update") * 2)
+            ]
+
+    results = run_async(go)
+    assert [r.is_error for r in results] == [False] * 4 and results[2:] == results[:2]
+    assert [c["tool"] for c in invocations(log)] == ["admin.tools.list", "user-profile/update"]
+    ledger = Ledger(world.db)
+    try:
+        assert ledger.get(scope, "n1").operation.tool == "mcp.user-profile/update"
+        assert ledger.get(scope, "n1").operation.idempotency_key == "mcp.user-profile/update:n1"
+    finally:
+        ledger.close()
+
+
 def test_proxy__refuses_upstream_tools_it_cannot_record(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLLEDGER_")}
     env.update(
@@ -721,7 +748,7 @@ def test_proxy__refuses_upstream_tools_it_cannot_record(tmp_path: Path) -> None:
 
     bad = run(*proxy_argv(), MCP_UPSTREAM_BAD_NAME="1")
     assert bad.returncode == 2, bad.stderr
-    assert "'bad.name' is not a toolledger tool name" in bad.stderr
+    assert "'bad name' is not a toolledger tool name" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     unknown = run(*proxy_argv("--idempotent", "nope"))
     assert unknown.returncode == 2 and "--idempotent 'nope'" in unknown.stderr

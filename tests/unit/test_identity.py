@@ -9,7 +9,9 @@ from toolledger.ledger.identity import (
     canonical_json,
     check_args,
     check_call,
+    check_registered_name,
     check_scope,
+    check_tool_name,
     default_key,
     new_execution_id,
     new_lease_token,
@@ -79,6 +81,23 @@ def test_scope__safe_names_accepted(scope):
 def test_scope__unsafe_names_refused(scope):
     with pytest.raises(InvalidIdentifier):
         check_scope(scope)
+
+
+@pytest.mark.parametrize(
+    "name", ["mcp.charge", "mcp.admin.tools.list", "mcp.user-profile/update", "mcp." + "x" * 60]
+)
+def test_tool_name__a_proxied_name_may_hold_the_dot_and_slash_mcp_allows(name):
+    assert check_tool_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name", ["admin.tools.list", "a/b", "mcp." + "x" * 61, "mcp.a b", "mcp.", "mcp.a:b", "x" * 65]
+)
+def test_tool_name__outside_both_forms_refused(name):
+    with pytest.raises(InvalidIdentifier, match="is not 1-64 of"):
+        check_tool_name(name)
+    with pytest.raises(InvalidIdentifier):
+        check_registered_name(name)
 
 
 @pytest.mark.parametrize("args", [[1, 2], "text", 3, None])
