@@ -116,7 +116,7 @@ def run_turn(
         approve(c.name, c.id, copy.deepcopy(p.args)) if approve else None for c, p in asked
     ]
     deadline = None if timeout is None else time.monotonic() + timeout
-    handles = [  # in order: the model's order is the effects' order
+    handles = [  # submitted in the model's order (workers may run them concurrently)
         (call, client.submit_checked(prepared, approved_by=approver))
         for call, prepared, approver in zip(calls, checked, approvers, strict=True)
     ]
