@@ -72,6 +72,10 @@ def pg_connect_args(
     primary key is cheap then, and scans every running row once 10,000 are in flight
     (measured: 629 -> 169 jobs/s). With values, the unique index always wins.
 
+    Timestamps are read in the ISO DateStyle, whatever the server's or the database's
+    default: psycopg parses no other for ``timestamptz``, and a database set to, say,
+    ``SQL, DMY`` made every read of a row fail (a submit, after its commit).
+
     ``timeout`` (seconds) bounds the connect, each statement (unless ``statement_timeout``
     is False: a human's long read), each lock wait and each idle moment in a transaction
     (server side: a frozen client cannot hold its locks longer), and an unanswered socket
@@ -79,6 +83,7 @@ def pg_connect_args(
     hears the server's timeout)."""
     args = dict(given)
     options = [args.get("options", ""), "-c plan_cache_mode=force_custom_plan"]
+    options += ["-c DateStyle=ISO,YMD"]
     if timeout is not None:
         ms = max(1, int(timeout * 1000))
         options += [f"-c statement_timeout={ms}"] if statement_timeout else []

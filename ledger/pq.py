@@ -109,7 +109,7 @@ def _convert(oid: int, text: str) -> Any:
     if oid in (INT2, INT4, INT8):
         return int(text)
     if oid in (TIMESTAMP, TIMESTAMPTZ):
-        return datetime.fromisoformat(text)  # ISO DateStyle asked at connect (PGDATESTYLE wins)
+        return datetime.fromisoformat(text)  # ISO: pg_connect_args asks (PGDATESTYLE wins)
     return text
 
 
@@ -131,8 +131,7 @@ class Connection:
         lib = library()
         # The URL is expanded as a conninfo (``expand_dbname``); the parameters after it win,
         # as psycopg's keyword arguments win over its conninfo.
-        options = " ".join(o for o in (str(params.get("options", "")), "-c DateStyle=ISO,YMD") if o)
-        settings = {**{k: v for k, v in params.items() if v is not None}, "options": options}
+        settings = {k: v for k, v in params.items() if v is not None}
         settings["client_encoding"] = "UTF8"
         keys = [b"dbname", *(_text(k) for k in settings)]
         values = [_text(url), *(_text(v) for v in settings.values())]

@@ -320,3 +320,66 @@ def test_cli__db_a_revision_that_is_not_ours_is_a_usage_error(run):
         assert code == 2 and "no such revision" in err and "internal error" not in err
         assert len(err.strip().splitlines()) == 1
     assert json.loads(run("--json", "db", "upgrade")[1])["revision"] == head  # unchanged
+
+
+def test_cli__a_postgres_database_with_other_session_defaults(pg_server, pg_template, tmp_path):
+    """A database a DBA set to another DateStyle, time zone and IntervalStyle: psycopg parses
+    ``timestamptz`` only in ISO, so every read of a row failed — a submit after its commit,
+    ``list``, the executor's claim. Every ledger connection now asks for ISO itself."""
+    from datetime import UTC, datetime
+
+    import psycopg
+
+    from tests.conftest import fresh_pg_database
+    from toolledger.ledger.ledger import Ledger
+    from toolledger.registry import load_registry
+    from toolledger.sandbox import Sandbox
+    from toolledger.worker.pipeline import Executor
+
+    with fresh_pg_database(pg_server, pg_template) as url:
+        name = url.rsplit("/", 1)[1]
+        with psycopg.connect(pg_server.replace("+psycopg", ""), autocommit=True) as admin:
+            for setting in ("DateStyle = 'SQL, DMY'", "TimeZone = 'Asia/Kolkata'"):
+                admin.execute(f"ALTER DATABASE {name} SET {setting}")
+            admin.execute(f"ALTER DATABASE {name} SET IntervalStyle = 'sql_standard'")
+        sandbox, broker = str(tmp_path / "sandbox"), "redis://127.0.0.1:1/11"  # no broker
+        base = ("--db", url, "--sandbox", sandbox, "--broker", broker, "--json")
+        before = datetime.now(UTC)
+
+        def cli(*argv: str) -> dict:
+            import io
+            from contextlib import redirect_stderr, redirect_stdout
+
+            from toolledger.cli import main
+
+            out, err = io.StringIO(), io.StringIO()
+            with redirect_stdout(out), redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+                main([*base, *argv])
+            assert not exit_.value.code, err.getvalue()
+            return json.loads(out.getvalue())
+
+        made = cli(
+            "submit", "--scope", "ds", "--tool-call-id", "c1", "--tool", "write_file",
+            "--args", ARGS, "--approved-by", "al",
+        )  # fmt: skip
+        assert made["outcome"] == "created"
+        ledger = Ledger(url)
+        try:
+            executor = Executor(
+                ledger, load_registry(), Sandbox(tmp_path / "sandbox"), worker_id="w",
+                lease_seconds=30,
+            )  # fmt: skip
+            assert executor.execute("ds", made["idempotency_key"], 1).state == "finished"
+        finally:
+            ledger.close()
+        shown = cli("show", "--scope", "ds", "--tool-call-id", "c1")
+        assert shown["status"] == "succeeded" and shown["receipt"]["bytes_written"] == 4
+        finished = datetime.fromisoformat(shown["executions"][0]["finished_at"])
+        assert before <= finished <= datetime.now(UTC)  # read right, not only read
+        assert cli("list", "--scope", "ds")["count"] == 1
+        kinds = [
+            e["kind"] for e in cli("events", "--scope", "ds", "--tool-call-id", "c1")["events"]
+        ]
+        assert kinds[-1] == "succeeded"
+        assert cli("sweep", "--no-requeue")["errors"] == []
+        assert (tmp_path / "sandbox" / "ds" / "a.txt").read_text() == "done"
