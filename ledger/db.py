@@ -71,9 +71,17 @@ def create_engine(
     # A connection the server killed (pg_terminate_backend, a restart) is noticed at checkout,
     # not by the statement that needed it; the hot path keeps its own connections (fastpath).
     kwargs.setdefault("pool_pre_ping", True)
-    connect_args = pg_connect_args(
-        timeout, statement_timeout=statement_timeout, given=kwargs.pop("connect_args", {})
-    )
+    given = dict(kwargs.pop("connect_args", {}))
+    if "options" in parsed.query:
+        # The URL's own (``?options=-c search_path=ledger``): SQLAlchemy hands psycopg the
+        # URL's query and connect_args together, the latter winning, so the options below
+        # replaced the user's without a word. Theirs go first: ours (the timeouts that keep
+        # a lease honest, the DateStyle the reads parse) win a setting both name.
+        url_options = parsed.query["options"]
+        url_options = " ".join(url_options) if isinstance(url_options, tuple) else url_options
+        given["options"] = " ".join(o for o in (url_options, given.get("options", "")) if o)
+        parsed = parsed.difference_update_query(["options"])
+    connect_args = pg_connect_args(timeout, statement_timeout=statement_timeout, given=given)
     return sa.create_engine(parsed, json_serializer=dumps, connect_args=connect_args, **kwargs)
 
 

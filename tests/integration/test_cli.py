@@ -383,3 +383,33 @@ def test_cli__a_postgres_database_with_other_session_defaults(pg_server, pg_temp
         assert kinds[-1] == "succeeded"
         assert cli("sweep", "--no-requeue")["errors"] == []
         assert (tmp_path / "sandbox" / "ds" / "a.txt").read_text() == "done"
+
+
+def test_cli__the_options_a_postgres_url_carries_are_kept(pg_server, tmp_path):
+    """``?options=-c search_path=…`` puts the ledger in a schema of its own. The ledger's own
+    connect options (timeouts, DateStyle) replaced the URL's without a word: the tables went
+    to ``public`` and the schema stayed empty."""
+    import psycopg
+
+    from toolledger.harness import scratch
+
+    with scratch.scratch_database(pg_server, "tl_t") as plain:
+        with psycopg.connect(plain.replace("+psycopg", ""), autocommit=True) as admin:
+            admin.execute("CREATE SCHEMA agents")
+            url = plain + "?options=-c%20search_path%3Dagents"
+            base = ("--db", url, "--sandbox", str(tmp_path / "sandbox"), "--json")
+            for argv in (
+                ("db", "upgrade"),
+                ("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+                 "--args", ARGS),
+            ):  # fmt: skip
+                proc = subprocess.run(
+                    [str(Path(sys.executable).with_name("toolledger")), *base, *argv],
+                    capture_output=True, text=True, timeout=120,
+                )  # fmt: skip
+                assert proc.returncode == 0, proc.stderr
+            where = "SELECT to_regclass(%s) IS NOT NULL"
+            assert admin.execute(where, ("agents.operations",)).fetchone() == (True,)
+            assert admin.execute(where, ("public.operations",)).fetchone() == (False,)
+            count = admin.execute("SELECT count(*) FROM agents.operations").fetchone()
+            assert count == (1,)
