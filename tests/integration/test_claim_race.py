@@ -14,10 +14,10 @@ PROCESSES, KEYS = 8, 1000
 
 
 def _racer(
-    url: str, scope: str, index: int, start_at: float
+    url: str, scope: str, index: int, start_at: float, count: int = KEYS
 ) -> tuple[list[str], int, list[str], float]:
     ledger = Ledger(url)
-    keys = [f"write_file:c{i}" for i in range(KEYS)]
+    keys = [f"write_file:c{i}" for i in range(count)]
     random.Random(index).shuffle(keys)
     won, lost, errors = [], 0, []
     while time.time() < start_at:  # all processes start together
@@ -71,3 +71,32 @@ def test_claim_race__exactly_one_winner_per_key(db_url, scope, record_property):
         f"{KEYS} wins, {lost} lost, wins per process {[len(r[0]) for r in results]}"
     )
     ledger.close()
+
+
+def test_claim_race__a_database_that_defaults_to_serializable(pg_server, pg_template, scope):
+    """A DBA's ``default_transaction_isolation = serializable``: the protocol's statements
+    are written for READ COMMITTED, and under SERIALIZABLE 136 of 1,200 racing claims failed
+    with serialization errors. Every ledger connection now asks for READ COMMITTED."""
+    import psycopg
+
+    from tests.conftest import fresh_pg_database
+
+    processes, keys = 4, 300
+    with fresh_pg_database(pg_server, pg_template) as url:
+        with psycopg.connect(pg_server.replace("+psycopg", ""), autocommit=True) as admin:
+            name = url.rsplit("/", 1)[1]
+            admin.execute(f"ALTER DATABASE {name} SET default_transaction_isolation = serializable")
+        ledger = Ledger(url)
+        for i in range(keys):
+            ledger.submit(
+                scope, f"c{i}", "write_file", {"path": f"f{i}", "content": "x"}, approved_by="a"
+            )
+        ledger.close()
+        start_at = time.time() + 3.0
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            results = pool.starmap(
+                _racer, [(url, scope, i, start_at, keys) for i in range(processes)]
+            )
+    assert [e for r in results for e in r[2]] == []
+    won = [key for w, _, _, _ in results for key in w]
+    assert len(won) == keys and len(set(won)) == keys

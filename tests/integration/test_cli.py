@@ -393,23 +393,25 @@ def test_cli__the_options_a_postgres_url_carries_are_kept(pg_server, tmp_path):
 
     from toolledger.harness import scratch
 
-    with scratch.scratch_database(pg_server, "tl_t") as plain:
-        with psycopg.connect(plain.replace("+psycopg", ""), autocommit=True) as admin:
-            admin.execute("CREATE SCHEMA agents")
-            url = plain + "?options=-c%20search_path%3Dagents"
-            base = ("--db", url, "--sandbox", str(tmp_path / "sandbox"), "--json")
-            for argv in (
-                ("db", "upgrade"),
-                ("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
-                 "--args", ARGS),
-            ):  # fmt: skip
-                proc = subprocess.run(
-                    [str(Path(sys.executable).with_name("toolledger")), *base, *argv],
-                    capture_output=True, text=True, timeout=120,
-                )  # fmt: skip
-                assert proc.returncode == 0, proc.stderr
-            where = "SELECT to_regclass(%s) IS NOT NULL"
-            assert admin.execute(where, ("agents.operations",)).fetchone() == (True,)
-            assert admin.execute(where, ("public.operations",)).fetchone() == (False,)
-            count = admin.execute("SELECT count(*) FROM agents.operations").fetchone()
-            assert count == (1,)
+    with (
+        scratch.scratch_database(pg_server, "tl_t") as plain,
+        psycopg.connect(plain.replace("+psycopg", ""), autocommit=True) as admin,
+    ):
+        admin.execute("CREATE SCHEMA agents")
+        url = plain + "?options=-c%20search_path%3Dagents"
+        base = ("--db", url, "--sandbox", str(tmp_path / "sandbox"), "--json")
+        for argv in (
+            ("db", "upgrade"),
+            ("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+             "--args", ARGS),
+        ):  # fmt: skip
+            proc = subprocess.run(
+                [str(Path(sys.executable).with_name("toolledger")), *base, *argv],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+        where = "SELECT to_regclass(%s) IS NOT NULL"
+        assert admin.execute(where, ("agents.operations",)).fetchone() == (True,)
+        assert admin.execute(where, ("public.operations",)).fetchone() == (False,)
+        count = admin.execute("SELECT count(*) FROM agents.operations").fetchone()
+        assert count == (1,)
