@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from toolledger.ledger import doorbell, writers
-from toolledger.ledger.lightreads import pg_connect_args
+from toolledger.ledger.lightreads import (
+    pg_connect_args,
+    pg_session_settings,
+    set_session_statement,
+)
 from toolledger.ledger.revision import (
     MIGRATIONS,
     VERSION_TABLE,
@@ -50,8 +54,10 @@ def create_engine(
     """An engine configured for the ledger on either dialect.
 
     ``timeout`` (seconds) bounds every wait on the database: on Postgres as
-    ``lightreads.pg_connect_args`` says, on SQLite the wait for the write lock. Error
-    messages never carry SQL parameters (lease tokens, arguments): ``hide_parameters``.
+    ``lightreads.pg_connect_args`` and ``pg_session_settings`` say (the settings given to
+    each new connection, before the pool hands it out), on SQLite the wait for the write
+    lock. Error messages never carry SQL parameters (lease tokens, arguments):
+    ``hide_parameters``.
     """
     url = normalize_url(url)
     parsed = sa.make_url(url)
@@ -71,18 +77,20 @@ def create_engine(
     # A connection the server killed (pg_terminate_backend, a restart) is noticed at checkout,
     # not by the statement that needed it; the hot path keeps its own connections (fastpath).
     kwargs.setdefault("pool_pre_ping", True)
-    given = dict(kwargs.pop("connect_args", {}))
-    if "options" in parsed.query:
-        # The URL's own (``?options=-c search_path=ledger``): SQLAlchemy hands psycopg the
-        # URL's query and connect_args together, the latter winning, so the options below
-        # replaced the user's without a word. Theirs go first: ours (the timeouts that keep
-        # a lease honest, the DateStyle the reads parse) win a setting both name.
-        url_options = parsed.query["options"]
-        url_options = " ".join(url_options) if isinstance(url_options, tuple) else url_options
-        given["options"] = " ".join(o for o in (url_options, given.get("options", "")) if o)
-        parsed = parsed.difference_update_query(["options"])
-    connect_args = pg_connect_args(timeout, statement_timeout=statement_timeout, given=given)
-    return sa.create_engine(parsed, json_serializer=dumps, connect_args=connect_args, **kwargs)
+    # libpq's parameters here; the URL's own (``?options=-c search_path=agents``) pass through
+    # SQLAlchemy to psycopg beside them. The server settings follow each connect (below).
+    connect_args = pg_connect_args(timeout, given=kwargs.pop("connect_args", {}))
+    engine = sa.create_engine(parsed, json_serializer=dumps, connect_args=connect_args, **kwargs)
+    settings = set_session_statement(
+        pg_session_settings(timeout, statement_timeout=statement_timeout)
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _session(dbapi: Any, _record: Any) -> None:
+        dbapi.execute(*settings)
+        dbapi.commit()
+
+    return engine
 
 
 def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.Engine:

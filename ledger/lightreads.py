@@ -60,11 +60,31 @@ class Fallback(Exception):
     """The driver failed: the ledger's own reads should answer (and word any error)."""
 
 
-def pg_connect_args(
-    timeout: float | None, *, statement_timeout: bool = True, given: Mapping[str, Any] = {}
-) -> dict[str, Any]:
-    """psycopg's connect arguments for a ledger connection (``db.create_engine`` passes them
-    through SQLAlchemy; these reads pass them to libpq or psycopg themselves).
+def pg_connect_args(timeout: float | None, *, given: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """libpq's own connect parameters for a ledger connection (``db.create_engine`` passes
+    them through SQLAlchemy; these reads pass them to libpq or psycopg themselves): with a
+    ``timeout`` (seconds), a bounded connect and an unanswered socket noticed (client side:
+    ``tcp_user_timeout`` and keepalives, since a black-holed connection never hears the
+    server's timeout). The server settings are ``pg_session_settings``."""
+    args = dict(given)
+    if timeout is not None:
+        args.setdefault("connect_timeout", max(1, math.ceil(timeout)))
+        args.setdefault("tcp_user_timeout", max(1, int(timeout * 1000)))
+        args.setdefault("keepalives", 1)
+        args.setdefault("keepalives_idle", max(1, int(timeout / 2)))
+        args.setdefault("keepalives_interval", 1)
+        args.setdefault("keepalives_count", 2)
+    return args
+
+
+def pg_session_settings(timeout: float | None, *, statement_timeout: bool = True) -> dict[str, str]:
+    """The server settings every ledger session is given once, just after it connects
+    (``set_session``), whatever the server's, the database's or the role's defaults.
+
+    Sent as statements, not as libpq's startup ``options``: PgBouncer refuses a connection
+    whose startup packet carries ``options`` ("unsupported startup parameter"), so no ledger
+    could be reached through one (in its session pooling mode, which keeps a client's session
+    settings and prepared statements, these hold as on a direct connection).
 
     Every statement planned with its values: psycopg prepares statements after a few uses,
     and Postgres may then cache a generic plan chosen while, say, no row was running: a
@@ -72,33 +92,32 @@ def pg_connect_args(
     primary key is cheap then, and scans every running row once 10,000 are in flight
     (measured: 629 -> 169 jobs/s). With values, the unique index always wins.
 
-    Whatever the server's or the database's defaults, timestamps are read in the ISO
-    DateStyle (psycopg parses no other for ``timestamptz``: a database set to, say, ``SQL,
-    DMY`` made every read of a row fail, a submit after its commit) and transactions are
-    READ COMMITTED, which the protocol's statements are written for (a database defaulting
-    to SERIALIZABLE failed 136 of 1,200 racing claims with serialization errors).
+    Timestamps are read in the ISO DateStyle (psycopg parses no other for ``timestamptz``: a
+    database set to, say, ``SQL, DMY`` made every read of a row fail, a submit after its
+    commit) and transactions are READ COMMITTED, which the protocol's statements are written
+    for (a database defaulting to SERIALIZABLE failed 136 of 1,200 racing claims with
+    serialization errors).
 
-    ``timeout`` (seconds) bounds the connect, each statement (unless ``statement_timeout``
-    is False: a human's long read), each lock wait and each idle moment in a transaction
-    (server side: a frozen client cannot hold its locks longer), and an unanswered socket
-    (client side: ``tcp_user_timeout`` and keepalives, since a black-holed connection never
-    hears the server's timeout)."""
-    args = dict(given)
-    options = [args.get("options", ""), "-c plan_cache_mode=force_custom_plan"]
-    options += ["-c DateStyle=ISO,YMD", r"-c default_transaction_isolation=read\ committed"]
+    ``timeout`` (seconds) bounds each statement (unless ``statement_timeout`` is False: a
+    human's long read), each lock wait and each idle moment in a transaction (server side: a
+    frozen client cannot hold its locks longer)."""
+    settings = {
+        "plan_cache_mode": "force_custom_plan",
+        "DateStyle": "ISO, YMD",
+        "default_transaction_isolation": "read committed",
+    }
     if timeout is not None:
-        ms = max(1, int(timeout * 1000))
-        options += [f"-c statement_timeout={ms}"] if statement_timeout else []
-        options += [f"-c lock_timeout={ms}"]
-        options += [f"-c idle_in_transaction_session_timeout={ms}"]
-        args.setdefault("connect_timeout", max(1, math.ceil(timeout)))
-        args.setdefault("tcp_user_timeout", ms)
-        args.setdefault("keepalives", 1)
-        args.setdefault("keepalives_idle", max(1, int(timeout / 2)))
-        args.setdefault("keepalives_interval", 1)
-        args.setdefault("keepalives_count", 2)
-    args["options"] = " ".join(o for o in options if o)
-    return args
+        ms = str(max(1, int(timeout * 1000)))
+        settings.update({"statement_timeout": ms} if statement_timeout else {})
+        settings.update({"lock_timeout": ms, "idle_in_transaction_session_timeout": ms})
+    return settings
+
+
+def set_session_statement(settings: Mapping[str, str]) -> tuple[str, list[str]]:
+    """One statement that gives a session ``settings`` (``set_config``, not transaction-local:
+    they hold once its transaction commits), with psycopg's placeholders and its values."""
+    sql = "SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings)
+    return sql, [part for item in settings.items() for part in item]
 
 
 class LightReads:
@@ -151,14 +170,16 @@ class LightReads:
         if scheme in ("postgres", "postgresql", "postgresql+psycopg"):
             if "%" in rest.rpartition("@")[2]:
                 return None  # libpq decodes a host or a database name, SQLAlchemy may not
-            connect_args = pg_connect_args(timeout, statement_timeout=False)
-            return cls._pg_connect("postgresql://" + rest, connect_args)
+            settings = pg_session_settings(timeout, statement_timeout=False)
+            return cls._pg_connect("postgresql://" + rest, pg_connect_args(timeout), settings)
         return None
 
     @classmethod
-    def _pg_connect(cls, url: str, connect_args: dict[str, Any]) -> LightReads:
+    def _pg_connect(
+        cls, url: str, connect_args: dict[str, Any], settings: Mapping[str, str]
+    ) -> LightReads:
         """On libpq itself (``pq``: psycopg's import is most of a CLI command's time), else
-        on psycopg, where no libpq can be loaded."""
+        on psycopg, where no libpq can be loaded; given ``settings`` before the first read."""
         from toolledger.ledger import pq
 
         try:
@@ -167,9 +188,17 @@ class LightReads:
             import psycopg
             from psycopg.rows import dict_row
 
-            pg = psycopg.connect(url, row_factory=dict_row, **connect_args)
-            return cls(pg, "postgresql", psycopg.Error)
-        return cls(pq.connect(url, **connect_args), "postgresql", pq.Error)
+            pg: Any = psycopg.connect(url, row_factory=dict_row, **connect_args)
+            reads = cls(pg, "postgresql", psycopg.Error)
+        else:
+            reads = cls(pq.connect(url, **connect_args), "postgresql", pq.Error)
+        try:
+            reads._conn.execute(*set_session_statement(settings))
+            reads._conn.commit()
+        except BaseException:
+            reads.close()
+            raise
+        return reads
 
     def close(self) -> None:
         self._conn.close()

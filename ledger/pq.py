@@ -109,7 +109,7 @@ def _convert(oid: int, text: str) -> Any:
     if oid in (INT2, INT4, INT8):
         return int(text)
     if oid in (TIMESTAMP, TIMESTAMPTZ):
-        return datetime.fromisoformat(text)  # ISO: pg_connect_args asks (PGDATESTYLE wins)
+        return datetime.fromisoformat(text)  # ISO: pg_session_settings asks for it
     return text
 
 
@@ -187,6 +187,11 @@ class Connection:
         if self._in_transaction:
             self._in_transaction = False
             self._run("ROLLBACK", ())
+
+    def commit(self) -> None:
+        if self._in_transaction:
+            self._in_transaction = False
+            self._run("COMMIT", ())
 
     def close(self) -> None:
         if self._conn is not None:

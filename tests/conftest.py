@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,63 @@ def pg_url(pg_server: str, pg_template: str) -> Iterator[str]:
     """A fresh, migrated Postgres database for this test module."""
     with fresh_pg_database(pg_server, pg_template) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server: str) -> Iterator[str]:
+    """A PgBouncer in session pooling mode in front of ``pg_server``, on a port of its own:
+    the URL of the same server through it (a database's name may be swapped in)."""
+    import pwd
+    import socket
+    import time
+
+    exe = shutil.which("pgbouncer") or next(
+        (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if Path(p).is_file()), None
+    )
+    if exe is None:
+        missing_service("PgBouncer", "no pgbouncer executable: apt-get install pgbouncer")
+    server = sa.make_url(pg_server)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # Not under pytest's base temp (0700, root's): the server's user must reach its files.
+    home = Path(tempfile.mkdtemp(prefix="toolledger-pgbouncer-"))
+    (home / "users.txt").write_text(f'"{server.username}" ""\n')
+    (home / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host={server.host or '127.0.0.1'} port={server.port or 5432}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {home / 'users.txt'}\n"
+        "pool_mode = session\nmax_client_conn = 400\ndefault_pool_size = 60\n"
+    )
+    argv = [exe, str(home / "pgbouncer.ini")]
+    if os.geteuid() == 0:  # PgBouncer will not run as root: as the server's own user
+        user = pwd.getpwnam("postgres")
+        for path in (home, *home.iterdir()):
+            os.chown(path, user.pw_uid, user.pw_gid)
+        argv[1:1] = ["-u", "postgres"]
+    log = (home / "pgbouncer.log").open("wb")  # its log goes to stderr, opened here
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                said = (home / "pgbouncer.log").read_text(errors="replace").strip()
+                pytest.fail(f"PgBouncer did not start: {said or 'no port'}")
+            time.sleep(0.05)
+        yield server.set(port=port).render_as_string(hide_password=False)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- SQLite

@@ -280,9 +280,10 @@ def test_lightreads__libpq_drops_server_notices_and_hands_bad_text_to_the_ledger
     pg_server: str, pg_template: str, scope, monkeypatch
 ):
     """libpq's default notice processor wrote a server WARNING to stderr, under ``--json``
-    too (psycopg drops notices); and a value libpq's text does not convert (``PGDATESTYLE``
-    overrides the ISO style asked at connect) escaped as ValueError instead of handing the
-    read to the ledger (a cold review)."""
+    too (psycopg drops notices); and a value libpq's text does not convert escaped as
+    ValueError instead of handing the read to the ledger (a cold review). ``PGDATESTYLE``
+    was such a value's cause, while the ISO style was asked in the startup packet, which it
+    overrides; the style is now set after the connect, and it reads right."""
     import subprocess
     import sys
 
@@ -305,6 +306,12 @@ def test_lightreads__libpq_drops_server_notices_and_hands_bad_text_to_the_ledger
         )
         assert done.returncode == 0 and done.stderr == "", done.stderr
         monkeypatch.setenv("PGDATESTYLE", "SQL, DMY")
+        light = LightReads.open(plain, 5.0)
+        assert light is not None
+        assert light.get(scope, "succeeded") == ledger.get(scope, "succeeded")
+        light.close()
+        with ledger.engine.begin() as conn:  # a time no datetime holds
+            conn.exec_driver_sql("UPDATE executions SET finished_at = 'infinity'")
         light = LightReads.open(plain, 5.0)
         assert light is not None
         with pytest.raises(Fallback):
