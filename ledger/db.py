@@ -26,6 +26,7 @@ from toolledger.ledger.revision import (
     MIGRATIONS,
     VERSION_TABLE,
     SchemaError,
+    UnsupportedDatabase,
     files_head,
     files_revisions,
 )
@@ -46,6 +47,13 @@ def normalize_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     return url
+
+
+#: Server encodings that hold any text a call may carry: UTF8, and SQL_ASCII, which keeps
+#: the bytes it is sent (every ledger connection sends UTF-8: ``pg_connect_args``). On
+#: SQL_ASCII psycopg handed back bytes (a migration failed with a TypeError); on LATIN1 a
+#: submit whose arguments held a character outside it failed with an internal error.
+ENCODINGS = ("UTF8", "SQL_ASCII")
 
 
 def create_engine(
@@ -87,6 +95,14 @@ def create_engine(
 
     @sa.event.listens_for(engine, "connect")
     def _session(dbapi: Any, _record: Any) -> None:
+        encoding = dbapi.info.parameter_status("server_encoding")  # told at connect
+        if encoding not in ENCODINGS:
+            dbapi.close()
+            raise UnsupportedDatabase(
+                f"the ledger's database has the encoding {encoding}, which cannot hold every "
+                "character a call may carry: create it with ENCODING 'UTF8' (CREATE DATABASE "
+                "... ENCODING 'UTF8' TEMPLATE template0)"
+            )
         dbapi.execute(*settings)
         dbapi.commit()
 

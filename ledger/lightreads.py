@@ -67,6 +67,7 @@ def pg_connect_args(timeout: float | None, *, given: Mapping[str, Any] = {}) -> 
     ``tcp_user_timeout`` and keepalives, since a black-holed connection never hears the
     server's timeout). The server settings are ``pg_session_settings``."""
     args = dict(given)
+    args.setdefault("client_encoding", "UTF8")  # whatever PGCLIENTENCODING or the server says
     if timeout is not None:
         args.setdefault("connect_timeout", max(1, math.ceil(timeout)))
         args.setdefault("tcp_user_timeout", max(1, int(timeout * 1000)))

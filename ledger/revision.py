@@ -26,6 +26,11 @@ class SchemaError(RuntimeError):
     """The ledger's schema is missing or not at the revision this code needs."""
 
 
+class UnsupportedDatabase(SchemaError):
+    """A database the ledger cannot keep every call in (its encoding): a configuration to
+    change, exit 2; nothing is written to it."""
+
+
 class DowngradeRefused(SchemaError, StateError):
     """A downgrade that would drop what the ledger holds: the ledger's state does not allow
     it (exit 5), and nothing was changed."""

@@ -415,3 +415,70 @@ def test_cli__the_options_a_postgres_url_carries_are_kept(pg_server, tmp_path):
         assert admin.execute(where, ("public.operations",)).fetchone() == (False,)
         count = admin.execute("SELECT count(*) FROM agents.operations").fetchone()
         assert count == (1,)
+
+
+ENCODED = {"path": "ü.txt", "content": "ü日本😀"}
+
+
+@pytest.mark.parametrize("encoding", ["SQL_ASCII", "LATIN1"])
+def test_cli__a_postgres_database_of_another_encoding(pg_server, tmp_path, encoding):
+    """SQL_ASCII (a cluster initialised under the C locale) keeps the UTF-8 bytes every
+    ledger connection sends: before, psycopg handed back bytes and ``db upgrade`` failed with
+    an internal TypeError. LATIN1 cannot hold every character a call may carry (a submit of
+    one failed with an internal UnicodeEncodeError): it is refused, exit 2, nothing made."""
+    import psycopg
+
+    from toolledger.harness import scratch
+
+    name = scratch.new_name("tl_t")
+    admin_url = pg_server.replace("+psycopg", "")
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(
+            f"CREATE DATABASE {name} ENCODING '{encoding}' TEMPLATE template0 "
+            "LC_COLLATE 'C' LC_CTYPE 'C'"
+        )
+    try:
+        url = pg_server.rsplit("/", 1)[0] + "/" + name
+        sandbox = tmp_path / "sandbox"
+        base = ("--db", url, "--sandbox", str(sandbox), "--broker", "redis://127.0.0.1:1/11")
+
+        def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+            exe = str(Path(sys.executable).with_name("toolledger"))
+            return subprocess.run(
+                [exe, *base, "--json", *argv], capture_output=True, text=True, timeout=120
+            )
+
+        upgraded = cli("db", "upgrade")
+        if encoding == "LATIN1":
+            assert upgraded.returncode == 2 and upgraded.stdout == ""
+            assert json.loads(upgraded.stderr)["error"].startswith(
+                "the ledger's database has the encoding LATIN1"
+            )
+            with psycopg.connect(url.replace("+psycopg", "")) as conn:
+                made = conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+                assert made.fetchone() == (0,)
+            return
+        assert upgraded.returncode == 0, upgraded.stderr
+        submitted = cli(
+            "submit", "--scope", "enc", "--tool-call-id", "c1", "--tool", "write_file",
+            "--args", json.dumps(ENCODED), "--approved-by", "al",
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        from toolledger.ledger.ledger import Ledger
+        from toolledger.registry import load_registry
+        from toolledger.sandbox import Sandbox
+        from toolledger.worker.pipeline import Executor
+
+        ledger = Ledger(url)
+        try:
+            executor = Executor(
+                ledger, load_registry(), Sandbox(sandbox), worker_id="w", lease_seconds=30
+            )
+            assert executor.execute("enc", "write_file:c1", 1).state == "finished"
+        finally:
+            ledger.close()
+        shown = cli("show", "--scope", "enc", "--tool-call-id", "c1")
+        assert json.loads(shown.stdout)["args"] == ENCODED
+        assert (sandbox / "enc" / "ü.txt").read_text(encoding="utf-8") == "ü日本😀"
+    finally:
+        scratch.drop_database(pg_server, name)

@@ -54,7 +54,7 @@ def exit_codes() -> list[tuple[type[BaseException], int]]:
     use: an error to map means the ledger is loaded already, ``--help`` never loads it."""
     from toolledger.config import ConfigError
     from toolledger.ledger.errors import ConflictError, InputError, NotFound, StateError
-    from toolledger.ledger.revision import SchemaError
+    from toolledger.ledger.revision import SchemaError, UnsupportedDatabase
 
     return [
         (ConflictError, EXIT_CONFLICT),
@@ -62,6 +62,7 @@ def exit_codes() -> list[tuple[type[BaseException], int]]:
         (StateError, EXIT_STATE),
         (InputError, EXIT_INPUT),
         (ConfigError, EXIT_USAGE),
+        (UnsupportedDatabase, EXIT_USAGE),
         (SchemaError, EXIT_FAILURE),
     ]
 
