@@ -28,9 +28,10 @@ _TOOL = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: A registered tool's name has no dot, so no proxied call can ever be taken for a registered
 #: tool of the same name (by a worker handed it, a reconciler, a retry): they do not know it.
 #: The upstream's name may hold the '.' and '/' MCP allows in tool names (SEP-986,
-#: ``admin.tools.list``, ``user-profile/update``); a tool name is never a path.
+#: ``admin.tools.list``, ``user-profile/update``), and its 1 to 128 characters; a tool name
+#: is never a path.
 PROXIED_PREFIX = "mcp."
-_PROXIED = re.compile(r"mcp\.[A-Za-z0-9_./-]{1,60}")
+_PROXIED = re.compile(r"mcp\.[A-Za-z0-9_./-]{1,128}")
 
 
 def canonical_json(value: Any) -> str:
@@ -77,7 +78,7 @@ def check_tool_name(tool: str) -> str:
     """A name the ledger records: a registered tool's, or a proxied one (``mcp.NAME``)."""
     if not isinstance(tool, str) or not (_TOOL.fullmatch(tool) or _PROXIED.fullmatch(tool)):
         raise InvalidIdentifier(
-            f"tool name {tool!r} is not 1-64 of [A-Za-z0-9_-] (nor mcp. and 1-60 of "
+            f"tool name {tool!r} is not 1-64 of [A-Za-z0-9_-] (nor mcp. and 1-128 of "
             "[A-Za-z0-9_./-], a proxied tool's)"
         )
     return tool

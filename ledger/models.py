@@ -68,7 +68,9 @@ operations = sa.Table(
     metadata,
     _column("scope", sa.String(128), primary_key=True),
     _column("idempotency_key", sa.String(512), primary_key=True),
-    _column("tool", sa.String(64)),
+    # mcp. and the 1 to 128 characters of an upstream's name (migration 0006). SQLite holds any
+    # length whatever a column declares: its declaration stays as 0001 made it (no rebuild).
+    _column("tool", sa.String(132).with_variant(sa.String(64), "sqlite")),
     _column("args", JSONType),
     _column("args_sha256", sa.String(64)),
     # The status of the latest authorised attempt (or of the approval): the hot queries'

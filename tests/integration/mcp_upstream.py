@@ -11,7 +11,7 @@ parent's pid (the proxy). Tools:
 - ``crash``: exits the server at once, without an answer;
 - ``bad name`` too, when ``MCP_UPSTREAM_BAD_NAME`` is set (not a toolledger tool name);
 - ``admin.tools.list`` and ``user-profile/update`` (charge as well), when
-  ``MCP_UPSTREAM_SPEC_NAMES`` is set: names MCP allows (SEP-986).
+  ``MCP_UPSTREAM_SPEC_NAMES`` is set: names MCP allows (SEP-986, ``SPEC_NAMES``).
 
 ``MCP_UPSTREAM_PAGES`` makes ``tools/list`` misbehave: ``same`` (a next cursor that is the
 same again), ``endless`` (always one more page), ``silent`` (no answer at all).
@@ -37,6 +37,10 @@ AMOUNT = {
 }
 
 
+#: Names MCP allows (SEP-986): its own examples, with '.' and '/', and one of its longest.
+SPEC_NAMES = ("admin.tools.list", "user-profile/update", "very.long/" + "n" * 118)
+
+
 def tools() -> list[types.Tool]:
     listed = [
         types.Tool(
@@ -51,8 +55,8 @@ def tools() -> list[types.Tool]:
     ]
     if os.environ.get("MCP_UPSTREAM_BAD_NAME"):
         listed.append(types.Tool(name="bad name", input_schema={"type": "object"}))
-    if os.environ.get("MCP_UPSTREAM_SPEC_NAMES"):  # SEP-986's own examples: '.' and '/'
-        for name in ("admin.tools.list", "user-profile/update"):
+    if os.environ.get("MCP_UPSTREAM_SPEC_NAMES"):  # SEP-986: its examples, its 128 characters
+        for name in SPEC_NAMES:
             listed.append(types.Tool(name=name, input_schema=AMOUNT))
     return listed
 

@@ -704,27 +704,32 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
 
 def test_proxy__tool_names_with_the_dot_and_slash_mcp_allows(world: Stack, tmp_path: Path) -> None:
     """SEP-986 allows '.' and '/' in a tool name (its examples: admin.tools.list,
-    user-profile/update); the proxy refused to start on such an upstream."""
+    user-profile/update) and 1 to 128 characters; the proxy refused to start on such an
+    upstream (on a dot or a slash until 12-05, past 60 characters until migration 0006)."""
+    from tests.integration.mcp_upstream import SPEC_NAMES
+
     log = tmp_path / "upstream.log"
     scope = scope_of("names")
     env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_SPEC_NAMES": "1"}
+    assert len(SPEC_NAMES[-1]) == 128
 
     async def go() -> list[Any]:
         async with mcp_server(world, *proxy_argv(), **env) as s:
             listed = {t.name for t in (await s.list_tools()).tools}
-            assert {"admin.tools.list", "user-profile/update"} <= listed
+            assert set(SPEC_NAMES) <= listed
             return [
-                await s.call_tool(name, {"amount": 1}, meta={ID: f"n{i % 2}", SCOPE: scope})
-                for i, name in enumerate(("admin.tools.list", "user-profile/update") * 2)
+                await s.call_tool(name, {"amount": 1}, meta={ID: f"n{i % 3}", SCOPE: scope})
+                for i, name in enumerate(SPEC_NAMES * 2)
             ]
 
     results = run_async(go)
-    assert [r.is_error for r in results] == [False] * 4 and results[2:] == results[:2]
-    assert [c["tool"] for c in invocations(log)] == ["admin.tools.list", "user-profile/update"]
+    assert [r.is_error for r in results] == [False] * 6 and results[3:] == results[:3]
+    assert [c["tool"] for c in invocations(log)] == list(SPEC_NAMES)
     ledger = Ledger(world.db)
     try:
         assert ledger.get(scope, "n1").operation.tool == "mcp.user-profile/update"
         assert ledger.get(scope, "n1").operation.idempotency_key == "mcp.user-profile/update:n1"
+        assert ledger.get(scope, "n2").operation.tool == "mcp." + SPEC_NAMES[-1]
     finally:
         ledger.close()
 

@@ -233,3 +233,38 @@ def test_downgrade__from_0002_a_fence_committed_meanwhile_is_counted_not_dropped
                 assert conn.execute(sa.text("SELECT fenced FROM executions")).scalar_one()
         finally:
             engine.dispose()
+
+
+def test_downgrade__below_0006_keeps_a_long_tool_name_or_refuses(empty_url, capsys):
+    """0006 widened the tool column (``mcp.`` and 128 characters). Back to 0005 on Postgres,
+    a call naming a longer tool than 64 could not be kept: refused, exit 5, nothing changed
+    (with none, it goes: the downgrade to base and up again). SQLite holds any length: it
+    goes, the call kept."""
+    from tests.helpers import run_cli
+    from toolledger.ledger.ledger import Ledger
+
+    long_tool = "mcp." + "n" * 128
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    ledger = Ledger(empty_url)
+    ledger.submit("s", "long", long_tool, {"amount": 1})
+    ledger.close()
+    assert _read(engine, "SELECT tool FROM operations") == [long_tool]
+    code, out, err = run_cli(capsys, "--db", empty_url, "db", "downgrade", "--revision", "0005")
+    if engine.dialect.name == "sqlite":
+        assert code == 0, err
+        assert current_revision(engine) == "0005"
+        assert _read(engine, "SELECT tool FROM operations") == [long_tool]
+        engine.dispose()
+        return
+    assert code == 5, (out, err)
+    assert "downgrade below 0006 refused: 1 calls name a tool of more than 64" in err
+    assert len(err.strip().splitlines()) == 1
+    assert current_revision(engine) == head_revision()
+    assert _read(engine, "SELECT tool FROM operations") == [long_tool]
+    engine.dispose()
+
+
+def _read(engine: sa.Engine, sql: str) -> list:
+    with engine.connect() as conn:
+        return list(conn.exec_driver_sql(sql).scalars())

@@ -114,7 +114,7 @@ T = TypeVar("T")
 RECORD_TRIES = 6
 RECORD_BACKOFF_SECONDS = 0.2
 
-_TOOL_NAME = "1-60 of [A-Za-z0-9_./-]"
+_TOOL_NAME = "1-128 of [A-Za-z0-9_./-]"
 
 #: The reasons the proxy records a forward ``unknown`` with when it is stopped.
 STOPPED_MID_FORWARD = (
