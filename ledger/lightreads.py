@@ -80,7 +80,7 @@ def pg_connect_args(timeout: float | None, *, given: Mapping[str, Any] = {}) -> 
 
 def pg_session_settings(timeout: float | None, *, statement_timeout: bool = True) -> dict[str, str]:
     """The server settings every ledger session is given once, just after it connects
-    (``set_session``), whatever the server's, the database's or the role's defaults.
+    (``set_session_statement``), whatever the server's, the database's or the role's defaults.
 
     Sent as statements, not as libpq's startup ``options``: PgBouncer refuses a connection
     whose startup packet carries ``options`` ("unsupported startup parameter"), so no ledger

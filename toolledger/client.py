@@ -172,7 +172,11 @@ class Notifier:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(
-                    conninfo, autocommit=True, connect_timeout=5, application_name=LISTENER_NAME
+                    conninfo,
+                    autocommit=True,
+                    connect_timeout=5,
+                    application_name=LISTENER_NAME,
+                    client_encoding="UTF8",  # a call's id in a payload, on SQL_ASCII too
                 ) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self._ready.set()

@@ -58,3 +58,41 @@ def test_wait__a_database_out_of_reach_pauses_no_longer_than_the_timeout(
     with pytest.raises(ReceiptTimeout):
         client.wait("w", "p2", timeout=0.3)
     assert pauses and all(p <= 0.3 for p in pauses)
+
+
+@pytest.mark.postgres
+def test_wait__a_wake_up_naming_a_call_outside_ascii_on_a_sql_ascii_database(pg_server, caplog):
+    """On SQL_ASCII (a cluster initialised under the C locale) the listener decoded a payload
+    as ASCII: a call id outside it failed the decode, and the listener reconnected (its
+    waiters woken by the reconnect, late) instead of waking them. It now reads UTF-8."""
+    import logging
+    import threading
+
+    import psycopg
+
+    from toolledger.harness import scratch
+
+    name = scratch.new_name("tl_t")
+    admin = pg_server.replace("+psycopg", "")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0 "
+            "LC_COLLATE 'C' LC_CTYPE 'C'"
+        )
+    notifier = client_module.Notifier(pg_server.rsplit("/", 1)[0] + "/" + name)
+    try:
+        assert notifier.start()
+        woken = threading.Event()
+        key = ("s", "write_file:ü日本")
+        caplog.set_level(logging.WARNING, logger="toolledger")
+        with notifier.watch(key, woken.set):
+            url = admin.rsplit("/", 1)[0] + "/" + name
+            with psycopg.connect(url, autocommit=True, client_encoding="UTF8") as conn:
+                # the payload as the receipt trigger builds it (non-ASCII kept as it is)
+                notify = "SELECT pg_notify(%s, json_build_array(%s::text, %s::text)::text)"
+                conn.execute(notify, [client_module.CHANNEL, *key])
+            assert woken.wait(10)
+        assert "receipt listener" not in caplog.text  # woken by the payload, not a reconnect
+    finally:
+        notifier.close()
+        scratch.drop_database(pg_server, name)
