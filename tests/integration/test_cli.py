@@ -430,15 +430,7 @@ def test_cli__a_postgres_database_of_another_encoding(pg_server, tmp_path, encod
 
     from toolledger.harness import scratch
 
-    name = scratch.new_name("tl_t")
-    admin_url = pg_server.replace("+psycopg", "")
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(
-            f"CREATE DATABASE {name} ENCODING '{encoding}' TEMPLATE template0 "
-            "LC_COLLATE 'C' LC_CTYPE 'C'"
-        )
-    try:
-        url = pg_server.rsplit("/", 1)[0] + "/" + name
+    with scratch.scratch_database(pg_server, "tl_t", encoding=encoding) as url:
         sandbox = tmp_path / "sandbox"
         base = ("--db", url, "--sandbox", str(sandbox), "--broker", "redis://127.0.0.1:1/11")
 
@@ -480,5 +472,3 @@ def test_cli__a_postgres_database_of_another_encoding(pg_server, tmp_path, encod
         shown = cli("show", "--scope", "enc", "--tool-call-id", "c1")
         assert json.loads(shown.stdout)["args"] == ENCODED
         assert (sandbox / "enc" / "ü.txt").read_text(encoding="utf-8") == "ü日本😀"
-    finally:
-        scratch.drop_database(pg_server, name)

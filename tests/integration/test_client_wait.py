@@ -72,27 +72,22 @@ def test_wait__a_wake_up_naming_a_call_outside_ascii_on_a_sql_ascii_database(pg_
 
     from toolledger.harness import scratch
 
-    name = scratch.new_name("tl_t")
-    admin = pg_server.replace("+psycopg", "")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(
-            f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0 "
-            "LC_COLLATE 'C' LC_CTYPE 'C'"
-        )
-    notifier = client_module.Notifier(pg_server.rsplit("/", 1)[0] + "/" + name)
-    try:
-        assert notifier.start()
-        woken = threading.Event()
-        key = ("s", "write_file:ü日本")
-        caplog.set_level(logging.WARNING, logger="toolledger")
-        with notifier.watch(key, woken.set):
-            url = admin.rsplit("/", 1)[0] + "/" + name
-            with psycopg.connect(url, autocommit=True, client_encoding="UTF8") as conn:
-                # the payload as the receipt trigger builds it (non-ASCII kept as it is)
-                notify = "SELECT pg_notify(%s, json_build_array(%s::text, %s::text)::text)"
-                conn.execute(notify, [client_module.CHANNEL, *key])
-            assert woken.wait(10)
-        assert "receipt listener" not in caplog.text  # woken by the payload, not a reconnect
-    finally:
-        notifier.close()
-        scratch.drop_database(pg_server, name)
+    with scratch.scratch_database(pg_server, "tl_t", encoding="SQL_ASCII") as url:
+        notifier = client_module.Notifier(url)
+        try:
+            assert notifier.start()
+            woken = threading.Event()
+            key = ("s", "write_file:ü日本")
+            caplog.set_level(logging.WARNING, logger="toolledger")
+            with notifier.watch(key, woken.set):
+                sender = psycopg.connect(
+                    url.replace("+psycopg", ""), autocommit=True, client_encoding="UTF8"
+                )
+                with sender:
+                    # the payload as the receipt trigger builds it (non-ASCII kept as it is)
+                    notify = "SELECT pg_notify(%s, json_build_array(%s::text, %s::text)::text)"
+                    sender.execute(notify, [client_module.CHANNEL, *key])
+                assert woken.wait(10)
+            assert "receipt listener" not in caplog.text  # woken by the payload, not a reconnect
+        finally:
+            notifier.close()

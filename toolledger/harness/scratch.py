@@ -37,13 +37,23 @@ def new_name(prefix: str) -> str:
 
 
 def create_database(
-    server: str, name: str, *, template: str | None = None, migrate: bool = False
+    server: str,
+    name: str,
+    *,
+    template: str | None = None,
+    migrate: bool = False,
+    encoding: str | None = None,
 ) -> str:
-    """Create ``name`` (a copy of ``template`` if given), migrate it if asked; its URL."""
+    """Create ``name`` (a copy of ``template`` if given; of ``encoding``, under the C locale,
+    which takes any), migrate it if asked; its URL."""
     admin = _admin(server)
     try:
         with admin.connect() as conn:
             clone = f" TEMPLATE {_checked(template)}" if template else ""
+            if encoding is not None:
+                if not re.fullmatch(r"[A-Za-z0-9_]{1,32}", encoding):
+                    raise ValueError(f"not an encoding's name: {encoding!r}")
+                clone = f" ENCODING '{encoding}' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'"
             conn.exec_driver_sql(f"CREATE DATABASE {_checked(name)}{clone}")
     finally:
         admin.dispose()
@@ -69,11 +79,16 @@ def drop_database(server: str, name: str) -> None:
 
 @contextlib.contextmanager
 def scratch_database(
-    server: str, prefix: str, *, template: str | None = None, migrate: bool = False
+    server: str,
+    prefix: str,
+    *,
+    template: str | None = None,
+    migrate: bool = False,
+    encoding: str | None = None,
 ) -> Iterator[str]:
     """A database of its own for the duration of the block; its URL."""
     name = new_name(prefix)
-    url = create_database(server, name, template=template, migrate=migrate)
+    url = create_database(server, name, template=template, migrate=migrate, encoding=encoding)
     try:
         yield url
     finally:
