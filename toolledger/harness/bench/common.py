@@ -95,8 +95,8 @@ class Bent(ValueError):
 
 def durability(url: str) -> dict[str, dict[str, str]]:
     """What the server says of ``DURABLE`` to a session as toolledger opens it and to one as
-    the baselines and peers open theirs (plain libpq: ``PGOPTIONS`` applies there, while
-    toolledger's own ``options`` override it); ``Bent`` if either side is off."""
+    the baselines and peers open theirs (plain libpq; ``PGOPTIONS`` applies to both, and the
+    server's, database's and role's settings); ``Bent`` if either side is off."""
     import psycopg
 
     engine = ledger_engine(url)
