@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from toolledger.ledger import doorbell, writers
 from toolledger.ledger.lightreads import (
+    ENCODINGS,
     pg_connect_args,
     pg_session_settings,
     set_session_statement,
@@ -49,13 +50,6 @@ def normalize_url(url: str) -> str:
     return url
 
 
-#: Server encodings that hold any text a call may carry: UTF8, and SQL_ASCII, which keeps
-#: the bytes it is sent (every ledger connection sends UTF-8: ``pg_connect_args``). On
-#: SQL_ASCII psycopg handed back bytes (a migration failed with a TypeError); on LATIN1 a
-#: submit whose arguments held a character outside it failed with an internal error.
-ENCODINGS = ("UTF8", "SQL_ASCII")
-
-
 def create_engine(
     url: str, *, timeout: float | None = None, statement_timeout: bool = True, **kwargs: Any
 ) -> sa.Engine:
@@ -85,6 +79,11 @@ def create_engine(
     # A connection the server killed (pg_terminate_backend, a restart) is noticed at checkout,
     # not by the statement that needed it; the hot path keeps its own connections (fastpath).
     kwargs.setdefault("pool_pre_ping", True)
+    # Explicit, not the session's default: SQLAlchemy reads that default once, at the first
+    # connect (before the settings below), and gives it back to every connection a
+    # ``verify`` (REPEATABLE READ) returns: a database defaulting to SERIALIZABLE made its
+    # later transactions SERIALIZABLE (a cold review). A caller's own choice stands.
+    kwargs.setdefault("isolation_level", "READ COMMITTED")
     # libpq's parameters here; the URL's own (``?options=-c search_path=agents``) pass through
     # SQLAlchemy to psycopg beside them. The server settings follow each connect (below).
     connect_args = pg_connect_args(timeout, given=kwargs.pop("connect_args", {}))
@@ -99,9 +98,8 @@ def create_engine(
         if encoding not in ENCODINGS:
             dbapi.close()
             raise UnsupportedDatabase(
-                f"the ledger's database has the encoding {encoding}, which cannot hold every "
-                "character a call may carry: create it with ENCODING 'UTF8' (CREATE DATABASE "
-                "... ENCODING 'UTF8' TEMPLATE template0)"
+                f"the ledger's database has the encoding {encoding}; the ledger needs UTF8 "
+                "(CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
             )
         dbapi.execute(*settings)
         dbapi.commit()

@@ -60,6 +60,14 @@ class Fallback(Exception):
     """The driver failed: the ledger's own reads should answer (and word any error)."""
 
 
+#: The one server encoding the ledger runs on. Another cannot hold every character a call may
+#: carry (LATIN1: a submit failed with an internal UnicodeEncodeError), or holds them as
+#: bytes its ``varchar`` limits count (SQL_ASCII: a 65-emoji call id, within the 256
+#: characters the ledger checks, failed as a database error; psycopg handed back bytes and a
+#: migration failed with a TypeError before the connections sent UTF-8). Refused at connect.
+ENCODINGS = ("UTF8",)
+
+
 def pg_connect_args(timeout: float | None, *, given: Mapping[str, Any] = {}) -> dict[str, Any]:
     """libpq's own connect parameters for a ledger connection (``db.create_engine`` passes
     them through SQLAlchemy; these reads pass them to libpq or psycopg themselves): with a
@@ -193,9 +201,14 @@ class LightReads:
             reads = cls(pg, "postgresql", psycopg.Error)
         else:
             reads = cls(pq.connect(url, **connect_args), "postgresql", pq.Error)
+        sql, params = set_session_statement(settings)
         try:
-            reads._conn.execute(*set_session_statement(settings))
+            row = reads._conn.execute(
+                sql + ", current_setting('server_encoding') AS server_encoding", params
+            ).fetchall()[0]
             reads._conn.commit()
+            if row["server_encoding"] not in ENCODINGS:  # the ledger refuses it, in its words
+                raise Fallback(f"server encoding {row['server_encoding']}")
         except BaseException:
             reads.close()
             raise

@@ -76,7 +76,9 @@ def test_claim_race__exactly_one_winner_per_key(db_url, scope, record_property):
 def test_claim_race__a_database_that_defaults_to_serializable(pg_server, pg_template, scope):
     """A DBA's ``default_transaction_isolation = serializable``: the protocol's statements
     are written for READ COMMITTED, and under SERIALIZABLE 136 of 1,200 racing claims failed
-    with serialization errors. Every ledger connection now asks for READ COMMITTED."""
+    with serialization errors. Every ledger connection now asks for READ COMMITTED, and a
+    connection a ``verify`` used went back to the pool SERIALIZABLE (SQLAlchemy restores the
+    level it read at the first connect): it now restores READ COMMITTED (a cold review)."""
     import psycopg
 
     from tests.conftest import fresh_pg_database
@@ -97,6 +99,14 @@ def test_claim_race__a_database_that_defaults_to_serializable(pg_server, pg_temp
             results = pool.starmap(
                 _racer, [(url, scope, i, start_at, keys) for i in range(processes)]
             )
+        ledger = Ledger(url, timeout=7)
+        try:  # a verify (REPEATABLE READ) gives its connection back at READ COMMITTED
+            assert ledger.verify().ok
+            with ledger.engine.connect() as conn:
+                level = conn.exec_driver_sql("SHOW transaction_isolation").scalar()
+            assert level == "read committed"
+        finally:
+            ledger.close()
     assert [e for r in results for e in r[2]] == []
     won = [key for w, _, _, _ in results for key in w]
     assert len(won) == keys and len(set(won)) == keys
