@@ -13,6 +13,7 @@ import fcntl
 import gc
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -299,7 +300,13 @@ def test_turn__writers_queued_behind_a_foreign_writer_give_up_after_one_timeout(
         for thread in threads:
             thread.join(30)
         assert len(waits) == writers_n
-        assert max(waits) < 2 * timeout  # one queue in turn: 1, 2, 3, 4 s
+        # In turn, each after a whole timeout, they would wait 1, 2, 3, 4 s; each going around
+        # the queue at its own patience but then with a whole busy timeout, 1, 2, 2, 2 s. The
+        # median, not the slowest: a writer that reaches its turn late (a stalled thread on a
+        # busy machine: 1.3, 1.3, 1.3, 2.3 s in one CI run) finds the queue given up on by
+        # then and goes around it at once, with its whole timeout, as it should.
+        assert statistics.median(waits) < 1.6 * timeout, waits
+        assert max(waits) < 3 * timeout, waits
         foreign.execute("ROLLBACK")
         with ledger.engine.connect() as conn:  # the shortened timeout was put back
             raw = conn.connection.dbapi_connection
