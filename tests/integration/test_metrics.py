@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -259,6 +260,104 @@ def test_metrics__agree_with_the_ledger_after_a_small_chaos_run(
         ledger.close()
     finally:
         stop_all(procs)
+
+
+def test_metrics__one_prometheus_multiproc_dir_for_two_workers_and_a_beat(
+    fresh_db_url, redis_server, redis_prefix, tmp_path
+):
+    """PROMETHEUS_MULTIPROC_DIR set once for every process of a host (prometheus_client's own
+    habit): each worker counts in a directory of its own inside it, the beat in memory. Before,
+    the second worker wiped the first's files, both endpoints served the same sum, and the beat
+    served the workers' counts too: summed by Prometheus, every call counted several times."""
+    # Given one directory for everyone, holding a killed worker's leftovers from this host and
+    # a live directory of another host's
+    shared = tmp_path / "prom"
+    host = socket.gethostname()
+    probe = subprocess.Popen(["true"])  # a pid that has exited
+    probe.wait()
+    dead = probe.pid
+    (shared / f"worker-{host}-{dead}").mkdir(parents=True)
+    (shared / f"worker-{host}-{dead}" / "counter_1.db").write_bytes(b"old")
+    (shared / "worker-elsewhere-1").mkdir()
+    settings_env = {
+        "db": fresh_db_url,
+        "broker": redis_server,
+        "broker_prefix": redis_prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "tools": "toolledger.harness.probe",
+        "home": str(tmp_path / "home"),
+        "sweep_interval": "1",
+    }
+    ports = [free_port() for _ in range(3)]
+    env = {**service_env(**settings_env), "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    workers = [
+        worker_process(f"w{i}", {**env, "TOOLLEDGER_METRICS_PORT": str(ports[i])}, tmp_path)
+        for i in range(2)
+    ]
+    beat = beat_process(
+        "beat", {**env, "TOOLLEDGER_METRICS_PORT": str(ports[2])}, tmp_path, "--interval", "1"
+    )
+    procs: list[Any] = []
+    try:
+        for worker in workers:  # one after the other: the second starts while the first counts
+            procs.append(worker.start())
+            worker.wait_ready(60)
+        procs.append(beat.start())
+        beat.wait_ready(60)
+        settings = Settings.from_env(
+            {f"TOOLLEDGER_{k.upper()}": v for k, v in settings_env.items()}
+        )
+        sub = Submitter(settings)
+        # When 12 calls run, on either worker
+        for i in range(12):
+            call = sub.prepare(
+                "dir", f"call_{i}", "probe_write", {"path": f"{i}.txt", "content": "x"}
+            )
+            sub.submit(call, approved_by="alice")
+        ledger = Ledger(fresh_db_url)
+        wait_for(
+            lambda: Counter(c.status for c in ledger.list_calls(limit=0))[Status.SUCCEEDED] == 12,
+            120,
+            "every call succeeded",
+        )
+        # Then each is counted once across the endpoints a Prometheus would scrape
+        samples = [scrape(f"http://127.0.0.1:{port}/metrics") for port in ports]
+        for status in ("running", "succeeded"):
+            counted = [total(s, "toolledger_calls_total", status=status) for s in samples]
+            assert counted[0] + counted[1] == 12 and counted[2] == 0, (status, counted)
+        # each worker has its directory, the dead worker's is gone, another host's is not
+        mine = sorted(p.name for p in shared.iterdir())
+        assert mine == sorted(
+            ["worker-elsewhere-1", *(f"worker-{host}-{w.pid}" for w in workers)]
+        ), mine
+        sub.close()
+        ledger.close()
+    finally:
+        stop_all(procs)
+    # and a worker that stopped took its directory with it
+    assert [p.name for p in shared.iterdir()] == ["worker-elsewhere-1"]
+
+
+def test_serve__counts_in_memory_whatever_prometheus_multiproc_dir_says(
+    sqlite_url, tmp_path, monkeypatch
+):
+    """prometheus_client picks its value class when imported: in a process started with
+    PROMETHEUS_MULTIPROC_DIR, ``serve``'s counts would go into that directory's files (a
+    worker's, served twice) unless it counts in memory."""
+    from prometheus_client import values
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    # as if imported with the variable set (this process imported it without)
+    monkeypatch.setattr(values, "ValueClass", values.get_value_class())
+    monkeypatch.setattr(counters, "_metrics", None)
+    ledger = Ledger(sqlite_url)
+    ledger.upgrade()
+    asgi_app(ledger)
+    counters.transition("write_file", "approved")
+    assert list(tmp_path.iterdir()) == []
+    active = counters.active()
+    assert active is not None
+    ledger.close()
 
 
 # ------------------------------------------------------------------------ the checks can fail

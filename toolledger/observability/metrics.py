@@ -1,13 +1,18 @@
 """Where the metrics are exposed, and the gauges read from the ledger's current state.
 
-Prefork: a Celery worker's children count into prometheus_client's multiprocess files
-(``PROMETHEUS_MULTIPROC_DIR``; a fresh temporary directory per worker unless set, wiped at
-start), and the worker's main process serves them all, summed, on one endpoint — so a
-child killed mid-task keeps what it counted. The beat and ``toolledger serve`` also serve
-the ledger's gauges (``toolledger_calls{status}``, ``toolledger_inbox{kind}``,
-``toolledger_inbox_oldest_timestamp_seconds{kind}``), read through
-the partial indexes and cached for ``CACHE_SECONDS``; workers do not (N workers would each
-query the ledger per scrape).
+Prefork: a Celery worker's children count into prometheus_client's multiprocess files, and
+the worker's main process serves them all, summed, on one endpoint — so a child killed
+mid-task keeps what it counted. The files are the worker's own: a fresh temporary directory,
+or one of its own inside ``PROMETHEUS_MULTIPROC_DIR`` when that is set (``worker-HOST-PID``):
+two workers, or a worker and the beat, given one directory would each serve the other's
+counts (and the last to start would wipe the others' files). Every other process (the beat,
+``toolledger serve``) counts in its own memory whatever the environment says.
+
+The beat and ``toolledger serve`` also serve the ledger's gauges
+(``toolledger_calls{status}``, ``toolledger_inbox{kind}``,
+``toolledger_inbox_oldest_timestamp_seconds{kind}``), read through the partial indexes and
+cached for ``CACHE_SECONDS``; workers do not (N workers would each query the ledger per
+scrape).
 
 Environment (read by the process entry points): ``TOOLLEDGER_METRICS=off`` turns every
 counter and endpoint off; ``TOOLLEDGER_METRICS_PORT`` is the port of a worker's or the
@@ -17,9 +22,11 @@ beat's endpoint (defaults ``WORKER_PORT``/``BEAT_PORT``; 0 = any free port, logg
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -190,8 +197,24 @@ class _Chained:
         yield from self.inner.collect()
 
 
+#: The directory this process group counts into (``use_multiprocess``): None for a process
+#: that counts in memory, whatever PROMETHEUS_MULTIPROC_DIR says.
+_group_dir: str | None = None
+
+
 def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+    """Where this process's group counts (a worker's, set by ``use_multiprocess``)."""
+    return _group_dir
+
+
+def _in_memory() -> None:
+    """Count in this process's memory: prometheus_client chose its value class from
+    PROMETHEUS_MULTIPROC_DIR at import, and a process given a worker's directory would write
+    its counts among the worker's (served twice) without this. Before any metric is built."""
+    if _group_dir is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import values
+
+        values.ValueClass = values.MutexValue
 
 
 def process_registry(*extra: Any) -> CollectorRegistry:
@@ -206,6 +229,7 @@ def process_registry(*extra: Any) -> CollectorRegistry:
 
         multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
     else:
+        _in_memory()
         own = counters.enable()
         registry.register(_Chained(own.registry))
     for collector in extra:
@@ -223,6 +247,7 @@ def asgi_app(ledger: Ledger, *, ttl: float = CACHE_SECONDS) -> Any:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(LedgerStateCollector(ledger, ttl))
         return make_asgi_app(registry=registry)
+    _in_memory()
     counters.enable()
     return make_asgi_app(registry=process_registry(LedgerStateCollector(ledger, ttl)))
 
@@ -230,24 +255,54 @@ def asgi_app(ledger: Ledger, *, ttl: float = CACHE_SECONDS) -> Any:
 # ------------------------------------------------------------------------ worker and beat
 
 
-def use_multiprocess(directory: str | None = None, *, wipe: bool = True) -> str:
-    """Switch this process (and the children it will fork) to multiprocess counting in
-    ``directory`` (PROMETHEUS_MULTIPROC_DIR, or a new temporary one). Must run before any
-    metric is built: prometheus_client picks its value class from the environment."""
-    directory = directory or multiprocess_dir()
-    if directory is None:  # ours: removed when this process exits (not when a child does)
-        directory = tempfile.mkdtemp(prefix="toolledger-metrics-")
-        atexit.register(_cleanup, directory, os.getpid())
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    if wipe:  # the files of a previous run would be summed in (prometheus_client's rule)
-        for old in path.glob("*.db"):
-            old.unlink(missing_ok=True)
+def use_multiprocess(directory: str | None = None) -> str:
+    """Switch this process (and the children it will fork) to multiprocess counting in a
+    directory of its own (removed when this process exits, not when a child does): a new
+    temporary one, or ``worker-HOST-PID`` inside ``directory`` (PROMETHEUS_MULTIPROC_DIR),
+    where the directories of this host's workers that died without removing theirs are
+    removed first. Must run before any metric is built: prometheus_client picks its value
+    class from the environment."""
+    global _group_dir
+    parent = directory or os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+    if parent is None:
+        path = Path(tempfile.mkdtemp(prefix="toolledger-metrics-"))
+    else:
+        host = socket.gethostname()
+        _remove_dead(Path(parent), host)
+        path = Path(parent) / f"worker-{host}-{os.getpid()}"
+        # A container's worker has the same pid each start: what is there is a run's that
+        # ended (its counts would be summed in, prometheus_client's rule).
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    atexit.register(_cleanup, str(path), os.getpid())
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    _group_dir = str(path)
     from prometheus_client import values
 
     values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     return str(path)
+
+
+def _remove_dead(parent: Path, host: str) -> None:
+    """Remove the directories in ``parent`` of this host's workers whose process is gone (a
+    worker killed, which never ran its exit hook). Another host's are left alone: its pids
+    mean nothing here."""
+    prefix = f"worker-{host}-"
+    with contextlib.suppress(OSError):
+        for child in parent.iterdir():
+            pid = child.name.removeprefix(prefix)
+            if child.name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's process, alive
+        return True
+    return True
 
 
 def serve_http(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> int:  # noqa: S104
@@ -306,6 +361,7 @@ def start_beat_metrics(
     sweep interval it schedules (the stalled-sweep alert counts in intervals)."""
     if not metrics_on():
         return None
+    _in_memory()
     counters.enable()
     interval = Constant(
         "toolledger_sweep_interval_seconds",
