@@ -522,6 +522,58 @@ def test_inbox_oldest__since_the_submit_and_since_the_lease_expired(fresh_db_url
         ledger.close()
 
 
+def test_inbox_oldest__a_flagged_call_since_the_flag_it_carries_now(fresh_db_url):
+    """A flagged call (contradicted, both_ran, not_landed) waits on a person since it was
+    flagged: since its last ``flagged`` event (a review that raises another flag starts the
+    wait anew), and only while the flag stands."""
+    from toolledger.observability.metrics import state_counts
+
+    ledger = Ledger(fresh_db_url)
+
+    def unknown(call: str) -> str:
+        ledger.submit("s", call, "notify", {"to": call}, approved_by="al")
+        claim = ledger.claim("s", f"notify:{call}", 1, worker_id="zombie")
+        assert claim is not None
+        ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+        return claim.execution_id
+
+    def contradicted(eid: str) -> None:
+        ledger.resolve(eid, Status.FAILED, by="bob", evidence="nothing sent")
+        late = {"late_result": {"sent": 1}}
+        ledger.record_late_result(eid, late, actor="zombie", outcome=Status.SUCCEEDED)
+
+    def flagged_at(call: str) -> float:
+        return max(e.at for e in ledger.events("s", call) if e.kind == "flagged").timestamp()
+
+    try:
+        # Given c1 contradicted while its retry runs, then c2 contradicted
+        a = unknown("c1")
+        ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
+        ledger.authorize_retry("s", "c1", by="carol", accept_duplicate=True)
+        assert ledger.claim("s", "notify:c1", 2, worker_id="w2") is not None
+        late = {"late_result": {"sent": 1}}
+        ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
+        first = flagged_at("c1")
+        b = unknown("c2")
+        contradicted(b)
+        assert flagged_at("c2") > first
+        assert state_counts(ledger)["oldest"] == {"contradicted": pytest.approx(first, abs=1e-3)}
+        # When c1's review finds both attempts ran: flagged again, both_ran
+        ledger.review(a, Status.SUCCEEDED, by="bob", evidence="the late result is right")
+        assert ledger.get("s", "c1").operation.review == "both_ran"
+        assert flagged_at("c1") > flagged_at("c2")
+        # Then contradicted waits since c2's flag, both_ran since c1's second one
+        assert state_counts(ledger)["oldest"] == {
+            "contradicted": pytest.approx(flagged_at("c2"), abs=1e-3),
+            "both_ran": pytest.approx(flagged_at("c1"), abs=1e-3),
+        }
+        # and a settled flag waits no more
+        ledger.review(b, Status.FAILED, by="erin", evidence="really not sent")
+        assert set(state_counts(ledger)["oldest"]) == {"both_ran"}
+    finally:
+        ledger.close()
+
+
 def test_collector__cached_for_its_ttl(sqlite_url):
     from toolledger.observability.metrics import LedgerStateCollector
 

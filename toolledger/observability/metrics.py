@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from toolledger.ledger import metrics as counters
-from toolledger.ledger.models import executions, operations
-from toolledger.ledger.transitions import Status
+from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.transitions import EventKind, Status
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -78,7 +78,8 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
     current state, two statements whose parts each match a partial index's predicate (so none
     scans the table). "oldest" says since when the longest-waiting call of a kind has waited
     on a person: a pending approval since it was submitted, an unknown call since its
-    execution's lease expired; a kind with nothing waiting is left out."""
+    execution's lease expired, a flagged one (contradicted, both_ran, not_landed) since it
+    was flagged; a kind with nothing waiting is left out."""
     o = operations.c
     waiting = (
         sa.select(sa.literal("calls"), o.status, sa.func.count())
@@ -113,10 +114,13 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
 
 
 def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
-    """The oldest pending approval (ix_operations_attention: its first entry) and the unknown
+    """The oldest pending approval (ix_operations_attention: its first entry), the unknown
     execution of a still-unknown call whose lease expired first (ix_executions_unknown: few
-    rows by nature; an attempt retried since is no longer the operation's)."""
-    o, e = operations.c, executions.c
+    rows by nature; an attempt retried since is no longer the operation's), and for each
+    review kind the call flagged first (ix_operations_review, then each flagged call's
+    events: few rows by nature), each since the flag it carries now (its last ``flagged``
+    event: a call reviewed and flagged again waits since the second)."""
+    o, e, ev = operations.c, executions.c, execution_events.c
     pending = sa.select(
         sa.literal("pending_approval").label("kind"), sa.func.min(o.created_at).label("since")
     ).where(o.status == Status.PENDING_APPROVAL.value)
@@ -127,7 +131,19 @@ def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
         o.status == Status.UNKNOWN.value,
         o.authorized_attempts == e.attempt,
     )
-    return sa.union_all(pending, unknown)
+    flags = (
+        sa.select(o.review.label("kind"), sa.func.max(ev.at).label("since"))
+        .where(
+            o.review.is_not(None),
+            ev.scope == o.scope,
+            ev.idempotency_key == o.idempotency_key,
+            ev.kind == EventKind.FLAGGED.value,
+        )
+        .group_by(o.scope, o.idempotency_key, o.review)
+        .subquery()
+    )
+    flagged = sa.select(flags.c.kind, sa.func.min(flags.c.since)).group_by(flags.c.kind)
+    return sa.union_all(pending, unknown, flagged)
 
 
 class LedgerStateCollector:
@@ -171,7 +187,8 @@ class LedgerStateCollector:
         oldest = GaugeMetricFamily(
             "toolledger_inbox_oldest_timestamp_seconds",
             "Since when the longest-waiting call has waited on a human (Unix time): a pending "
-            "approval since its submit, an unknown call since its lease expired.",
+            "approval since its submit, an unknown call since its lease expired, a flagged "
+            "call since it was flagged.",
             labels=["kind"],
         )
         for kind, since in counts["oldest"].items():
