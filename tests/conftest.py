@@ -112,13 +112,17 @@ def pgbouncer(pg_server: str) -> Iterator[str]:
         port = probe.getsockname()[1]
     # Not under pytest's base temp (0700, root's): the server's user must reach its files.
     home = Path(tempfile.mkdtemp(prefix="toolledger-pgbouncer-"))
-    (home / "users.txt").write_text(f'"{server.username}" ""\n')
+    # A server that asks for a password (a testcontainers one): PgBouncer logs in with the one
+    # in its auth file, and asks clients for it; trust otherwise (this machine's server).
+    password = server.password or ""
+    quoted = [str(v).replace('"', '""') for v in (server.username, password)]
+    (home / "users.txt").write_text(f'"{quoted[0]}" "{quoted[1]}"\n')
     (home / "pgbouncer.ini").write_text(
         "[databases]\n"
         f"* = host={server.host or '127.0.0.1'} port={server.port or 5432}\n"
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        f"auth_type = trust\nauth_file = {home / 'users.txt'}\n"
+        f"auth_type = {'plain' if password else 'trust'}\nauth_file = {home / 'users.txt'}\n"
         "pool_mode = session\nmax_client_conn = 400\ndefault_pool_size = 60\n"
     )
     argv = [exe, str(home / "pgbouncer.ini")]
