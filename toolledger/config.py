@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from toolledger.ledger.identity import MAX_ARGS_BYTES
@@ -259,7 +259,9 @@ _SECRET = {"db", "broker"}
 def _from_environ(env: Mapping[str, str]) -> dict[str, str]:
     """The settings ``env`` gives (an empty variable gives none); others are not read. Names
     match in any case, as pydantic-settings matched them (``toolledger_db`` is read, not
-    silently passed over for the embedded default); the upper-case spelling wins a tie."""
+    silently passed over for the embedded default); the upper-case spelling wins a tie. The
+    variables outside the settings are checked too (``check_process_variables``)."""
+    check_process_variables(env)
     found: dict[str, str] = {}
     for variable, value in env.items():
         upper = variable.upper()
@@ -289,6 +291,42 @@ OTHER_VARIABLES = frozenset(
     }
 )
 _warned: set[str] = set()
+
+#: How an on/off variable (TOOLLEDGER_METRICS, TOOLLEDGER_FOLDER_WATCH) may be spelt, any case.
+SWITCH_ON = frozenset({"on", "1", "true", "yes"})
+SWITCH_OFF = frozenset({"off", "0", "false", "no"})
+
+
+def switch(env: Mapping[str, str], name: str, default: bool = True) -> bool:
+    """The on/off variable ``name`` (unset or empty: ``default``). Anything else reads as
+    ``default`` here: ``check_process_variables`` refuses it at every command's start."""
+    value = env.get(name, "").strip().lower()
+    return value in SWITCH_ON if value in SWITCH_ON | SWITCH_OFF else default
+
+
+def check_process_variables(env: Mapping[str, str]) -> None:
+    """The TOOLLEDGER_* variables outside the settings that every process reads where it uses
+    them (logs, metrics, the folder watch): a malformed one is a ConfigError naming it, as a
+    setting's is, rather than read as a default (a metrics port of ``x`` was no endpoint and
+    no word on a worker, a traceback on the beat)."""
+
+    def given(name: str) -> str | None:
+        value = env.get(PREFIX + name)
+        return value.strip() if value is not None and value.strip() else None
+
+    def refuse(name: str, expected: str) -> NoReturn:
+        raise ConfigError(f"{PREFIX}{name}={env[PREFIX + name]!r}: expected {expected}")
+
+    for name in ("METRICS", "FOLDER_WATCH"):
+        value = given(name)
+        if value is not None and value.lower() not in SWITCH_ON | SWITCH_OFF:
+            refuse(name, "on or off")
+    value = given("LOG_FORMAT")
+    if value is not None and value.lower() not in ("text", "json"):
+        refuse("LOG_FORMAT", "text or json")
+    value = given("METRICS_PORT")
+    if value is not None and not (value.isascii() and value.isdigit() and int(value) <= 65535):
+        refuse("METRICS_PORT", "a port number, 0 to 65535 (0: any free port)")
 
 
 def _warn_misspelt(env: Mapping[str, str]) -> None:

@@ -310,7 +310,9 @@ def index() -> FolderNames | None:
         return found
     with _index_lock:
         if _index is None or _index.pid != os.getpid():
-            if os.environ.get("TOOLLEDGER_FOLDER_WATCH", "on").lower() in ("off", "0", "false"):
+            from toolledger.config import switch
+
+            if not switch(os.environ, "TOOLLEDGER_FOLDER_WATCH"):
                 _disabled = True
                 return None
             try:

@@ -201,13 +201,24 @@ def observe(app: Celery, settings: Settings) -> None:
     from toolledger.observability import logs, metrics, tracing
 
     fmt = logs.log_format()
+    bound: list[int] = []
 
     @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _metrics(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:
-            metrics.start_worker_metrics()
+            port = metrics.start_worker_metrics()
+            if port is not None:
+                bound.append(port)
             if not forks_children(sender):
                 tracing.configure()  # the executions run in this process (threads, solo)
+
+    @signals.worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _say_metrics(sender: Any = None, **_: Any) -> None:
+        # The endpoint opened before Celery set up its logging, which dropped the line saying
+        # where (a port of 0 is any free one): said again once the worker is ready.
+        if getattr(sender, "app", None) is app:
+            for port in bound:
+                metrics.log.info("metrics at %s", metrics.endpoint(port))
 
     @signals.worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _child(**_: Any) -> None:

@@ -338,6 +338,25 @@ def test_metrics__one_prometheus_multiproc_dir_for_two_workers_and_a_beat(
     assert [p.name for p in shared.iterdir()] == ["worker-elsewhere-1"]
 
 
+def test_worker__a_metrics_port_of_0_is_logged_once_ready(tmp_path):
+    """Any free port is only useful if the worker says which: its endpoint opens before
+    Celery sets up logging, which dropped the line (the beat said it; the worker did not)."""
+    env = service_env(home=str(tmp_path / "home"), metrics_port="0")
+    worker = worker_process("w", env, tmp_path, concurrency=1)
+    procs = [worker.start()]
+    try:
+        worker.wait_ready(60)
+        said = wait_for(
+            lambda: re.search(r"metrics at http://0\.0\.0\.0:(\d+)/metrics", worker.log_text()),
+            10,
+            "the metrics line",
+        )
+        samples = scrape(f"http://127.0.0.1:{said.group(1)}/metrics")
+        assert any(name.startswith("toolledger_") for name, _ in samples), samples
+    finally:
+        stop_all(procs)
+
+
 def test_serve__counts_in_memory_whatever_prometheus_multiproc_dir_says(
     sqlite_url, tmp_path, monkeypatch
 ):

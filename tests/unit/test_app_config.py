@@ -85,6 +85,46 @@ def test_settings__typed_errors_name_the_variable():
     assert Settings.from_env({"TOOLLEDGER_SWEEP_GRACE": "0"}).sweep_grace == 0  # zero allowed
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("TOOLLEDGER_LOG_FORMAT", "xml", "text or json"),
+        ("TOOLLEDGER_METRICS", "maybe", "on or off"),
+        ("TOOLLEDGER_FOLDER_WATCH", "maybe", "on or off"),
+        ("TOOLLEDGER_METRICS_PORT", "x", "a port number"),
+        ("TOOLLEDGER_METRICS_PORT", "65536", "a port number"),
+        ("TOOLLEDGER_METRICS_PORT", "-1", "a port number"),
+        ("TOOLLEDGER_METRICS_PORT", "٣", "a port number"),  # a digit, not an ASCII one
+    ],
+)
+def test_settings__the_variables_outside_the_settings_refused_malformed(
+    variable, value, expected, monkeypatch
+):
+    """Read where they are used (logs, metrics, the folder watch), they were taken as the
+    default or failed late: a metrics port of ``x`` gave a worker no endpoint and no word."""
+    named = f"{variable}={value!r}: expected {expected}"
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        Settings.from_env({variable: value})
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        Settings()
+
+
+def test_settings__the_variables_outside_the_settings_in_their_spellings():
+    for env in (
+        {"TOOLLEDGER_METRICS": " OFF ", "TOOLLEDGER_FOLDER_WATCH": "no"},
+        {"TOOLLEDGER_METRICS": "Yes", "TOOLLEDGER_FOLDER_WATCH": "1"},
+        {"TOOLLEDGER_METRICS": "", "TOOLLEDGER_FOLDER_WATCH": "  "},
+        {"TOOLLEDGER_LOG_FORMAT": "JSON", "TOOLLEDGER_METRICS_PORT": "0"},
+        {"TOOLLEDGER_LOG_FORMAT": "", "TOOLLEDGER_METRICS_PORT": "65535"},
+    ):
+        Settings.from_env(env)
+    from toolledger.config import switch
+
+    assert switch({"X": " OFF "}, "X") is False and switch({"X": "yes"}, "X", False) is True
+    assert switch({}, "X") is True and switch({"X": ""}, "X", False) is False
+
+
 def test_settings__the_process_environment_by_default_an_explicit_mapping_alone(monkeypatch):
     monkeypatch.setenv("TOOLLEDGER_LEASE_SECONDS", "12")
     assert Settings().lease_seconds == 12 == Settings.from_env().lease_seconds

@@ -62,8 +62,9 @@ _WAITING = (Status.PENDING_APPROVAL, Status.RUNNING, Status.UNKNOWN)  # ix_opera
 
 def metrics_on(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process counts and serves metrics (TOOLLEDGER_METRICS, default on)."""
-    value = (env if env is not None else os.environ).get("TOOLLEDGER_METRICS", "on")
-    return value.strip().lower() not in ("off", "0", "false", "no")
+    from toolledger.config import switch
+
+    return switch(os.environ if env is None else env, "TOOLLEDGER_METRICS")
 
 
 def metrics_port(default: int, env: Mapping[str, str] | None = None) -> int:
@@ -328,8 +329,13 @@ def serve_http(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") ->
 
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     bound = int(server.server_address[1])
-    log.info("metrics at http://%s:%s/metrics", addr, bound)
+    log.info("metrics at %s", endpoint(bound, addr))
     return bound
+
+
+def endpoint(port: int, addr: str = "0.0.0.0") -> str:  # noqa: S104
+    """The URL ``serve_http`` serves at."""
+    return f"http://{addr}:{port}/metrics"
 
 
 def start_worker_metrics(default_port: int = WORKER_PORT) -> int | None:
