@@ -485,8 +485,23 @@ class AsyncClient:
     def stats(self) -> Stats:
         return self.sync.stats
 
+    @property
+    def ledger(self) -> Ledger:
+        return self.sync.ledger
+
     async def _run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def check(
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        key: str | None = None,
+    ) -> PreparedCall:
+        return await self._run(self.sync.check, scope, tool_call_id, tool, args, key=key)
 
     async def submit(
         self,
@@ -554,6 +569,9 @@ class AsyncClient:
 
     async def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:
         return await self._run(self.sync.receipt, scope, tool_call_id)
+
+    async def status(self, scope: str, tool_call_id: str) -> str:
+        return await self._run(self.sync.status, scope, tool_call_id)
 
     async def wait(self, scope: str, tool_call_id: str, *, timeout: float | None = None) -> Receipt:
         sync = self.sync
