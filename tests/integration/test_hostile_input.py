@@ -336,6 +336,31 @@ def test_config__every_commands_help_works_whatever_the_environment_holds(capsys
     assert code == 2 and json.loads(err)["exit_code"] == 2 and "secret" not in err
 
 
+def test_config__every_command_takes_json_after_its_name(capsys, monkeypatch):
+    """README: "Every command takes ``--json``". ``worker`` and ``beat`` did only before their
+    name (``toolledger --json beat``): after it, Celery's "No such option"."""
+    import click
+
+    from toolledger.cli import COMMANDS, load_command
+
+    def leaves(command: click.Command, name: str) -> list[tuple[str, click.Command]]:
+        if isinstance(command, click.Group):
+            return [
+                leaf
+                for sub, child in command.commands.items()
+                for leaf in leaves(child, f"{name} {sub}")
+            ]
+        return [(name, command)]
+
+    for name in sorted(COMMANDS):
+        for full, command in leaves(load_command(name), name):
+            assert any("--json" in p.opts for p in command.params), full
+    monkeypatch.setenv("TOOLLEDGER_DB", "mysql://u:secret@h/x")
+    for name in ("worker", "beat"):
+        code, _out, err = run_cli(capsys, name, "--json")
+        assert code == 2 and json.loads(err)["exit_code"] == 2 and "secret" not in err, err
+
+
 # ------------------------------------------------------------------ Hypothesis
 
 text_or_garbage = st.one_of(

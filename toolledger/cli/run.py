@@ -116,6 +116,7 @@ def _help_with_celerys(ctx: click.Context) -> None:
     add_help_option=False,
 )
 @log_format_option
+@json_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def worker(ctx: click.Context, log_format: str | None, celery_args: tuple[str, ...]) -> None:
@@ -152,6 +153,7 @@ def worker(ctx: click.Context, log_format: str | None, celery_args: tuple[str, .
     help="Seconds between sweeps [env TOOLLEDGER_SWEEP_INTERVAL, 10].",
 )
 @log_format_option
+@json_option
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
 def beat(
