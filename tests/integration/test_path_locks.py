@@ -226,10 +226,23 @@ def test_locks__sandbox_upgrade_of_a_missing_sandbox_is_refused_and_makes_nothin
     missing = tmp_path / "nowhere"
     code, out, err = run_cli(capsys, "--sandbox", str(missing), "sandbox", "upgrade")
     assert code == 2 and out == ""
-    assert err.strip() == (
-        f"toolledger: error: no sandbox at {missing} (a new one: make the folder first)"
-    )
+    assert err.strip() == f"toolledger: error: no sandbox at {missing} (a new one: --new makes it)"
     assert not missing.exists()
+
+
+def test_locks__sandbox_upgrade_new_before_the_first_start_makes_the_folder(capsys, tmp_path):
+    """README: ``--new`` runs "before every start": before the first, the folder may not exist
+    (a worker makes it at its start); it was refused (exit 2, a deployment's first step
+    failed)."""
+    missing = tmp_path / "deep" / "sandbox"
+    argv = ["--sandbox", str(missing), "sandbox", "upgrade", "--new", "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out)["format"] == 2 and json.loads(out)["left_as_is"] is False
+    assert (missing / ".toolledger" / "format").read_text().startswith("2\n")
+    (tmp_path / "file").write_text("x")  # a file where the folder should be: refused
+    code, out, err = run_cli(capsys, "--sandbox", str(tmp_path / "file"), *argv[2:])
+    assert code == 2 and out == "" and "cannot make the sandbox" in err, err
 
 
 def test_locks__sandbox_upgrade_of_a_folder_no_worker_used_needs_new(capsys, tmp_path):

@@ -110,7 +110,14 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
 
     box = Sandbox.configured(c.settings)
     if not box.root.is_dir():
-        raise CliError(f"no sandbox at {box.root} (a new one: make the folder first)", EXIT_USAGE)
+        if not new:
+            raise CliError(f"no sandbox at {box.root} (a new one: --new makes it)", EXIT_USAGE)
+        # before the first start, as a worker would at its start: a folder nobody has used
+        try:
+            box.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = f"cannot make the sandbox {box.root}: {exc.strerror}"
+            raise CliError(why, EXIT_USAGE) from None
     if not box.attached and not new:
         raise CliError(
             f"{box.root} has no .toolledger/ (no worker has used it): --new to mark it anyway",
