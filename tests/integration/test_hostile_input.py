@@ -119,6 +119,19 @@ def test_cli__args_from_stdin_and_file_are_decoded_strictly(cli, ledger, monkeyp
     assert row_counts(ledger.engine) == before
 
 
+def test_cli__args_that_never_end_or_a_closed_stdin_are_refused(cli, ledger, monkeypatch):
+    """``--args @/dev/zero`` was read whole before the size cap: the process grew until the
+    kernel killed it (23 GB, exit 137, no word). A closed stdin was an internal error."""
+    before = row_counts(ledger.engine)
+    code, out, err = submit(cli, args="@/dev/zero")
+    assert (code, out) == (6, "") and err.count("\n") == 1, err
+    assert "--args from /dev/zero: more than" in err
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = submit(cli, args="-")
+    assert (code, out) == (6, "") and "from stdin: it is closed" in err, err
+    assert row_counts(ledger.engine) == before
+
+
 def test_cli__real_undecodable_argv_bytes_exit_6(db_url, tmp_path):
     """The bytes themselves, through a real process (argv decoded by Python, not by us)."""
     env = {**os.environ, "TOOLLEDGER_DB": db_url, "TOOLLEDGER_SANDBOX": str(tmp_path)}

@@ -48,7 +48,8 @@ def submit(
     """Record a call; approved at once with --approved-by, else pending_approval."""
     if reason is not None and approved_by is None:  # it would be dropped in silence
         raise click.UsageError("--reason says why a call was approved: give --approved-by too")
-    args = parse_json_object(raw_args, "--args")
+    # as the HTTP API's bodies: the arguments' cap as JSON may spell it, and some room
+    args = parse_json_object(raw_args, "--args", c.settings.max_args_bytes * 6 + 64 * 1024)
     call = c.submitter.prepare(scope, tool_call_id, tool, args, key)  # before any write
     out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
     c.emit(out, _human_submit)

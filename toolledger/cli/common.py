@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
@@ -192,22 +191,28 @@ def pass_ctx(f: F) -> F:
     return with_context  # type: ignore[return-value]
 
 
-def parse_json_object(raw: str, what: str) -> dict[str, Any]:
+def parse_json_object(raw: str, what: str, limit: int) -> dict[str, Any]:
     """JSON from the command line (or ``@file``, ``-`` for stdin) under the input layer's
     rules (``toolledger.ledger.inputs``): an object, strict UTF-8, no duplicate keys, no NaN,
-    bounded depth and integers. Files and stdin are read as bytes and decoded strictly."""
+    bounded depth and integers. Files and stdin are read as bytes and decoded strictly, at
+    most ``limit`` bytes of them: a larger input (``@/dev/zero``, a stream that never ends)
+    is refused once ``limit`` is passed, not read into memory until the kernel kills us."""
     from toolledger.ledger import inputs
 
     data: str | bytes = raw
-    if raw == "-":
-        data = sys.stdin.buffer.read()
-    elif raw.startswith("@"):
-        try:
-            data = Path(raw[1:]).read_bytes()
-        except OSError as exc:
-            raise CliError(
-                f"cannot read {what} from {raw[1:]}: {exc.strerror}", EXIT_INPUT
-            ) from None
+    source = "stdin" if raw == "-" else raw[1:]
+    try:
+        if raw == "-":
+            if sys.stdin is None:  # closed (``<&-``)
+                raise CliError(f"cannot read {what} from stdin: it is closed", EXIT_INPUT)
+            data = sys.stdin.buffer.read(limit + 1)
+        elif raw.startswith("@"):
+            with open(raw[1:], "rb") as file:
+                data = file.read(limit + 1)
+    except OSError as exc:
+        raise CliError(f"cannot read {what} from {source}: {exc.strerror}", EXIT_INPUT) from None
+    if len(data) > limit:
+        raise CliError(f"{what} from {source}: more than {limit:,} bytes", EXIT_INPUT)
     return inputs.loads_object(data, what)
 
 
