@@ -1241,9 +1241,10 @@ class StagingSandbox(Sandbox):
         self.check_content(data)
         if self.lease is not None:
             self.lease.check()
-        # safe now (links too); checked again when it lands. Names are compared with their
-        # siblings at submit and where they are made, at landing: not a third listdir here.
-        self.check(scope, path, kind=kind, compare=False)
+        # Safe now (links too, and a name that would be a case or normalisation twin of one
+        # made since the submit: refused here, the call fails, rather than committed as
+        # succeeded and its bytes refused at landing); checked again when it lands.
+        self.check(scope, path, kind=kind)
         with self._lock:
             if self._sealed:
                 raise LeaseLost(f"{self.execution_id} has returned: no more effects")

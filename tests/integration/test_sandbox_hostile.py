@@ -617,6 +617,29 @@ def test_execution__a_hard_link_planted_before_the_run_fails_refused(submitter, 
     assert pending_files(sb) == []
 
 
+@pytest.mark.parametrize("tool", ["write_file", "append_file"])
+def test_execution__a_case_twin_made_since_the_submit_fails_refused(submitter, world, tool):
+    """Both names were new at their submits; the first landed; the second ran, staged, and
+    was committed succeeded while its bytes were refused at landing (flagged not_landed, the
+    model told it succeeded). Refused where it stages now: the call fails, nothing flagged."""
+    sb, _tmp_path, _mine = world
+    calls = [
+        submitter.prepare("me", f"{tool}-{name}", tool, {"path": f"{name}.txt", "content": "x"})
+        for name in (f"{tool}-twin", f"{tool}-TWIN")
+    ]
+    for call in calls:
+        submitter.ledger.submit("me", call.tool_call_id, call.tool, call.args, approved_by="al")
+    executor = Executor(submitter.ledger, load_registry(), sb, worker_id="t", lease_seconds=30)
+    first, second = (executor.execute("me", c.key, 1) for c in calls)
+    assert first.status is Status.SUCCEEDED
+    assert second.status is Status.FAILED, second.result
+    assert second.result["error"] == "refused" and "letter case" in second.result["message"]
+    assert submitter.ledger.get("me", calls[1].tool_call_id).operation.review is None
+    made = sorted(p.name for p in (sb.root / "me").iterdir() if tool in p.name)
+    assert made == [f"{tool}-twin.txt"]
+    assert pending_files(sb) == []
+
+
 def test_helpers_still_land_with_no_ledger(world):
     """NO_LEDGER (tests of the sandbox alone) keeps working with the new checks."""
     sb, _, mine = world
