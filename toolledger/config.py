@@ -420,6 +420,16 @@ def _text(value: Any) -> str:
     return value
 
 
+def _failpoints(value: Any) -> str:
+    """A failpoint spec that parses (else it failed where the first call ran: exit 1)."""
+    text = _text(value)
+    if text:
+        from toolledger.failpoints import parse
+
+        parse(text)  # FailpointSpecError is a ValueError: named as the setting's
+    return text
+
+
 def _path(value: Any) -> Path:
     if isinstance(value, Path):
         return value
@@ -528,7 +538,7 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "requeue_after": (_positive, 120.0),
     "tools": (_text, ""),
     "queue": (_text, "toolledger"),
-    "failpoints": (_text, ""),
+    "failpoints": (_failpoints, ""),
     "failpoint_log": (_text, ""),
     "db_timeout": (_non_negative, 0.0),
     "lock_wait": (_positive, 2.0),

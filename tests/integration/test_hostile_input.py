@@ -132,6 +132,26 @@ def test_cli__args_that_never_end_or_a_closed_stdin_are_refused(cli, ledger, mon
     assert row_counts(ledger.engine) == before
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (("list", "--limit", str(2**63 - 1)), {}, "--limit"),
+        (("db", "downgrade", "--revision", "+1"), {}, "--revision '+1': Relative revision"),
+        (("db", "downgrade", "--revision", "0001:0003"), {}, "Range revision not allowed"),
+        (("db", "upgrade", "--revision", "-1"), {}, "--revision '-1'"),
+        (("list",), {"TOOLLEDGER_FAILPOINTS": "garbage"}, "TOOLLEDGER_FAILPOINTS='garbage'"),
+    ],
+)
+def test_cli__bad_options_and_settings_exit_2_not_internal(cli, monkeypatch, argv, env, says):
+    """Each was an internal error, exit 1: an OverflowError from SQLite, Alembic's
+    CommandError, a failpoint spec refused only when the first call ran."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, out, err = cli(*argv)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert says in err and "internal error" not in err, err
+
+
 def test_cli__real_undecodable_argv_bytes_exit_6(db_url, tmp_path):
     """The bytes themselves, through a real process (argv decoded by Python, not by us)."""
     env = {**os.environ, "TOOLLEDGER_DB": db_url, "TOOLLEDGER_SANDBOX": str(tmp_path)}

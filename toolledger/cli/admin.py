@@ -65,11 +65,11 @@ def _known_revision(revision: str) -> Iterator[None]:
     try:
         yield
     except CommandError as exc:
-        if "Can't locate revision" not in str(exc) and "No such revision" not in str(exc):
-            raise
-        raise CliError(
-            f"--revision {revision!r}: no such revision of the schema", EXIT_USAGE
-        ) from None
+        # Alembic's word for a revision it cannot go to: unknown, a range, a relative step
+        # past either end (``+1`` at head); a newer database is refused before (exit 1)
+        unknown = "Can't locate revision" in str(exc) or "No such revision" in str(exc)
+        why = "no such revision of the schema" if unknown else " ".join(str(exc).split())
+        raise CliError(f"--revision {revision!r}: {why}", EXIT_USAGE) from None
 
 
 # ---------------------------------------------------------------------------- sandbox

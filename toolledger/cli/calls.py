@@ -163,7 +163,7 @@ def events(c: Context, scope: str, tool_call_id: str) -> None:
 @click.option("--scope", callback=scope_option_check, help="Only this scope.")
 @click.option(
     "--limit",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=2**62),
     default=0,
     show_default=True,
     help="At most this many rows, oldest first; 0 for all. JSON 'more' says if rows were left.",
