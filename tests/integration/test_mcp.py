@@ -328,7 +328,10 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
     world: Stack, command: str
 ) -> None:
     """A line that is not JSON gets -32700, JSON that is no message -32600, each with id null
-    (JSON-RPC 2.0 §5.1); the SDK dropped both without a word. The next request is answered."""
+    (JSON-RPC 2.0 §5.1); the SDK dropped both without a word. A line that breaks the input
+    rules gets -32700 saying which: not strict UTF-8 (the SDK put U+FFFD in the arguments and
+    ran the call), a key twice in one object (it ran the second ``name``'s tool). The next
+    request is answered."""
     hello = {
         "jsonrpc": "2.0",
         "id": 1,
@@ -344,6 +347,10 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
         '{"jsonrpc":"2.0","method":"notifications/initialized"}',
         "not json {",
         '{"jsonrpc":"2.0","id":5,"method":42}',
+        '{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{"name":"write_file",'
+        '"name":"append_file","arguments":{"path":"d.txt","content":"x"}}}',
+        '{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"write_file",'
+        '"arguments":{"path":"a\udcffb.txt","content":"x"}}}',
         '{"jsonrpc":"2.0","id":2,"method":"ping"}',
     ]
     argv = ["serve"] if command == "serve" else proxy_argv()
@@ -354,23 +361,25 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
             stdout=subprocess.PIPE,
             stderr=errlog,
             env=world.env(),
-            text=True,
             cwd=ROOT,
         )
         assert proc.stdin is not None and proc.stdout is not None
         killer = threading.Timer(60, proc.kill)  # a reply that never comes fails, not hangs
         killer.start()
-        try:
-            proc.stdin.write("\n".join(lines) + "\n")
+        try:  # the raw byte 0xff where the path's \udcff is
+            proc.stdin.write(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
             proc.stdin.flush()
-            replies = [json.loads(proc.stdout.readline() or "null") for _ in range(4)]
+            replies = [json.loads(proc.stdout.readline() or "null") for _ in range(6)]
             proc.stdin.close()
             proc.wait(60)
         finally:
             killer.cancel()
             proc.kill()
     errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
-    assert errors == [(None, -32700), (None, -32600)], replies
+    assert errors == [(None, -32700), (None, -32600), (None, -32700), (None, -32700)], replies
+    said = [r["error"]["message"] for r in replies if r and "error" in r]
+    assert said[2] == "Parse error: duplicate key 'name' in one object", said
+    assert said[3].startswith("Parse error: not UTF-8 (byte "), said
     assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies
 
 

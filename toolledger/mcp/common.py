@@ -10,13 +10,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import secrets
 import sys
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import mcp.types as types
 from anyio.streams.memory import MemoryObjectReceiveStream
 from mcp.shared.message import SessionMessage
@@ -166,6 +170,77 @@ def log_to_stderr(level: int = logging.WARNING) -> None:
     )
 
 
+#: What a screened line that broke the input rules is replaced with, then its reason: no JSON
+#: (the SDK's parse fails on the NUL), told to the host by ``answering_malformed``.
+_REFUSED = "\x00toolledger-refused: "
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def screened(raw: bytes) -> str:
+    """A line from the host as the SDK will parse it, if it keeps the input rules
+    (``toolledger.ledger.inputs``) the SDK does not: strict UTF-8 (the SDK's reader put U+FFFD
+    for a bad byte, in a path, a content, a call id) and no key twice in one object (the SDK
+    keeps the last: ``"name"`` twice ran the second tool, ``_meta``'s scope twice recorded the
+    call in the second). Else a line the SDK cannot parse, carrying why."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"{_REFUSED}not UTF-8 (byte {exc.start} of the line)\n"
+    try:
+        json.loads(text, object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        return f"{_REFUSED}duplicate key {one_line(str(exc.args[0]))[:200]!r} in one object\n"
+    except (ValueError, RecursionError):
+        pass  # not JSON: the SDK says so
+    return text
+
+
+class StdinLines:
+    """The host's stdin as ``stdio_server`` reads it (``async for line``), each line
+    ``screened``, read by a daemon thread. The SDK's own reader blocks one of anyio's worker
+    threads (not a daemon, and not abandoned when cancelled) in ``read`` until the host closes
+    stdin, so a proxy told to stop by SIGTERM could neither unwind (its upstream never
+    stopped) nor exit."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = anyio.create_memory_object_stream[str](16)
+        # the thread's for the process's life (a private dup)
+        binary = open(os.dup(sys.stdin.fileno()), "rb")  # noqa: SIM115
+        token = anyio.lowlevel.current_token()
+        threading.Thread(
+            target=self._pump, args=(binary, token), name="toolledger-stdin", daemon=True
+        ).start()
+
+    def _pump(self, binary: BinaryIO, token: anyio.lowlevel.EventLoopToken) -> None:
+        # the loop ended, or stdin broke: the end of the input either way
+        with contextlib.suppress(Exception):
+            for raw in iter(binary.readline, b""):
+                anyio.from_thread.run(self._send.send, screened(raw), token=token)
+        with contextlib.suppress(Exception):
+            anyio.from_thread.run_sync(self._send.close, token=token)
+
+    def __aiter__(self) -> StdinLines:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+
 class _Sends(Protocol):
     async def send(self, item: SessionMessage, /) -> None: ...
 
@@ -186,14 +261,16 @@ async def answering_malformed(
                 if not isinstance(item, Exception):
                     await send.send(item)
                     continue
-                not_json = isinstance(item, ValidationError) and any(
-                    e["type"] == "json_invalid" for e in item.errors()
-                )
+                errors = item.errors() if isinstance(item, ValidationError) else []
+                not_json = any(e["type"] == "json_invalid" for e in errors)
                 code, text = (
                     (types.PARSE_ERROR, "Parse error")
                     if not_json
                     else (types.INVALID_REQUEST, "Invalid Request")
                 )
+                line = errors[0].get("input") if errors else None
+                if isinstance(line, str) and line.startswith(_REFUSED):
+                    text = f"{text}: {line.removeprefix(_REFUSED).strip()}"
                 log.warning("a line from the host is no JSON-RPC message: %s", text)
                 error = types.ErrorData(code=code, message=text)
                 await write.send(

@@ -47,11 +47,9 @@ import logging
 import os
 import signal
 import socket
-import sys
-import threading
 from collections.abc import AsyncIterable, Callable, Iterator, Sequence
 from functools import partial
-from typing import Any, TextIO, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import anyio.abc
@@ -96,6 +94,7 @@ from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY
 from toolledger.mcp.common import (
     CallIdentity,
+    StdinLines,
     answering_malformed,
     call_identity,
     error_result,
@@ -813,43 +812,9 @@ async def _stop_on_signal(scope: anyio.CancelScope, stopped_by: list[str]) -> No
             return
 
 
-class _StdinLines:
-    """The host's stdin as ``stdio_server`` reads it (``async for line``), read by a daemon
-    thread. The SDK's own reader blocks one of anyio's worker threads (not a daemon, and not
-    abandoned when cancelled) in ``read`` until the host closes stdin, so a proxy told to stop
-    by SIGTERM could neither unwind (its upstream never stopped) nor exit."""
-
-    def __init__(self) -> None:
-        self._send, self._receive = anyio.create_memory_object_stream[str](16)
-        text = open(  # noqa: SIM115 - the thread's for the process's life (a private dup)
-            os.dup(sys.stdin.fileno()), encoding="utf-8", errors="replace"
-        )
-        token = anyio.lowlevel.current_token()
-        threading.Thread(
-            target=self._pump, args=(text, token), name="toolledger-stdin", daemon=True
-        ).start()
-
-    def _pump(self, text: TextIO, token: anyio.lowlevel.EventLoopToken) -> None:
-        # the loop ended, or stdin broke: the end of the input either way
-        with contextlib.suppress(Exception):
-            for line in iter(text.readline, ""):
-                anyio.from_thread.run(self._send.send, line, token=token)
-        with contextlib.suppress(Exception):
-            anyio.from_thread.run_sync(self._send.close, token=token)
-
-    def __aiter__(self) -> _StdinLines:
-        return self
-
-    async def __anext__(self) -> str:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise StopAsyncIteration from None
-
-
 async def _serve(server: Server[Any], gone: anyio.Event) -> bool:
     """Serve over stdio until the host closes stdin (False) or the upstream exits (True)."""
-    stdin = cast("anyio.AsyncFile[str]", _StdinLines())
+    stdin = cast("anyio.AsyncFile[str]", StdinLines())
     async with (
         stdio_server(stdin) as (raw, write),
         answering_malformed(raw, write) as read,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from importlib.metadata import version
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mcp.types as types
 import sqlalchemy as sa
@@ -30,6 +30,7 @@ from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.mcp import DEFAULT_TIMEOUT, META_SCOPE, META_TOOL_CALL_ID
 from toolledger.mcp.common import (
+    StdinLines,
     answering_malformed,
     call_identity,
     error_result,
@@ -39,6 +40,9 @@ from toolledger.mcp.common import (
     pending_result,
     receipt_result,
 )
+
+if TYPE_CHECKING:
+    from anyio import AsyncFile
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
 
@@ -156,7 +160,8 @@ async def serve(
             approved_by=approved_by,
             timeout=timeout,
         )
-        async with stdio_server() as (raw, write), answering_malformed(raw, write) as read:
+        stdin = cast("AsyncFile[str]", StdinLines())
+        async with stdio_server(stdin) as (raw, write), answering_malformed(raw, write) as read:
             await server.run(read, write, server.create_initialization_options())
     finally:
         await client.close()
