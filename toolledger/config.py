@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from toolledger.ledger.identity import MAX_ARGS_BYTES
 
@@ -412,6 +412,19 @@ def _check_url(name: str, value: str) -> None:
         raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
     if "\x00" in value:
         raise ValueError("holds a NUL character")
+    if name == "db" and "sqlite" in scheme.split("+"):
+        # the driver's busy timeout, read by sqlite3.connect at the first connection
+        for key, item in parse_qsl(parts.query, keep_blank_values=True):
+            if key == "timeout" and not _seconds(item):
+                raise ValueError(f"its timeout {item!r} is not a number of seconds")
+
+
+def _seconds(text: str) -> bool:
+    try:
+        number = float(text)
+    except ValueError:
+        return False
+    return math.isfinite(number) and number >= 0
 
 
 def _text(value: Any) -> str:

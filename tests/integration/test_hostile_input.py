@@ -338,6 +338,8 @@ def test_config__a_tool_module_that_does_not_load_is_exit_2_for_submit_and_worke
         ("TOOLLEDGER_BROKER", "redis://:secret@127.0.0.1:99999/0", "from 0 to 65535"),
         ("TOOLLEDGER_BROKER", "redis://[::1/0", "does not parse"),
         ("TOOLLEDGER_BROKER", "http://example", "scheme 'http'"),
+        ("TOOLLEDGER_DB", "sqlite:////tmp/secret/ledger.db?timeout=abc", "its timeout 'abc'"),
+        ("TOOLLEDGER_DB", "sqlite:////tmp/secret/ledger.db?timeout=nan", "its timeout 'nan'"),
     ],
 )
 def test_config__a_malformed_url_is_exit_2_and_never_echoes_its_password(
