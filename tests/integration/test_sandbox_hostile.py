@@ -318,13 +318,17 @@ def test_case__an_alias_made_after_staging_is_refused_where_it_lands(tmp_path, p
 
 def test_case__scope_differing_only_by_case_refused_naming_both(tmp_path):
     sb = Sandbox(tmp_path / "sandbox").prepare()
-    assert land(sb, "Conv", "a.txt", b"Conv's\n").landed == 1
+    # staged while no alias existed; then 'Conv' is made (another process, by hand)
+    commit, staged = stage(sb, "conv", "a.txt", b"conv's\n", "write")
+    (sb.root / "Conv").mkdir()
+    (sb.root / "Conv" / "a.txt").write_bytes(b"Conv's\n")
     before = snapshot(tmp_path, sb)
-    # at check time (submit): the scope's directory would be made
+    # at check time (submit) and where an execution stages: the scope's directory would be made
     with pytest.raises(AliasRefused, match="'conv' and the existing 'Conv'"):
         sb.check("conv", "a.txt")
-    # staged anyway (no submit check), it is refused where it lands: no 'conv' directory
-    commit, staged = stage(sb, "conv", "a.txt", b"conv's\n", "write")
+    with pytest.raises(AliasRefused, match="'conv' and the existing 'Conv'"):
+        stage(sb, "conv", "b.txt", b"conv's\n", "write")
+    # the one staged before is refused where it lands: no 'conv' directory
     book = Book()
     assert effects_of(sb).publish(commit, staged, book).refused == 1
     assert len(book.not_landed) == 1
