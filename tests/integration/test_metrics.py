@@ -62,6 +62,21 @@ def total(samples: Scrape, name: str, **labels: str) -> float:
     return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
 
 
+def probe_settings(
+    db: str, broker: str, prefix: str, tmp_path: Path, **more: str
+) -> dict[str, str]:
+    """Settings (lower-case names) of a stack running the probe tools under ``tmp_path``."""
+    return {
+        "db": db,
+        "broker": broker,
+        "broker_prefix": prefix,
+        "sandbox": str(tmp_path / "sandbox"),
+        "tools": "toolledger.harness.probe",
+        "home": str(tmp_path / "home"),
+        **more,
+    }
+
+
 def wait_for(predicate: Any, timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -180,18 +195,16 @@ def test_metrics__agree_with_the_ledger_after_a_small_chaos_run(
 ):
     # Given a worker whose children are SIGKILLed before or after about 1 in 4 effects, and a beat
     # sweeping every second with 2-second leases
-    settings_env = {
-        "db": pg_url,
-        "broker": redis_server,
-        "broker_prefix": redis_prefix,
-        "sandbox": str(tmp_path / "sandbox"),
-        "tools": "toolledger.harness.probe",
-        "home": str(tmp_path / "home"),
-        "lease_seconds": "2",
-        "sweep_interval": "1",
-        "sweep_grace": "0",
-        "requeue_after": "3",
-    }
+    settings_env = probe_settings(
+        pg_url,
+        redis_server,
+        redis_prefix,
+        tmp_path,
+        lease_seconds="2",
+        sweep_interval="1",
+        sweep_grace="0",
+        requeue_after="3",
+    )
     worker_port, beat_port = free_port(), free_port()
     env = service_env(**settings_env, failpoints="before_effect=15%kill;after_effect=15%kill")
     worker = worker_process(
@@ -279,15 +292,9 @@ def test_metrics__one_prometheus_multiproc_dir_for_two_workers_and_a_beat(
     (shared / f"worker-{host}-{dead}").mkdir(parents=True)
     (shared / f"worker-{host}-{dead}" / "counter_1.db").write_bytes(b"old")
     (shared / "worker-elsewhere-1").mkdir()
-    settings_env = {
-        "db": fresh_db_url,
-        "broker": redis_server,
-        "broker_prefix": redis_prefix,
-        "sandbox": str(tmp_path / "sandbox"),
-        "tools": "toolledger.harness.probe",
-        "home": str(tmp_path / "home"),
-        "sweep_interval": "1",
-    }
+    settings_env = probe_settings(
+        fresh_db_url, redis_server, redis_prefix, tmp_path, sweep_interval="1"
+    )
     ports = [free_port() for _ in range(3)]
     env = {**service_env(**settings_env), "PROMETHEUS_MULTIPROC_DIR": str(shared)}
     workers = [
