@@ -454,3 +454,42 @@ def test_cli__a_postgres_database_of_another_encoding_is_refused(pg_server, tmp_
         refused("list")
         refused("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
                 "--args", ARGS)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["show", "--scope", "s", "--tool-call-id", "c"],
+        ["events", "--scope", "s", "--tool-call-id", "c"],
+        ["list"],
+        ["list", "--review"],
+        ["wait", "--scope", "s", "--tool-call-id", "c", "--timeout", "5"],
+        ["approve", "--scope", "s", "--tool-call-id", "c", "--by", "ann"],
+        ["reject", "--scope", "s", "--tool-call-id", "c", "--by", "ann"],
+        ["execute", "--scope", "s", "--tool-call-id", "c"],
+        ["retry", "--scope", "s", "--tool-call-id", "c", "--by", "ann"],
+        ["resolve", "--execution-id", "e", "--as", "failed", "--by", "ann", "--evidence", "x"],
+        ["repair", "TRANSCRIPT", "--scope", "s"],
+    ],
+    ids=lambda argv: " ".join(argv[:2]),
+)
+def test_cli__a_command_on_recorded_calls_refuses_a_missing_embedded_ledger(
+    argv, tmp_path, capsys, monkeypatch
+):
+    """`TOOLLEDGER_HOME=typo toolledger show …` answered "no call" and left an empty
+    typo/ledger.db behind (list answered nothing at all, exit 0; wait waited its whole
+    timeout on a ledger no one writes to). Now: exit 4, one line naming the file, nothing made."""
+    transcript = tmp_path / "t.json"
+    transcript.write_text("[]")
+    home = tmp_path / "typo"
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(home))
+    monkeypatch.delenv("TOOLLEDGER_DB", raising=False)
+    argv = [str(transcript) if a == "TRANSCRIPT" else a for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 4, (code, out, err)
+    assert err.count("\n") == 1 and f"no ledger at {home / 'ledger.db'}" in err, err
+    assert not (home / "ledger.db").exists()
+    # `db upgrade` (and submit, worker, beat, serve, sweep) still make it; then it is read
+    assert run_cli(capsys, "db", "upgrade")[0] == 0
+    code, out, err = run_cli(capsys, *argv)
+    assert "no ledger at" not in err and code in (0, 1, 4, 5, 7), (code, out, err)

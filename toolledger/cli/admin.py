@@ -198,12 +198,10 @@ def sandbox_upgrade(c: Context, new: bool) -> None:
 @pass_ctx
 def verify(c: Context) -> int:
     """Rebuild current state from the events alone; exit 1 on any difference."""
-    engine = c.unchecked_ledger.engine  # not connected yet: a SQLite file is not created
-    database = engine.url.database
-    embedded = engine.dialect.name == "sqlite" and database not in (None, "", ":memory:")
-    uri = str(database).startswith("file:")  # SQLite's URI form (?uri=true): its own rules
-    if embedded and not uri and not os.path.exists(str(database)):  # a mistyped --db
-        raise CliError(f"no ledger at {database}: nothing to verify", EXIT_FAILURE)
+    try:
+        c.require_recorded(nothing="nothing to verify")
+    except CliError as exc:  # verify's own word for it since 12-01: exit 1, a difference
+        raise CliError(exc.message, EXIT_FAILURE) from None
     report = c.ledger.verify()
     c.emit(
         report.to_json(),

@@ -76,6 +76,7 @@ def _decision(name: str, approve: bool) -> click.Command:
     @json_option
     @pass_ctx
     def command(c: Context, scope: str, tool_call_id: str, by: str, reason: str | None) -> None:
+        c.require_recorded()
         out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
         out["outcome"] = "decided"
         c.emit(out, _human_submit)
@@ -173,7 +174,7 @@ def events(c: Context, scope: str, tool_call_id: str) -> None:
 def list_(c: Context, status: str | None, review: bool, scope: str | None, limit: int) -> None:
     """Calls from current state (never from the history)."""
     wanted = parse_status(status) if status else None
-    rows = c.ledger.list_calls(
+    rows = c.recorded_ledger.list_calls(
         status=wanted, scope=scope, limit=limit + 1 if limit else 0, review=review
     )
     more = bool(limit) and len(rows) > limit
@@ -217,6 +218,7 @@ def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> No
     """Wait for the call's receipt (woken by the database) and print it."""
     from toolledger.client import Client, ReceiptTimeout
 
+    c.require_recorded()
     client = Client(c.settings)
     try:
         receipt = client.wait(scope, tool_call_id, timeout=timeout)

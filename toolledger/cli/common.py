@@ -90,6 +90,31 @@ class Context:
         ensure_schema(ledger.engine)
         return ledger
 
+    def require_recorded(self, nothing: str = "no call has been recorded there") -> None:
+        """Refuse, exit 4, a command that acts on recorded calls where the embedded ledger's
+        file is missing: a mistyped ``TOOLLEDGER_HOME`` or ``TOOLLEDGER_DB`` answered "no
+        call" and left an empty ``ledger.db`` behind. Nothing is created: the engine is made,
+        not connected. Only commands that record (``submit``), serve or sweep make one."""
+        import os
+
+        database = self.unchecked_ledger.engine.url.database
+        if self.unchecked_ledger.engine.dialect.name != "sqlite":
+            return
+        if database in (None, "", ":memory:") or str(database).startswith("file:"):
+            return  # in memory, or SQLite's URI form (?uri=true): its own rules
+        if not os.path.exists(str(database)):
+            raise CliError(
+                f"no ledger at {database}: {nothing} "
+                "(is --db, TOOLLEDGER_DB or TOOLLEDGER_HOME right?)",
+                EXIT_NOT_FOUND,
+            )
+
+    @cached_property
+    def recorded_ledger(self) -> Ledger:
+        """The ledger of a command that reads or changes calls already recorded."""
+        self.require_recorded()
+        return self.ledger
+
     @cached_property
     def unchecked_ledger(self) -> Ledger:
         # Lock waits and idle transactions bounded: a human's command frozen mid-transaction
@@ -122,7 +147,7 @@ class Context:
             except Fallback:
                 light.close()
                 self.__dict__["light_reads"] = None
-        return read(self.ledger)
+        return read(self.recorded_ledger)
 
     @cached_property
     def submitter(self) -> Submitter:

@@ -106,7 +106,7 @@ def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str) -> 
     Recorded with who decided and the evidence. A flagged call (list --review): confirm or
     correct what a human or a reconciler decided. A call flagged not_landed: land its kept
     bytes by hand or leave them, then confirm its status; the sweep removes the bytes."""
-    out = resolve_call(c.ledger, execution_id, Status(as_), by=by, evidence=evidence)
+    out = resolve_call(c.recorded_ledger, execution_id, Status(as_), by=by, evidence=evidence)
     c.emit(out, lambda d: f"{d['status']}: {execution_id} resolved by {by}")
 
 
@@ -125,6 +125,7 @@ def retry(
     c: Context, scope: str, tool_call_id: str, by: str, accept_duplicate: bool, reason: str | None
 ) -> None:
     """A new attempt under the same key (unknown or failed calls), authorised by a person."""
+    c.require_recorded()
     sub = c.submitter
     out = retry_call(
         sub.ledger,
@@ -173,14 +174,14 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
     if out is not None and str(out) == "-":
         # bytes in, bytes out: what repair wrote is what it read back, whatever the locale
         report = repair_transcript(
-            transcript.read_bytes(), c.ledger, scope, fmt, name=str(transcript)
+            transcript.read_bytes(), c.recorded_ledger, scope, fmt, name=str(transcript)
         )
         click.echo(report.text.encode("utf-8"), nl=False)
         if c.json:  # stdout is the transcript's: the summary a script asked for goes to stderr
             data = {"transcript": str(transcript), "out": "-", **report.to_json()}
             click.echo(json.dumps(data, ensure_ascii=False, default=str), err=True)
         return
-    report = repair_file(transcript, c.ledger, scope, fmt, out)
+    report = repair_file(transcript, c.recorded_ledger, scope, fmt, out)
     data = {"transcript": str(transcript), "out": str(out or transcript), **report.to_json()}
     c.emit(
         data,

@@ -30,7 +30,7 @@ from toolledger.worker.runtime import Runtime, default_worker_id
 @pass_ctx
 def execute(c: Context, scope: str, tool_call_id: str) -> None:
     """Run an approved call now, in this process, through the same pipeline as a worker."""
-    ledger = c.ledger
+    ledger = c.recorded_ledger
     op = ledger.get(scope, tool_call_id).operation
     if op.status is not Status.APPROVED:
         raise StateError(
