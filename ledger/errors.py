@@ -38,7 +38,9 @@ class NotFound(LedgerError):
 
 
 class ConflictError(LedgerError):
-    """The idempotency key was already used for different arguments; nothing was changed."""
+    """The idempotency key (or the tool_call_id) was already used for another call: other
+    arguments, another tool or another key; nothing was changed. The message names what
+    differs, and only that."""
 
     def __init__(
         self,
@@ -47,17 +49,33 @@ class ConflictError(LedgerError):
         idempotency_key: str,
         stored_sha256: str,
         requested_sha256: str,
+        stored_tool: str | None = None,
+        requested_tool: str | None = None,
+        tool_call_id: str | None = None,
+        requested_key: str | None = None,
         detail: str = "",
     ) -> None:
         self.scope = scope
         self.idempotency_key = idempotency_key
         self.stored_sha256 = stored_sha256
         self.requested_sha256 = requested_sha256
-        message = (
-            f"conflict: key {idempotency_key!r} in scope {scope!r} is already recorded with "
-            f"args_sha256 {stored_sha256}, this request has {requested_sha256}"
-        )
-        super().__init__(f"{message}{'; ' + detail if detail else ''}; nothing was changed")
+        differs = []
+        if tool_call_id is not None:  # the id is bound to a key: name the binding first
+            head = (
+                f"conflict: tool_call_id {tool_call_id!r} in scope {scope!r} is already "
+                f"recorded under key {idempotency_key!r}"
+            )
+            if requested_key is not None and requested_key != idempotency_key:
+                differs.append(f"this request has key {requested_key!r}")
+        else:
+            head = f"conflict: key {idempotency_key!r} in scope {scope!r} is already recorded"
+        if stored_tool is not None and requested_tool is not None and stored_tool != requested_tool:
+            differs.append(f"for tool {stored_tool!r}, this request is for {requested_tool!r}")
+        if stored_sha256 != requested_sha256 or not differs:
+            differs.append(f"with args_sha256 {stored_sha256}, this request has {requested_sha256}")
+        if detail:
+            differs.append(detail)
+        super().__init__(f"{head} {'; '.join(differs)}; nothing was changed")
 
 
 class StateError(LedgerError):

@@ -236,7 +236,8 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
             idempotency_key=bound.idempotency_key,
             stored_sha256=bound.args_sha256,
             requested_sha256=sha,
-            detail=f"tool_call_id {tool_call_id!r} is already recorded for that key",
+            tool_call_id=tool_call_id,
+            requested_key=key,
         )
 
     def conflict_of(
@@ -369,5 +370,6 @@ def _action_conflict(
         idempotency_key=key,
         stored_sha256=op.args_sha256,
         requested_sha256=sha,
-        detail="" if op.tool == tool else f"recorded for tool {op.tool!r}",
+        stored_tool=op.tool,
+        requested_tool=tool,
     )

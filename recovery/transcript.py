@@ -375,8 +375,10 @@ def _receipt(ledger: Ledger, scope: str, call: Call, name: str) -> Receipt:
             idempotency_key=op.idempotency_key,
             stored_sha256=op.args_sha256,
             requested_sha256=sha,
+            stored_tool=op.tool,
+            requested_tool=call.name,
             detail=f"{where} in the transcript asks for "
-            f"{'other arguments' if call.name == op.tool else 'tool ' + repr(op.tool)}; "
+            f"{'other arguments' if call.name == op.tool else 'another tool'}; "
             "the transcript is unchanged",
         )
     try:

@@ -103,6 +103,30 @@ def test_submit__tool_call_id_reused_for_another_key_is_a_conflict(ledger, scope
     assert snapshot(ledger, scope) == before
 
 
+def test_submit__a_conflict_names_what_differs_and_only_that(ledger, scope):
+    """The message named the key and both hashes whatever differed: a call sent again under
+    another tool, same arguments, read "args_sha256 X, this request has X"."""
+    ledger.submit(scope, "c1", "write_file", ARGS, key="k1")
+    sha = ledger.get(scope, "c1").operation.args_sha256
+    other = {"path": "diagnosis.txt", "content": "DIFFERENT"}
+    cases = [  # tool, args, tool_call_id, key; what the message must say
+        ("write_file", other, "c2", "k1", ["key 'k1'", f"args_sha256 {sha}, this request has"]),
+        ("append_file", ARGS, "c2", "k1", ["for tool 'write_file', this request is for"]),
+        ("write_file", ARGS, "c1", "k2", ["tool_call_id 'c1'", "this request has key 'k2'"]),
+        ("write_file", other, "c1", "k2", ["under key 'k1'", "key 'k2'", "args_sha256"]),
+    ]
+    for tool, args, cid, key, said in cases:
+        with pytest.raises(ConflictError) as err:
+            ledger.submit(scope, cid, tool, args, key=key)
+        message = str(err.value)
+        assert all(part in message for part in said), message
+        assert message.endswith("nothing was changed"), message
+        if args == ARGS:  # the arguments are the same: no hash is named
+            assert "args_sha256" not in message, message
+        if tool == "write_file" and cid != "c1":  # the same tool: none is named
+            assert "for tool" not in message, message
+
+
 def test_submit__pending_call_cannot_be_claimed_until_approved(ledger, scope):
     key = ledger.submit(scope, "c1", "write_file", ARGS).operation.idempotency_key
     assert ledger.claim(scope, key, 1, worker_id="w") is None
