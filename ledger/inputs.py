@@ -211,6 +211,14 @@ def loads_object(text: str | bytes, what: str) -> dict[str, Any]:
     return value
 
 
+def loads_arguments(text: str, what: str) -> dict[str, Any]:
+    """A model's tool-call ``arguments`` string: a JSON object, or blank (empty or white
+    space: what models send for a tool without parameters, and what the OpenAI Agents SDK
+    reads as ``{}``) for none. ``run_turn`` and ``repair`` both read a call's arguments
+    through this, so a call one of them took the other finds (``repair`` refused ``""``)."""
+    return {} if not text.strip() else loads_object(text, what)
+
+
 def check_identifier(value: Any, what: str, max_len: int = 512) -> str:
     """Non-empty, at most ``max_len`` characters, encodable, no control characters."""
     if not isinstance(value, str) or not value.strip():

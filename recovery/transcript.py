@@ -364,7 +364,7 @@ def _receipt(ledger: Ledger, scope: str, call: Call, name: str) -> Receipt:
     args = call.args
     try:
         if isinstance(args, str):
-            args = inputs.loads_object(args, f"{name}: {call.at}: the arguments of {where}")
+            args = inputs.loads_arguments(args, f"{name}: {call.at}: the arguments of {where}")
         sha = args_sha256(args)
     except InputError as exc:
         raise TranscriptError(str(exc)) from None

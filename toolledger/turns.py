@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError
+from toolledger.ledger.identity import check_text_id
 from toolledger.ledger.records import Receipt
 from toolledger.recovery.replay import Call, Format, TranscriptError, detect
 
@@ -69,10 +70,19 @@ def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]
 def call_args(call: Call) -> dict[str, Any]:
     where = f"the arguments of call {call.id!r}"
     if isinstance(call.args, str):
-        return inputs.loads_object(call.args or "{}", where)
+        return inputs.loads_arguments(call.args, where)
     if not isinstance(call.args, dict):
         raise InputError(f"{where}: must be a JSON object")
     return call.args
+
+
+def _approver(value: Any, call: Call) -> str | None:
+    """The policy's answer for ``call`` (None: ask a human), checked as the ledger will check
+    it, before any call of the turn is submitted: a name the ledger refuses for the second
+    call used to leave the first recorded, approved and run."""
+    if value is None:
+        return None
+    return check_text_id(value, f"approver of call {call.id!r}", inputs.MAX_ACTOR)
 
 
 def _status_of(exc: TimeoutError) -> str:
@@ -113,7 +123,8 @@ def run_turn(
     fmt, calls, checked = checked_calls(client, scope, message)
     asked = zip(calls, checked, strict=True)  # each policy gets its own copy: what it does
     approvers = [
-        approve(c.name, c.id, copy.deepcopy(p.args)) if approve else None for c, p in asked
+        _approver(approve(c.name, c.id, copy.deepcopy(p.args)) if approve else None, c)
+        for c, p in asked
     ]
     deadline = None if timeout is None else time.monotonic() + timeout
     handles = [  # submitted in the model's order (workers may run them concurrently)
@@ -142,7 +153,8 @@ async def run_turn_async(
     approvers = []
     for call, prepared in zip(calls, checked, strict=True):
         approver = approve(call.name, call.id, copy.deepcopy(prepared.args)) if approve else None
-        approvers.append(await approver if inspect.isawaitable(approver) else approver)
+        answer = await approver if inspect.isawaitable(approver) else approver
+        approvers.append(_approver(answer, call))
     handles = [
         (call, await client.submit_checked(prepared, approved_by=approver))
         for call, prepared, approver in zip(calls, checked, approvers, strict=True)

@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from toolledger.config import Settings
+from toolledger.ledger.errors import InputError
 from toolledger.ledger.identity import check_call
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import OperationRecord
@@ -24,7 +25,7 @@ from toolledger.ledger.transitions import Status
 from toolledger.observability import tracing
 from toolledger.registry import load_registry
 from toolledger.sandbox import Sandbox
-from toolledger.tools import Registry, ToolContext
+from toolledger.tools import Registry, ToolContext, UnknownTool
 
 if TYPE_CHECKING:
     from celery import Celery  # imported by ``app`` and ``enqueue``: a call left pending needs none
@@ -100,13 +101,36 @@ class Submitter:
         args: dict[str, Any],
         key: str | None = None,
     ) -> PreparedCall:
-        """Identifiers, size, tool name, schema and sandbox paths — before any write."""
+        """Identifiers, size, tool name, schema and sandbox paths — before any write.
+
+        A call the ledger already holds, the same (tool, key, arguments), passes even where
+        the tool's schema or its check would refuse it now (the tool gone from this
+        process's registry, a file since hard-linked, a schema since narrowed): asking for it
+        again is a replay, answered with its receipt, never a refusal, which told the model
+        that a call that took effect had failed (and invited it to issue it again)."""
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.settings.max_args_bytes)
-        spec = self.registry.get(tool)
-        parsed = spec.parse(args)
-        if spec.check is not None:
-            spec.check(parsed, ToolContext(scope, self.sandbox))
+        try:
+            spec = self.registry.get(tool)
+            parsed = spec.parse(args)
+            if spec.check is not None:
+                spec.check(parsed, ToolContext(scope, self.sandbox))
+        except (InputError, UnknownTool):
+            if self._recorded_as(scope, tool_call_id, tool, key, sha):
+                return PreparedCall(scope, tool_call_id, tool, args, key, sha, False)
+            raise
         return PreparedCall(scope, tool_call_id, tool, args, key, sha, spec.read_only)
+
+    def _recorded_as(self, scope: str, tool_call_id: str, tool: str, key: str, sha: str) -> bool:
+        """The ledger holds this call: its id bound to ``key``, whose action is ``tool`` on
+        these arguments. Read only where a check refused (a new call never pays for it); a
+        ledger that cannot answer leaves the refusal standing."""
+        try:
+            if self.ledger.key_for(scope, tool_call_id) != key:
+                return False
+            op = self.ledger.operation(scope, key)
+        except Exception:  # noqa: BLE001 - not found, or no answer: the refusal stands
+            return False
+        return op.tool == tool and op.args_sha256 == sha
 
     def submit(
         self,

@@ -265,7 +265,10 @@ def test_cli__list_gives_every_row_unless_limited_and_says_when_rows_were_left(r
     assert code == 0 and (listed["count"], listed["more"]) == (3, False)
     code, out, err = run("--json", "list", "--scope", scope, "--limit", "2")
     listed = json.loads(out)
-    assert (listed["count"], listed["more"]) == (2, True) and "more than 2" in err
+    assert (listed["count"], listed["more"]) == (2, True)
+    assert json.loads(err) == {"warning": "more than 2 calls; these are the oldest 2"}
+    code, out, err = run("list", "--scope", scope, "--limit", "2")  # text: a text warning
+    assert code == 0 and err == "warning: more than 2 calls; these are the oldest 2\n"
     assert [c["tool_call_id"] for c in listed["calls"]] == ["l0", "l1"]  # oldest first
     code, out, _ = run("--json", "list", "--scope", scope, "--limit", "3")
     assert json.loads(out)["more"] is False

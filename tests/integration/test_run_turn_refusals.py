@@ -3,7 +3,9 @@ refused. Nothing runs in these tests, so no worker: the ledger on each backend i
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +13,13 @@ from typing import Any
 import pytest
 
 from tests.acceptance.test_client import openai_turn, responses_turn
-from toolledger import Client
+from toolledger import AsyncClient, Client
 from toolledger.config import Settings
 from toolledger.ledger.errors import InputError, LedgerError, NotFound
+from toolledger.ledger.transitions import Status
+from toolledger.recovery.transcript import repair_transcript
+from toolledger.sandbox import HardLinkRefused
+from toolledger.tools import UnknownTool
 
 
 @pytest.fixture
@@ -107,3 +113,109 @@ def test_run_turn__arguments_changed_after_their_check_are_never_recorded(
         client.submit_checked(checked)
     with pytest.raises(NotFound):
         client.ledger.get(scope, "changed")
+
+
+# ------------------------------------------------ replays where a check would refuse now
+
+
+def _succeeded(client: Client, scope: str, cid: str, tool: str, args: dict[str, Any]) -> Any:
+    """A call recorded and run to success (by hand: no worker here), as a worker would."""
+    ledger = client.ledger
+    ledger.submit(scope, cid, tool, args, approved_by="al")
+    claim = ledger.claim(scope, f"{tool}:{cid}", 1, worker_id="w")
+    assert claim is not None
+    ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"done": cid})
+    return client.receipt(scope, cid)
+
+
+def _turn(cid: str, tool: str, arguments: str) -> dict[str, Any]:
+    call = {"id": cid, "type": "function", "function": {"name": tool, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def _answer(turn_items: list[dict[str, Any]]) -> Any:
+    (item,) = turn_items
+    return json.loads(item["content"])
+
+
+def test_run_turn__a_recorded_call_a_check_would_refuse_now_is_replayed(
+    client: Client, scope: str
+) -> None:
+    """The same call asked again after it ran is a replay, whatever the tool's checks say of
+    the sandbox or the registry now: the submit checked the tool's schema and paths before it
+    looked in the ledger, so a file hard-linked since (an operator's backup), a tool gone from
+    this process's registry or a schema since narrowed turned the receipt into an error: the
+    model was told a call that took effect had failed. A new call is still refused."""
+    args = {"path": "log.txt", "content": "line\n"}
+    _succeeded(client, scope, "ap1", "append_file", args)
+    folder = Path(client.settings.sandbox) / scope
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "log.txt").write_text("line\n")
+    os.link(folder / "log.txt", folder / "backup-log.txt")
+    _succeeded(client, scope, "gone1", "gone_tool", {})  # a tool no longer registered here
+    _succeeded(client, scope, "old1", "write_file", {"path": "a.txt"})  # no content: old schema
+
+    turn = _turn("ap1", "append_file", json.dumps(args))
+    assert _answer(client.run_turn(scope, turn, approve=lambda *_: "policy")) == {"done": "ap1"}
+    for cid, tool, given in [("gone1", "gone_tool", {}), ("old1", "write_file", {"path": "a.txt"})]:
+        assert _answer(client.run_turn(scope, _turn(cid, tool, json.dumps(given)))) == {"done": cid}
+        again = client.submit(scope, cid, tool, given, approved_by="al")
+        assert (again.status, again.submitted["outcome"]) == ("succeeded", "existing")
+    assert client.check(scope, "ap1", "append_file", args).tool_call_id == "ap1"
+
+    for cid, tool, given, refused in [  # new calls: the checks stand, nothing recorded
+        ("ap2", "append_file", args, HardLinkRefused),
+        ("gone2", "gone_tool", {}, UnknownTool),
+        ("old2", "write_file", {"path": "a.txt"}, InputError),
+        ("ap1", "append_file", {**args, "content": "other\n"}, HardLinkRefused),  # other args
+    ]:
+        with pytest.raises(refused):
+            client.run_turn(scope, _turn(cid, tool, json.dumps(given)), approve=lambda *_: "p")
+        if cid != "ap1":
+            with pytest.raises(NotFound):
+                client.ledger.get(scope, cid)
+    assert client.ledger.get(scope, "ap1").operation.args == args
+
+
+@pytest.mark.parametrize("bad", ["bad\x07name", "", "   ", 7, "x" * 257])
+def test_run_turn__an_approver_the_ledger_refuses_records_no_call_of_the_turn(
+    client: Client, scope: str, bad: Any
+) -> None:
+    """The policy's answer for the second call was checked only at its own submit: the
+    first call was recorded, approved and run, then the turn raised."""
+    turn = openai_turn(2, "appr")
+
+    def policy(_tool: str, call_id: str, _args: Any) -> Any:
+        return "policy" if call_id == "appr_0" else bad
+
+    async def policy_async(tool: str, call_id: str, args: Any) -> Any:
+        return policy(tool, call_id, args)
+
+    with pytest.raises(InputError, match="approver of call 'appr_1'"):
+        client.run_turn(scope, turn, approve=policy, timeout=5)
+    async_client = AsyncClient(client.settings)
+    try:
+        with pytest.raises(InputError, match="approver of call 'appr_1'"):
+            asyncio.run(async_client.run_turn(scope, turn, approve=policy_async, timeout=5))
+    finally:
+        asyncio.run(async_client.close())
+    for cid in ("appr_0", "appr_1"):
+        with pytest.raises(NotFound):
+            client.ledger.get(scope, cid)
+
+
+@pytest.mark.parametrize("blank", ["", "  ", "\n"])
+def test_run_turn_and_repair__read_blank_arguments_alike(
+    client: Client, scope: str, blank: str
+) -> None:
+    """Models send "" for a tool without parameters; run_turn read it as {} and repair
+    refused the same transcript (exit 6: not valid JSON), so a crashed agent's turn could not
+    be repaired from the ledger that answered it."""
+    _succeeded(client, scope, "nop1", "gone_tool", {})
+    turn = _turn("nop1", "gone_tool", blank)
+    assert _answer(client.run_turn(scope, turn)) == {"done": "nop1"}
+    transcript = json.dumps([{"role": "user", "content": "go"}, turn])
+    report = repair_transcript(transcript.encode(), client.ledger, scope)
+    repaired = json.loads(report.text)
+    assert len(report.inserted) == 1 and repaired[-1]["tool_call_id"] == "nop1"
+    assert json.loads(repaired[-1]["content"]) == {"done": "nop1"}

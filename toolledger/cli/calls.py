@@ -179,8 +179,10 @@ def list_(c: Context, status: str | None, review: bool, scope: str | None, limit
     )
     more = bool(limit) and len(rows) > limit
     rows = rows[:limit] if more else rows
-    if more:
-        click.echo(f"warning: more than {limit} calls; these are the oldest {limit}", err=True)
+    if more:  # on stderr as the errors are: a JSON object under --json, never bare text
+        warning = f"more than {limit} calls; these are the oldest {limit}"
+        line = json.dumps({"warning": warning}) if c.json else f"warning: {warning}"
+        click.echo(line, err=True)
     out = {"count": len(rows), "calls": [r.to_json() for r in rows], "more": more}
     c.emit(out, human_list)
 
