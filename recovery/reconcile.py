@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,36 @@ class ReconcileTally:
     still_unknown: int = 0
     errors: list[str] = field(default_factory=list)
     to_publish: list[tuple[str, str, int]] = field(default_factory=list)
+    #: Where the pass stopped when its time ran out (the next pass starts after it); None
+    #: when it went round every unknown execution.
+    resume_after: tuple[str, str, str] | None = None
+
+
+Position = tuple[str, str, str]  # (scope, idempotency_key, execution_id): the pages' order
+
+
+def _position(ex: ExecutionRecord) -> Position:
+    return (ex.scope, ex.idempotency_key, ex.execution_id)
+
+
+def _pages(
+    ledger: Ledger, page_size: int, start_after: Position | None
+) -> Iterator[list[tuple[ExecutionRecord, OperationRecord]]]:
+    """The unknown executions in pages, from just after ``start_after`` to the end, then
+    from the start up to it: each once, wherever the pass begins."""
+    after = start_after
+    while page := ledger.unknown_executions(page_size, after):
+        yield page
+        after = _position(page[-1][0])
+    if start_after is None:
+        return
+    after = None
+    while page := ledger.unknown_executions(page_size, after):
+        page = [row for row in page if _position(row[0]) <= start_after]
+        if not page:
+            return
+        yield page
+        after = _position(page[-1][0])
 
 
 def late_result(events: list[EventRecord]) -> Finding:
@@ -108,19 +139,43 @@ def reconcile_unknown(
     page_size: int = 500,
     actor: str = "sweep",
     max_auto_retries: int = MAX_AUTO_RETRIES,
+    budget_s: float | None = None,
+    start_after: Position | None = None,
+    on_retry: Callable[[str, str, int], None] | None = None,
 ) -> ReconcileTally:
-    """One pass over every execution that is unknown now (page by page)."""
+    """One pass over every execution that is unknown now (page by page).
+
+    ``budget_s``: start no reconciliation after this many seconds (a sweep run under a time
+    limit: reconcilers that each wait on a service that is down made every pass overrun its
+    limit at the same row, and be killed before it re-published lost work). ``start_after``:
+    begin after this execution and wrap around (where the last pass ran out of time), so the
+    rows at the front do not take every pass's time. ``on_retry``: called with each attempt
+    this pass authorises as it is decided (its publish), instead of listing it in
+    ``to_publish`` for the end of the pass."""
     tally = ReconcileTally()
-    after: tuple[str, str, str] | None = None
-    while page := ledger.unknown_executions(page_size, after):
+    began = time.monotonic()
+    last: Position | None = None
+    for page in _pages(ledger, page_size, start_after):
         evidence = ledger.evidence_for([ex for ex, _ in page])
         for ex, op in page:
+            if budget_s is not None and time.monotonic() - began >= budget_s:
+                tally.resume_after = last or start_after
+                log.info(
+                    "reconciliation stopped after %.1f s (its budget); the next pass goes on "
+                    "after %s/%s",
+                    time.monotonic() - began,
+                    ex.scope,
+                    ex.idempotency_key,
+                )
+                return tally
+            last = _position(ex)
             with _observed(ex, op) as span:
                 events = evidence.get(ex.execution_id, [])
                 found = _findings(registry, sandbox, ex, op, events, tally)
                 if found is None:
                     continue
                 retry = ex.attempt <= max_auto_retries
+                queued = len(tally.to_publish)
                 try:
                     outcome = _decide(ledger, ex, *found, actor, tally, retry)
                 except StaleFence:  # another sweep (or a human) resolved it first: once each
@@ -131,8 +186,8 @@ def reconcile_unknown(
                     log.warning("recording what was found for %s failed: %s", ex.execution_id, exc)
                     continue
                 tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
-        last = page[-1][0]
-        after = (last.scope, last.idempotency_key, last.execution_id)
+            if on_retry is not None and len(tally.to_publish) > queued:
+                on_retry(*tally.to_publish.pop())
     return tally
 
 

@@ -4,9 +4,14 @@
 2. the sandbox settled (if this process can see it): results that executors spooled are
    recorded, effects committed but not landed land, staged effects of revoked executions
    are dropped (``worker.effects``);
-3. every ``unknown`` with evidence -> ``succeeded``/``failed``, ``reconciled: true``; a call
-   whose effect is proven absent, of a tool that allows it, gets its next attempt (published);
-4. approved work whose message was lost (unclaimed, last published long ago) -> published again.
+3. approved work whose message was lost (unclaimed, last published long ago) -> published
+   again;
+4. every ``unknown`` with evidence -> ``succeeded``/``failed``, ``reconciled: true``; a call
+   whose effect is proven absent, of a tool that allows it, gets its next attempt (published
+   as it is decided). Reconcilers look at the world and may each wait on a service: under a
+   time limit (the beat's task) this step has a budget, and the next pass goes on where it
+   stopped. It comes last, so a pass cut short in it has re-published lost work already
+   (before 12-05 it came before step 3, and slow reconcilers starved step 3 for good).
 
 Each step reads through a partial index, so a pass costs what it touches, not the ledger's
 size. Two sweeps at once are safe: step 1 skips rows the other holds and re-checks status
@@ -30,7 +35,7 @@ from toolledger.ledger.models import operations
 from toolledger.ledger.records import ExecutionRecord
 from toolledger.ledger.transitions import Status
 from toolledger.observability import logs, tracing
-from toolledger.recovery.reconcile import MAX_AUTO_RETRIES, reconcile_unknown
+from toolledger.recovery.reconcile import MAX_AUTO_RETRIES, Position, reconcile_unknown
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry
 
@@ -40,6 +45,9 @@ Publish = Callable[[str, str, int], None]
 
 #: Rows one statement takes at a time (a pass loops until nothing is left).
 BATCH = 1000
+
+#: Where this process's last pass over each ledger ran out of reconciling time.
+_resume: dict[str, Position] = {}
 
 
 @dataclass
@@ -55,6 +63,8 @@ class SweepSummary:
     landed: int = 0
     dropped: int = 0
     spooled_results: int = 0
+    #: The reconciling step ran out of its time budget: the next pass goes on after it.
+    reconcile_deferred: bool = False
     duration_s: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -73,8 +83,11 @@ def sweep(
     batch: int = BATCH,
     actor: str = "sweep",
     max_auto_retries: int = MAX_AUTO_RETRIES,
+    reconcile_budget: float | None = None,
 ) -> SweepSummary:
-    """One recovery pass. Never executes a tool."""
+    """One recovery pass. Never executes a tool. ``reconcile_budget``: seconds the pass may
+    spend starting reconciliations (None: as long as it takes), for a pass run under a time
+    limit."""
     began = time.perf_counter()
     with tracing.span("sweep", {"toolledger.actor": actor}) as span, logs.bind(sweep=actor):
         summary = _sweep(
@@ -87,6 +100,7 @@ def sweep(
             batch=batch,
             actor=actor,
             max_auto_retries=max_auto_retries,
+            reconcile_budget=reconcile_budget,
         )
         summary.duration_s = round(time.perf_counter() - began, 4)
         metrics.sweep_finished(time.perf_counter() - began, ok=not summary.errors)
@@ -133,6 +147,7 @@ def _sweep(
     batch: int,
     actor: str,
     max_auto_retries: int,
+    reconcile_budget: float | None,
 ) -> SweepSummary:
     summary = SweepSummary()
     while marked := ledger.mark_expired(grace_seconds=grace_seconds, limit=batch, actor=actor):
@@ -156,9 +171,30 @@ def _sweep(
     except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs
         summary.errors.append(f"settling the sandbox failed: {exc}")
         log.warning("settling the sandbox failed: %s", exc)
+    on_retry: Publish | None = None
+    if publish is not None:
+        summary.requeued = requeue_lost(ledger, publish, requeue_after, batch, summary.errors)
+        to_broker: Publish = publish
+
+        def on_retry(scope: str, key: str, attempt: int) -> None:
+            if _publish_one(to_broker, scope, key, attempt, summary.errors):
+                ledger.mark_enqueued(scope, key, attempt)
+
+    where = str(ledger.engine.url)
     tally = reconcile_unknown(
-        ledger, registry, sandbox, page_size=batch, actor=actor, max_auto_retries=max_auto_retries
+        ledger,
+        registry,
+        sandbox,
+        page_size=batch,
+        actor=actor,
+        max_auto_retries=max_auto_retries,
+        budget_s=reconcile_budget,
+        start_after=_resume.pop(where, None) if reconcile_budget is not None else None,
+        on_retry=on_retry,
     )
+    if tally.resume_after is not None:
+        _resume[where] = tally.resume_after
+        summary.reconcile_deferred = True
     summary.reconciled, summary.still_unknown = tally.reconciled, tally.still_unknown
     summary.from_late_result, summary.from_reconciler = (
         tally.from_late_result,
@@ -166,11 +202,6 @@ def _sweep(
     )
     summary.not_applied, summary.auto_retried = tally.not_applied, tally.auto_retried
     summary.errors.extend(tally.errors)
-    if publish is not None:
-        for scope, key, attempt in tally.to_publish:
-            if _publish_one(publish, scope, key, attempt, summary.errors):
-                ledger.mark_enqueued(scope, key, attempt)
-        summary.requeued = requeue_lost(ledger, publish, requeue_after, batch, summary.errors)
     return summary
 
 

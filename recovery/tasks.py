@@ -52,6 +52,9 @@ def sweep(task: Task) -> dict[str, Any]:
         requeue_after=settings.requeue_after,
         publish=publish,
         max_auto_retries=settings.max_auto_retries,
+        # under the soft time limit the worker's app sets for every task: half of it for
+        # reconcilers, which may each wait on a service; the next pass goes on after them
+        reconcile_budget=settings.soft_time_limit / 2,
     )
     log.info("%s: %s", SWEEP, json.dumps(summary.to_json()))
     return summary.to_json()

@@ -160,3 +160,47 @@ def test_recovery__beat_schedules_sweeps_that_recover_a_crash(stack, scope):
     )
     assert "Sending due task toolledger-sweep" in beat.log_text()
     assert_retried_once(stack, scope)
+
+
+def test_recovery__slow_reconcilers_never_starve_the_beats_requeue_of_lost_work(
+    stack, scope, monkeypatch
+):
+    """Unknown calls whose reconciler waits 2 s on a service that is down, three of them:
+    every beat pass overran its hard time limit (5 s under a 6 s lease) asking them, was
+    killed there, and never reached the re-publishing of lost work that came after, so an
+    approved call whose message the broker lost stayed approved for good, nothing flagged (a
+    cold review, 12-05: 75 s and counting). Now the pass re-publishes first and reconciles
+    within half its soft limit, going on where the last pass stopped."""
+    env = {
+        "lease_seconds": "6",
+        "sweep_interval": "1",
+        "sweep_grace": "0",
+        "requeue_after": "1",
+        "tools": "toolledger.harness.probe,tests.payment_tools",
+    }
+    ledger = stack.ledger()
+    for i in range(3):  # crashed after their claims: unknown once the sweep sees them
+        ledger.submit(scope, f"pay{i}", "charge", {"amount": i}, approved_by="alice")
+        assert ledger.claim(scope, f"charge:pay{i}", 1, worker_id="dead", lease_seconds=0.05)
+    ledger.submit(scope, "lost", "probe_write", args(1), approved_by="alice")  # never published
+    monkeypatch.setenv("TEST_RECONCILE_SECONDS", "2")  # the workers' environment, unprefixed
+    worker = stack.worker("w1", concurrency=1, **env)
+    beat = beat_process(
+        "beat", stack.env(home=str(stack.root / "beat"), **env), stack.root / "logs"
+    ).start()
+    stack.workers.append(beat)
+    beat.wait_ready()
+    wait_until(
+        lambda: ledger.get(scope, "lost").operation.status is Status.SUCCEEDED,
+        60,
+        "the beat's sweep to re-publish the lost call",
+    )
+    wait_until(
+        lambda: all(
+            ledger.get(scope, f"pay{i}").operation.status is Status.UNKNOWN for i in range(3)
+        ),
+        30,
+        "the crashed charges to be marked unknown, for a human",
+    )
+    assert "Hard time limit" not in worker.log_text()
+    assert ledger.verify().ok

@@ -451,3 +451,89 @@ def test_sweep__publish_failure_is_reported_and_retried_next_time(fresh_db_url, 
     ok = run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.1)
     assert ok.requeued == 1 and published == [("s", "write_file:lost", 1)]
     ledger.close()
+
+
+# ------------------------------------------- reconcilers that wait on a service that is down
+
+
+class Killed(BaseException):
+    """What Celery's hard time limit does to a pass: it ends it wherever it is."""
+
+
+def _slow_registry(asked: list[str], wait: float, kill_at: int | None = None) -> Registry:
+    def slow(_args: ContentArgs, ctx: Any) -> Any:  # a downstream service that is down
+        asked.append(ctx.execution_id)
+        if kill_at is not None and len(asked) == kill_at:
+            raise Killed
+        time.sleep(wait)
+        return None  # cannot tell: the row stays unknown for a human
+
+    return Registry(
+        [
+            make_tool(_bomb_write, name="write_file"),
+            make_tool(_bomb_write, name="pay", sandboxed=False, reconcile=slow),
+        ]
+    )
+
+
+def _lost_and_slow(ledger: Ledger, sandbox: Sandbox, scope: str, slow: int) -> list[str]:
+    """``slow`` crashed calls whose reconciler waits, and one approved call whose message the
+    broker lost (approved, never published)."""
+    ids = [crashed(ledger, sandbox, scope, f"p{i}", tool="pay", effect="none") for i in range(slow)]
+    ledger.submit(scope, "lost", "write_file", {"path": "l.txt", "content": "x"}, approved_by="al")
+    return ids
+
+
+def test_sweep__a_pass_cut_short_while_reconciling_has_republished_lost_work(
+    fresh_db_url, sandbox, scope
+):
+    """Slow reconcilers made the beat's pass overrun its hard time limit at the same row
+    every time, and the re-publishing of lost work came after them: an approved call whose
+    message was lost stayed approved for good, nothing flagged (a cold review, 12-05)."""
+    ledger = Ledger(fresh_db_url)
+    _lost_and_slow(ledger, sandbox, scope, 3)
+    published: list[tuple[str, str, int]] = []
+    asked: list[str] = []
+    with pytest.raises(Killed):
+        run_sweep(
+            ledger,
+            sandbox,
+            _slow_registry(asked, 0.0, kill_at=2),
+            publish=lambda *a: published.append(a),
+            requeue_after=0.05,
+        )
+    assert published == [(scope, "write_file:lost", 1)]
+    ledger.close()
+
+
+def test_sweep__reconcilers_get_a_budget_and_the_next_pass_goes_on_after_them(
+    fresh_db_url, sandbox, scope
+):
+    """Under a budget a pass starts no reconciliation past it; the next begins after the
+    last one asked and wraps around: every unknown row is asked in turn, none starved by
+    the rows before it."""
+    ledger = Ledger(fresh_db_url)
+    ids = _lost_and_slow(ledger, sandbox, scope, 6)
+    asked: list[str] = []
+    registry = _slow_registry(asked, 0.1)
+    published: list[tuple[str, str, int]] = []
+    first = run_sweep(
+        ledger,
+        sandbox,
+        registry,
+        publish=lambda *a: published.append(a),
+        requeue_after=0.05,
+        reconcile_budget=0.25,
+    )
+    assert first.reconcile_deferred and first.requeued == 1
+    assert 1 <= len(asked) < 6, asked
+    passes = 1
+    while len(set(asked)) < 6 and passes < 10:
+        run_sweep(ledger, sandbox, registry, reconcile_budget=0.25)
+        passes += 1
+    assert asked[:6] == ids, asked  # in turn (the pages' order: by key), once each
+    last = run_sweep(ledger, sandbox, registry)  # no budget: a whole pass, from the start
+    assert not last.reconcile_deferred and last.still_unknown == 6
+    assert asked[-6:] == ids
+    assert all(ledger.get(scope, f"p{i}").operation.status is Status.UNKNOWN for i in range(6))
+    ledger.close()
