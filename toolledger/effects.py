@@ -140,20 +140,61 @@ def _open_made(path: Path, flags: int, mode: int = 0o777) -> int:
         return os.open(path, flags, mode)
 
 
+class LeaseFlag(threading.Event):
+    """A tool's ``ctx.lease_lost``: set once the claim is lost, and *seen* set by ``is_set``
+    and ``wait`` as soon as the lease's deadline on this process's clock has passed, whether
+    or not the lease keeper's thread has run since. After a freeze (SIGSTOP, a VM paused)
+    the tool's thread may run before the keeper's: a tool that checked the flag before an
+    effect it cannot undo went ahead, its execution already revoked by the ledger (a cold
+    review, 2 of 5 runs, 12-05)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deadline = math.inf  # the watch's, kept current by it
+
+    def is_set(self) -> bool:
+        if super().is_set():
+            return True
+        if time.monotonic() >= self.deadline:
+            self.set()
+            return True
+        return False
+
+    isSet = is_set  # threading.Event's old name, kept in step
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the flag is set, the deadline passes, or ``timeout`` (the Event's contract)."""
+        end = math.inf if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = min(self.deadline, end) - time.monotonic()
+            if left <= 0:
+                return self.is_set()
+            super().wait(None if math.isinf(left) else left)
+        return True
+
+
 @dataclass
 class LeaseWatch:
     """One claim's lease as this process sees it, on its own monotonic clock.
 
     ``deadline``: after it, the claim is treated as lost even if the database could not be
     asked (the lease keeper moves it forward after each successful renewal). ``lost`` is set
-    once the keeper learns the row is no longer ours, or the deadline passes.
+    once the keeper learns the row is no longer ours, and reads as set once the deadline
+    passes (``LeaseFlag``).
     """
 
     execution_id: str
     deadline: float
-    lost: threading.Event = field(default_factory=threading.Event)
+    lost: LeaseFlag = field(default_factory=LeaseFlag)
     renew_until: float = math.inf  # the keeper stops renewing then (the time limit)
     timed_out: bool = False  # lost because the time limit passed, not the database
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "deadline" and "lost" in self.__dict__:  # the flag sees the deadline
+            self.lost.deadline = value
+        elif name == "lost":
+            value.deadline = self.__dict__.get("deadline", math.inf)
 
     def valid(self) -> bool:
         if self.lost.is_set():

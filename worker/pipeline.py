@@ -286,6 +286,10 @@ class Executor:
         staging = effects_of(self.sandbox).staging(claim.scope, eid, watch)
         try:
             ctx = ToolContext(claim.scope, staging, eid, key, attempt, watch.lost, watch)
+            if not watch.valid():  # frozen (or cut off) since the claim: never start the tool
+                return self._not_started(claim, watch)
+            # (a freeze from here on is the fence's: the tool runs, its writes are refused,
+            # and ctx.lease_lost reads set once the deadline has passed)
             failpoints.hit("before_effect", eid)
             status, result, error = self._run_tool(claim, ctx)
             if status is not Status.UNKNOWN and watch.timed_out:
@@ -368,6 +372,23 @@ class Executor:
         return Outcome("unsure", eid)
 
     # ------------------------------------------------------------------ the tool
+
+    def _not_started(self, claim: Claim, watch: LeaseWatch) -> Outcome:
+        """The lease was lost between the claim and the tool (a freeze, a partition): the
+        tool is not started, and that is put on record as evidence that its effect is absent
+        (as for a claim whose commit could not be learned), which the sweep proves
+        ``not_applied`` from once the execution is unknown. Before 12-05 the tool started
+        anyway, told only through ``ctx.lease_lost`` if the keeper's thread had run."""
+        eid = claim.execution_id
+        reason = f"{type(watch.error()).__name__}: the lease was lost before the tool started"
+        late = {"not_started": True, "absent": True, "worker_id": self.worker_id, "reason": reason}
+        try:
+            self.ledger.record_late_result(eid, late, actor=self.worker_id, outcome=None)
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("that %s never started is not recorded: %s", eid, _brief(exc))
+            self._spool(eid, claim.lease_token, {"status": "not_started", "reason": reason}, late)
+        log.warning("%s: %s; it was not started", eid, reason)
+        return Outcome("stale", eid)
 
     def _run_tool(
         self, claim: Claim, ctx: ToolContext

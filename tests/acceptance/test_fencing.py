@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -615,3 +616,60 @@ def test_order__an_automatic_retry_never_overwrites_a_newer_write_not_landed_yet
     world.wake(zombie)
     world.sweep()
     assert world.file(scope, "p.txt") == b"NEW (c2)\n"
+
+
+# ---------------------------------------------------- effects outside the sandbox: no fence
+
+PAYMENTS = "tests.external_tools,tests.payment_tools"
+
+
+@pytest.mark.parametrize("revoked", [True, False], ids=["revoked", "lease-passed"])
+def test_lease__frozen_between_claim_and_tool_the_tool_never_starts(
+    world, scope, tmp_path, monkeypatch, revoked
+):
+    """A worker frozen after its claim, past its lease: woken, it started the tool anyway
+    (a tool outside the sandbox has no fence; it was told only through ``ctx.lease_lost``,
+    if the keeper's thread had run). Now it never starts it, and says so on record: the
+    sweep proves the effect absent (``not_applied``), whether the ledger had revoked the
+    execution before it woke or only its own clock said the lease was gone."""
+    charges = tmp_path / "charges.log"
+    monkeypatch.setenv("TEST_CHARGES_LOG", str(charges))
+    world.submit(scope, "c1", "careful_charge", {"amount": 10})
+    proc = world.execute(scope, "c1", failpoints="after_claim=stop", tools=PAYMENTS)
+    world.frozen(proc)
+    if revoked:
+        world.revoke(scope)
+    else:
+        time.sleep(float(LEASE) + 0.5)  # its own clock's deadline passed; nobody swept
+    code, out, err = world.wake(proc)
+    assert code == 0, err
+    assert json.loads(out)["outcome"] == "stale" and not charges.exists()
+    ex = execution_of(world.ledger, scope, "c1")
+    (late,) = world.ledger.evidence_of(ex.execution_id)
+    assert late.detail["not_started"] and late.detail["absent"]
+    world.revoke(scope)  # (at once if it was; else once the database's lease expires)
+    world.sweep()
+    ex = execution_of(world.ledger, scope, "c1")
+    assert (ex.status, ex.result["error"]) == (Status.FAILED, "not_applied")
+    assert not charges.exists() and world.ledger.verify().ok
+
+
+def test_lease__a_tool_that_checks_lease_lost_sees_it_after_a_freeze(
+    world, scope, tmp_path, monkeypatch
+):
+    """The README asks a tool that cannot undo its effect to check ``ctx.lease_lost``
+    first. Frozen just before the tool and revoked meanwhile, the tool read the flag clear
+    in 2 of 5 runs of a cold review (12-05): the keeper's thread had not run since the
+    freeze, and only it set the flag. The flag now reads the lease's deadline itself."""
+    charges = tmp_path / "charges.log"
+    monkeypatch.setenv("TEST_CHARGES_LOG", str(charges))
+    for i in range(3):
+        cid = f"c{i}"
+        world.submit(scope, cid, "careful_charge", {"amount": i})
+        proc = world.execute(scope, cid, failpoints="before_effect=stop", tools=PAYMENTS)
+        world.frozen(proc)
+        world.revoke(scope, cid)
+        code, out, err = world.wake(proc)
+        assert code == 0, err
+        assert json.loads(out)["outcome"] == "stale"
+        assert not charges.exists(), charges.read_text()
