@@ -47,9 +47,13 @@ class LedgerOutbox(LedgerBase):
         never happened). Stamps each as enqueued now, so concurrent sweeps take it once."""
         deadline = db_now_plus(-older_than_seconds)
         last = sa.func.coalesce(operations.c.enqueued_at, operations.c.decided_at)
+        not_flagged = operations.c.review.is_(None)
         due = (
             sa.select(operations.c.scope, operations.c.idempotency_key)
-            .where(operations.c.status == Status.APPROVED, last < deadline)
+            # a flagged call's next attempt cannot be claimed until a human has reviewed it:
+            # published every requeue_after before, each refused by the claim; once reviewed
+            # (flag cleared) it is due at the next pass
+            .where(operations.c.status == Status.APPROVED, last < deadline, not_flagged)
             .order_by(operations.c.enqueued_at)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -61,6 +65,7 @@ class LedgerOutbox(LedgerBase):
                     sa.tuple_(operations.c.scope, operations.c.idempotency_key).in_(due),
                     operations.c.status == Status.APPROVED,
                     last < deadline,
+                    not_flagged,
                 )
                 .values(enqueued_at=db_now())
                 .returning(

@@ -537,3 +537,26 @@ def test_sweep__reconcilers_get_a_budget_and_the_next_pass_goes_on_after_them(
     assert asked[-6:] == ids
     assert all(ledger.get(scope, f"p{i}").operation.status is Status.UNKNOWN for i in range(6))
     ledger.close()
+
+
+def test_sweep__a_flagged_call_is_not_requeued_until_its_review(fresh_db_url, sandbox, scope):
+    """A flagged call's next attempt waits for a human (the claim refuses it): the sweep
+    published it every requeue_after all the same, each message refused (a cold review).
+    Once the flag is cleared it is due at the next pass."""
+    ledger = Ledger(fresh_db_url)
+    ledger.submit(scope, "held", "write_file", {"path": "h", "content": "x"}, approved_by="al")
+    with ledger.engine.begin() as conn:  # as a contradiction leaves it: approved, flagged
+        conn.execute(
+            operations.update()
+            .where(operations.c.scope == scope, operations.c.idempotency_key == "write_file:held")
+            .values(review="contradicted")
+        )
+    published: list[tuple[str, str, int]] = []
+    for _ in range(2):
+        run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.05)
+    assert published == []
+    with ledger.engine.begin() as conn:  # reviewed
+        conn.execute(operations.update().values(review=None).where(operations.c.scope == scope))
+    run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.05)
+    assert published == [(scope, "write_file:held", 1)]
+    ledger.close()
