@@ -203,9 +203,14 @@ class LedgerReads:
         }
 
     def unknown_executions(
-        self, limit: int = 1000, after: tuple[str, str, str] | None = None
+        self,
+        limit: int = 1000,
+        after: tuple[str, str, str] | None = None,
+        until: tuple[str, str, str] | None = None,
     ) -> list[tuple[ExecutionRecord, OperationRecord]]:
-        """Executions unknown now, with their operations, in (scope, key, id) pages.
+        """Executions unknown now, with their operations, in (scope, key, id) pages: after
+        ``after``, up to ``until`` included, both compared by the database (its collation,
+        not Python's code points, orders the pages).
 
         Served by the partial index on unknown rows: its cost follows the unknown rows."""
         order = (executions.c.scope, executions.c.idempotency_key, executions.c.execution_id)
@@ -224,6 +229,8 @@ class LedgerReads:
         )
         if after is not None:
             query = query.where(sa.tuple_(*order) > sa.tuple_(*after))
+        if until is not None:
+            query = query.where(sa.tuple_(*order) <= sa.tuple_(*until))
         with self._read() as conn:
             rows = conn.execute(query).all()
         out = []

@@ -189,12 +189,14 @@ def _sweep(
         actor=actor,
         max_auto_retries=max_auto_retries,
         budget_s=reconcile_budget,
-        start_after=_resume.pop(where, None) if reconcile_budget is not None else None,
+        start_after=_resume.get(where) if reconcile_budget is not None else None,
         on_retry=on_retry,
     )
-    if tally.resume_after is not None:
+    if tally.resume_after is not None:  # (kept if the pass raised: the next starts there)
         _resume[where] = tally.resume_after
         summary.reconcile_deferred = True
+    else:
+        _resume.pop(where, None)
     summary.reconciled, summary.still_unknown = tally.reconciled, tally.still_unknown
     summary.from_late_result, summary.from_reconciler = (
         tally.from_late_result,

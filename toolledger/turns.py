@@ -76,12 +76,13 @@ def call_args(call: Call) -> dict[str, Any]:
     return call.args
 
 
-def _approver(value: Any, call: Call) -> str | None:
+def _approver(value: Any, call: Call, prepared: PreparedCall) -> str | None:
     """The policy's answer for ``call`` (None: ask a human), checked as the ledger will check
     it, before any call of the turn is submitted: a name the ledger refuses for the second
-    call used to leave the first recorded, approved and run."""
-    if value is None:
-        return None
+    call used to leave the first recorded, approved and run. A read-only call is not
+    recorded and uses no approver: its answer is passed on unchecked, as ``submit`` takes it."""
+    if value is None or prepared.read_only:
+        return value  # type: ignore[no-any-return]
     return check_text_id(value, f"approver of call {call.id!r}", inputs.MAX_ACTOR)
 
 
@@ -123,7 +124,7 @@ def run_turn(
     fmt, calls, checked = checked_calls(client, scope, message)
     asked = zip(calls, checked, strict=True)  # each policy gets its own copy: what it does
     approvers = [
-        _approver(approve(c.name, c.id, copy.deepcopy(p.args)) if approve else None, c)
+        _approver(approve(c.name, c.id, copy.deepcopy(p.args)) if approve else None, c, p)
         for c, p in asked
     ]
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -154,7 +155,7 @@ async def run_turn_async(
     for call, prepared in zip(calls, checked, strict=True):
         approver = approve(call.name, call.id, copy.deepcopy(prepared.args)) if approve else None
         answer = await approver if inspect.isawaitable(approver) else approver
-        approvers.append(_approver(answer, call))
+        approvers.append(_approver(answer, call, prepared))
     handles = [
         (call, await client.submit_checked(prepared, approved_by=approver))
         for call, prepared, approver in zip(calls, checked, approvers, strict=True)

@@ -220,6 +220,35 @@ def test_serve__the_same_call_twice_is_one_effect_and_one_answer(world: Stack) -
     assert len(landed) == 2  # one landing per call, across six answers
 
 
+def test_serve__a_recorded_call_of_a_tool_gone_from_the_registry_is_replayed(
+    world: Stack,
+) -> None:
+    """A tool renamed or dropped by a deploy since its call ran: the same call asked again
+    was refused "unknown tool" before the ledger was looked in, so the model was told a call
+    that took effect had failed (a cold review). A new call of that name is still refused."""
+    from toolledger.ledger.transitions import Status
+
+    scope = scope_of("gone")
+    ledger = Ledger(world.db)
+    try:
+        ledger.submit(scope, "g1", "gone_tool", {}, approved_by="al")
+        claim = ledger.claim(scope, "gone_tool:g1", 1, worker_id="w")
+        assert claim is not None
+        ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"done": 1})
+    finally:
+        ledger.close()
+
+    async def go() -> tuple[Any, Any]:
+        async with mcp_server(world, "serve") as s:
+            replay = await s.call_tool("gone_tool", {}, meta={ID: "g1", SCOPE: scope})
+            with pytest.raises(MCPError, match="unknown tool"):
+                await s.call_tool("gone_tool", {}, meta={ID: "g2", SCOPE: scope})
+            return replay, None
+
+    replay, _ = run_async(go)
+    assert not replay.is_error and text_of(replay) == {"done": 1}
+
+
 def test_serve__input_from_the_wire_is_refused_as_a_tool_error(world: Stack) -> None:
     scope = scope_of("refused")
 

@@ -219,3 +219,14 @@ def test_run_turn_and_repair__read_blank_arguments_alike(
     repaired = json.loads(report.text)
     assert len(report.inserted) == 1 and repaired[-1]["tool_call_id"] == "nop1"
     assert json.loads(repaired[-1]["content"]) == {"done": "nop1"}
+
+
+def test_run_turn__a_read_only_calls_approver_is_not_checked(client: Client, scope: str) -> None:
+    """A read-only call is not recorded and takes no approver: the turn's check of the
+    policy's answers refused a turn over a name no call would use (submit takes it)."""
+    folder = Path(client.settings.sandbox) / scope
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "r.txt").write_text("read me")
+    turn = _turn("r1", "read_file", json.dumps({"path": "r.txt"}))
+    (item,) = client.run_turn(scope, turn, approve=lambda *_: "")
+    assert item["tool_call_id"] == "r1" and "read me" in item["content"]

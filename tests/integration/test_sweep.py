@@ -560,3 +560,38 @@ def test_sweep__a_flagged_call_is_not_requeued_until_its_review(fresh_db_url, sa
     run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.05)
     assert published == [(scope, "write_file:held", 1)]
     ledger.close()
+
+
+@pytest.mark.postgres
+def test_sweep__the_wrap_around_follows_the_databases_collation(pg_server, sandbox):
+    """On a Postgres collated by ICU (en-US: 'a0' < 'B0' < 'c0', where Python's code points
+    put 'B0' first) the wrapped pages were filtered in Python: 'a0' was asked once and then
+    skipped by every pass (a cold review of the budget). Every bound is the database's now."""
+    from toolledger.harness.scratch import drop_database, new_name, url_of
+    from toolledger.ledger.db import create_engine, upgrade
+
+    name = new_name("icu")
+    admin = sa.create_engine(pg_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(
+            f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
+            "ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'"
+        )
+    admin.dispose()
+    try:
+        url = url_of(pg_server, name)
+        engine = create_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        ledger = Ledger(url)
+        names = ["a0", "B0", "B1", "B2", "c0"]
+        ids = {crashed(ledger, sandbox, "s", n, tool="pay", effect="none"): n for n in names}
+        asked: list[str] = []
+        registry = _slow_registry(asked, 0.1)
+        for _ in range(8):
+            run_sweep(ledger, sandbox, registry, reconcile_budget=0.15)
+        counts = {n: sum(1 for e in asked if ids[e] == n) for n in names}
+        assert min(counts.values()) >= max(counts.values()) - 1, counts  # each in turn
+        ledger.close()
+    finally:
+        drop_database(pg_server, name)

@@ -44,7 +44,7 @@ from toolledger.mcp.common import (
 if TYPE_CHECKING:
     from anyio import AsyncFile
 from toolledger.registry import load_registry
-from toolledger.tools import Registry, Tool
+from toolledger.tools import Registry, Tool, UnknownTool
 
 log = logging.getLogger("toolledger.mcp")
 
@@ -100,14 +100,15 @@ def build_server(
     async def call_tool(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
-        if params.name not in registry:
-            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
         try:
             ident = call_identity(params.meta, ctx.request_id, scope=scope, session=session)
             args = inputs.check_value(params.arguments or {}, "arguments")
             handle = await client.submit(
                 ident.scope, ident.tool_call_id, params.name, args, approved_by=approved_by
             )
+        except UnknownTool:  # neither registered here nor a call the ledger holds (a tool
+            # gone from the registry since its call ran is answered with its receipt)
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}") from None
         except LedgerError as exc:  # input refused, a conflict: nothing recorded
             return error_result(str(exc))
         except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
