@@ -281,6 +281,18 @@ ALLOWED = {
 }
 
 
+def test_errors__the_routers_own_carry_the_clis_kinds(server: Any) -> None:
+    """No such route answered {"kind": "http", "exit_code": 1}: the API's errors carry the
+    CLI's exit code, and a script reading it took a mistyped path for a failure of the
+    server (a cold review)."""
+    client, _ledger = server
+    h = bearer("otto")
+    r = client.get("/api/no-such-route", headers=h)
+    assert r.status_code == 404 and r.json()["kind"] == "not_found" and r.json()["exit_code"] == 4
+    r = client.delete("/api/calls", headers=h)
+    assert r.status_code == 405 and (r.json()["kind"], r.json()["exit_code"]) == ("usage", 2)
+
+
 @pytest.mark.parametrize("action", sorted(ACTIONS))
 @pytest.mark.parametrize("who", sorted(ALLOWED))
 def test_every_role_against_every_action(server: Any, scope: str, who: str, action: str) -> None:

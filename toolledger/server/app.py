@@ -26,6 +26,10 @@ from toolledger.worker.submit import Submitter
 log = logging.getLogger("toolledger.server")
 
 
+#: The router's HTTP errors as the CLI's kinds and exit codes (others: "http", 1).
+_ROUTING_ERRORS: dict[int, tuple[str, int]] = {404: ("not_found", 4), 405: ("usage", 2)}
+
+
 def create_app(
     settings: Settings,
     tokens: list[Token],
@@ -101,8 +105,11 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:
+        # the router's own: no such route (the CLI's not found, 4), or not that method
+        # (usage, 2); an unknown route answered kind "http", exit 1 (a cold review)
+        kind, code = _ROUTING_ERRORS.get(exc.status_code, ("http", 1))
         return JSONResponse(
-            {"error": str(exc.detail), "kind": "http", "exit_code": 1},
+            {"error": str(exc.detail), "kind": kind, "exit_code": code},
             exc.status_code,
             headers=getattr(exc, "headers", None),
         )
