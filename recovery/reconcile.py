@@ -52,6 +52,9 @@ NOT_APPLIED = {
 }
 
 
+Position = tuple[str, str, str]  # (scope, idempotency_key, execution_id): the pages' order
+
+
 @dataclass
 class ReconcileTally:
     reconciled: int = 0
@@ -64,10 +67,7 @@ class ReconcileTally:
     to_publish: list[tuple[str, str, int]] = field(default_factory=list)
     #: Where the pass stopped when its time ran out (the next pass starts after it); None
     #: when it went round every unknown execution.
-    resume_after: tuple[str, str, str] | None = None
-
-
-Position = tuple[str, str, str]  # (scope, idempotency_key, execution_id): the pages' order
+    resume_after: Position | None = None
 
 
 def _position(ex: ExecutionRecord) -> Position:
@@ -174,7 +174,6 @@ def reconcile_unknown(
                 if found is None:
                     continue
                 retry = ex.attempt <= max_auto_retries
-                queued = len(tally.to_publish)
                 try:
                     outcome = _decide(ledger, ex, *found, actor, tally, retry)
                 except StaleFence:  # another sweep (or a human) resolved it first: once each
@@ -185,7 +184,7 @@ def reconcile_unknown(
                     log.warning("recording what was found for %s failed: %s", ex.execution_id, exc)
                     continue
                 tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
-            if on_retry is not None and len(tally.to_publish) > queued:
+            while on_retry is not None and tally.to_publish:  # published as decided
                 on_retry(*tally.to_publish.pop())
     return tally
 
