@@ -510,7 +510,10 @@ def test_pipeline__unknown_tool_at_execution_fails_refused(ledger, scope, tmp_pa
 
 
 def test_pipeline__heartbeat_keeps_a_long_tool_alive(run, ledger):
-    # lease 1.2 s, tool 2.5 s: without renewals the lease would expire mid-run.
+    # lease 2 s, tool 3.5 s: without renewals the lease would expire mid-run. A renewal is
+    # due every 0.67 s and the claim self-fences 1.6 s after the last one was sent: 0.9 s of
+    # slack for a renewal on a loaded machine (1.2 s / 2.5 s left 0.56 s, and a CI run on two
+    # busy cores once took longer: the claim was treated as lost, correctly, and the test failed).
     marked: list[Any] = []
     stop = threading.Event()
 
@@ -521,7 +524,7 @@ def test_pipeline__heartbeat_keeps_a_long_tool_alive(run, ledger):
     t = threading.Thread(target=sweeper)
     t.start()
     try:
-        outcome, view = run("sleeps", {"seconds": 2.5}, lease=1.2)
+        outcome, view = run("sleeps", {"seconds": 3.5}, lease=2.0)
     finally:
         stop.set()
         t.join()
