@@ -291,6 +291,14 @@ def test_errors__the_routers_own_carry_the_clis_kinds(server: Any) -> None:
     assert r.status_code == 404 and r.json()["kind"] == "not_found" and r.json()["exit_code"] == 4
     r = client.delete("/api/calls", headers=h)
     assert r.status_code == 405 and (r.json()["kind"], r.json()["exit_code"]) == ("usage", 2)
+    # A scope with no call id was redirected (a bare 307 to ".../s1/", whose empty call id
+    # then answered as a call): no route is "not found" in the API's shape, never a redirect
+    for path in ("/api/calls/s1", "/api/inbox/", "/api/calls/"):
+        r = client.get(path, headers=h, follow_redirects=False)
+        assert (r.status_code, r.json()["kind"], r.json()["exit_code"]) == (404, "not_found", 4)
+    for path in ("/api/calls/s1/", "/api/calls/s1//events"):  # an empty call id: refused
+        r = client.get(path, headers=h, follow_redirects=False)
+        assert (r.status_code, r.json()["kind"], r.json()["exit_code"]) == (422, "input", 6)
 
 
 @pytest.mark.parametrize("action", sorted(ACTIONS))

@@ -63,6 +63,9 @@ def create_app(
         version="1",
         docs_url="/docs",
         redoc_url=None,
+        # no route is "not found" (the API's 404 with the CLI's exit code 4), never a bare 307
+        # to the path with a slash added: "/api/calls/s1" went on to ".../s1/" (a cold review)
+        redirect_slashes=False,
     )
     ensure_schema(sub.ledger.engine)
     app.state.desk = Desk(settings, Authenticator(tokens, session_key), submitter=sub)
