@@ -22,7 +22,14 @@ engine = config.attributes.get("engine") or create_engine(
 with engine.connect() as connection:
     connection = connection.execution_options(**{WRITE: True})
     if connection.dialect.name == "postgresql":
+        # Another migrator is waited for as long as it takes (the session's lock timeout,
+        # the CLI's 7.5 s, made the second of two `db upgrade`s fail "database unavailable"
+        # behind a long migration: a cold review); the DDL keeps the session's timeout, so
+        # that an ALTER queued behind a long transaction cannot stall every worker behind it.
+        timeout = connection.exec_driver_sql("SHOW lock_timeout").scalar_one()
+        connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
+        connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout}'")
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,

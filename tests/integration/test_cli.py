@@ -473,6 +473,7 @@ def test_cli__a_postgres_database_of_another_encoding_is_refused(pg_server, tmp_
         ["retry", "--scope", "s", "--tool-call-id", "c", "--by", "ann"],
         ["resolve", "--execution-id", "e", "--as", "failed", "--by", "ann", "--evidence", "x"],
         ["repair", "TRANSCRIPT", "--scope", "s"],
+        ["db", "downgrade", "--revision", "0004"],
     ],
     ids=lambda argv: " ".join(argv[:2]),
 )

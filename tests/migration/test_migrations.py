@@ -268,3 +268,90 @@ def test_downgrade__below_0006_keeps_a_long_tool_name_or_refuses(empty_url, caps
 def _read(engine: sa.Engine, sql: str) -> list:
     with engine.connect() as conn:
         return list(conn.exec_driver_sql(sql).scalars())
+
+
+def test_downgrade__to_base_refuses_while_the_ledger_holds_a_call(empty_url, capsys):
+    """``db downgrade`` (its default revision is ``base``) dropped every table of a ledger
+    holding a pending call and a rejected one and exited 0; upgraded again, a call that had
+    been decided could be submitted and run afresh (a cold review). Refused now, exit 5, one
+    line, nothing changed; an empty ledger still goes down to nothing."""
+    from tests.helpers import run_cli
+    from toolledger.ledger.ledger import Ledger
+
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    ledger = Ledger(empty_url)
+    ledger.submit("s", "waits", "write_file", {"path": "p", "content": "1"})
+    ledger.submit("s", "no", "write_file", {"path": "q", "content": "1"})
+    ledger.reject("s", "no", by="bob", reason="no")
+    ledger.close()
+    before = _row_counts(engine)
+    code, out, err = run_cli(capsys, "--db", empty_url, "db", "downgrade")
+    assert code == 5, (out, err)
+    assert "downgrade to base refused" in err and "2 in operations" in err
+    assert len(err.strip().splitlines()) == 1
+    assert current_revision(engine) == head_revision() and _row_counts(engine) == before
+    engine.dispose()
+
+
+def test_downgrade__below_0005_refuses_while_a_logout_is_in_force(empty_url, capsys):
+    """Dropping ``ended_sessions`` made the copies of logged-out sessions' cookies good again
+    for the rest of their lifetime once upgraded again (a cold review): refused while one
+    has not expired; expired ones hold nothing and go."""
+    from datetime import UTC, datetime, timedelta
+
+    from tests.helpers import run_cli
+    from toolledger.ledger.ledger import Ledger
+
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    ledger = Ledger(empty_url)
+    ledger.end_session("sid1", "tok", datetime.now(UTC) + timedelta(hours=8))
+    code, out, err = run_cli(capsys, "--db", empty_url, "db", "downgrade", "--revision", "0004")
+    assert code == 5, (out, err)
+    assert "1 ended console sessions" in err and len(err.strip().splitlines()) == 1
+    assert current_revision(engine) == head_revision() and ledger.session_ended("sid1")
+    from toolledger.ledger.types import UTCDateTime
+
+    sessions = sa.table("ended_sessions", sa.column("expires_at", UTCDateTime()))
+    with engine.begin() as conn:  # its cookie has expired: nothing left to hold
+        conn.execute(sessions.update().values(expires_at=datetime.now(UTC) - timedelta(minutes=1)))
+    ledger.close()
+    downgrade(engine, "0004")
+    assert current_revision(engine) == "0004"
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_upgrade__waits_for_another_migrator_past_its_lock_timeout(pg_server, capsys, monkeypatch):
+    """A second `db upgrade` gave up after the CLI's lock timeout (7.5 s by default) behind
+    a migration holding the migration lock, "database unavailable" (a cold review): it waits
+    for the lock, then finds the schema at head. Here the timeout is 0.5 s, the lock 2 s."""
+    import threading
+    import time
+
+    from tests.helpers import run_cli
+
+    with fresh_pg_database(pg_server, "template0") as url:
+        holder = create_engine(url)
+        held = threading.Event()
+
+        def hold() -> None:
+            with holder.begin() as conn:
+                conn.exec_driver_sql("SELECT pg_advisory_xact_lock(1953262951)")
+                held.set()
+                time.sleep(2.0)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(10)
+        try:
+            monkeypatch.setenv("TOOLLEDGER_DB_TIMEOUT", "0.5")
+            code, out, err = run_cli(capsys, "--db", url, "db", "upgrade")
+        finally:
+            t.join()
+        holder.dispose()
+        assert code == 0, (out, err)
+        engine = create_engine(url)
+        assert current_revision(engine) == head_revision()
+        engine.dispose()

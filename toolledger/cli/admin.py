@@ -47,9 +47,10 @@ def db_upgrade(c: Context, revision: str) -> None:
 @json_option
 @pass_ctx
 def db_downgrade(c: Context, revision: str) -> None:
-    """Migrate the schema down (``base`` drops every table)."""
+    """Migrate the schema down (``base`` drops every table of a ledger that holds nothing)."""
     from toolledger.ledger import db as ledger_db
 
+    c.require_recorded("there is nothing to downgrade")  # a mistyped home made an empty one
     ledger_db.refuse_newer(c.unchecked_ledger.engine)
     with _known_revision(revision):
         ledger_db.downgrade(c.unchecked_ledger.engine, revision)

@@ -163,6 +163,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    _refuse_loss()
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP TRIGGER execution_events_no_truncate ON execution_events")
         op.execute("DROP TRIGGER execution_events_append_only ON execution_events")
@@ -174,3 +175,23 @@ def downgrade() -> None:
     op.drop_table("executions")
     op.drop_table("tool_calls")
     op.drop_table("operations")
+
+
+def _refuse_loss() -> None:
+    """Going below 0001 drops every table: refused while they hold a call, an execution or
+    an event. ``toolledger db downgrade`` (whose default is ``base``) dropped a whole ledger
+    and exited 0, and a call that had succeeded then ran again (a cold review). An empty
+    ledger's tables may go."""
+    from toolledger.ledger.revision import DowngradeRefused
+
+    bind = op.get_bind()
+    tables = ("operations", "tool_calls", "executions", "execution_events")
+    if bind.dialect.name == "postgresql":  # the count and the drop under one lock
+        bind.execute(sa.text(f"LOCK TABLE {', '.join(tables)} IN SHARE ROW EXCLUSIVE MODE"))
+    held = {t: bind.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar_one() for t in tables}
+    if any(held.values()):
+        rows = ", ".join(f"{n} in {t}" for t, n in held.items() if n)
+        raise DowngradeRefused(
+            f"downgrade to base refused: it would drop the ledger's records ({rows}); nothing "
+            "was changed (to start afresh, use a new database)"
+        )

@@ -35,5 +35,30 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    _refuse_loss()
     op.drop_index("ix_ended_sessions_expires_at", table_name="ended_sessions")
     op.drop_table("ended_sessions")
+
+
+def _refuse_loss() -> None:
+    """Refused while a logout is still in force: dropping it would make the copies of those
+    sessions' cookies good again until they expire (a cold review); once every cookie
+    named here has expired, the table holds nothing anyone relies on."""
+    import datetime as dt
+
+    from toolledger.ledger.revision import DowngradeRefused
+
+    bind = op.get_bind()
+    if bind.dialect.name == "postgresql":
+        bind.execute(sa.text("LOCK TABLE ended_sessions IN SHARE ROW EXCLUSIVE MODE"))
+    sessions = sa.table("ended_sessions", sa.column("expires_at", UTCDateTime()))
+    now = dt.datetime.now(dt.UTC)
+    live = bind.execute(
+        sa.select(sa.func.count()).select_from(sessions).where(sessions.c.expires_at > now)
+    ).scalar_one()
+    if live:
+        raise DowngradeRefused(
+            f"downgrade below 0005 refused: {live} ended console sessions whose cookies have "
+            "not expired would be good again; nothing was changed (wait until they expire, at "
+            "most the session lifetime, or rotate TOOLLEDGER_API_SESSION_KEY first)"
+        )
