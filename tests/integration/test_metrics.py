@@ -505,8 +505,10 @@ def test_state_counts__each_part_can_use_a_partial_index(pg_url):
 
 def test_inbox_oldest__since_the_submit_and_since_the_lease_expired(fresh_db_url):
     """A pending approval waits since its submit; an unknown call since its execution's lease
-    expired, and only while the call is still unknown (a retried attempt's old execution
-    stays unknown, and must not be taken for a call waiting on a person)."""
+    expired, or since its last heartbeat if it was marked unknown before that (an executor
+    known to be gone: the gauge read a time in the future, by the whole lease, a cold review),
+    and only while the call is still unknown (a retried attempt's old execution stays
+    unknown, and must not be taken for a call waiting on a person)."""
     from toolledger.observability.metrics import LedgerStateCollector, state_counts
 
     ledger = Ledger(fresh_db_url)
@@ -517,18 +519,24 @@ def test_inbox_oldest__since_the_submit_and_since_the_lease_expired(fresh_db_url
             ledger.submit("s", call, "write_file", {"path": call, "content": "x"}, approved_by="b")
             claim = ledger.claim("s", f"write_file:{call}", 1, worker_id="w", lease_seconds=lease)
             assert claim is not None
+            if lease < 1:
+                time.sleep(lease + 0.05)  # expired: the sweep's case
             ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
             (ex,) = ledger.get("s", call).executions
-            assert ex.lease_expires_at is not None
-            return ex.lease_expires_at.timestamp()
+            assert ex.lease_expires_at is not None and ex.heartbeat_at is not None
+            if lease < 1:
+                return ex.lease_expires_at.timestamp()
+            return ex.heartbeat_at.timestamp()  # marked before its lease would have expired
 
         went_unknown("retried", 1)  # the earliest lease of all, then retried: approved now
         ledger.authorize_retry("s", "retried", by="otto", accept_duplicate=True)
         ledger.submit("s", "p1", "write_file", {"path": "p1", "content": "x"})
         ledger.submit("s", "p2", "write_file", {"path": "p2", "content": "x"})
-        unknown = went_unknown("u1", 30)
+        unknown = went_unknown("u1", 3600)
         went_unknown("u2", 60)
+        went_unknown("u3", 0.2)  # its lease expired after u1's last heartbeat
         oldest = state_counts(ledger)["oldest"]
+        assert oldest["unknown"] <= time.time()
         first = ledger.get("s", "p1").operation.created_at.timestamp()
         assert oldest == {
             "pending_approval": pytest.approx(first, abs=1e-3),
