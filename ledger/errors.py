@@ -75,7 +75,7 @@ class ConflictError(LedgerError):
             differs.append(f"with args_sha256 {stored_sha256}, this request has {requested_sha256}")
         if detail:
             differs.append(detail)
-        super().__init__(f"{head} {'; '.join(differs)}; nothing was changed")
+        super().__init__(f"{head}, {'; '.join(differs)}; nothing was changed")
 
 
 class StateError(LedgerError):

@@ -496,6 +496,8 @@ def check_writable(path: Path) -> None:
         )
     if path.exists() and not path.is_file():
         raise TranscriptError(f"{path} is not a regular file")
+    if not path.parent.is_dir():  # a mistyped --out made the folders it named (a review)
+        raise TranscriptError(f"{path.parent} is not a folder: nothing was written")
 
 
 def repair_file(
@@ -512,7 +514,6 @@ def repair_file(
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:

@@ -412,6 +412,12 @@ def _check_url(name: str, value: str) -> None:
         raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
     if "\x00" in value:
         raise ValueError("holds a NUL character")
+    if name == "broker" and scheme in ("redis", "rediss"):
+        # redis://HOST:PORT/N: N a database number (a worker with /abc crashed at its first
+        # connection, exit 0, three tracebacks: a review)
+        number = parts.path.strip("/")
+        if number and not number.isdigit():
+            raise ValueError(f"its database {number!r} is not a number (redis://HOST:PORT/N)")
     if name == "db" and "sqlite" in scheme.split("+"):
         # the driver's busy timeout, read by sqlite3.connect at the first connection
         for key, item in parse_qsl(parts.query, keep_blank_values=True):

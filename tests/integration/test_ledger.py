@@ -112,7 +112,13 @@ def test_submit__a_conflict_names_what_differs_and_only_that(ledger, scope):
     cases = [  # tool, args, tool_call_id, key; what the message must say
         ("write_file", other, "c2", "k1", ["key 'k1'", f"args_sha256 {sha}, this request has"]),
         ("append_file", ARGS, "c2", "k1", ["for tool 'write_file', this request is for"]),
-        ("write_file", ARGS, "c1", "k2", ["tool_call_id 'c1'", "this request has key 'k2'"]),
+        (
+            "write_file",
+            ARGS,
+            "c1",
+            "k2",
+            ["tool_call_id 'c1'", "key 'k1', this request has key 'k2'"],
+        ),
         ("write_file", other, "c1", "k2", ["under key 'k1'", "key 'k2'", "args_sha256"]),
     ]
     for tool, args, cid, key, said in cases:

@@ -337,6 +337,13 @@ def test_repair_cli__in_place_out_and_exit_codes(db_url, ledger, scope, tmp_path
     assert code == 0 and summary["format"] == "openai" and len(summary["inserted"]) == 1
     assert path.read_text() == original  # --out leaves the input alone
     assert tool_results("openai", (tmp_path / "fixed.jsonl").read_text(), "jsonl")[0][0] == "c1"
+    # a mistyped --out made every folder it named (a review): refused, exit 6, nothing made
+    typo = tmp_path / "no" / "such" / "fixed.jsonl"
+    code, out, err = run_cli(
+        capsys, "--db", db_url, "repair", str(path), "--scope", scope, "--out", str(typo)
+    )
+    assert code == 6 and "is not a folder: nothing was written" in err, (code, err)
+    assert not (tmp_path / "no").exists()
     code, out, err = run_cli(
         capsys, "--db", db_url, "repair", str(path), "--scope", scope, "--out", "-", "--json"
     )  # stdout is the transcript, whole; the summary asked for is on stderr, one JSON line

@@ -259,6 +259,8 @@ def test_settings__a_sqlite_file_at_the_sandboxs_top_is_no_scopes(tmp_path):
         ({"TOOLLEDGER_BROKER": "filesystem://"}, "use embedded+sqlite:///PATH"),
         ({"TOOLLEDGER_BROKER": "redisx://127.0.0.1:6379/0"}, "scheme 'redisx' is not one of"),
         ({"TOOLLEDGER_BROKER": "embedded+postgresql:///x"}, "scheme 'embedded+postgresql'"),
+        # a worker crashed at its first connection, exit 0, three tracebacks (a review)
+        ({"TOOLLEDGER_BROKER": "redis://127.0.0.1:6379/abc"}, "its database 'abc' is not a"),
         ({"TOOLLEDGER_DB": "sqlitex:///x.db"}, "scheme 'sqlitex' is not one of"),
         ({"TOOLLEDGER_DB": "postgresql+psycopg2://u@h/d"}, "scheme 'postgresql+psycopg2'"),
         ({"TOOLLEDGER_MAX_CONTENT_BYTES": "1e30"}, "from 1 to 1.07374e+09 bytes"),
