@@ -103,21 +103,24 @@ class _Replay:
         self.report.differences.append(diff)
 
     def apply(self, ev: sa.Row[Any]) -> None:
-        kind, detail = EventKind(ev.kind), ev.detail
-        if kind is EventKind.SUBMITTED:
-            if self.op is not None:  # a call is recorded once: never over what it was
-                self.problem(f"seq {ev.seq}: submitted again")
-            self.op = RebuiltOperation(tool=detail["tool"], args=detail["args"])
-            self.op.tool_calls[detail["tool_call_id"]] = args_sha256(detail["args"])
-            return
-        op = self.op
-        if op is None:
-            self.problem(f"seq {ev.seq}: {kind} before submitted")
-            return
+        # An event whose detail lacks what its kind records, or holds what no status is, is a
+        # difference to report, not the end of the report ("internal error", nothing listed:
+        # a cold review)
         try:
-            self._apply(op, kind, ev)
-        except (InvalidTransition, KeyError, _NotAReview) as exc:
-            self.problem(f"seq {ev.seq}: {kind}: {exc}")
+            kind, detail = EventKind(ev.kind), ev.detail
+            if kind is EventKind.SUBMITTED:
+                if self.op is not None:  # a call is recorded once: never over what it was
+                    self.problem(f"seq {ev.seq}: submitted again")
+                op = RebuiltOperation(tool=detail["tool"], args=detail["args"])
+                op.tool_calls[detail["tool_call_id"]] = args_sha256(detail["args"])
+                self.op = op
+                return
+            if self.op is None:
+                self.problem(f"seq {ev.seq}: {kind} before submitted")
+                return
+            self._apply(self.op, kind, ev)
+        except (InvalidTransition, KeyError, ValueError, TypeError, _NotAReview) as exc:
+            self.problem(f"seq {ev.seq}: {ev.kind}: {type(exc).__name__}: {exc}")
 
     def _apply(self, op: RebuiltOperation, kind: EventKind, ev: sa.Row[Any]) -> None:
         detail = ev.detail

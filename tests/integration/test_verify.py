@@ -215,6 +215,29 @@ def test_verify__a_call_submitted_again_over_its_history_is_reported(fresh_db_ur
     ), ledger.verify().to_json()
 
 
+@pytest.mark.parametrize(
+    ("kind", "detail", "says"),
+    [
+        ("submitted", {}, "KeyError: 'tool'"),  # a submit that says nothing
+        ("withdrawn", {"status": "bogus"}, "ValueError"),  # a status no call has
+        ("approved", {"attempt": 2, "retry": True}, "approved"),  # (a transition refused)
+    ],
+)
+def test_verify__a_malformed_event_is_a_difference_not_the_end_of_the_report(
+    fresh_db_url, kind, detail, says, capsys
+):
+    """A ``submitted`` event with an empty detail stopped verify with "internal error:
+    KeyError", a ``withdrawn`` one naming no status with a ValueError, listing nothing (a
+    cold review): each is a difference now, and every other call is still checked."""
+    ledger = Ledger(fresh_db_url)
+    ids = mixed_history(ledger)
+    forge_event(ledger, "write_file:ok", kind, detail, execution_id=ids["alpha:ok"])
+    assert any(says in p for p in problems(ledger)), problems(ledger)
+    assert main_exit(["--db", fresh_db_url, "verify", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["operations"] == 14 and report["differences"], report
+
+
 def turn_over_to_failed(ledger: Ledger, key: str, eid: str) -> None:
     """A forged human correction of ``eid`` to failed, the rows made to match."""
     result = {"status": "failed"}
