@@ -6,6 +6,9 @@
 the first hit of the point across every process that shares the failpoint log (one marker
 file, created with O_EXCL, claims it), so a short chaos run covers each window at least once
 instead of hoping the percentage does; without a log it is the first hit of this process.
+Several actions for one point are chained with ``->``, as in fail-rs
+(``after_stage=first+0%stop->first+2%kill``): each hit fires the first of them that fires, so
+the fleet's first hit stops and its second is killed; each ``first+`` of a chain is its own.
 Actions: ``exit(N)`` (os._exit: no cleanup, no
 finally blocks), ``kill`` (SIGKILL to self), ``raise``, ``sleep(S)``, ``stop`` (SIGSTOP to
 self: a zombie until someone sends SIGCONT), ``off``.
@@ -17,6 +20,7 @@ run can line every ``unknown`` up with the fault that caused it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -40,6 +44,8 @@ POINTS = (
     "after_publish",
 )
 ENV = "TOOLLEDGER_FAILPOINTS"
+#: The most actions one point chains with ``->``.
+MAX_CHAIN = 4
 
 _SPEC = re.compile(
     r"^(?P<first>first\+)?(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|kill|raise|sleep|stop|off)"
@@ -62,11 +68,13 @@ class Action:
     probability: float = 1.0
     remaining: int | None = None  # None: every time
     first: bool = False  # the first hit fires, fleet-wide when there is a log to share
+    then: Action | None = None  # the next of a chain (``->``), asked when this one does not fire
+    index: int = 0  # its place in the chain (the ``first+`` marker of each is its own)
 
     def should_fire(self, point: str) -> bool:
         if self.first:
             self.first = False
-            if _claim_first(point):
+            if _claim_first(point if not self.index else f"{point}-{self.index}"):
                 return True
         if self.remaining is not None:
             if self.remaining <= 0:
@@ -94,27 +102,39 @@ class Action:
 
 
 def parse(spec: str) -> dict[str, Action]:
-    """``"after_effect=exit(23);after_claim=10%raise"`` -> {point: Action}."""
+    """``"after_effect=exit(23);after_claim=10%raise"`` -> {point: Action} (the first of its
+    chain, for ``a->b``)."""
     actions: dict[str, Action] = {}
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         point, _, text = item.partition("=")
         point, text = point.strip(), text.strip()
         if point not in POINTS:
             raise FailpointSpecError(f"unknown failpoint {point!r}; known: {', '.join(POINTS)}")
-        match = _SPEC.match(text)
-        if not match:
-            raise FailpointSpecError(f"cannot parse failpoint action {text!r} for {point}")
-        kind, arg = match["action"], match["arg"]
-        if kind in ("exit", "sleep") and not arg:
-            raise FailpointSpecError(f"{kind} needs an argument, e.g. {kind}(1)")
-        actions[point] = Action(
-            kind=kind,
-            arg=float(arg) if arg else 0.0,
-            probability=float(match["pct"]) / 100 if match["pct"] else 1.0,
-            remaining=int(match["count"]) if match["count"] else None,
-            first=bool(match["first"]),
-        )
+        parts = text.split("->")
+        if len(parts) > MAX_CHAIN:
+            raise FailpointSpecError(f"{point}: at most {MAX_CHAIN} chained actions")
+        chain = [_action(point, part.strip(), i) for i, part in enumerate(parts)]
+        for a, b in itertools.pairwise(chain):
+            a.then = b
+        actions[point] = chain[0]
     return actions
+
+
+def _action(point: str, text: str, index: int) -> Action:
+    match = _SPEC.match(text)
+    if not match:
+        raise FailpointSpecError(f"cannot parse failpoint action {text!r} for {point}")
+    kind, arg = match["action"], match["arg"]
+    if kind in ("exit", "sleep") and not arg:
+        raise FailpointSpecError(f"{kind} needs an argument, e.g. {kind}(1)")
+    return Action(
+        kind=kind,
+        arg=float(arg) if arg else 0.0,
+        probability=float(match["pct"]) / 100 if match["pct"] else 1.0,
+        remaining=int(match["count"]) if match["count"] else None,
+        first=bool(match["first"]),
+        index=index,
+    )
 
 
 _lock = threading.Lock()
@@ -123,9 +143,11 @@ _log_path = ""
 
 
 def first_markers(log_path: str) -> list[str]:
-    """The marker files ``first+`` leaves beside ``log_path`` (a new run removes them)."""
+    """The marker files ``first+`` leaves beside ``log_path`` (a new run removes them): one
+    per point, in ``POINTS`` order, then those of the later actions of chains."""
     folder, name = os.path.split(os.path.abspath(log_path))
-    return [os.path.join(folder, f"{name}.first-{point}") for point in POINTS]
+    later = [f"{point}-{i}" for i in range(1, MAX_CHAIN) for point in POINTS]
+    return [os.path.join(folder, f"{name}.first-{point}") for point in [*POINTS, *later]]
 
 
 def _claim_first(point: str) -> bool:
@@ -145,11 +167,10 @@ def _off(point: str, ref: str | None = None) -> None:
 
 def _on(point: str, ref: str | None = None) -> None:
     action = _active.get(point)
-    if action is None or action.kind == "off":
-        return
     with _lock:  # counters are shared by the threads of one process
-        fire = action.should_fire(point)
-    if fire:
+        while action is not None and (action.kind == "off" or not action.should_fire(point)):
+            action = action.then
+    if action is not None:
         action.record(point, ref)
         action.perform(point)
 

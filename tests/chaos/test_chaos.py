@@ -16,7 +16,7 @@ from toolledger.harness.chaos import EXTERNAL, ChaosConfig, run_chaos
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
 KEYS = ("faults", "duplicates", "effects_after_revocation", "shared_path_mismatches",
-        "hidden_effects", "absent_effects", "foreign_effects", "lost", "stuck", "inbox", "unknown", "operator", "auto_retries",
+        "hidden_effects", "absent_effects", "foreign_effects", "lost", "stuck", "inbox", "unknown", "operator", "auto_retries", "fenced", "stopped_and_woken",
         "statuses", "recovered_s", "duration_s")  # fmt: skip
 
 
@@ -28,6 +28,13 @@ def assert_clean(report: dict) -> None:
     assert report["absent_effects"] == report["foreign_effects"] == 0
     assert (report["lost"], report["stuck"]) == (0, 0)
     assert report["verify_ok"] and report["ok"]
+    # ... and it measured something: revoked executions went on (failpoints stopped them
+    # until the sweep revoked them) and met the fence, before their tool and at their commit
+    # with staged bytes (every "0 landed" above was 0 of 0 before: a cold review)
+    fenced = report["fenced"]
+    assert fenced["not_started"] >= 1 and fenced["staged_refused"] >= 1, fenced  # (of refused)
+    # (a threads pool's process stops once for two threads that stop it together)
+    assert report["stopped_and_woken"] >= 1, report["stopped_and_woken"]
 
 
 def test_chaos__small_run_every_fault_kind_every_invariant(

@@ -1,3 +1,4 @@
+import os
 import random
 import subprocess
 import sys
@@ -43,6 +44,8 @@ def test_failpoints__parse_every_form():
         "after_claim=exit",
         "after_claim",
         "after_claim=sleep()",
+        "after_claim=raise->",
+        "after_claim=raise->raise->raise->raise->raise",
     ],
 )
 def test_failpoints__bad_spec_refused(spec):
@@ -134,3 +137,28 @@ def test_failpoints__first_is_once_across_processes_sharing_the_log(tmp_path):
     assert [line["ref"] for line in jsonlines.read(log)] == ["p0"]
     marker = failpoints.first_markers(str(log))[failpoints.POINTS.index("after_stage")]
     assert (tmp_path / "fp.log.first-after_stage").exists() and marker.endswith("first-after_stage")
+
+
+def test_failpoints__a_chain_fires_the_first_of_its_actions_that_fires(tmp_path):
+    """``a->b``: the fleet's first hit stops where a chaos run wakes it later, the next is
+    killed; each ``first+`` of a chain claims a marker of its own."""
+    log = tmp_path / "fp.log"
+    failpoints.configure("after_stage=first+0%sleep(0.01)->first+0%raise->1*exit(3)", str(log))
+    failpoints.hit("after_stage", "a")  # the first action's first hit: sleeps
+    with pytest.raises(FailpointError):
+        failpoints.hit("after_stage", "b")  # the second's
+    code = (
+        "from toolledger import failpoints;"
+        f"failpoints.configure('after_stage=first+0%sleep(0.01)->first+0%raise->1*exit(3)',"
+        f" {str(log)!r}); failpoints.hit('after_stage', 'c')"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+    assert run.returncode == 3  # both firsts are the fleet's already: the third action
+    assert [(e["ref"], e["action"]) for e in jsonlines.read(log)] == [
+        ("a", "sleep"),
+        ("b", "raise"),
+        ("c", "exit"),
+    ]
+    assert {
+        p.rsplit(".first-", 1)[1] for p in failpoints.first_markers(str(log)) if os.path.exists(p)
+    } == {"after_stage", "after_stage-1"}

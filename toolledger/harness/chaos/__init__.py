@@ -40,7 +40,9 @@ def run_chaos(cfg: ChaosConfig, *, baseline: bool = False) -> dict[str, Any]:
     finally:
         run.teardown()
     faults_by_kind = Counter(f.kind for f in run.faults)
-    faults_by_kind.update(f"failpoint:{f['point']}" for f in firings)
+    faults_by_kind.update(
+        f"{'stop' if f.get('action') == 'stop' else 'failpoint'}:{f['point']}" for f in firings
+    )
     operator = Counter(a["action"] for a in read_lines(cfg.out / "operator.log"))
     report: dict[str, Any] = {
         "scope": run.scope,
@@ -60,6 +62,8 @@ def run_chaos(cfg: ChaosConfig, *, baseline: bool = False) -> dict[str, Any]:
         "recovered_s": outcome["recovered_s"],
         "final_sweep": outcome["final_sweep"],
         "operator": dict(operator),
+        # processes a failpoint stopped, woken once their executions were revoked
+        "stopped_and_woken": len(run.woken),
         **checked,
         "timeline_png": str(cfg.out / "timeline.png"),
     }

@@ -29,7 +29,14 @@ from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations
 
 INBOX = ("unknown",)
-DB_ERRORS = ("OperationalError", "AdminShutdown", "LeaseLost", "InterfaceError", "database")
+#: Words in an execution's own record that say its database connection failed; they explain
+#: its unknown only if a database fault (a crash, terminated backends, a partition of its
+#: host) fell while it was held. A lost lease alone explains nothing: a keeper that never
+#: renews, or a lease too short for the work, would explain itself (a cold review).
+DB_ERRORS = ("OperationalError", "AdminShutdown", "InterfaceError", "database", "LeaseLost")
+DB_FAULTS = ("pg_crash", "pg_terminate", "partition")
+#: How long each kind of fault lasts, from its record (seconds; others are instants).
+DURATION = {"zombie": "frozen_s", "partition": "cut_s", "pg_crash": "down_s"}
 
 
 @dataclass
@@ -68,6 +75,12 @@ class Facts:
     deaths: dict[int, str] = field(default_factory=dict)
     stale_running: list[str] = field(default_factory=list)  # expired leases after the sweep
     verify: list[str] = field(default_factory=list)  # verify's differences
+    #: files in the scope's folder at a path no job has (a stray write of anyone's)
+    stray_files: list[str] = field(default_factory=list)
+    #: staged effects left in the sandbox's pending area after the final settle (not set aside)
+    unsettled: list[str] = field(default_factory=list)
+    #: what the run's operator did (operator.log): its retries are the only manual ones
+    operator: list[dict[str, Any]] = field(default_factory=list)
     _by_execution: tuple[int, dict[str | None, list[dict[str, Any]]]] | None = field(
         default=None, repr=False, compare=False
     )
@@ -143,6 +156,7 @@ def only_the_calls_effects(f: Facts) -> Invariant:
         found = f.files.get(path)
         if found is not None and found not in contents:
             bad.append(f"{path}: holds {found[:80]!r}, which no call on it wrote")
+    bad += [f"{path}: a file no call writes" for path in f.stray_files]
     jobs, owner = f.job_of_key(), {e["execution_id"]: e["idempotency_key"] for e in f.execs}
     for c in (c for c in f.charges if c["kind"] == "charge"):
         charged = jobs.get(c["key"])
@@ -274,17 +288,23 @@ def _effect_present(f: Facts, job: Job) -> bool:
     return False
 
 
-#: Failpoint actions that end the whole process, not only the execution that hit them.
-PROCESS_ENDING = ("kill", "exit")
+#: Failpoint actions that hold up the whole process, not only the execution that hit them
+#: (a threads pool's process holds several): it ends, or it stops until woken.
+PROCESS_ENDING = ("kill", "exit", "stop")
 
 
-def _while_held(t: float | None, began: Any, went_unknown: Any) -> bool:
-    """Whether a firing at Unix time ``t`` fell while the execution was held: after its claim,
-    before it was declared unknown (one second of slack each side for the clocks' rounding).
-    Without both times it explains nothing."""
+def _while_held(t: float | None, began: Any, went_unknown: Any, lasted: float = 0.0) -> bool:
+    """Whether something at Unix time ``t`` lasting ``lasted`` seconds overlapped the time
+    the execution was held: after its claim, before it was declared unknown (one second of
+    slack each side for the clocks' rounding). Without the times it explains nothing."""
     if t is None or began is None or went_unknown is None:
         return False
-    return bool(began.timestamp() - 1.0 <= t <= went_unknown.timestamp() + 1.0)
+    return bool(began.timestamp() - 1.0 <= t + lasted and t <= went_unknown.timestamp() + 1.0)
+
+
+def _fault_held(fault: dict[str, Any], ex: dict[str, Any], unknown: dict[str, Any]) -> bool:
+    lasted = float(fault.get(DURATION.get(fault["kind"], ""), 0.0) or 0.0)
+    return _while_held(fault.get("t"), ex.get("started_at"), unknown.get("at"), lasted)
 
 
 def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
@@ -320,7 +340,8 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
             and _while_held(fp.get("t"), ex.get("started_at"), unknown.get("at"))
         ):
             return f"failpoint {fp['point']} ended its process"
-    for fault in f.faults:
+    held = [fault for fault in f.faults if _fault_held(fault, ex, unknown)]
+    for fault in held:
         kind = KINDS.get(fault["kind"])
         blames = kind.blames if kind else None
         if blames and (
@@ -330,7 +351,12 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     own = " ".join(
         json.dumps(e["detail"]) for e in f.events_of(eid) if e["kind"] in ("unknown", "evidence")
     )
-    if any(word in own for word in DB_ERRORS):
+    db_fault = any(
+        x["kind"] in ("pg_crash", "pg_terminate")
+        or (x["kind"] == "partition" and host == x["target"])
+        for x in held
+    )
+    if db_fault and any(word in own for word in DB_ERRORS):
         return "its own database connection failed"
     if pid in f.deaths:  # e.g. killed by Celery's hard time limit after a stalled fsync
         return f"worker process died ({f.deaths[pid]})"
@@ -339,15 +365,34 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
 
 def automatic_retries_proven(f: Facts) -> Invariant:
     """Every automatic retry followed its earlier attempt's revocation and the proof that its
-    effect was absent (the reconciler's word), in that order."""
+    effect was absent (the reconciler's word), in that order; and every later attempt is one
+    of these or a retry the run's operator asked for (one that calls itself neither, or names
+    an attempt other than the one before it, was judged by nothing: a cold review)."""
     execs = f.exec_by_id()
+    asked = Counter((a["cid"], a.get("attempt")) for a in f.operator if a.get("action") == "retry")
+    cid_of = {j.key: j.cid for j in f.jobs}
     bad = []
     for e in f.events:
-        if e["kind"] != "approved" or not e["detail"].get("automatic"):
+        attempt = e["detail"].get("attempt")
+        if e["kind"] != "approved" or not isinstance(attempt, int) or attempt < 2:
+            continue
+        if not e["detail"].get("automatic"):
+            if not asked[(cid_of.get(e["idempotency_key"]), attempt)]:
+                who = e.get("actor")
+                bad.append(f"{e['idempotency_key']} attempt {attempt}: approved by {who}, "
+                           "neither automatic nor the operator's retry")  # fmt: skip
             continue
         before = e["detail"].get("after")
         ex = execs.get(before or "")
-        history = f.events_of(before) if ex else []
+        if (
+            ex is None
+            or ex["idempotency_key"] != e["idempotency_key"]
+            or (ex["attempt"] != attempt - 1)
+        ):
+            bad.append(f"{e['idempotency_key']} attempt {attempt}: after {before}, "
+                       "not the attempt before it")  # fmt: skip
+            continue
+        history = f.events_of(before)
         revoked = [h["seq"] for h in history if h["kind"] == "unknown" and h["seq"] < e["seq"]]
         proven = [
             h["seq"]
@@ -358,7 +403,7 @@ def automatic_retries_proven(f: Facts) -> Invariant:
             and h["seq"] < e["seq"]
         ]
         if not (revoked and proven and revoked[0] < proven[0]):
-            bad.append(f"{e['idempotency_key']} attempt {e['detail'].get('attempt')}: "
+            bad.append(f"{e['idempotency_key']} attempt {attempt}: "
                        f"revoked {revoked}, proven absent {proven}")  # fmt: skip
     return _invariant("automatic retries only after revocation and proof of absence", bad)
 
@@ -369,8 +414,9 @@ def every_call_ended(f: Facts) -> tuple[Invariant, int, int]:
     stuck = [k for k, op in f.ops.items() if op["status"] == "running"] + f.stale_running
     bad = [f"{k}: not recorded" for k in missing] + [f"{k}: {f.ops[k]['status']}" for k in lost]
     bad += [f"{k}: running" for k in stuck]
+    bad += [f"{name}: staged, never settled" for name in f.unsettled]
     inv = _invariant("every call ends: succeeded, failed, rejected, or unknown for a human", bad)
-    return inv, len(missing) + len(lost), len(stuck)
+    return inv, len(missing) + len(lost), len(stuck) + len(f.unsettled)
 
 
 INVARIANTS: list[Callable[[Facts], Invariant]] = [
@@ -417,10 +463,33 @@ def check(f: Facts) -> dict[str, Any]:
             1 for e in f.events if e["kind"] == "approved" and e["detail"].get("automatic")
         ),
         "executions": len(f.execs),
+        "fenced": fenced(f),
         "landings": None if f.landings is None else len(f.landings),
         "invariants": [i.to_json() for i in invariants],
         "ok": all(i.ok for i in invariants),
     }
+
+
+def fenced(f: Facts) -> dict[str, int]:
+    """Executions that went on after the ledger revoked them and met the fence, by what their
+    own worker put on record after the revocation: ``not_started`` (the lease was gone
+    before the tool), ``refused_at_commit`` (the tool ran, its terminal write was refused: a
+    late result), of which ``staged_refused`` had staged bytes that never landed. "No effect
+    of a revoked execution lands" measures nothing where these are all 0."""
+    out = {"not_started": 0, "refused_at_commit": 0, "staged_refused": 0}
+    for ex in f.execs:
+        history = f.events_of(ex["execution_id"])
+        revoked = next((e["seq"] for e in history if e["kind"] == "unknown"), None)
+        for e in history:
+            own = e["kind"] == "evidence" and e["detail"].get("worker_id") == ex["worker_id"]
+            if not own:
+                continue
+            if e["detail"].get("not_started"):
+                out["not_started"] += 1
+            elif revoked is not None and e["seq"] > revoked and "late_result" in e["detail"]:
+                out["refused_at_commit"] += 1
+                out["staged_refused"] += bool(e["detail"].get("staged"))
+    return out
 
 
 def _inbox_reason(f: Facts, key: str) -> dict[str, Any]:
@@ -498,7 +567,16 @@ def gather(
     ]
     root = out / "sandbox" / scope
     paths = {j.args["path"] for j in workload.jobs if "path" in j.args}
-    files = {p: (root / p).read_text() if (root / p).is_file() else None for p in paths}
+    files = {p: _read(root / p) for p in paths}
+    stray = sorted(
+        str(p.relative_to(root))
+        for p in (root.rglob("*") if root.is_dir() else [])
+        if not p.is_dir() and str(p.relative_to(root)) not in paths
+    )
+    pending = out / "sandbox" / ".toolledger" / "pending"
+    unsettled = sorted(
+        p.name for p in (pending.iterdir() if pending.is_dir() else []) if not _aside(p.name)
+    )
     report = ledger.verify()
     return Facts(
         jobs=workload.jobs,
@@ -515,4 +593,18 @@ def gather(
         deaths=child_deaths(out / "logs"),
         stale_running=stale,
         verify=[json.dumps(d.to_json()) for d in report.differences],
+        stray_files=stray,
+        unsettled=unsettled,
+        operator=read_lines(out / "operator.log"),
     )
+
+
+def _read(path: Path) -> str | None:
+    """A file's bytes as text, byte for byte (``read_text`` turns a CR into a newline: a
+    stray CR was invisible), undecodable bytes kept as escapes, never dropped."""
+    return path.read_bytes().decode("utf-8", "surrogateescape") if path.is_file() else None
+
+
+def _aside(name: str) -> bool:
+    """A staged effect set aside with its intent (never landed, for a human to look at)."""
+    return name.endswith(".refused")

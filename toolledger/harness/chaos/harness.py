@@ -39,13 +39,31 @@ from toolledger.harness.chaos import partition as partitions
 from toolledger.harness.chaos.faults import EXTERNAL
 from toolledger.harness.chaos.pgcluster import PgCluster, find_bin, free_port
 from toolledger.harness.chaos.workload import Workload, make_workload
-from toolledger.harness.processes import ManagedProcess, beat_process, stop_all, worker_process
+from toolledger.harness.processes import (
+    ManagedProcess,
+    beat_process,
+    children_of,
+    stop_all,
+    worker_process,
+)
 from toolledger.ledger.db import create_engine
 
 PLUGIN = Path(__file__).parent / "plugin"
 ROLES = PLUGIN / "toolledger_chaos_roles.py"
 #: Jobs are submitted over this share of the fault window, so faults keep meeting work.
 SUBMIT_SHARE = 0.85
+#: Failpoints where a process that stops itself (SIGSTOP) and is woken after the sweep revoked
+#: its execution meets the fence: before its tool (never started), inside or after the effect
+#: (its commit refused, its staged bytes never landed). A zombie fault freezes a worker at a
+#: random instant, which almost never falls between the last check and the commit.
+STOPPABLE = ("after_claim", "before_effect", "after_stage", "after_effect")
+#: How long past the lease a frozen process is held: the sweep revokes it meanwhile.
+FREEZE_PAST_LEASE = 6.0
+#: The longest a prefork parent stays stopped after its child was woken (``_wake_stopped``).
+PARENT_HOLD = 20.0
+#: Faults a process woken after its revocation waits out before it is woken, or that wait
+#: for it to reach the fence (``_let_woken_finish``).
+DATABASE_FAULTS = ("pg_crash", "pg_terminate", "partition")
 
 
 @dataclass
@@ -63,6 +81,9 @@ class ChaosConfig:
     lease_seconds: float = 8.0
     hold_ms: int = 0  # 0: chosen so the workers are about half busy
     failpoint_percent: float = 0.0  # 0: about 8 firings per point (min 0.5 %)
+    #: of the hits of each STOPPABLE point, the share that stops its process until the sweep
+    #: revoked its execution (the fleet's first hit of each always does)
+    stop_percent: float = 0.0
     keep_db: bool = False
     code: Path | None = None  # the toolledger checkout under test (None: this one)
     kinds: tuple[str, ...] = EXTERNAL
@@ -123,12 +144,16 @@ class Code:
         """Whether this version's failpoints know ``first+`` (older baselines do not)."""
         return self._probe_failpoints()[1]
 
+    def chained_failpoints(self) -> bool:
+        """Whether this version's failpoints chain actions with ``->``."""
+        return self._probe_failpoints()[2]
+
     @functools.cache  # noqa: B019 - a handful of Code objects per run, each probed once
-    def _probe_failpoints(self) -> tuple[list[str], bool]:
+    def _probe_failpoints(self) -> tuple[list[str], bool, bool]:
         where = "worker.failpoints" if self.legacy else "toolledger.failpoints"
         probe = (
             f"import {where} as f; print(','.join(f.POINTS)); "
-            "print(int(hasattr(f, 'first_markers')))"
+            "print(int(hasattr(f, 'first_markers'))); print(int(hasattr(f, 'MAX_CHAIN')))"
         )
         out = subprocess.run(
             [sys.executable, "-c", probe],
@@ -138,8 +163,8 @@ class Code:
             text=True,
             check=True,
         )
-        points, first = out.stdout.split()
-        return points.split(","), first == "1"
+        points, first, chained = out.stdout.split()
+        return points.split(","), first == "1", chained == "1"
 
 
 class ChaosRun:
@@ -158,6 +183,7 @@ class ChaosRun:
         self.partitions: dict[str, partitions.Partition] = {}
         self.roles: dict[str, subprocess.Popen[bytes]] = {}
         self.beat: ManagedProcess | None = None
+        self.sweeper: ManagedProcess | None = None
         self.cluster: PgCluster | None = None
         self.downstream: subprocess.Popen[bytes] | None = None
         self.workload = Workload()
@@ -165,6 +191,14 @@ class ChaosRun:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._paused: set[str] = set()
+        self._timers: list[threading.Timer] = []  # the faults' heals, waited for at the end
+        self._stopped: dict[int, float] = {}  # pid stopped by a failpoint -> first seen
+        self.woken: list[dict[str, Any]] = []  # each of them, woken after the revocation
+        self._probe: sa.Engine | None = None  # reads the run's ledger for _on_record
+        #: prefork parents stopped with their child -> whether the child was woken since
+        self._held_parents: dict[int, bool] = {}
+        #: woken processes -> (the execution they stopped on, when): until it is on record
+        self._completing: dict[int, tuple[str | None, float]] = {}
         self.kinds = list(config.kinds)
         if config.pool != "prefork":  # one process per worker: no pool child to kill
             self.kinds = [k for k in self.kinds if k != "kill_child"]
@@ -228,7 +262,17 @@ class ChaosRun:
         # first+: the fleet's first hit of each point fires for sure, then pct of the rest; a
         # short run then covers every window instead of hoping the percentage reaches each.
         first = "first+" if self.code.first_failpoints() else ""
-        return ";".join(f"{point}={first}{pct}%kill" for point in self.code.failpoints())
+        stops = self.code.chained_failpoints()  # older baselines: kills only
+
+        def spec(point: str) -> str:
+            kill = f"{first}{pct}%kill"
+            return (
+                f"first+{self.cfg.stop_percent}%stop->{kill}"
+                if stops and point in STOPPABLE
+                else kill
+            )
+
+        return ";".join(f"{point}={spec(point)}" for point in self.code.failpoints())
 
     def _partitions(self) -> None:
         why = partitions.unavailable() if "partition" in self.kinds else "not asked for"
@@ -286,10 +330,17 @@ class ChaosRun:
                 )
             )
         self.beat = beat_process("chaos-beat", self.settings_env(), logs)
-        for p in [*self.workers, self.beat]:
+        # A sweeper of its own, as production runs one (the compose file's): the workers take
+        # sweeps too, and while both stand stopped with a process a failpoint stopped, nothing
+        # would revoke anything, and a woken process's commit would simply be taken
+        self.sweeper = worker_process(
+            "chaos-sweeper", self.settings_env(), logs, concurrency=1,
+            extra=("--queues", "toolledger.sweep"),
+        )  # fmt: skip
+        for p in [*self.workers, self.beat, self.sweeper]:
             p.cwd = self.code.tree
             p.start()
-        for p in [*self.workers, self.beat]:
+        for p in [*self.workers, self.beat, self.sweeper]:
             p.wait_ready(90)
 
     def _cli(self, *argv: str, ok: tuple[int, ...] = (0,)) -> str:
@@ -349,7 +400,8 @@ class ChaosRun:
         supervisor.start()
         try:
             self._inject()
-            self._heal_all()
+            self._let_faults_end()
+            self._heal_all(stopped_too=False)  # a process stopped since waits for its wake
             self.progress(f"faults done ({len(self.faults)}); waiting for the agent")
             self.roles["submit"].wait(timeout=max(60.0, self.cfg.duration))
             recovered = self._wait_quiet(stall=120)
@@ -361,14 +413,113 @@ class ChaosRun:
                 if proc.poll() is None:
                     proc.kill()
             self._heal_all()
-            stop_all([*self.workers, *([self.beat] if self.beat else [])])
+            stop_all([*self.workers, *(p for p in (self.beat, self.sweeper) if p)])
 
     def _supervise(self) -> None:
-        """Restart killed workers, as systemd or Kubernetes would."""
+        """Restart killed workers, as systemd or Kubernetes would; wake the processes a
+        failpoint stopped once their executions' leases are long gone."""
         while not self._stopping.wait(0.3):
             for w in self.workers:
                 if not w.alive() and w.name not in self._paused:
                     w.restart()
+            with contextlib.suppress(Exception):  # a process gone meanwhile
+                self._wake_stopped()
+
+    def _wake_stopped(self) -> None:
+        """A process a failpoint stopped is woken once its lease is long gone. A prefork
+        child's parent is stopped with it, as a paused machine stops both (else the parent's
+        hard time limit kills the child before it can meet the fence), and woken only once
+        the child has put its late result on record (or after ``PARENT_HOLD`` seconds, for
+        one that had to spool it): the child runs first, as it may after any freeze."""
+        now, held = time.time(), self.cfg.lease_seconds + FREEZE_PAST_LEASE
+        seen = set()
+        for w in self.workers:
+            if w.name in self._paused:  # a zombie fault's whole group: its timer wakes it
+                continue
+            for pid in [w.pid, *w.children()]:
+                if pid in self._held_parents or not _is_stopped(pid):
+                    continue
+                seen.add(pid)
+                if pid not in self._stopped:
+                    self._stopped[pid] = now
+                    if pid != w.pid and w.pid not in self._held_parents:
+                        os.kill(w.pid, signal.SIGSTOP)
+                        self._held_parents[w.pid] = False
+                elif now - self._stopped[pid] >= held and not self._cut(w):
+                    os.kill(pid, signal.SIGCONT)
+                    since = self._stopped.pop(pid)
+                    self.woken.append({"pid": pid, "worker": w.name, "t": since, "held_s": held})
+                    self._completing[pid] = (self._stopped_on(pid), now)
+                    if w.pid in self._held_parents:
+                        self._held_parents[w.pid] = True
+        for pid in set(self._stopped) - seen:  # woken by someone else, or gone
+            del self._stopped[pid]
+        for pid, (eid, at) in list(self._completing.items()):
+            if pid in self._stopped:
+                continue  # stopped again at a later point: woken again later
+            if now - at >= PARENT_HOLD or (eid and self._on_record(eid, at)):
+                del self._completing[pid]
+        for parent, woke in list(self._held_parents.items()):
+            children = children_of(parent)
+            if woke and not any(c in self._stopped or c in self._completing for c in children):
+                self._release_parent(parent)
+
+    def _let_woken_finish(self) -> None:
+        """Hold a database fault while a process woken after its revocation goes on to the
+        fence (its parent still held): it is the run's one measure of the fence, and a crash
+        or a cut at that moment ends it in a spool or a kill instead (two runs in three)."""
+        deadline = time.time() + PARENT_HOLD
+        while time.time() < deadline and self._completing:
+            time.sleep(0.1)
+
+    def _stopped_on(self, pid: int) -> str | None:
+        """The execution ``pid`` stopped on: its last ``stop`` firing's."""
+        stops = [
+            f
+            for f in jsonlines.read(self.out / "failpoints.log")
+            if f.get("pid") == pid and f.get("action") == "stop"
+        ]
+        return stops[-1].get("ref") if stops else None
+
+    def _on_record(self, eid: str, woken_at: float) -> bool:
+        """Whether ``eid`` has put something on record since it was woken."""
+        if self._probe is None:
+            self._probe = create_engine(self.db_url, pool_size=1, max_overflow=0)
+        with contextlib.suppress(sa.exc.SQLAlchemyError), self._probe.connect() as conn:
+            found = conn.execute(
+                sa.text(
+                    "SELECT 1 FROM execution_events WHERE execution_id = :e "
+                    "AND kind = 'evidence' AND at >= to_timestamp(:t) - interval '1 second'"
+                ),
+                {"e": eid, "t": woken_at},
+            ).first()
+            return found is not None
+        return False
+
+    def _release_parent(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        self._held_parents.pop(pid, None)
+
+    def _let_faults_end(self) -> None:
+        """Every fault runs its course before the run heals what is left: the last zombie and
+        partition were cut short at once (a cold review), and so was a process a failpoint
+        stopped, woken before its execution was revoked."""
+        deadline = time.time() + self.cfg.lease_seconds + FREEZE_PAST_LEASE + PARENT_HOLD + 5
+        while (self._stopped or self._held_parents or self._completing) and (
+            time.time() < deadline
+        ):
+            time.sleep(0.3)
+        for timer in list(self._timers):
+            timer.join()
+
+    def _cut(self, w: ManagedProcess) -> bool:
+        """Whether ``w`` is partitioned now (a stopped process is woken once it is not)."""
+        return bool(getattr(self.partitions.get(w.name), "is_cut", False))
+
+    def _has_stopped(self, w: ManagedProcess) -> bool:
+        held = self._stopped.keys() | self._held_parents.keys() | self._completing.keys()
+        return any(pid in held for pid in [w.pid, *w.children()])
 
     # ------------------------------------------------------------------ faults
 
@@ -386,10 +537,13 @@ class ChaosRun:
     def _inject(self) -> None:
         for n, (at, kind) in enumerate(self._schedule()):
             time.sleep(max(0.0, self.began + at - time.time()))
+            if kind in DATABASE_FAULTS:
+                self._let_woken_finish()
             fault = getattr(self, f"_fault_{kind}")()
-            for _ in range(20):  # no target right now (every worker restarting): soon
-                if fault is not None:
-                    break
+            # no target right now (every worker restarting, or stopped until its woken
+            # execution meets the fence): as soon as there is one
+            deadline = time.time() + self.cfg.lease_seconds + FREEZE_PAST_LEASE + PARENT_HOLD
+            while fault is None and time.time() < deadline:
                 time.sleep(0.25)
                 fault = getattr(self, f"_fault_{kind}")()
             if fault is not None:
@@ -405,7 +559,11 @@ class ChaosRun:
         return len(self._lines("submitted.log"))
 
     def _pick(self) -> ManagedProcess | None:
-        alive = [w for w in self.workers if w.alive() and w.name not in self._paused]
+        alive = [
+            w
+            for w in self.workers
+            if w.alive() and w.name not in self._paused and not self._has_stopped(w)
+        ]
         return self.rng.choice(alive) if alive else None
 
     def _fault_kill_main(self) -> Fault | None:
@@ -422,8 +580,10 @@ class ChaosRun:
         if not w or not children:
             return None
         child = self.rng.choice(children)
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            return None  # gone already: nothing was injected (it was counted)
         return Fault(0, "kill_child", w.name, [child])
 
     def _fault_zombie(self) -> Fault | None:
@@ -435,34 +595,42 @@ class ChaosRun:
         w.signal(signal.SIGSTOP, group=True)
         # past its lease, and long enough for the sweep to revoke it and for the operator
         # or a later writer to act before it wakes: what a zombie could then land would show
-        frozen = self.cfg.lease_seconds + 6.0
+        frozen = self.cfg.lease_seconds + FREEZE_PAST_LEASE
 
         def wake() -> None:
             w.signal(signal.SIGCONT, group=True)
             self._paused.discard(w.name)
 
-        threading.Timer(frozen, wake).start()
+        self._later(frozen, wake)
         return Fault(0, "zombie", w.name, pids, {"frozen_s": frozen})
 
     def _fault_partition(self) -> Fault | None:
         """One worker cut off from Postgres (packets vanish) past its lease, then healed."""
         cut = [n for n, p in self.partitions.items() if getattr(p, "is_cut", False)]
-        candidates = [w for w in self.workers if w.alive() and w.name not in cut]
+        candidates = [
+            w for w in self.workers if w.alive() and w.name not in cut and not self._has_stopped(w)
+        ]
         if not candidates:
             return None
         w = self.rng.choice(candidates)
         part = self.partitions[w.name]
         part.cut()
         part.is_cut = True  # type: ignore[attr-defined]
-        held = self.cfg.lease_seconds + 6.0
+        held = self.cfg.lease_seconds + FREEZE_PAST_LEASE
 
         def heal() -> None:
             with contextlib.suppress(Exception):
                 part.heal()
             part.is_cut = False  # type: ignore[attr-defined]
 
-        threading.Timer(held, heal).start()
+        self._later(held, heal)
         return Fault(0, "partition", w.name, [w.pid, *w.children()], {"cut_s": held})
+
+    def _later(self, seconds: float, heal: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, heal)
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
 
     def _fault_pg_crash(self) -> Fault | None:
         """SIGKILL the postmaster; start it again (crash recovery) a few seconds later."""
@@ -500,6 +668,8 @@ class ChaosRun:
                 ).scalar_one()
         except sa.exc.SQLAlchemyError:
             return None  # the server is down (a crash in progress)
+        if not n:
+            return None  # nobody connected: nothing was injected (it was counted)
         return Fault(0, "pg_terminate", "postgres", [], {"backends": n})
 
     def _fault_duplicate(self) -> Fault | None:
@@ -509,21 +679,26 @@ class ChaosRun:
         picked = self.rng.sample(self.workload.jobs, min(5, len(self.workload.jobs)))
         app = Celery("chaos", broker=self.cfg.broker, set_as_current=False)
         app.conf.broker_transport_options = {"global_keyprefix": self.prefix}
+        sent = []
         try:
             for job in picked:
                 with contextlib.suppress(Exception):  # the broker may be mid-flush
                     app.send_task("toolledger.execute", args=(self.scope, job.key, 1),
                                   queue="toolledger")  # fmt: skip
+                    sent.append(job.key)
         finally:
             app.close()
-        return Fault(0, "duplicate", "broker", [], {"keys": [j.key for j in picked]})
+        if not sent:
+            return None  # nothing published: nothing was injected (it was counted)
+        return Fault(0, "duplicate", "broker", [], {"keys": sent})
 
-    def _heal_all(self) -> None:
+    def _heal_all(self, *, stopped_too: bool = True) -> None:
         for part in self.partitions.values():
             with contextlib.suppress(Exception):
                 part.heal()
         for w in self.workers:
-            w.signal(signal.SIGCONT, group=True)
+            if stopped_too or not self._has_stopped(w):
+                w.signal(signal.SIGCONT, group=True)
         self._paused.clear()
         if self.cluster is not None and self.cluster.postmaster_pid() is None:
             self.cluster.start()
@@ -557,7 +732,8 @@ class ChaosRun:
         while time.time() - last_move < stall:
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 open_calls = self._open_calls()
-                if (self.out / "operator.done").exists() and open_calls == 0:
+                woken = not (self._stopped or self._held_parents or self._completing)
+                if (self.out / "operator.done").exists() and open_calls == 0 and woken:
                     return round(time.time() - started, 1)
                 if open_calls != last_open:
                     last_open, last_move = open_calls, time.time()
@@ -577,6 +753,8 @@ class ChaosRun:
             self.downstream.kill()
             self.downstream.wait(10)
         with contextlib.suppress(Exception):
+            if self._probe is not None:
+                self._probe.dispose()
             self.admin.dispose()
             if not self.cfg.keep_db:
                 scratch.drop_database(self.db_server, self.db_name)
@@ -597,3 +775,12 @@ class ChaosRun:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (``T`` in /proc; a zombie reads ``Z``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"

@@ -17,7 +17,7 @@ FAULT_COLOURS = {k.name: k.colour for k in KINDS.values()} | {"failpoint": FAILP
 
 
 def markdown(report: dict[str, Any]) -> str:
-    inbox = report["inbox"]
+    inbox, fenced = report["inbox"], report["fenced"]
     lines = [
         f"# Chaos run {report['scope']}",
         "",
@@ -33,6 +33,9 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|",
         f"| duplicates (a second line, a second charge) | {report['duplicates']} |",
         f"| effects of revoked executions that landed | {_measured(report)} |",
+        f"| revoked executions that went on and met the fence: not started, commit refused "
+        f"(of which with staged bytes) | {fenced['not_started']}, {fenced['refused_at_commit']} "
+        f"({fenced['staged_refused']}) |",
         f"| shared paths not holding their last succeeded write | "
         f"{report['shared_path_mismatches']} |",
         f"| effects hidden behind failed/rejected/pending | {report['hidden_effects']} |",
