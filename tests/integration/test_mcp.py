@@ -590,6 +590,118 @@ def test_proxy__an_upstream_that_dies_mid_call_leaves_it_unknown_and_stops_the_p
     assert marked.actor.startswith("mcp-proxy@")  # the proxy said so at once, no sweep
 
 
+def test_proxy__an_upstream_gone_answers_the_calls_in_flight_and_exits_with_stdin_open(
+    world: Stack, tmp_path: Path
+) -> None:
+    """The upstream dies while a call is in flight. The call is answered from the ledger,
+    its receipt (unknown: nothing came back), not JSON-RPC's "Connection closed" (which told
+    a host that a call which may have taken effect had failed, inviting it again); and the
+    proxy then exits, 1, though the host keeps stdin open (it neither answered nor exited
+    before: a cold review)."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("gone")
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
+
+    params = {"name": "slow_charge", "arguments": {"amount": 3}, "_meta": {ID: "g2", SCOPE: scope}}
+    slow = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params})
+
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log),
+           "MCP_UPSTREAM_RELEASE": str(tmp_path / "never")}  # fmt: skip
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "mcp", *proxy_argv("--timeout", "20")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        killer = threading.Timer(90, proc.kill)  # a proxy that never exits fails, not hangs
+        killer.start()
+        try:
+            first = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
+            proc.stdin.write(("\n".join(first) + "\n").encode())
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline())["id"] == 1
+            proc.stdin.write((slow + "\n").encode())
+            proc.stdin.flush()
+            deadline = time.monotonic() + 30
+            while not invocations(log) and time.monotonic() < deadline:
+                time.sleep(0.05)  # forwarded, waiting upstream
+            (upstream,) = [c["pid"] for c in invocations(log)]
+            os.kill(upstream, signal.SIGKILL)  # it crashed: no answer, its stdout ends
+            replies = {2: json.loads(proc.stdout.readline())}
+            code = proc.wait(60)  # stdin still open
+        finally:
+            killer.cancel()
+            proc.kill()
+    assert code == 1
+    assert "result" in replies[2], replies[2]  # a receipt, not a JSON-RPC error
+    result = replies[2]["result"]
+    assert result["isError"] and json.loads(result["content"][0]["text"])["status"] == "unknown"
+    assert [c["tool"] for c in invocations(log)] == ["slow_charge"]
+
+
+def test_proxy__a_call_cancelled_by_its_host_is_still_sent_once_recorded(
+    world: Stack, tmp_path: Path
+) -> None:
+    """A host cancelling a call (``notifications/cancelled``) right after sending it: cut
+    between its submit and its claim, 11 of 60 stayed approved, never sent, and the sweep's
+    re-publishing then had a worker fail them "unknown tool" (a cold review). Every call
+    recorded is now sent: none is left approved."""
+    from toolledger.ledger.transitions import Status
+
+    log = tmp_path / "upstream.log"
+    scope = scope_of("cancel")
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
+    lines = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
+    for n in range(100, 140):
+        params = {
+            "name": "charge",
+            "arguments": {"amount": n},
+            "_meta": {ID: f"k{n}", SCOPE: scope},
+        }
+        lines.append(
+            json.dumps({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": params})
+        )
+        cancel = {"requestId": n, "reason": "the host gave up"}
+        lines.append(json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                 "params": cancel}))  # fmt: skip
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "mcp", *proxy_argv()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=errlog,
+            env={**world.env(), "MCP_UPSTREAM_LOG": str(log)},
+            cwd=ROOT,
+        )
+        assert proc.stdin is not None
+        try:
+            for line in lines:
+                proc.stdin.write((line + "\n").encode())
+                proc.stdin.flush()
+                time.sleep(0.002)
+            time.sleep(3)
+            proc.stdin.close()
+            proc.wait(60)
+        finally:
+            proc.kill()
+    ledger = Ledger(world.db)
+    try:
+        calls = ledger.list_calls(scope=scope, limit=0)
+        left = [c.tool_call_id for c in calls if c.status is Status.APPROVED]
+        assert not left, left
+        assert len(invocations(log)) == len(calls)  # each recorded call sent, once
+    finally:
+        ledger.close()
+
+
 def test_proxy__arguments_the_upstream_schema_refuses_are_refused_with_nothing_recorded(
     world: Stack, tmp_path: Path
 ) -> None:

@@ -85,3 +85,41 @@ def test_a_schema_it_cannot_apply_leaves_the_arguments_unchecked(
     assert validator is not None
     _check_arguments("t", validator, {"a": 1})
     assert "its inputSchema cannot be applied" in caplog.text
+
+
+def test_relisted__no_output_schema_the_proxys_own_answers_would_break():
+    """The proxy answers "not finished yet", "unknown" or a human's resolution with structured
+    content of its own; a host's SDK checked it against the upstream's outputSchema and raised
+    (a cold review): the proxy lists its tools without one."""
+    from types import SimpleNamespace
+
+    import mcp.types as types
+
+    from toolledger.mcp.proxy import Proxy
+
+    tool = types.Tool(
+        name="charge",
+        input_schema={"type": "object"},
+        output_schema={"type": "object", "required": ["charged"]},
+    )
+    listed = Proxy._relisted(SimpleNamespace(idempotent=set()), tool)  # type: ignore[arg-type]
+    assert listed.output_schema is None and listed.annotations is not None
+    assert listed.annotations.idempotent_hint is False and listed.input_schema == tool.input_schema
+
+
+def test_no_contents__a_malformed_result_is_named_not_quoted():
+    """pydantic's message for a malformed upstream result quotes it (``input_value=…``), and
+    it reached a WARNING line, where no call's contents go."""
+    import mcp.types as types
+    import pydantic
+
+    from toolledger.mcp.proxy import _no_contents
+
+    try:
+        types.CallToolResult.model_validate({"content": [{"type": "weird", "secret": "s3cr3t"}]})
+    except pydantic.ValidationError as exc:
+        said = _no_contents(exc)
+    else:
+        raise AssertionError("the result was taken")
+    assert said.startswith("a malformed result (") and "s3cr3t" not in said, said
+    assert _no_contents(OSError("pipe closed")) == "OSError: pipe closed"

@@ -231,6 +231,11 @@ class StdinLines:
         with contextlib.suppress(Exception):
             anyio.from_thread.run_sync(self._send.close, token=token)
 
+    def end(self) -> None:
+        """End the input here, as if the host had closed stdin (the thread's next line, if
+        one comes, goes nowhere): the session then ends as it does at EOF."""
+        self._send.close()
+
     def __aiter__(self) -> StdinLines:
         return self
 

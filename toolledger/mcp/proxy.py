@@ -235,14 +235,21 @@ class Proxy:
         self.tools = {t.name: self._relisted(t) for t in tools}
         self.validators = {t.name: _validator(t) for t in tools}
         self.worker_id = f"mcp-proxy@{socket.gethostname()}:{os.getpid()}"
+        self.in_flight = 0  # calls being answered (``_serve`` lets them finish at the end)
 
     def _relisted(self, tool: types.Tool) -> types.Tool:
         """The upstream tool as the proxy lists it: idempotent only if ``--idempotent`` says
         so (the upstream's hints are hints)."""
         hints = tool.annotations or types.ToolAnnotations()
         idempotent = tool.name in self.idempotent
+        # No outputSchema: the proxy's own answers (not finished yet, unknown, a human's
+        # resolution) carry structured content of their own, which a host's SDK checked
+        # against the upstream's schema and turned into an error (a cold review)
         return tool.model_copy(
-            update={"annotations": hints.model_copy(update={"idempotent_hint": idempotent})}
+            update={
+                "annotations": hints.model_copy(update={"idempotent_hint": idempotent}),
+                "output_schema": None,
+            }
         )
 
     def server(self) -> Server[Any]:
@@ -266,6 +273,15 @@ class Proxy:
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        self.in_flight += 1
+        try:
+            return await self._call_tool(ctx, params)
+        finally:
+            self.in_flight -= 1
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
         if params.name not in self.tools:
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
         self._check_upstream()
@@ -275,33 +291,43 @@ class Proxy:
             )
             args = inputs.check_value(params.arguments or {}, "arguments")
             await self._check_new(params.name, args, ident)
-            submitted = await self._db(
-                self.ledger.submit,
-                ident.scope,
-                ident.tool_call_id,
-                ledger_name(params.name),
-                args,
-                approved_by=self.approved_by,
-                actor="mcp-proxy",
-            )
-        except LedgerError as exc:  # input refused, a conflict: nothing recorded
+        except LedgerError as exc:  # input refused: nothing recorded
             return error_result(str(exc))
-        except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
-            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
-        op = submitted.operation
-        try:
-            if op.status is Status.APPROVED:
-                self._check_upstream()  # recorded, not claimed: the next proxy sends it
-                claim = await self._db(
-                    self.ledger.claim,
-                    op.scope,
-                    op.idempotency_key,
-                    op.authorized_attempts,
-                    worker_id=self.worker_id,
-                    lease_seconds=self.lease,
+        # From the submit to the forward's start, a host's cancellation (or stdin closing)
+        # waits: cut in between, the call stayed approved and never sent, and the sweep's
+        # re-publishing then had a worker fail it "unknown tool", its id spent (a cold review)
+        with anyio.CancelScope(shield=True):
+            try:
+                submitted = await self._db(
+                    self.ledger.submit,
+                    ident.scope,
+                    ident.tool_call_id,
+                    ledger_name(params.name),
+                    args,
+                    approved_by=self.approved_by,
+                    actor="mcp-proxy",
                 )
-                if claim is not None:  # ours: forwarded once, in the background, so that
-                    self.forwards.start_soon(self._forward, claim)  # a timeout stops no one
+            except LedgerError as exc:  # input refused, a conflict: nothing recorded
+                return error_result(str(exc))
+            except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
+                raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+            op = submitted.operation
+            try:
+                if op.status is Status.APPROVED:
+                    self._check_upstream()  # recorded, not claimed: the next proxy sends it
+                    claim = await self._db(
+                        self.ledger.claim,
+                        op.scope,
+                        op.idempotency_key,
+                        op.authorized_attempts,
+                        worker_id=self.worker_id,
+                        lease_seconds=self.lease,
+                    )
+                    if claim is not None:  # ours: forwarded once, in the background, so that
+                        self.forwards.start_soon(self._forward, claim)  # a timeout stops no one
+            except sa.exc.SQLAlchemyError as exc:
+                raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        try:
             receipt = await self.client.wait(ident.scope, ident.tool_call_id, timeout=self.timeout)
         except ReceiptTimeout as exc:
             return pending_result(ident, exc.status)
@@ -378,7 +404,7 @@ class Proxy:
                         f"{self.time_limit:g} s (--time-limit): cancelled upstream"
                     )
                 except Exception as exc:  # noqa: BLE001 - no result: whether it ran is unknown
-                    failure = "upstream gave no result: " + one_line(f"{type(exc).__name__}: {exc}")
+                    failure = "upstream gave no result: " + _no_contents(exc)
                 leases.cancel_scope.cancel()
         except anyio.get_cancelled_exc_class():
             # the proxy stops (SIGTERM): mid-forward, or with the answer in hand while the
@@ -472,12 +498,11 @@ class Proxy:
                 ambiguous = True
                 log.warning("terminal write of %s failed: %s", claim.execution_id, _db_error(exc))
             if not tries_left:
-                log.error(
-                    "could not record %s of %s, nor read whether an earlier try did (result "
-                    "%s): if it is still running, the sweep marks it unknown",
+                log.error(  # (never the result's contents in a log line: README "Logs")
+                    "could not record %s of %s, nor read whether an earlier try did: if it is "
+                    "still running, the sweep marks it unknown",
                     status.value,
                     claim.execution_id,
-                    result,
                 )
                 return
             await anyio.sleep(pause)
@@ -533,12 +558,21 @@ class Proxy:
                 idempotent=claim.tool.removeprefix(PROXIED_PREFIX) in self.idempotent,
             )
         except sa.exc.SQLAlchemyError as exc:
-            log.error(
-                "late result of %s not recorded (%s): %s",
-                claim.execution_id,
-                _db_error(exc),
-                detail,
+            log.error(  # (never the result's contents in a log line: README "Logs")
+                "late result of %s not recorded (%s)", claim.execution_id, _db_error(exc)
             )
+
+
+def _no_contents(exc: Exception) -> str:
+    """What went wrong, in one line that quotes nothing of the upstream's answer: pydantic's
+    message for a malformed result quotes it (``input_value=…``), and it reached the log at
+    WARNING, where no call's contents go (a cold review)."""
+    if isinstance(exc, pydantic.ValidationError):
+        first = exc.errors(include_input=False, include_url=False)[:1]
+        where = ".".join(str(p) for p in first[0]["loc"]) if first else "?"
+        said = one_line(first[0]["msg"]) if first else "invalid"
+        return f"a malformed result ({exc.error_count()} errors; at {where}: {said})"
+    return one_line(f"{type(exc).__name__}: {exc}")
 
 
 def _canonical(value: Any) -> Any:
@@ -645,6 +679,9 @@ SCHEMA_CHECK_SECONDS = 5.0
 #: Seconds the upstream may take to start, initialise and list its tools (``npx -y`` may
 #: download its package first).
 START_TIMEOUT = 120.0
+#: Once the upstream exited: the most the calls in flight take beyond ``--timeout`` to be
+#: answered, then the session's own end after the input is ended (``_serve``).
+GONE_GRACE = 5.0
 
 #: Pages of ``tools/list`` read at most: an upstream that always says "more" (a cold review's
 #: did) stopped the proxy's start for ever.
@@ -777,7 +814,7 @@ async def proxy(
                                 timeout=timeout,
                                 time_limit=time_limit,
                             )
-                            exited = await _serve(handlers.server(), gone)
+                            exited = await _serve(handlers, gone)
                 pipe.cancel_scope.cancel()
             stopping.cancel_scope.cancel()  # served to the end: no signal to wait for
     except BaseException as exc:  # anyio wraps what its task groups raise
@@ -812,9 +849,19 @@ async def _stop_on_signal(scope: anyio.CancelScope, stopped_by: list[str]) -> No
             return
 
 
-async def _serve(server: Server[Any], gone: anyio.Event) -> bool:
-    """Serve over stdio until the host closes stdin (False) or the upstream exits (True)."""
-    stdin = cast("anyio.AsyncFile[str]", StdinLines())
+async def _serve(handlers: Proxy, gone: anyio.Event) -> bool:
+    """Serve over stdio until the host closes stdin (False) or the upstream exits (True).
+
+    When the upstream exits, new calls are refused, the calls in flight are answered from the
+    ledger (their forwards record what came back, or unknown), and then the input is ended as
+    if the host had closed stdin. The session was cancelled at once before: every call in
+    flight was answered "Connection closed", one that had succeeded upstream included (an
+    error that invites the model to issue it again), and the SDK's reader went on waiting for
+    the host's next line, so a host that kept stdin open had a proxy that neither answered
+    nor exited (a cold review)."""
+    server = handlers.server()
+    lines = StdinLines()
+    stdin = cast("anyio.AsyncFile[str]", lines)
     async with (
         stdio_server(stdin) as (raw, write),
         answering_malformed(raw, write) as read,
@@ -823,6 +870,11 @@ async def _serve(server: Server[Any], gone: anyio.Event) -> bool:
 
         async def stop_when_gone() -> None:
             await gone.wait()
+            with anyio.move_on_after(handlers.timeout + GONE_GRACE):
+                while handlers.in_flight:
+                    await anyio.sleep(0.05)
+            lines.end()
+            await anyio.sleep(GONE_GRACE)  # the session ends at the input's end; if not:
             serving.cancel_scope.cancel()
 
         serving.start_soon(stop_when_gone)
