@@ -9,6 +9,7 @@ retried by the busy timeout in that case). Postgres goes through psycopg 3.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +49,21 @@ def normalize_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     return url
+
+
+_MISCONFIGURED = re.compile(
+    r"invalid connection option \"|invalid \w+ value: |missing \"=\" after \""
+)
+
+
+def misconfigured(exc: BaseException) -> str | None:
+    """libpq's word that the URL's own options are wrong (``sslmode=bogus``, an unknown
+    option), said before any connection is tried: a setting to mend (exit 2), not a database
+    to wait for. It was "database unavailable", exit 1, and workers waited on it for ever
+    (a review). The message quotes the bad value, never the URL."""
+    text = str(getattr(exc, "orig", exc)).strip()
+    first = text.splitlines()[0] if text else ""
+    return first if _MISCONFIGURED.search(first) else None
 
 
 def create_engine(

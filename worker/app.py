@@ -21,8 +21,8 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery, signals
 
-from toolledger.config import Settings
-from toolledger.ledger.db import create_engine, ensure_schema
+from toolledger.config import ConfigError, Settings
+from toolledger.ledger.db import create_engine, ensure_schema, misconfigured
 from toolledger.registry import load_registry
 from toolledger.worker import (
     broker,  # registers the embedded transport
@@ -130,8 +130,11 @@ def check_worker_start(settings: Settings) -> None:
             try:
                 ensure_schema(engine)
                 return
-            except sa.exc.OperationalError as exc:
-                if time.monotonic() > deadline:
+            except sa.exc.DBAPIError as exc:
+                wrong = misconfigured(exc)
+                if wrong is not None:  # nothing to wait for: the URL's options are wrong
+                    raise ConfigError(f"TOOLLEDGER_DB: {wrong}") from None
+                if time.monotonic() > deadline or not isinstance(exc, sa.exc.OperationalError):
                     raise
                 log.warning("waiting for the database: %s", str(exc.orig).splitlines()[0])
                 time.sleep(pause)
@@ -143,7 +146,6 @@ def check_worker_start(settings: Settings) -> None:
 def check_sandbox_format(settings: Settings) -> None:
     """Refuse a sandbox a later version has marked: its landers may rely on what this one
     does not do (``effects.FORMAT``)."""
-    from toolledger.config import ConfigError
     from toolledger.effects import FORMAT, effects_of
     from toolledger.sandbox import Sandbox
 

@@ -497,3 +497,29 @@ def test_cli__a_command_on_recorded_calls_refuses_a_missing_embedded_ledger(
     assert run_cli(capsys, "db", "upgrade")[0] == 0
     code, out, err = run_cli(capsys, *argv)
     assert "no ledger at" not in err and code in (0, 1, 4, 5, 7), (code, out, err)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("option", ["sslmode=bogus", "foo=bar"])
+def test_cli__a_postgres_url_whose_options_libpq_refuses_is_a_setting_to_mend(
+    pg_server, tmp_path, capsys, option
+):
+    """``?sslmode=bogus`` was "database unavailable", exit 1, and a worker waited on it for
+    ever (a review): exit 2, one line naming TOOLLEDGER_DB, and a worker refuses to start."""
+    import time
+
+    from toolledger.config import ConfigError, Settings
+    from toolledger.worker.app import check_worker_start
+
+    url = f"{pg_server}{'&' if '?' in pg_server else '?'}{option}"
+    code, out, err = run_cli(capsys, "--db", url, "list", "--json")
+    assert code == 2, (code, out, err)
+    assert json.loads(err)["error"].startswith("TOOLLEDGER_DB: ") and err.count("\n") == 1
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}
+    )  # fmt: skip
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match="TOOLLEDGER_DB: "):
+        check_worker_start(settings)
+    assert time.monotonic() - began < 5  # refused, not waited on

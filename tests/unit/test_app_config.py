@@ -321,3 +321,24 @@ def test_settings__a_misspelt_variable_is_named_once_other_variables_are_not(cap
         "toolledger: warning: TOOLLEDGER_LEASE_SECOND is not a setting "
         "(did you mean TOOLLEDGER_LEASE_SECONDS?): ignored\n"
     )
+
+
+def test_misconfigured__libpqs_word_on_the_urls_options_and_nothing_else():
+    """``sslmode=bogus`` was "database unavailable", exit 1, and a worker waited on it for
+    ever: libpq's refusals of the URL's own options are settings to mend (exit 2); a server's
+    error that merely says "invalid" is not."""
+    from toolledger.ledger.db import misconfigured
+
+    for said in (
+        'connection is bad: invalid sslmode value: "bogus"',
+        'invalid connection option "foo"',
+        'connection is bad: invalid target_session_attrs value: "xx"',
+        'missing "=" after "x" in connection info string',
+    ):
+        assert misconfigured(Exception(said)) == said
+    for said in (
+        'invalid input value for enum status: "bogus"',
+        "connection failed: connection refused",
+        'invalid input syntax for type integer: "x"',
+    ):
+        assert misconfigured(Exception(said)) is None

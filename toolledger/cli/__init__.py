@@ -195,6 +195,12 @@ def _describe(exc: Exception) -> tuple[str, int, bool]:
     if any(_is(exc, module, name) for module, name in _DOMAIN_ERRORS):
         return str(exc), exit_code_of(exc), False
     orig = str(getattr(exc, "orig", exc)).strip()
+    if _is(exc, "sqlalchemy.exc", "SQLAlchemyError"):
+        from toolledger.ledger.db import misconfigured
+
+        wrong = misconfigured(exc)
+        if wrong is not None:
+            return f"TOOLLEDGER_DB: {wrong}", EXIT_USAGE, False
     if _is(exc, "sqlalchemy.exc", "OperationalError"):
         return f"database unavailable: {orig}", EXIT_FAILURE, False
     if _is(exc, "sqlalchemy.exc", "SQLAlchemyError"):
