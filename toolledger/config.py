@@ -412,11 +412,12 @@ def _check_url(name: str, value: str) -> None:
         raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
     if "\x00" in value:
         raise ValueError("holds a NUL character")
-    if name == "broker" and scheme in ("redis", "rediss"):
-        # redis://HOST:PORT/N: N a database number (a worker with /abc crashed at its first
-        # connection, exit 0, three tracebacks: a review)
-        number = parts.path.strip("/")
-        if number and not number.isdigit():
+    if name == "broker" and scheme in ("redis", "rediss") and ";" not in value:
+        # redis://HOST:PORT/N: N a database number, as kombu reads it (one leading slash off,
+        # then int()): a worker with /abc crashed at its first connection, exit 0, three
+        # tracebacks (a review). A failover list (a;b) is kombu's to read.
+        number = parts.path[1:]
+        if number not in ("", "/") and not re.fullmatch(r"[0-9]+", number):
             raise ValueError(f"its database {number!r} is not a number (redis://HOST:PORT/N)")
     if name == "db" and "sqlite" in scheme.split("+"):
         # the driver's busy timeout, read by sqlite3.connect at the first connection

@@ -523,18 +523,20 @@ def test_inbox_oldest__since_the_submit_and_since_the_lease_expired(fresh_db_url
                 time.sleep(lease + 0.05)  # expired: the sweep's case
             ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
             (ex,) = ledger.get("s", call).executions
-            assert ex.lease_expires_at is not None and ex.heartbeat_at is not None
+            assert ex.lease_expires_at is not None
             if lease < 1:
                 return ex.lease_expires_at.timestamp()
-            return ex.heartbeat_at.timestamp()  # marked before its lease would have expired
+            (marked,) = [e for e in ledger.events("s", call) if e.kind == "unknown"]
+            return marked.at.timestamp()  # marked before its lease would have expired
 
         went_unknown("retried", 1)  # the earliest lease of all, then retried: approved now
         ledger.authorize_retry("s", "retried", by="otto", accept_duplicate=True)
         ledger.submit("s", "p1", "write_file", {"path": "p1", "content": "x"})
         ledger.submit("s", "p2", "write_file", {"path": "p2", "content": "x"})
-        unknown = went_unknown("u1", 3600)
-        went_unknown("u2", 60)
-        went_unknown("u3", 0.2)  # its lease expired after u1's last heartbeat
+        unknown = went_unknown("u1", 1.5)  # marked at once; its lease passes below
+        went_unknown("u2", 3600)
+        went_unknown("u3", 0.2)  # its lease expired after u1 was marked
+        time.sleep(1.6)  # u1's lease has passed: it still waits since it was marked
         oldest = state_counts(ledger)["oldest"]
         assert oldest["unknown"] <= time.time()
         first = ledger.get("s", "p1").operation.created_at.timestamp()

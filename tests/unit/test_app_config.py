@@ -261,6 +261,7 @@ def test_settings__a_sqlite_file_at_the_sandboxs_top_is_no_scopes(tmp_path):
         ({"TOOLLEDGER_BROKER": "embedded+postgresql:///x"}, "scheme 'embedded+postgresql'"),
         # a worker crashed at its first connection, exit 0, three tracebacks (a review)
         ({"TOOLLEDGER_BROKER": "redis://127.0.0.1:6379/abc"}, "its database 'abc' is not a"),
+        ({"TOOLLEDGER_BROKER": "redis://127.0.0.1:6379/0/"}, "its database '0/' is not a"),
         ({"TOOLLEDGER_DB": "sqlitex:///x.db"}, "scheme 'sqlitex' is not one of"),
         ({"TOOLLEDGER_DB": "postgresql+psycopg2://u@h/d"}, "scheme 'postgresql+psycopg2'"),
         ({"TOOLLEDGER_MAX_CONTENT_BYTES": "1e30"}, "from 1 to 1.07374e+09 bytes"),
@@ -342,3 +343,9 @@ def test_misconfigured__libpqs_word_on_the_urls_options_and_nothing_else():
         'invalid input syntax for type integer: "x"',
     ):
         assert misconfigured(Exception(said)) is None
+
+
+def test_settings__redis_urls_kombu_reads_are_taken():
+    for url in ("redis://h:6379", "redis://h:6379/", "redis://h:6379/15", "rediss://:pw@h/3",
+                "redis://h1:6379/0;redis://h2:6379/0"):  # fmt: skip
+        assert Settings.from_env({"TOOLLEDGER_HOME": "/tmp/h", "TOOLLEDGER_BROKER": url}).broker

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +79,7 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
     current state, two statements whose parts each match a partial index's predicate (so none
     scans the table). "oldest" says since when the longest-waiting call of a kind has waited
     on a person: a pending approval since it was submitted, an unknown call since its
-    execution's lease expired (or its last heartbeat, if it went unknown before that), a
+    execution's lease expired (or since it was marked unknown, if that came first), a
     flagged one (contradicted, both_ran, not_landed) since it
     was flagged; a kind with nothing waiting is left out."""
     o = operations.c
@@ -103,7 +103,7 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
             (calls if part == "calls" else flagged)[str(name)] = int(n)
         oldest = {
             str(kind): when.timestamp()
-            for kind, when in conn.execute(_oldest_waiting(), {"now": datetime.now(UTC)})
+            for kind, when in conn.execute(_oldest_waiting())
             if when is not None
         }
     inbox: dict[str, float] = {
@@ -127,11 +127,21 @@ def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
         sa.literal("pending_approval").label("kind"), sa.func.min(o.created_at).label("since")
     ).where(o.status == Status.PENDING_APPROVAL.value)
     # since the lease expired; one marked unknown before it would have (an executor known to
-    # be gone: the proxy's time limit, a SIGTERM) since its last heartbeat: its lease may end
-    # a day later, and the alert on a call waiting an hour fired a day late (a cold review)
-    now = sa.bindparam("now", type_=e.lease_expires_at.type)
+    # be gone: the proxy's time limit, a SIGTERM) since it was marked: its lease may end a day
+    # later, and the alert on a call waiting an hour fired a day late (a cold review). The
+    # time it was marked is its ``unknown`` event's (few rows: unknown executions only).
+    marked = (
+        sa.select(sa.func.max(ev.at))
+        .where(
+            ev.scope == e.scope,
+            ev.idempotency_key == e.idempotency_key,
+            ev.execution_id == e.execution_id,
+            ev.kind == EventKind.UNKNOWN.value,
+        )
+        .scalar_subquery()
+    )
     since = sa.case(
-        (e.lease_expires_at > now, sa.func.coalesce(e.heartbeat_at, e.started_at)),
+        (sa.and_(marked.is_not(None), marked < e.lease_expires_at), marked),
         else_=e.lease_expires_at,
     )
     unknown = sa.select(sa.literal("unknown"), sa.func.min(since)).where(

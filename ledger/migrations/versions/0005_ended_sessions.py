@@ -59,6 +59,6 @@ def _refuse_loss() -> None:
     if live:
         raise DowngradeRefused(
             f"downgrade below 0005 refused: {live} ended console sessions whose cookies have "
-            "not expired would be good again; nothing was changed (wait until they expire, at "
-            "most the session lifetime, or rotate TOOLLEDGER_API_SESSION_KEY first)"
+            "not expired would be good again; nothing was changed (wait until they expire: "
+            "at most the console's session lifetime)"
         )
