@@ -637,3 +637,12 @@ def test_out_of_commit_order__each_scope_is_its_own():
     assert out_of_commit_order([{**x, "scope": "a"} for x in landings]) == [
         "p: seq 2 landed after seq 5"
     ]
+
+
+def test_checker__the_operators_retry_unlogged_is_its_own():
+    """The operator logs a retry once it returned: a retry whose commit's answer a database
+    fault lost is not in its log, and is its own all the same (the approval's actor)."""
+    w = World()
+    w1 = next(j for j in w.jobs if j.cid == "w1")
+    w.event(w1.key, None, "approved", attempt=2)["actor"] = "chaos-operator"
+    assert check(w.facts())["ok"], [i for i in check(w.facts())["invariants"] if not i["ok"]]

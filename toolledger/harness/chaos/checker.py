@@ -34,7 +34,8 @@ INBOX = ("unknown",)
 #: host) fell while it was held. A lost lease alone explains nothing: a keeper that never
 #: renews, or a lease too short for the work, would explain itself (a cold review).
 DB_ERRORS = ("OperationalError", "AdminShutdown", "InterfaceError", "database", "LeaseLost")
-DB_FAULTS = ("pg_crash", "pg_terminate", "partition")
+#: The run's operator's name, as its retries and resolutions record it.
+OPERATOR = "chaos-operator"
 #: How long each kind of fault lasts, from its record (seconds; others are instants).
 DURATION = {"zombie": "frozen_s", "partition": "cut_s", "pg_crash": "down_s"}
 
@@ -377,7 +378,10 @@ def automatic_retries_proven(f: Facts) -> Invariant:
         if e["kind"] != "approved" or not isinstance(attempt, int) or attempt < 2:
             continue
         if not e["detail"].get("automatic"):
-            if not asked[(cid_of.get(e["idempotency_key"]), attempt)]:
+            # the operator logs a retry once it returned: one whose commit's answer a database
+            # fault lost is its own all the same (its name is the approval's actor)
+            mine = e.get("actor") == OPERATOR
+            if not mine and not asked[(cid_of.get(e["idempotency_key"]), attempt)]:
                 who = e.get("actor")
                 bad.append(f"{e['idempotency_key']} attempt {attempt}: approved by {who}, "
                            "neither automatic nor the operator's retry")  # fmt: skip

@@ -61,8 +61,8 @@ STOPPABLE = ("after_claim", "before_effect", "after_stage", "after_effect")
 FREEZE_PAST_LEASE = 6.0
 #: The longest a prefork parent stays stopped after its child was woken (``_wake_stopped``).
 PARENT_HOLD = 20.0
-#: Faults a process woken after its revocation waits out before it is woken, or that wait
-#: for it to reach the fence (``_let_woken_finish``).
+#: Faults that wait while a process woken after its revocation goes on to the fence
+#: (``_let_woken_finish``); a stopped process is not woken while its worker is cut off.
 DATABASE_FAULTS = ("pg_crash", "pg_terminate", "partition")
 
 
@@ -195,7 +195,7 @@ class ChaosRun:
         self._stopped: dict[int, float] = {}  # pid stopped by a failpoint -> first seen
         self.woken: list[dict[str, Any]] = []  # each of them, woken after the revocation
         self._probe: sa.Engine | None = None  # reads the run's ledger for _on_record
-        #: prefork parents stopped with their child -> whether the child was woken since
+        #: prefork parents stopped with their child (the value: whether it was woken since)
         self._held_parents: dict[int, bool] = {}
         #: woken processes -> (the execution they stopped on, when): until it is on record
         self._completing: dict[int, tuple[str | None, float]] = {}
@@ -422,6 +422,8 @@ class ChaosRun:
             for w in self.workers:
                 if not w.alive() and w.name not in self._paused:
                     w.restart()
+            if self.sweeper is not None and not self.sweeper.alive():
+                self.sweeper.restart()
             with contextlib.suppress(Exception):  # a process gone meanwhile
                 self._wake_stopped()
 
@@ -445,7 +447,7 @@ class ChaosRun:
                     if pid != w.pid and w.pid not in self._held_parents:
                         os.kill(w.pid, signal.SIGSTOP)
                         self._held_parents[w.pid] = False
-                elif now - self._stopped[pid] >= held and not self._cut(w):
+                elif self._may_wake(pid, now - self._stopped[pid], held, w):
                     os.kill(pid, signal.SIGCONT)
                     since = self._stopped.pop(pid)
                     self.woken.append({"pid": pid, "worker": w.name, "t": since, "held_s": held})
@@ -459,10 +461,23 @@ class ChaosRun:
                 continue  # stopped again at a later point: woken again later
             if now - at >= PARENT_HOLD or (eid and self._on_record(eid, at)):
                 del self._completing[pid]
-        for parent, woke in list(self._held_parents.items()):
-            children = children_of(parent)
-            if woke and not any(c in self._stopped or c in self._completing for c in children):
+        for parent in list(self._held_parents):
+            # released once no child of it is stopped or on its way to the fence, woken by
+            # the harness or not (a zombie fault's timer may have woken the group meanwhile)
+            if not any(c in self._stopped or c in self._completing for c in children_of(parent)):
                 self._release_parent(parent)
+
+    def _may_wake(self, pid: int, stopped_for: float, held: float, w: ManagedProcess) -> bool:
+        """Once its lease is long gone, its worker is not cut off, and the sweep has revoked
+        its execution (else its commit would simply be taken: nothing would meet the fence);
+        after ``PARENT_HOLD`` more seconds whatever the sweep did, so that the run goes on."""
+        if stopped_for < held or self._cut(w):
+            return False
+        eid = self._stopped_on(pid)
+        return stopped_for >= held + PARENT_HOLD or eid is None or self._revoked(eid)
+
+    def _revoked(self, eid: str) -> bool:
+        return self._probe_events(eid, "unknown", since=0.0)
 
     def _let_woken_finish(self) -> None:
         """Hold a database fault while a process woken after its revocation goes on to the
@@ -483,15 +498,19 @@ class ChaosRun:
 
     def _on_record(self, eid: str, woken_at: float) -> bool:
         """Whether ``eid`` has put something on record since it was woken."""
+        return self._probe_events(eid, "evidence", since=woken_at)
+
+    def _probe_events(self, eid: str, kind: str, since: float) -> bool:
+        """Whether ``eid`` has an event of ``kind`` at ``since`` or later (a second's slack)."""
         if self._probe is None:
             self._probe = create_engine(self.db_url, pool_size=1, max_overflow=0)
         with contextlib.suppress(sa.exc.SQLAlchemyError), self._probe.connect() as conn:
             found = conn.execute(
                 sa.text(
                     "SELECT 1 FROM execution_events WHERE execution_id = :e "
-                    "AND kind = 'evidence' AND at >= to_timestamp(:t) - interval '1 second'"
+                    "AND kind = :k AND at >= to_timestamp(:t) - interval '1 second'"
                 ),
-                {"e": eid, "t": woken_at},
+                {"e": eid, "k": kind, "t": since},
             ).first()
             return found is not None
         return False
