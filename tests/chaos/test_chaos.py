@@ -20,7 +20,7 @@ KEYS = ("faults", "duplicates", "effects_after_revocation", "shared_path_mismatc
         "statuses", "recovered_s", "duration_s")  # fmt: skip
 
 
-def assert_clean(report: dict) -> None:
+def assert_clean(report: dict, *, staged: bool = True) -> None:
     broken = [i for i in report["invariants"] if not i["ok"]]
     assert not broken, json.dumps(broken, indent=2)
     assert report["duplicates"] == report["effects_after_revocation"] == 0
@@ -32,7 +32,13 @@ def assert_clean(report: dict) -> None:
     # until the sweep revoked them) and met the fence, before their tool and at their commit
     # with staged bytes (every "0 landed" above was 0 of 0 before: a cold review)
     fenced = report["fenced"]
-    assert fenced["not_started"] >= 1 and fenced["staged_refused"] >= 1, fenced  # (of refused)
+    assert fenced["not_started"] >= 1, fenced
+    # at the commit, with staged bytes: on prefork; a threads pool's process is stopped,
+    # woken and killed whole, so another thread's failpoint may end it before the thread that
+    # staged records (CI, 12-05: 1 not started, 1 refused at its commit, 0 with staged bytes)
+    assert (fenced["refused_at_commit"] >= 1 and fenced["staged_refused"] >= 1) or not staged, (
+        fenced
+    )
     # (a threads pool's process stops once for two threads that stop it together)
     assert report["stopped_and_woken"] >= 1, report["stopped_and_woken"]
 
@@ -96,7 +102,7 @@ def test_chaos__threads_pool_every_fault_kind_every_invariant(
         progress=print,
     )
     report = run_chaos(cfg)
-    assert_clean(report)
+    assert_clean(report, staged=False)
     assert report["pool"] == "threads"
     assert report["fault_kinds_skipped"] == ["kill_child"]  # no pool child to kill
     faults = report["faults"]
