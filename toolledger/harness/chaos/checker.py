@@ -23,7 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from toolledger import jsonlines
-from toolledger.harness.chaos.faults import KINDS
+from toolledger.harness.chaos.faults import DATABASE, KINDS
 from toolledger.harness.chaos.workload import Job, Workload
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations
@@ -36,8 +36,6 @@ INBOX = ("unknown",)
 DB_ERRORS = ("OperationalError", "AdminShutdown", "InterfaceError", "database", "LeaseLost")
 #: The run's operator's name, as its retries and resolutions record it.
 OPERATOR = "chaos-operator"
-#: How long each kind of fault lasts, from its record (seconds; others are instants).
-DURATION = {"zombie": "frozen_s", "partition": "cut_s", "pg_crash": "down_s"}
 
 
 @dataclass
@@ -304,7 +302,8 @@ def _while_held(t: float | None, began: Any, went_unknown: Any, lasted: float = 
 
 
 def _fault_held(fault: dict[str, Any], ex: dict[str, Any], unknown: dict[str, Any]) -> bool:
-    lasted = float(fault.get(DURATION.get(fault["kind"], ""), 0.0) or 0.0)
+    kind = KINDS.get(fault["kind"])
+    lasted = float(fault.get(kind.lasts, 0.0) or 0.0) if kind and kind.lasts else 0.0
     return _while_held(fault.get("t"), ex.get("started_at"), unknown.get("at"), lasted)
 
 
@@ -352,9 +351,8 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     own = " ".join(
         json.dumps(e["detail"]) for e in f.events_of(eid) if e["kind"] in ("unknown", "evidence")
     )
-    db_fault = any(
-        x["kind"] in ("pg_crash", "pg_terminate")
-        or (x["kind"] == "partition" and host == x["target"])
+    db_fault = any(  # every execution's, or (a partition) its host's
+        x["kind"] in DATABASE and (KINDS[x["kind"]].blames is None or host == x["target"])
         for x in held
     )
     if db_fault and any(word in own for word in DB_ERRORS):
@@ -475,11 +473,12 @@ def check(f: Facts) -> dict[str, Any]:
 
 
 def fenced(f: Facts) -> dict[str, int]:
-    """Executions that went on after the ledger revoked them and met the fence, by what their
-    own worker put on record after the revocation: ``not_started`` (the lease was gone
-    before the tool), ``refused_at_commit`` (the tool ran, its terminal write was refused: a
-    late result), of which ``staged_refused`` had staged bytes that never landed. "No effect
-    of a revoked execution lands" measures nothing where these are all 0."""
+    """Executions that lost their claim and met the fence, by what their own worker put on
+    record: ``not_started`` (the lease was gone before the tool; it may say so before the
+    sweep revokes it), ``refused_at_commit`` (after the revocation, a late result: the tool
+    ran, its terminal write was refused), of which ``staged_refused`` had staged bytes that
+    never landed. "No effect of a revoked execution lands" measures nothing where these are
+    all 0."""
     out = {"not_started": 0, "refused_at_commit": 0, "staged_refused": 0}
     for ex in f.execs:
         history = f.events_of(ex["execution_id"])

@@ -19,6 +19,10 @@ class FaultKind:
     #: How an unknown execution is blamed on a fault of this kind: a fault that hit the
     #: execution's process ("pid"), or also its worker's host name ("pid_or_host").
     blames: Literal["pid", "pid_or_host"] | None = None
+    #: The field of its record that says how long it lasted (seconds; None: an instant).
+    lasts: str | None = None
+    #: Whether it cuts executions off from the database (all of them, or its target's).
+    database: bool = False
 
 
 KINDS: dict[str, FaultKind] = {
@@ -26,17 +30,19 @@ KINDS: dict[str, FaultKind] = {
     for k in (
         FaultKind("kill_main", "tab:red", in_baseline=True, blames="pid"),
         FaultKind("kill_child", "tab:orange", in_baseline=True, blames="pid"),
-        FaultKind("zombie", "tab:purple", in_baseline=True, blames="pid"),
+        FaultKind("zombie", "tab:purple", in_baseline=True, blames="pid", lasts="frozen_s"),
         FaultKind("redis_flush", "tab:brown", in_baseline=True),
-        FaultKind("pg_terminate", "tab:blue"),
+        FaultKind("pg_terminate", "tab:blue", database=True),
         FaultKind("duplicate", "tab:gray", in_baseline=True),
-        FaultKind("partition", "tab:pink", blames="pid_or_host"),
-        FaultKind("pg_crash", "black"),
+        FaultKind("partition", "tab:pink", blames="pid_or_host", lasts="cut_s", database=True),
+        FaultKind("pg_crash", "black", lasts="down_s", database=True),
     )
 }
 
 #: Every kind, in schedule order; the baseline's.
 EXTERNAL = tuple(KINDS)
 BASELINE = tuple(k.name for k in KINDS.values() if k.in_baseline)
+#: The kinds that cut executions off from the database.
+DATABASE = tuple(k.name for k in KINDS.values() if k.database)
 #: The timeline's colour for failpoint firings (inside the workers, not on the schedule).
 FAILPOINT_COLOUR = "tab:olive"

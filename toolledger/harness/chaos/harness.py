@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from toolledger import failpoints, jsonlines
 from toolledger.harness import scratch
 from toolledger.harness.chaos import partition as partitions
-from toolledger.harness.chaos.faults import EXTERNAL
+from toolledger.harness.chaos.faults import DATABASE, EXTERNAL
 from toolledger.harness.chaos.pgcluster import PgCluster, find_bin, free_port
 from toolledger.harness.chaos.workload import Workload, make_workload
 from toolledger.harness.processes import (
@@ -61,9 +61,6 @@ STOPPABLE = ("after_claim", "before_effect", "after_stage", "after_effect")
 FREEZE_PAST_LEASE = 6.0
 #: The longest a prefork parent stays stopped after its child was woken (``_wake_stopped``).
 PARENT_HOLD = 20.0
-#: Faults that wait while a process woken after its revocation goes on to the fence
-#: (``_let_woken_finish``); a stopped process is not woken while its worker is cut off.
-DATABASE_FAULTS = ("pg_crash", "pg_terminate", "partition")
 
 
 @dataclass
@@ -556,7 +553,7 @@ class ChaosRun:
     def _inject(self) -> None:
         for n, (at, kind) in enumerate(self._schedule()):
             time.sleep(max(0.0, self.began + at - time.time()))
-            if kind in DATABASE_FAULTS:
+            if kind in DATABASE:  # it waits while a woken process goes on to the fence
                 self._let_woken_finish()
             fault = getattr(self, f"_fault_{kind}")()
             # no target right now (every worker restarting, or stopped until its woken
