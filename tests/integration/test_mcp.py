@@ -412,6 +412,71 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
     assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies
 
 
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_stdin_closed__the_calls_in_flight_are_answered_before_the_server_exits(
+    world: Stack, tmp_path: Path, command: str
+) -> None:
+    """A host that sends a call and closes stdin at once (MCP's way to stop a stdio server,
+    and ``… | toolledger mcp serve``) gets the call's receipt, then the server exits 0. The
+    session was cancelled at the input's end: the call was answered "Connection closed" (an
+    error that invites the host to issue it again) though it ran to its end, on ``proxy`` its
+    forward cut off and recorded unknown."""
+    scope = scope_of(f"eof-{command}")
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
+    release = tmp_path / "release"
+    if command == "serve":
+        argv = ["serve"]
+        params = {
+            "name": "probe_write",
+            "arguments": {"path": "eof.txt", "content": "x", "hold_ms": 1500},
+            "_meta": {ID: "e1", SCOPE: scope},
+        }
+    else:
+        argv = proxy_argv()
+        params = {
+            "name": "slow_charge",
+            "arguments": {"amount": 5},
+            "_meta": {ID: "e1", SCOPE: scope},
+        }
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+    lines = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log"),
+           "MCP_UPSTREAM_RELEASE": str(release)}  # fmt: skip
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "mcp", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        killer = threading.Timer(90, proc.kill)  # a server that never exits fails, not hangs
+        killer.start()
+        releaser = threading.Timer(1.5, release.touch)  # the upstream answers 1.5 s later
+        try:
+            proc.stdin.write(("\n".join(lines) + "\n").encode())
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline())["id"] == 1
+            proc.stdin.write((json.dumps(call) + "\n").encode())
+            proc.stdin.close()  # at once: the call is in flight
+            releaser.start()
+            replies = [json.loads(line) for line in proc.stdout.read().splitlines()]
+            code = proc.wait(60)
+        finally:
+            killer.cancel()
+            releaser.cancel()
+            proc.kill()
+    assert code == 0
+    (reply,) = replies
+    assert reply["id"] == 2 and "result" in reply, reply  # not -32000 "Connection closed"
+    assert not reply["result"]["isError"], reply
+    assert reply["result"]["_meta"]["toolledger/status"] == "succeeded", reply
+
+
 def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     world: Stack, tmp_path: Path
 ) -> None:

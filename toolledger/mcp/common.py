@@ -14,7 +14,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
@@ -207,6 +207,28 @@ def screened(raw: bytes) -> str:
     return text
 
 
+class InFlight:
+    """How many calls are being answered (``StdinLines`` lets them finish at the end)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> int:
+        return self.count
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+
+
+#: How long no call must be in flight, at the input's end, before the session ends.
+_SETTLE = 0.2
+
+
 class StdinLines:
     """The host's stdin as ``stdio_server`` reads it (``async for line``), each line
     ``screened``, read by a daemon thread. The SDK's own reader blocks one of anyio's worker
@@ -214,8 +236,14 @@ class StdinLines:
     stdin, so a proxy told to stop by SIGTERM could neither unwind (its upstream never
     stopped) nor exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight: Callable[[], int] | None = None, drain: float = 0.0) -> None:
+        """``in_flight``: how many calls are being answered; at the input's end they are given
+        up to ``drain`` seconds to be answered before the session ends (the MCP host's way to
+        stop a stdio server is to close its stdin, then to wait for it to exit: it was
+        cancelled at once, and every call in flight answered "Connection closed", one that had
+        succeeded included)."""
         self._send, self._receive = anyio.create_memory_object_stream[str](16)
+        self._in_flight, self._drain, self._ended_here = in_flight, drain, False
         # the thread's for the process's life (a private dup)
         binary = open(os.dup(sys.stdin.fileno()), "rb")  # noqa: SIM115
         token = anyio.lowlevel.current_token()
@@ -233,7 +261,8 @@ class StdinLines:
 
     def end(self) -> None:
         """End the input here, as if the host had closed stdin (the thread's next line, if
-        one comes, goes nowhere): the session then ends as it does at EOF."""
+        one comes, goes nowhere): the session then ends as it does at EOF, at once."""
+        self._ended_here = True
         self._send.close()
 
     def __aiter__(self) -> StdinLines:
@@ -243,7 +272,20 @@ class StdinLines:
         try:
             return await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
+            if self._in_flight is not None and not self._ended_here:
+                await self._answered(self._in_flight)
             raise StopAsyncIteration from None
+
+    async def _answered(self, in_flight: Callable[[], int]) -> None:
+        """Wait (at most ``drain`` seconds) until no call is being answered. The last lines
+        read may still be on their way to their handlers: none is counted until it starts, so
+        the count is read only after it has stayed at zero for ``_SETTLE`` seconds."""
+        with anyio.move_on_after(self._drain):
+            idle_since = anyio.current_time()
+            while anyio.current_time() - idle_since < _SETTLE:
+                await anyio.sleep(0.02)
+                if in_flight():
+                    idle_since = anyio.current_time()
 
 
 class _Sends(Protocol):

@@ -860,7 +860,7 @@ async def _serve(handlers: Proxy, gone: anyio.Event) -> bool:
     the host's next line, so a host that kept stdin open had a proxy that neither answered
     nor exited (a cold review)."""
     server = handlers.server()
-    lines = StdinLines()
+    lines = StdinLines(lambda: handlers.in_flight, drain=handlers.timeout + GONE_GRACE)
     stdin = cast("anyio.AsyncFile[str]", lines)
     async with (
         stdio_server(stdin) as (raw, write),

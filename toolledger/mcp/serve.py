@@ -30,6 +30,7 @@ from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.mcp import DEFAULT_TIMEOUT, META_SCOPE, META_TOOL_CALL_ID
 from toolledger.mcp.common import (
+    InFlight,
     StdinLines,
     answering_malformed,
     call_identity,
@@ -88,8 +89,10 @@ def build_server(
     session: str,
     approved_by: str,
     timeout: float,
+    in_flight: InFlight,
 ) -> Server[Any]:
-    """The MCP server: ``tools/list`` from ``registry``, ``tools/call`` through ``client``."""
+    """The MCP server: ``tools/list`` from ``registry``, ``tools/call`` through ``client``
+    (each counted ``in_flight`` while it is answered)."""
     listed = types.ListToolsResult(tools=[mcp_tool(t) for t in registry])
 
     async def list_tools(
@@ -98,6 +101,12 @@ def build_server(
         return listed
 
     async def call_tool(
+        ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        with in_flight.one():
+            return await answer(ctx, params)
+
+    async def answer(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         try:
@@ -130,6 +139,10 @@ def build_server(
     )
 
 
+#: At the input's end: the most the calls in flight take beyond ``timeout`` to be answered.
+_DRAIN_GRACE = 5.0
+
+
 def _db_error(exc: sa.exc.SQLAlchemyError) -> str:
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     return one_line(f"ledger unavailable: {detail[0] if detail else type(exc).__name__}")
@@ -152,6 +165,7 @@ async def serve(
     session = new_session()
     default_scope = check_scope(scope if scope is not None else f"mcp-{session}")
     client = AsyncClient(settings)
+    in_flight = InFlight()
     try:
         server = build_server(
             client,
@@ -160,8 +174,11 @@ async def serve(
             session=session,
             approved_by=approved_by,
             timeout=timeout,
+            in_flight=in_flight,
         )
-        stdin = cast("AsyncFile[str]", StdinLines())
+        # at the input's end, the calls in flight are answered before the session ends
+        lines = StdinLines(in_flight, drain=timeout + _DRAIN_GRACE)
+        stdin = cast("AsyncFile[str]", lines)
         async with stdio_server(stdin) as (raw, write), answering_malformed(raw, write) as read:
             await server.run(read, write, server.create_initialization_options())
     finally:
