@@ -354,6 +354,23 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
             metrics.transition(self.operation(done.scope, done.idempotency_key).tool, status)
         return done
 
+    def record_late_result(
+        self,
+        execution_id: str,
+        detail: dict[str, Any],
+        *,
+        actor: str,
+        outcome: Status | None,
+        idempotent: bool = False,
+    ) -> int:
+        """``LedgerResolution.record_late_result``; a late result that settles an unknown
+        execution is counted as the sweep counts a reconciliation (it was not counted)."""
+        seq, done = self._late_result(execution_id, detail, actor, outcome, idempotent)
+        if done is not None and metrics.active() is not None:
+            metrics.transition(self.operation(done.scope, done.idempotency_key).tool, done.status)
+            metrics.reconciled(done.status.value)
+        return seq
+
     def verify(self, page_size: int = 1000) -> VerifyReport:
         """Rebuild current state from the events alone and report every difference."""
         return verify(self.engine, page_size)

@@ -200,6 +200,17 @@ class LedgerResolution(LedgerBase):
         humans' inbox, flagged ``contradicted``, with both versions in the flag's event (a
         flagged call's next attempt cannot be claimed until a human has reviewed it).
         """
+        return self._late_result(execution_id, detail, actor, outcome, idempotent)[0]
+
+    def _late_result(
+        self,
+        execution_id: str,
+        detail: dict[str, Any],
+        actor: str,
+        outcome: Status | None,
+        idempotent: bool,
+    ) -> tuple[int, ExecutionRecord | None]:
+        """``record_late_result``: the evidence's seq, and the execution if it reconciled it."""
         late = detail.get("late_result")
         # its staged sandbox effects were refused at its fenced-out commit: they never landed
         refused = bool(detail.get("staged")) and not detail.get("landed")
@@ -211,19 +222,19 @@ class LedgerResolution(LedgerBase):
                 # a human said it happened; what it staged proves it did not (in the sandbox)
                 late_version = {"status": "not_applied", "staged": detail.get("staged")}
                 self._contradicted(conn, ex, human, late_version, seq, actor)
-                return seq
+                return seq, None
             if outcome is None or outcome not in TERMINAL or not isinstance(late, dict):
-                return seq
+                return seq, None
             if ex.status is Status.UNKNOWN:
                 proof = {"kind": "late_result", "event_seq": seq, "worker_id": actor}
-                self._reconcile_in(
+                done = self._reconcile_in(
                     conn, execution_id, outcome, late, proof, actor, False, not idempotent
                 )
-                return seq
+                return seq, done
             if human and ex.status in TERMINAL and ex.status != outcome:
                 late_version = {"status": outcome.value, "result": late}
                 self._contradicted(conn, ex, human, late_version, seq, actor)
-        return seq
+        return seq, None
 
     def _contradicted(
         self,

@@ -679,3 +679,38 @@ def test_ledger__counts_its_own_transitions_where_they_commit(sqlite_url):
     assert calls("approved") == 2
     assert calls("running") == 1  # the lost claim is no transition
     assert calls("succeeded") is None  # the executor counts its terminal write (pipeline)
+
+
+def test_late_result__settling_an_unknown_counts_as_a_reconciliation(fresh_db_url):
+    """A late result that proves what an unknown execution did settles it at once, in the
+    ledger: counted in ``toolledger_reconciled_total`` and as the call's transition, as the
+    sweep counts the same proof (it was counted nowhere, and the dashboard's reconciliations
+    missed every one a fenced-out worker settled itself). Evidence that proves nothing, or
+    arrives for a settled execution, counts nothing."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    counters.disable()
+    counters.enable(registry)
+    ledger = Ledger(fresh_db_url)
+    try:
+        eids = []
+        for call in ("c1", "c2"):
+            ledger.submit("late", call, "notify", {"to": call}, approved_by="al")
+            claim = ledger.claim("late", f"notify:{call}", 1, worker_id="zombie")
+            assert claim is not None
+            ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+            eids.append(claim.execution_id)
+        late = {"late_result": {"sent": 1}}
+        ledger.record_late_result(eids[0], late, actor="zombie", outcome=Status.SUCCEEDED)
+        ledger.record_late_result(eids[0], late, actor="zombie", outcome=Status.SUCCEEDED)
+        ledger.record_late_result(eids[1], {"late_result": {}}, actor="zombie", outcome=None)
+        assert ledger.get("late", "c1").operation.status is Status.SUCCEEDED
+        assert ledger.get("late", "c2").operation.status is Status.UNKNOWN
+    finally:
+        ledger.close()
+        counters.disable()
+    outcome = {"outcome": "succeeded"}
+    assert registry.get_sample_value("toolledger_reconciled_total", outcome) == 1
+    labels = {"tool": "notify", "status": "succeeded"}
+    assert registry.get_sample_value("toolledger_calls_total", labels) == 1
