@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from toolledger.ledger.base import LedgerBase
+from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.models import operations
 from toolledger.ledger.reads import op_key
 from toolledger.ledger.transitions import Status
@@ -48,12 +49,16 @@ class LedgerOutbox(LedgerBase):
         deadline = db_now_plus(-older_than_seconds)
         last = sa.func.coalesce(operations.c.enqueued_at, operations.c.decided_at)
         not_flagged = operations.c.review.is_(None)
+        # an upstream's tool recorded by the MCP proxy is sent by a proxy (the next one asked
+        # for the call): no worker runs it, and one handed it failed it "unknown tool"
+        not_proxied = operations.c.tool.not_like(f"{PROXIED_PREFIX}%")
         due = (
             sa.select(operations.c.scope, operations.c.idempotency_key)
             # a flagged call's next attempt cannot be claimed until a human has reviewed it:
             # published every requeue_after before, each refused by the claim; once reviewed
             # (flag cleared) it is due at the next pass
             .where(operations.c.status == Status.APPROVED, last < deadline, not_flagged)
+            .where(not_proxied)
             .order_by(operations.c.enqueued_at)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -66,6 +71,7 @@ class LedgerOutbox(LedgerBase):
                     operations.c.status == Status.APPROVED,
                     last < deadline,
                     not_flagged,
+                    not_proxied,
                 )
                 .values(enqueued_at=db_now())
                 .returning(

@@ -436,6 +436,22 @@ def test_sweep__requeues_approved_unclaimed_work_once(fresh_db_url, sandbox):
     ledger.close()
 
 
+def test_sweep__never_hands_a_proxied_call_to_the_workers(fresh_db_url, sandbox):
+    """A call the MCP proxy recorded and never claimed (the proxy SIGKILLed between the two)
+    is sent by the next proxy asked for it; no worker runs an upstream's tool. The sweep
+    published it as lost work, and a worker failed it "unknown tool", its id spent with an
+    answer that was not what the upstream did (a cold review)."""
+    ledger = Ledger(fresh_db_url)
+    ledger.submit("s", "p1", "mcp.charge", {"amount": 1}, approved_by="mcp", actor="mcp-proxy")
+    ledger.submit("s", "w1", "write_file", {"path": "a", "content": "b"}, approved_by="al")
+    published: list[tuple[str, str, int]] = []
+    time.sleep(0.2)
+    summary = run_sweep(ledger, sandbox, publish=lambda *a: published.append(a), requeue_after=0.1)
+    assert published == [("s", "write_file:w1", 1)] and summary.requeued == 1
+    assert ledger.get("s", "p1").operation.status is Status.APPROVED  # the next proxy's
+    ledger.close()
+
+
 def test_sweep__publish_failure_is_reported_and_retried_next_time(fresh_db_url, sandbox):
     ledger = Ledger(fresh_db_url)
     ledger.submit("s", "lost", "write_file", {"path": "a", "content": "b"}, approved_by="al")
