@@ -41,6 +41,7 @@ class RebuiltOperation:
     status: Status | None = None
     authorized_attempts: int = 0
     decided_by: str | None = None
+    reason: str | None = None  # the approval's or rejection's (a retry's is its event's)
     review: str | None = None
     tool_calls: dict[str, str] = field(default_factory=dict)  # tool_call_id -> args_sha256
     executions: dict[str, RebuiltExecution] = field(default_factory=dict)
@@ -147,6 +148,7 @@ class _Replay:
                 op.authorized_attempts = detail["attempt"]
             if not detail.get("retry") and new is not Status.PENDING_APPROVAL:
                 op.decided_by = ev.actor
+                op.reason = detail.get("reason")
         elif kind is EventKind.RUNNING:
             check_transition(op.status, Status.RUNNING)
             op.executions[ev.execution_id] = RebuiltExecution(
@@ -220,6 +222,7 @@ def _check_operation(
             ("status", op_row.status, status),
             ("authorized_attempts", op_row.authorized_attempts, rebuilt.authorized_attempts),
             ("decided_by", op_row.decided_by, rebuilt.decided_by),
+            ("reason", op_row.reason, rebuilt.reason),
             ("review", op_row.review, rebuilt.review),
         ],
     )
@@ -249,6 +252,24 @@ def _check_operation(
                 (f"{eid}.error", row.error, ex.error),
             ],
         )
+        _check_columns(report, scope, key, row)
+
+
+def _check_columns(report: VerifyReport, scope: str, key: str, row: sa.Row[Any]) -> None:
+    """What no event records but the status requires of its row: a running execution holds a
+    lease (a worker, a token, an expiry: the sweep finds it by the expiry, the fence checks
+    the token), and a terminal one its end."""
+    needed: tuple[str, ...] = ()
+    if row.status == Status.RUNNING.value:
+        needed = ("worker_id", "lease_token", "lease_expires_at")
+    elif row.status in (Status.SUCCEEDED.value, Status.FAILED.value):
+        needed = ("finished_at",)
+    for name in needed:
+        if getattr(row, name) is None:
+            field_ = f"{row.execution_id}.{name}"
+            report.differences.append(
+                Difference("executions", scope, key, field_, None, f"set ({row.status})")
+            )
 
 
 def _in_range(table: sa.Table, first: OpKey, last: OpKey) -> sa.ColumnElement[bool]:

@@ -414,6 +414,13 @@ def test_fastpath__the_comparison_sees_a_difference(db_url):
                 .values(reason="tampered")
             )
         assert _state(ledger, "same-a") != _state(ledger, "same-b")
+        assert not ledger.verify().ok  # verify sees it too
+        with ledger.engine.begin() as conn:  # the module's database is verified after this
+            conn.execute(
+                sa.update(operations)
+                .where(operations.c.scope == "same-b", operations.c.idempotency_key == "k2")
+                .values(reason=None)
+            )
     finally:
         ledger.close()
 

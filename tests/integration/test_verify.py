@@ -142,8 +142,37 @@ def test_events__append_only(fresh_db_url, statement):
             "UPDATE operations SET authorized_attempts = 5 WHERE idempotency_key = 'write_file:ok'",
             "authorized_attempts",
         ),
+        (
+            "UPDATE operations SET reason = 'forged' WHERE idempotency_key = 'write_file:rejected'",
+            "reason",
+        ),
+        # what no event records but a status requires of its row (a running one's lease, a
+        # terminal one's end): running without a lease was never swept, and verify said ok
+        (
+            "UPDATE executions SET lease_expires_at = NULL "
+            "WHERE scope = 'alpha' AND idempotency_key = 'write_file:run'",
+            "lease_expires_at",
+        ),
+        (
+            "UPDATE executions SET lease_token = NULL "
+            "WHERE scope = 'alpha' AND idempotency_key = 'write_file:run'",
+            "lease_token",
+        ),
+        ("UPDATE executions SET finished_at = NULL WHERE execution_id = :eid", "finished_at"),
     ],
-    ids=["fenced", "effects", "error", "attempt", "review", "decided_by", "authorized"],
+    ids=[
+        "fenced",
+        "effects",
+        "error",
+        "attempt",
+        "review",
+        "decided_by",
+        "authorized",
+        "reason",
+        "lease_expires_at",
+        "lease_token",
+        "finished_at",
+    ],
 )
 def test_verify__every_compared_column_is_compared(fresh_db_url, statement, field):
     ledger = Ledger(fresh_db_url)
