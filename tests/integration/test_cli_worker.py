@@ -111,6 +111,32 @@ def test_submit__approved_with_broker_down_is_recorded_and_says_so(run, ledger, 
     assert ledger.get(scope, "c1").operation.enqueued_at is None
 
 
+def test_submit__under_json_its_warnings_are_json_lines_too(db_url, tmp_path, scope):
+    """Under ``--json`` every line a command writes to stderr is a JSON object, its warnings
+    included (a failed enqueue the outbox retries): it was a plain line among them, which a
+    script reading stderr as JSON lines failed on."""
+    import os
+    import subprocess
+
+    from toolledger.harness.processes import toolledger_argv
+
+    env = {**os.environ, "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+           "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox")}  # fmt: skip
+    args = json.dumps({"path": "a", "content": "x"})
+    argv = ["--json", "--db", db_url, "submit", "--scope", scope, "--tool-call-id", "j1"]
+    proc = subprocess.run(
+        [*toolledger_argv(), *argv, "--tool", "write_file", "--args", args, "--approved-by", "al"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["enqueued"] is False
+    lines = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert any(w["level"] == "warning" and "enqueue of" in w["message"] for w in lines), proc.stderr
+
+
 def test_execute__runs_an_approved_call_in_process(run, scope, tmp_path):
     submit(
         run,

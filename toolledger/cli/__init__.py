@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: run a command, map every error to one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
     as_json = "--json" in args
+    if as_json:
+        log_as_json_lines()
     try:
         rv = cli.main(args=args, prog_name="toolledger", standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -180,6 +182,30 @@ def main(argv: list[str] | None = None) -> NoReturn:
             raise
         fail(message, code, as_json)
     sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+def log_as_json_lines() -> None:
+    """Under ``--json``, what a command logs (a warning: a failed enqueue the outbox will
+    retry, a refused landing) is a JSON object a line on stderr, as its error would be, not
+    a plain line among them: ``{"level", "logger", "message"}``. A command that sets up
+    logging of its own (a worker, the beat, ``serve``) replaces it."""
+    import json
+    import logging
+
+    class JsonLines(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            message = " ".join(record.getMessage().split())
+            if record.exc_info and record.exc_info[1] is not None:  # one line, no traceback
+                message = f"{message}: {' '.join(str(record.exc_info[1]).split())}"
+            line = {"level": record.levelname.lower(), "logger": record.name, "message": message}
+            return json.dumps(line, ensure_ascii=False)
+
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLines())
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
 
 
 #: Errors told as their own message and exit code, even under TOOLLEDGER_DEBUG.
