@@ -187,8 +187,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
 def log_as_json_lines() -> None:
     """Under ``--json``, what a command logs (a warning: a failed enqueue the outbox will
     retry, a refused landing) is a JSON object a line on stderr, as its error would be, not
-    a plain line among them: ``{"level", "logger", "message"}``. A command that sets up
-    logging of its own (a worker, the beat, ``serve``) replaces it."""
+    a plain line among them: ``{"warning": message, "logger": name}`` (``list``'s own warning
+    is ``{"warning": …}``; an ERROR record ``{"error": …, "logger": …}``, without the
+    ``exit_code`` of the command's own failure). A command that sets up logging of its own
+    (a worker, the beat, ``serve``) replaces it."""
     import json
     import logging
 
@@ -197,7 +199,7 @@ def log_as_json_lines() -> None:
             message = " ".join(record.getMessage().split())
             if record.exc_info and record.exc_info[1] is not None:  # one line, no traceback
                 message = f"{message}: {' '.join(str(record.exc_info[1]).split())}"
-            line = {"level": record.levelname.lower(), "logger": record.name, "message": message}
+            line = {record.levelname.lower(): message, "logger": record.name}
             return json.dumps(line, ensure_ascii=False)
 
     root = logging.getLogger()
