@@ -132,6 +132,36 @@ def test_schema__the_client_refuses_another_schema_as_the_cli_does(
     engine.dispose()
 
 
+def test_schema__serve_on_a_schema_behind_says_one_line(empty_url, tmp_path):
+    """``serve`` on a ledger one migration behind: its one-line error, and no line of the
+    schema check's migration context before it (nine INFO lines of Alembic's: a cold
+    review)."""
+    import os
+    import socket
+    import subprocess
+
+    from toolledger.harness.processes import toolledger_argv
+
+    engine = create_engine(empty_url)
+    upgrade(engine)
+    downgrade(engine, "0005")
+    engine.dispose()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = {**os.environ, "TOOLLEDGER_DB": empty_url, "TOOLLEDGER_HOME": str(tmp_path / "home")}
+    proc = subprocess.run(
+        [*toolledger_argv(), "serve", "--insecure-local", "--port", port],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "alembic" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith("run 'toolledger db upgrade'"), proc.stderr
+
+
 def test_downgrade__below_0002_refuses_to_drop_what_only_0002_holds(empty_url, capsys):
     """A downgrade to 0001 dropped ``fenced`` and ``effects``: upgraded again, every execution
     was unfenced with no effects, ``verify`` differed ever after and the sweep treated fenced

@@ -116,6 +116,9 @@ def configure_logging(fmt: str | None = None, level: int | str = logging.INFO) -
         root.removeHandler(old)
     root.addHandler(handler(log_format(fmt)))
     root.setLevel(level)
+    # the schema check's migration context says at INFO which dialect it found, nine lines a
+    # start, and before a schema error's one line (a cold review): its warnings are enough
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
 
 
 def restyle(fmt: str, logger: logging.Logger | None = None) -> None:
