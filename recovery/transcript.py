@@ -221,11 +221,25 @@ class Document:
         if isinstance(value, list):
             doc = cls(text, "json", value, _array_spans(text, start))
         elif isinstance(value, dict) and any(isinstance(value.get(k), list) for k in ITEM_KEYS):
-            key = next(k for k in ITEM_KEYS if isinstance(value.get(k), list))
-            span = _member_span(text, start, key)
-            if span is None:  # cannot be: the key was just read, and keys are unique
-                raise RepairError(f"{name}: {key!r} was read but not found again")
-            doc = cls(text, "json", value[key], _array_spans(text, span[0]))
+            keys = [k for k in ITEM_KEYS if isinstance(value.get(k), list)]
+            if len(keys) > 1 and keys != ["input", "output"]:
+                # reading one would pass over the other's calls (it read the first alone)
+                raise TranscriptError(
+                    f"{name}: the object holds {' and '.join(repr(k) for k in keys)}: a "
+                    "transcript is one list of messages (or a Responses request's 'input' "
+                    "with its 'output')"
+                )
+            # a Responses request and its response, as logged: 'input', then 'output' (only
+            # 'input' was read, and the calls of 'output' were passed over: a cold review)
+            items: list[Any] = []
+            spans: list[tuple[int, int]] = []
+            for key in keys:
+                span = _member_span(text, start, key)
+                if span is None:  # cannot be: the key was just read, and keys are unique
+                    raise RepairError(f"{name}: {key!r} was read but not found again")
+                items += value[key]
+                spans += _array_spans(text, span[0])
+            doc = cls(text, "json", items, spans)
         elif isinstance(value, dict) and any(k in value for k in ITEM_KEYS):
             key = next(k for k in ITEM_KEYS if k in value)
             raise TranscriptError(
@@ -417,6 +431,8 @@ def repair_transcript(
     if form is None:
         return report
     every, batches = _calls(doc, form, name)
+    if fmt is not None and not every:
+        _check_chosen(doc, form, name)
     dangling = sum(len(b.calls) for b in batches)
     report.calls, report.answered_before = len(every), len(every) - dangling
     planned = [(b, [(c, _receipt(ledger, scope, c, name)) for c in b.calls]) for b in batches]
@@ -436,6 +452,19 @@ def repair_transcript(
         for c, r in receipts
     ]
     return report
+
+
+def _check_chosen(doc: Document, form: Format, name: str) -> None:
+    """A format chosen with ``--format`` that finds no call, where the transcript reads as
+    another format that finds some: refused (it said "0 calls" and exit 0, the calls left
+    unanswered: a cold review)."""
+    found = detect(doc.items)
+    if found is not None and found is not form and found.calls(doc.items, doc.where)[0]:
+        raise TranscriptError(
+            f"{name}: no {form.name} tool call in it, but it reads as {found.name}, whose "
+            f"calls --format {form.name} would pass over; leave --format out, or give "
+            f"--format {found.name}"
+        )
 
 
 def _calls(doc: Document, form: Format, name: str) -> tuple[list[Call], list[Batch]]:

@@ -299,6 +299,43 @@ def test_repair__cannot_give_a_receipt_stops_transcript_untouched(
 # nothing reachable from toolledger.recovery.transcript can run a tool).
 
 
+def test_repair__a_responses_request_with_its_output_repairs_the_outputs_calls(ledger, scope):
+    """A Responses request logged with its response, ``{"input": [...], "output": [...]}``:
+    the calls of ``output`` are read too (only ``input`` was, and a call that ran was left
+    unanswered with "0 calls", exit 0: a cold review). Any other two lists are refused."""
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    (item,) = calls_msg("responses", [call("c1")])
+    doc = {"model": "m", "input": [text_msg("responses", "user", "go")], "output": [item]}
+    text = json.dumps(doc, indent=2)
+    report = repair_transcript(text, ledger, scope)
+    assert (report.format, report.calls, len(report.inserted)) == ("responses", 1, 1)
+    only_insertions(text, report.text)
+    repaired = json.loads(report.text)
+    assert [i.get("type") for i in repaired["output"]] == ["function_call", "function_call_output"]
+    assert repaired["input"] == doc["input"]
+    assert repair_transcript(report.text, ledger, scope).inserted == []
+    both = json.dumps({"messages": doc["input"], "output": [item]})
+    with pytest.raises(TranscriptError, match="holds 'messages' and 'output'"):
+        repair_transcript(both, ledger, scope)
+
+
+@pytest.mark.parametrize("chosen", ["responses", "anthropic"])
+def test_repair__a_format_chosen_that_finds_no_call_where_another_does_is_refused(
+    ledger, scope, chosen
+):
+    """``--format`` naming a format the transcript is not in: "0 calls", exit 0, the calls
+    left unanswered (a cold review). Refused now, saying which format it reads as."""
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    items = build("openai", [("user", "go"), ("calls", [call("c1")])])
+    items[-1]["content"] = ""  # (null content is refused as Anthropic's before anything)
+    text = serialise(items, "json", "openai")
+    with pytest.raises(TranscriptError, match="it reads as openai"):
+        repair_transcript(text, ledger, scope, chosen)
+    assert len(repair_transcript(text, ledger, scope, "openai").inserted) == 1
+    plain = serialise([text_msg("openai", "user", "hi")], "json", "openai")
+    assert repair_transcript(plain, ledger, scope, chosen).inserted == []  # nothing to pass over
+
+
 @pytest.mark.parametrize("bad", ["", "not json at all\n", "[1, 2", '{"nothing": "here"}'])
 def test_repair__not_a_transcript(ledger, scope, bad):
     with pytest.raises(TranscriptError):
