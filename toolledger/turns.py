@@ -8,6 +8,9 @@ Messages form (``tool_use`` blocks), or the list of output items of an OpenAI Re
 Responses, one ``function_call_output`` item per call; Anthropic, one ``user`` message holding
 every ``tool_result`` block.
 
+A call whose result is among the items given (a Responses turn passed with its outputs) is
+answered already: it is neither submitted nor answered again.
+
 Every call of the turn is checked (its arguments, tool, schema and paths) and every approval
 asked before the first is submitted: a turn refused for any of its calls records none.
 
@@ -56,15 +59,18 @@ class CallsWaiting(TimeoutError):
 
 
 def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]:
-    """The turn's format and its tool calls in order; InputError for anything else."""
+    """The turn's format and its tool calls still without a result, in order (a call whose
+    result is among the items given is answered already: it was answered again, and the
+    transcript then held two results for it, a cold review); InputError for anything else."""
     items = list(message) if isinstance(message, list) else [message]
     fmt = detect(items)
     if fmt is None:
         raise TranscriptError("the message holds no tool call")
-    calls, _ = fmt.calls(items, lambda i: f"item {i + 1}")
+    calls, batches = fmt.calls(items, lambda i: f"item {i + 1}")
     if not calls:
         raise TranscriptError("the message holds no tool call")
-    return fmt, calls
+    unanswered = {c.id for batch in batches for c in batch.calls}
+    return fmt, [c for c in calls if c.id in unanswered]
 
 
 def call_args(call: Call) -> dict[str, Any]:
@@ -107,6 +113,8 @@ def answered(
     scope: str, fmt: Format, outcomes: list[tuple[Call, Receipt | str]]
 ) -> list[dict[str, Any]]:
     """The turn's items, or CallsWaiting if any call has a status but no receipt."""
+    if not outcomes:  # every call of the items given had its result among them
+        return []
     waiting = {c.id: r for c, r in outcomes if isinstance(r, str)}
     if waiting:
         raise CallsWaiting(scope, waiting)

@@ -230,3 +230,30 @@ def test_run_turn__a_read_only_calls_approver_is_not_checked(client: Client, sco
     turn = _turn("r1", "read_file", json.dumps({"path": "r.txt"}))
     (item,) = client.run_turn(scope, turn, approve=lambda *_: "")
     assert item["tool_call_id"] == "r1" and "read me" in item["content"]
+
+
+def test_run_turn__a_call_answered_among_the_items_given_is_not_answered_again(
+    client: Client, scope: str
+) -> None:
+    """A Responses turn passed with the output of one of its calls: that call is answered
+    already, and is neither submitted nor answered again (it was answered a second time, and
+    the transcript then held two results for it: a cold review); the others are."""
+    from toolledger.turns import CallsWaiting
+
+    first, second = responses_turn(2, "given")
+    done = {"type": "function_call_output", "call_id": "given_0", "output": "already here"}
+    assert client.run_turn(scope, [first, done], approve=lambda *_: "policy", timeout=1) == []
+    with pytest.raises(CallsWaiting) as waiting:  # no worker: the other call has no receipt
+        client.run_turn(scope, [first, done, second], approve=lambda *_: "policy", timeout=1)
+    assert list(waiting.value.waiting) == ["given_1"]
+    with pytest.raises(NotFound):
+        client.ledger.get(scope, "given_0")
+    chat = openai_turn(1, "chat")
+    answer = {"role": "tool", "tool_call_id": "chat_0", "content": "already"}
+    assert client.run_turn(scope, [chat, answer], timeout=1) == []
+
+    async def in_async() -> list[dict[str, Any]]:
+        async with AsyncClient(client.settings) as aclient:
+            return await aclient.run_turn(scope, [first, done], timeout=1)
+
+    assert asyncio.run(in_async()) == []
