@@ -28,7 +28,8 @@ sends the same ToolCall ids: the receipts come back, and nothing runs twice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any
+from contextvars import ContextVar
+from typing import Annotated, Any, cast
 
 import pydantic
 from langchain_core.messages import ToolMessage
@@ -36,7 +37,8 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException
 
 from toolledger.client import Client, ReceiptTimeout
-from toolledger.ledger.errors import LedgerError
+from toolledger.ledger.errors import ConflictError, LedgerError
+from toolledger.ledger.identity import args_sha256
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
@@ -44,6 +46,9 @@ from toolledger.turns import CallsWaiting
 
 #: ``approve(tool, tool_call_id, args) -> approver | None`` (None: a person decides).
 Approve = Callable[[str, str, dict[str, Any]], str | None]
+
+#: The ToolCall's ``args`` as the model sent them, from ``invoke`` to ``_run``.
+_MODEL_ARGS: ContextVar[Any] = ContextVar("toolledger_langchain_model_args", default=None)
 
 #: The hidden field LangChain fills with the ToolCall's id (never in the model's schema).
 CALL_ID_FIELD = "toolledger_tool_call_id"
@@ -109,16 +114,23 @@ class LedgerTool(BaseTool):
     def invoke(
         self, input: str | dict[str, Any] | Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> Any:
-        self._check_call(input)
-        return super().invoke(input, config, **kwargs)
+        token = _MODEL_ARGS.set(self._check_call(input).get("args"))
+        try:
+            return super().invoke(input, config, **kwargs)
+        finally:
+            _MODEL_ARGS.reset(token)
 
     async def ainvoke(
         self, input: str | dict[str, Any] | Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> Any:
-        self._check_call(input)
-        return await super().ainvoke(input, config, **kwargs)
+        # (the executor that runs _run copies the context)
+        token = _MODEL_ARGS.set(self._check_call(input).get("args"))
+        try:
+            return await super().ainvoke(input, config, **kwargs)
+        finally:
+            _MODEL_ARGS.reset(token)
 
-    def _check_call(self, value: Any) -> None:
+    def _check_call(self, value: Any) -> dict[str, Any]:
         is_tool_call = isinstance(value, dict) and value.get("type") == "tool_call"
         if not (is_tool_call and value.get("id")):
             raise MissingCallIdentity(
@@ -126,17 +138,38 @@ class LedgerTool(BaseTool):
                 "(the model's tool call id is the ledger's tool_call_id), as a ToolNode does: "
                 "{'type': 'tool_call', 'id': ..., 'name': ..., 'args': {...}}"
             )
+        return cast("dict[str, Any]", value)
 
     def _run(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
         call_id = str(kwargs.pop(CALL_ID_FIELD))
         kwargs.pop("run_manager", None)
         scope = thread_id(config)
         spec = self.ledger_tool
-        # LangChain validated the arguments: the same JSON every time for the same ToolCall
-        args = spec.args_model.model_validate(kwargs).model_dump(mode="json", exclude_unset=True)
+        # The arguments as the model sent them, which run_turn and repair record and hash for
+        # the same call: LangChain's validated ones (5.0 made 5, "5" made 5, unknown keys
+        # dropped) were another call to them, a conflict (a cold review). LangChain
+        # validated them with the tool's own model; the submit checks them again.
+        validated = spec.args_model.model_validate(kwargs).model_dump(
+            mode="json", exclude_unset=True
+        )
+        model_args = _MODEL_ARGS.get()
+        args = (
+            {k: v for k, v in model_args.items() if k != CALL_ID_FIELD}
+            if isinstance(model_args, dict)
+            else validated
+        )
         approver = self.approve(spec.name, call_id, args)
         try:
-            handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)
+            try:
+                handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)
+            except ConflictError:
+                if args_sha256(args) == args_sha256(validated):  # (5.0 == 5 in Python)
+                    raise
+                # recorded by a version that recorded the validated arguments: its replay
+                # (the id is taken: nothing new can be recorded under it)
+                handle = self.client.submit(
+                    scope, call_id, spec.name, validated, approved_by=approver
+                )
         except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
             raise ToolException(f"toolledger refused the call: {exc}") from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits

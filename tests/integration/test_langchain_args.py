@@ -1,0 +1,94 @@
+"""The LangChain adapter records a call's arguments as the model sent them: the same call
+``run_turn`` and ``repair`` read from the model's message (no worker: nothing runs here)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CI
+
+if not CI:  # under CI=true the extra must be installed: a missing one fails the import below
+    pytest.importorskip("langchain_core")
+
+from toolledger import Client
+from toolledger.config import Settings
+from toolledger.langchain import ledger_tools
+from toolledger.ledger.identity import args_sha256
+from toolledger.recovery.transcript import repair_transcript
+from toolledger.registry import load_registry
+from toolledger.turns import CallsWaiting
+
+
+@pytest.fixture
+def client(db_url: str, tmp_path: Path) -> Iterator[Client]:
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": db_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+         "TOOLLEDGER_TOOLS": "tests.payment_tools",
+         "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}  # no worker: nothing may be enqueued
+    )  # fmt: skip
+    with Client(settings) as c:
+        yield c
+
+
+def chat(call_id: str, arguments: str) -> list[dict[str, Any]]:
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "charge", "arguments": arguments},
+    }
+    return [{"role": "user", "content": "pay"},
+            {"role": "assistant", "content": None, "tool_calls": [call]}]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_langchain__records_the_models_arguments_not_the_validated_ones(
+    client: Client, scope: str, mode: str
+) -> None:
+    """``{"amount": 5.0}`` for an int field: LangChain validates it to 5, and the adapter
+    recorded ``{"amount": 5}``; ``repair`` and ``run_turn`` read the model's ``5.0``, another
+    call to them: a conflict, exit 3, and a call that took effect could not be repaired (a
+    cold review). The model's arguments are recorded now."""
+    (tool,) = ledger_tools(
+        client, registry=load_registry("tests.payment_tools"), approve=lambda *_: None,
+        tools=["charge"],
+    )  # fmt: skip
+    call = {"type": "tool_call", "id": f"lc-{mode}", "name": "charge", "args": {"amount": 5.0}}
+    config = {"configurable": {"thread_id": scope}}
+    with pytest.raises(CallsWaiting):  # nobody approved it: recorded, pending
+        if mode == "sync":
+            tool.invoke(call, config)
+        else:
+            asyncio.run(tool.ainvoke(call, config))
+    op = client.ledger.get(scope, f"lc-{mode}").operation
+    assert op.args == {"amount": 5.0} and op.args_sha256 == args_sha256({"amount": 5.0})
+    text = json.dumps(chat(f"lc-{mode}", '{"amount": 5.0}'))
+    with pytest.raises(Exception, match=r"no receipt|pending"):  # the same call: no conflict
+        repair_transcript(text, client.ledger, scope)
+    with pytest.raises(CallsWaiting):
+        client.run_turn(scope, chat(f"lc-{mode}", '{"amount": 5.0}')[1], timeout=0.5)
+
+
+def test_langchain__a_call_recorded_with_validated_arguments_is_still_replayed(
+    client: Client, scope: str
+) -> None:
+    """A call an earlier version recorded with LangChain's validated arguments, asked again
+    after the upgrade with the model's: found (its replay), not refused as a conflict."""
+    client.submit(scope, "lc-old", "charge", {"amount": 5})
+    (tool,) = ledger_tools(
+        client, registry=load_registry("tests.payment_tools"), approve=lambda *_: None,
+        tools=["charge"],
+    )  # fmt: skip
+    call = {"type": "tool_call", "id": "lc-old", "name": "charge", "args": {"amount": 5.0}}
+    with pytest.raises(CallsWaiting):  # pending, as recorded: not a conflict
+        tool.invoke(call, {"configurable": {"thread_id": scope}})
+    message = tool.invoke(
+        {**call, "args": {"amount": 6}}, {"configurable": {"thread_id": scope}}
+    )  # other arguments under the id: refused as a conflict, a tool error the model reads
+    assert message.status == "error" and "conflict" in message.content
