@@ -306,8 +306,11 @@ class Document:
             return _dumps(value, separators=(",", ":") if compact else (", ", ": "))
         base = indent_ws.rsplit("\n", 1)[-1]
         child = text.split("\n", 1)[1]
-        unit = len(child) - len(child.lstrip(" \t")) - len(base)
-        dumped = _dumps(value, indent=unit if unit > 0 else 2)
+        child_ws = child[: len(child) - len(child.lstrip(" \t"))]
+        # the sibling's own indent unit, tabs as tabs (counted as characters, a tab-indented
+        # transcript had its inserted members indented by one space: a cold review)
+        unit = child_ws[len(base) :] if child_ws.startswith(base) else ""
+        dumped = _dumps(value, indent=unit or 2)
         newline = "\r\n" if text.split("\n", 1)[0].endswith("\r") else "\n"
         return dumped.replace("\n", newline + base)
 

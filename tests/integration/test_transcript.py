@@ -396,3 +396,15 @@ def test_repair_cli__in_place_out_and_exit_codes(db_url, ledger, scope, tmp_path
     Path(path).write_text("garbage")
     code, _, err = run_cli(capsys, "--db", db_url, "repair", str(path), "--scope", scope)
     assert code == 6 and "line 1 is not JSON" in err
+
+
+def test_repair__a_tab_indented_transcript_gets_tab_indented_results(ledger, scope):
+    """Inserted messages are indented as their siblings are, tabs included (a tab-indented
+    transcript had its inserted members indented by a tab and one space: a cold review)."""
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    text = json.dumps(build("openai", [("user", "go"), ("calls", [call("c1")])]), indent="\t")
+    report = repair_transcript(text, ledger, scope)
+    (inserted,) = only_insertions(text, report.text)
+    members = [line for line in inserted.splitlines() if line.strip().startswith('"')]
+    assert members and all(line.startswith('\t\t"') for line in members), inserted
+    assert report.text == json.dumps(json.loads(report.text), indent="\t", ensure_ascii=False)
