@@ -214,13 +214,19 @@ class LedgerResolution(LedgerBase):
         late = detail.get("late_result")
         # its staged sandbox effects were refused at its fenced-out commit: they never landed
         refused = bool(detail.get("staged")) and not detail.get("landed")
+        # its executor never started the tool (the lease was lost first): nothing applied
+        not_started = bool(detail.get("not_started")) and bool(detail.get("absent"))
         with self._write() as conn:
             seq = self._evidence(conn, execution_id, detail, actor)
             ex = self._require_execution(conn, execution_id)
             human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
-            if refused and human and ex.status is Status.SUCCEEDED:
-                # a human said it happened; what it staged proves it did not (in the sandbox)
-                late_version = {"status": "not_applied", "staged": detail.get("staged")}
+            if (refused or not_started) and human and ex.status is Status.SUCCEEDED:
+                # a human said it happened; its executor proves it did not (what it staged
+                # never landed, or it never started the tool: that went unflagged, a review)
+                late_version: dict[str, Any] = {"status": "not_applied"}
+                late_version.update(
+                    {"staged": detail.get("staged")} if refused else {"not_started": True}
+                )
                 self._contradicted(conn, ex, human, late_version, seq, actor)
                 return seq, None
             if outcome is None or outcome not in TERMINAL or not isinstance(late, dict):
@@ -235,6 +241,34 @@ class LedgerResolution(LedgerBase):
                 late_version = {"status": outcome.value, "result": late}
                 self._contradicted(conn, ex, human, late_version, seq, actor)
         return seq, None
+
+    def record_finding_after_decision(
+        self,
+        execution_id: str,
+        status: Status,
+        result: dict[str, Any],
+        *,
+        evidence: dict[str, Any],
+        actor: str,
+    ) -> bool:
+        """What the sweep found out about an execution that was decided while it looked (the
+        reconciler's answer, the fence's proof), which ``reconcile`` refused as stale: if a
+        human decided it the other way, the call goes back to the humans' inbox flagged
+        ``contradicted``, both versions in the flag's event, as a late result's does (its
+        next attempt, a retry the human authorised, cannot be claimed until reviewed). It was
+        dropped without a word, and the retry ran (a cold review). Nothing is recorded when
+        the decision agrees, or was not a human's (another sweep's, a late result's): one
+        answer each. True if the call was flagged."""
+        with self._write() as conn:
+            ex = self._require_execution(conn, execution_id)
+            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
+            if not human or ex.status not in TERMINAL or ex.status is status:
+                return False
+            finding = {"status": status.value, "result": result, "evidence": evidence}
+            seq = self._evidence(conn, execution_id, {"finding": finding}, actor)
+            late_version = {"status": status.value, "result": result, "evidence": evidence}
+            self._contradicted(conn, ex, human, late_version, seq, actor)
+            return True
 
     def _contradicted(
         self,
@@ -357,6 +391,17 @@ class LedgerResolution(LedgerBase):
                 actor=by,
             )
         except StaleFence:
+            current = self.execution(execution_id)
+            said = current.result or {}
+            if (
+                current.status is status
+                and said.get("resolved_by") == by
+                and said.get("evidence") == evidence
+            ):
+                # this very resolution again (a script retried, a form sent twice): its
+                # replay. Taken as a review, it settled a flag raised since, unseen (a cold
+                # review); a review says something new.
+                return current
             return self.review(execution_id, status, by=by, evidence=evidence)
 
     def review(
@@ -372,7 +417,9 @@ class LedgerResolution(LedgerBase):
         if status not in TERMINAL:
             raise InvalidTransition(None, status, "a review")
         check_text_id(by, "reviewer", 256)
-        check_text_id(evidence, "evidence", 10_000)
+        # free text, as a resolution's (a two-line note was refused here: a cold review)
+        if not inputs.check_text(evidence, "evidence", 10_000) or not evidence.strip():
+            raise InvalidArguments("evidence: must not be empty")
         with self._write() as conn:
             ex = self._require_execution(conn, execution_id)
             op = self._locked_operation(conn, ex.scope, ex.idempotency_key)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from toolledger.ledger.errors import StateError
+from toolledger.ledger.errors import InvalidTransition, StateError
 from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.ledger import Ledger
-from toolledger.ledger.transitions import Status
+from toolledger.ledger.transitions import RETRYABLE, Status
 from toolledger.tools import Registry, UnknownTool
 
 #: Publishes an authorised attempt: ``(scope, idempotency_key, attempt) -> what happened``
@@ -43,6 +43,10 @@ def retry(
         raise UnknownTool(
             f"unknown tool {op.tool!r}: an upstream tool the MCP proxy forwards, which no "
             "worker runs; resolve the call once you know what the upstream did"
+        )
+    if op.status not in RETRYABLE:  # before any advice on duplicates: none would help
+        raise InvalidTransition(
+            op.status, Status.APPROVED, f"a retry of {tool_call_id!r} (only unknown or failed)"
         )
     tool = registry.get(op.tool)
     # A sandboxed tool's attempts that did not succeed left nothing (the fence): no duplicate.

@@ -63,6 +63,8 @@ class ReconcileTally:
     not_applied: int = 0
     auto_retried: int = 0
     still_unknown: int = 0
+    #: Found after a person decided otherwise meanwhile: the call flagged contradicted.
+    contradicted: int = 0
     errors: list[str] = field(default_factory=list)
     to_publish: list[tuple[str, str, int]] = field(default_factory=list)
     #: Where the pass stopped when its time ran out (the next pass starts after it); None
@@ -236,6 +238,34 @@ def _findings(
     return tool, own, world
 
 
+def _decided_meanwhile(
+    ledger: Ledger,
+    ex: ExecutionRecord,
+    status: Status,
+    result: dict[str, Any],
+    evidence: dict[str, Any],
+    actor: str,
+    tally: ReconcileTally,
+) -> str:
+    """``ex`` was decided while the pass looked at it (a human, another sweep, a late
+    result): what was found is not dropped when it contradicts a human's decision — the call
+    is flagged ``contradicted`` (a retry the human authorised cannot be claimed until it is
+    reviewed). It was dropped without a word, and the retry applied the effect again (a cold
+    review)."""
+    if ledger.record_finding_after_decision(
+        ex.execution_id, status, result, evidence=evidence, actor=actor
+    ):
+        tally.contradicted += 1
+        log.warning(
+            "%s was resolved by a person while the sweep looked: what it found (%s) says "
+            "otherwise; the call is flagged contradicted for review",
+            ex.execution_id,
+            status,
+        )
+        return "contradicted"
+    return "decided_meanwhile"
+
+
 def _decide(
     ledger: Ledger,
     ex: ExecutionRecord,
@@ -252,14 +282,19 @@ def _decide(
     proof = own if isinstance(own, Evidence) else world
     if isinstance(proof, Evidence):
         idempotent = tool is not None and tool.idempotent  # both ran: twice is once
-        ledger.reconcile(
-            ex.execution_id,
-            proof.status,
-            proof.result,
-            evidence=proof.detail,
-            actor=actor,
-            flag_both_ran=not idempotent,
-        )
+        try:
+            ledger.reconcile(
+                ex.execution_id,
+                proof.status,
+                proof.result,
+                evidence=proof.detail,
+                actor=actor,
+                flag_both_ran=not idempotent,
+            )
+        except StaleFence:
+            return _decided_meanwhile(
+                ledger, ex, proof.status, proof.result, proof.detail, actor, tally
+            )
         tally.reconciled += 1
         if proof.detail.get("kind") == "late_result":
             tally.from_late_result += 1
@@ -277,9 +312,12 @@ def _decide(
     evidence: dict[str, Any] = {**absent.detail}
     if isinstance(world, Absent):
         evidence["reconciler"] = world.detail
-    ledger.reconcile(
-        ex.execution_id, Status.FAILED, NOT_APPLIED, evidence=evidence, actor=actor, retry=retry
-    )
+    try:
+        ledger.reconcile(
+            ex.execution_id, Status.FAILED, NOT_APPLIED, evidence=evidence, actor=actor, retry=retry
+        )
+    except StaleFence:
+        return _decided_meanwhile(ledger, ex, Status.FAILED, NOT_APPLIED, evidence, actor, tally)
     tally.reconciled += 1
     tally.not_applied += 1
     metrics.transition(name, Status.FAILED)

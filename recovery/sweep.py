@@ -63,6 +63,8 @@ class SweepSummary:
     landed: int = 0
     dropped: int = 0
     spooled_results: int = 0
+    #: What the pass found contradicts a person's decision made while it looked: flagged.
+    contradicted: int = 0
     #: The reconciling step ran out of its time budget: the next pass goes on after it.
     reconcile_deferred: bool = False
     duration_s: float = 0.0
@@ -203,6 +205,7 @@ def _sweep(
         tally.from_reconciler,
     )
     summary.not_applied, summary.auto_retried = tally.not_applied, tally.auto_retried
+    summary.contradicted = tally.contradicted
     summary.errors.extend(tally.errors)
     return summary
 

@@ -129,6 +129,24 @@ def test_retry__a_succeeded_call_cannot_be_retried(cli, ledger, scope):
     assert code == 5 and "succeeded" in err
 
 
+@pytest.mark.parametrize("status", ["rejected", "succeeded", "approved"])
+def test_retry__a_call_no_retry_can_follow_says_so_not_to_accept_a_duplicate(
+    cli, ledger, scope, status
+):
+    """A non-idempotent call that cannot be retried at all: the advice was to pass
+    --accept-duplicate, which then failed with "cannot go from rejected" (a cold review)."""
+    ledger.submit(scope, "c1", "append_file", {"path": "a", "content": "x"})
+    if status == "rejected":
+        ledger.reject(scope, "c1", by="bob", reason="no")
+    else:
+        ledger.approve(scope, "c1", by="al")
+    if status == "succeeded":
+        claim = ledger.claim(scope, "append_file:c1", 1, worker_id="w")
+        ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": 1})
+    code, _, err = cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol")
+    assert code == 5 and f"cannot go from {status}" in err and "accept" not in err, err
+
+
 def not_landed_call(ledger: Ledger, scope: str) -> str:
     """An append whose own success committed and whose bytes could not land (kept aside)."""
     ledger.submit(scope, "c1", "append_file", {"path": "a.txt", "content": "x"}, approved_by="al")

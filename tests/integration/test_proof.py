@@ -8,9 +8,11 @@ import threading
 import time
 from typing import Any
 
+import pydantic
 import pytest
 
 from tests.helpers import run_cli
+from toolledger.builtin_tools import ContentArgs
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Review, Status
@@ -365,4 +367,145 @@ def test_late_result__proof_counts_at_once_not_at_the_next_sweep(ledger, scope):
     refused = {"late_result": {"ok": 1}, "status": "succeeded", "proves": None, "staged": [{}]}
     ledger.record_late_result(second, refused, actor="zombie", outcome=None)
     assert ledger.get(scope, "c2").operation.status is Status.UNKNOWN
+    assert ledger.verify().ok
+
+
+# --------------------------------------------------- what the sweep finds after a human decided
+
+
+class To(pydantic.BaseModel):
+    to: str
+
+
+def _sweep_with(ledger: Ledger, tmp_path, *tools) -> Any:
+    from toolledger.tools import Registry
+
+    return sweep(
+        ledger,
+        Registry(list(tools)),
+        Sandbox(tmp_path / "sandbox").prepare(),
+        grace_seconds=0,
+        requeue_after=3600,
+        publish=None,
+    )
+
+
+def test_sweep__a_reconcilers_proof_against_a_human_decided_meanwhile_is_flagged(
+    ledger, scope, tmp_path
+):
+    """The reconciler finds attempt 1 succeeded while a person, not waiting, resolved it
+    failed and authorised a retry accepting a duplicate: the finding was dropped without a
+    word (neither reconciled, still unknown nor an error) and the retry charged a second time
+    (a cold review). The call is flagged contradicted: the retry cannot be claimed until a
+    person has reviewed both versions."""
+    from toolledger.tools import Evidence, make_tool
+
+    first = unknown_attempt(ledger, scope)
+
+    def slow_reconciler(_args: To, ctx: Any) -> Evidence | None:
+        if ctx.execution_id != first:  # the module's other unknown calls
+            return None
+        ledger.resolve(first, Status.FAILED, by="bob", evidence="no mail in the outbox")
+        ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+        return Evidence(Status.SUCCEEDED, {"notified": "ops"}, {"kind": "mail log"})
+
+    def never(_args: To, _ctx: Any) -> dict[str, Any]:
+        raise AssertionError("recovery executed a tool")
+
+    summary = _sweep_with(
+        ledger, tmp_path, make_tool(never, name="notify", reconcile=slow_reconciler)
+    )
+    assert summary.contradicted == 1
+    view = ledger.get(scope, "c1")
+    assert view.operation.review == Review.CONTRADICTED
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w2") is None  # held for review
+    flag = ledger.events(scope, "c1")[-1]
+    assert flag.kind == "flagged" and flag.detail["human"]["status"] == "failed"
+    assert flag.detail["late"]["status"] == "succeeded"
+    assert ledger.verify().ok
+
+
+def test_sweep__the_fences_proof_against_a_human_success_decided_meanwhile_is_flagged(
+    ledger, scope, tmp_path
+):
+    """A sandboxed append revoked before its commit provably did nothing; a person resolved
+    it succeeded while the sweep asked its reconciler: the fence's proof was dropped, and the
+    receipt said succeeded for a line that never landed (a cold review). Flagged now."""
+    from toolledger.tools import make_tool
+
+    eid = unknown_attempt(ledger, scope, tool="append_file")
+
+    def asks_too_long(_args: ContentArgs, ctx: Any) -> None:
+        if ctx.execution_id != eid:  # the module's other unknown calls
+            return None
+        ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="I think it ran")
+        return None  # it cannot tell: the fence's proof is what is left
+
+    def never(_args: ContentArgs, _ctx: Any) -> dict[str, Any]:
+        raise AssertionError("recovery executed a tool")
+
+    tool = make_tool(never, name="append_file", reconcile=asks_too_long, sandboxed=True)
+    summary = _sweep_with(ledger, tmp_path, tool)
+    assert summary.contradicted == 1
+    view = ledger.get(scope, "c1")
+    assert view.operation.review == Review.CONTRADICTED
+    assert view.current.status is Status.SUCCEEDED  # nothing overwritten: a person decides
+    flag = ledger.events(scope, "c1")[-1]
+    assert flag.detail["late"]["status"] == "failed"
+    assert flag.detail["late"]["evidence"]["kind"] == "fence"
+    assert ledger.verify().ok
+
+
+def test_sweep__a_finding_that_agrees_with_the_decision_made_meanwhile_flags_nothing(
+    ledger, scope, tmp_path
+):
+    from toolledger.tools import Evidence, make_tool
+
+    first = unknown_attempt(ledger, scope)
+
+    def agrees(_args: To, ctx: Any) -> Evidence | None:
+        if ctx.execution_id != first:  # the module's other unknown calls
+            return None
+        ledger.resolve(first, Status.SUCCEEDED, by="bob", evidence="saw the mail")
+        return Evidence(Status.SUCCEEDED, {"notified": "ops"}, {"kind": "mail log"})
+
+    def never(_args: To, _ctx: Any) -> dict[str, Any]:
+        raise AssertionError("recovery executed a tool")
+
+    summary = _sweep_with(ledger, tmp_path, make_tool(never, name="notify", reconcile=agrees))
+    assert summary.contradicted == 0
+    assert ledger.get(scope, "c1").operation.review is None
+    assert kinds(ledger, scope)[-1] == "succeeded"
+
+
+def test_contradiction__never_started_against_a_human_success_is_flagged(ledger, scope):
+    """A person resolved an unknown execution succeeded; its executor then woke before the
+    tool and recorded that it never started it: nothing applied, and nothing was flagged (a
+    staged effect refused was; a cold review)."""
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="probably sent")
+    late = {"not_started": True, "absent": True, "worker_id": "zombie", "reason": "LeaseLost"}
+    ledger.record_late_result(eid, late, actor="zombie", outcome=None)
+    view = ledger.get(scope, "c1")
+    assert view.operation.review == Review.CONTRADICTED
+    flag = ledger.events(scope, "c1")[-1]
+    assert flag.detail["late"] == {"status": "not_applied", "not_started": True}
+    assert ledger.verify().ok
+
+
+def test_resolve__the_same_resolution_again_is_its_replay_never_a_review(ledger, scope):
+    """A person's resolution sent twice (a script retried) after a late result flagged it
+    contradicted in between: the second was taken as a review, settling a flag nobody had
+    seen (a cold review). It is the first one's replay; a review says something new, and a
+    review's evidence may run over several lines as a resolution's does."""
+    eid = unknown_attempt(ledger, scope)
+    first = ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail")
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(eid, late, actor="zombie", outcome=Status.SUCCEEDED)
+    again = ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail")
+    assert again == ledger.execution(eid) and again.result == first.result
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED  # still waiting
+    ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="the late result:\n\tit was sent")
+    view = ledger.get(scope, "c1")
+    assert view.operation.review is None and view.current.status is Status.SUCCEEDED
     assert ledger.verify().ok
