@@ -860,7 +860,9 @@ def test_insecure_local__refuses_other_sites_and_other_host_names(
             headers={**plain, "Origin": "https://evil.example"},
         )  # fmt: skip
         assert r.status_code == 403
-        for host in ("evil.example", "evil.example:8420", "127.0.0.1.nip.io"):
+        # (a port that is no port was read as one: 127.0.0.1:8420.evil named 127.0.0.1)
+        for host in ("evil.example", "evil.example:8420", "127.0.0.1.nip.io",
+                     "127.0.0.1:8420.evil", "[::1].evil", "localhost:80x"):  # fmt: skip
             r = client.get(f"/api/calls/{scope}/p", headers={"Host": host})
             assert r.status_code == 403 and "loopback" in r.json()["error"], host
         assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL

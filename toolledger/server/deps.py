@@ -147,11 +147,20 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def host_name(authority: str) -> str:
-    """The name in a ``Host`` header, without its port (``[::1]:8420`` -> ``::1``)."""
+    """The name in a ``Host`` header, without its port (``[::1]:8420`` -> ``::1``); the whole
+    authority when what follows the name is not a port (``127.0.0.1:80.evil`` named
+    127.0.0.1: a cold review)."""
     authority = authority.strip().lower()
     if authority.startswith("["):
-        return authority[1:].partition("]")[0]
-    return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
+        name, _, rest = authority[1:].partition("]")
+    elif authority.count(":") == 1:
+        name, rest = authority.split(":")[0], ":" + authority.split(":")[1]
+    else:
+        return authority
+    port = rest.removeprefix(":")
+    if rest and not (rest.startswith(":") and port.isascii() and (port.isdigit() or not port)):
+        return authority
+    return name
 
 
 class LoopbackOnly:
