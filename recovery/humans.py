@@ -9,6 +9,7 @@ from toolledger.ledger.errors import InvalidTransition, StateError
 from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import RETRYABLE, Status
+from toolledger.recovery.reconcile import NOT_APPLIED
 from toolledger.tools import Registry, UnknownTool
 
 #: Publishes an authorised attempt: ``(scope, idempotency_key, attempt) -> what happened``
@@ -49,8 +50,16 @@ def retry(
             op.status, Status.APPROVED, f"a retry of {tool_call_id!r} (only unknown or failed)"
         )
     tool = registry.get(op.tool)
-    # A sandboxed tool's attempts that did not succeed left nothing (the fence): no duplicate.
-    nothing_landed = tool.sandboxed and all(e.fenced and not e.own_success for e in view.executions)
+    # No duplicate when every attempt before is proven to have left nothing: a sandboxed
+    # tool's that did not succeed by their own commit (the fence), and any the sweep proved
+    # not applied (its reconciler's word, an executor that never started the tool). Only
+    # the fence counted: a person had to accept a duplicate of an attempt proven never to
+    # have run, and the log said they did (a cold review).
+    nothing_landed = all(
+        (tool.sandboxed and e.fenced and not e.own_success)
+        or (e.status is Status.FAILED and e.reconciled and e.result == NOT_APPLIED)
+        for e in view.executions
+    )
     if not (tool.idempotent or nothing_landed or accept_duplicate):
         raise DuplicateNotAccepted(
             f"{op.tool} is not idempotent: the {op.status} attempt may already have taken "

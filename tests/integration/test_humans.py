@@ -113,6 +113,32 @@ def test_retry__sandboxed_tool_whose_attempts_left_nothing_needs_no_acceptance(c
     assert data["duplicate_effect_accepted"] is False
 
 
+@pytest.mark.parametrize("decided", ["sweep-proved-not-applied", "a-person-said-failed"])
+def test_retry__an_attempt_the_sweep_proved_not_applied_needs_no_acceptance(
+    cli, ledger, scope, decided
+):
+    """A non-sandboxed attempt the sweep proved not applied (its reconciler's word, or its
+    executor never started the tool) left nothing: a retry is no duplicate, and the log
+    said a person accepted one (a cold review). A person's own "failed" is their word, not
+    a proof: a duplicate must still be accepted."""
+    from toolledger.recovery.reconcile import NOT_APPLIED
+
+    eid = unknown_call(ledger, scope, "notify")
+    if decided == "sweep-proved-not-applied":
+        proof = {"kind": "executor", "not_started": True}
+        ledger.reconcile(eid, Status.FAILED, NOT_APPLIED, evidence=proof, actor="sweep")
+    else:
+        ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail went out")
+    code, out, err = cli(
+        "retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol", "--json"
+    )
+    if decided == "sweep-proved-not-applied":
+        data = json.loads(out)
+        assert code == 0 and data["attempt"] == 2 and "warning" not in data, err
+    else:
+        assert code == 5 and "--accept-duplicate" in err
+
+
 def test_retry__idempotent_tool_needs_no_acceptance(cli, ledger, scope):
     unknown_call(ledger, scope, "write_file")
     code, out, _ = cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol", "--json")
