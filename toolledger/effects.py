@@ -282,13 +282,20 @@ class Landing:
     left: int = 0  # staged effects of executions still running
     #: spooled results that could not be settled now, one line each (the sweep reports them)
     problems: list[str] = field(default_factory=list, compare=False)
+    #: those of them that are committed effects left where they are (a full disk, a
+    #: read-only mount): a read now would not see them
+    unlanded: list[str] = field(default_factory=list, compare=False)
 
     @property
     def failed(self) -> int:
         return len(self.problems)
 
     def to_json(self) -> dict[str, int]:
-        counts = {name: value for name, value in asdict(self).items() if name != "problems"}
+        counts = {
+            name: value
+            for name, value in asdict(self).items()
+            if name not in ("problems", "unlanded")
+        }
         return {**counts, "failed": self.failed}
 
     def add(self, other: Landing) -> None:
@@ -762,6 +769,7 @@ class Effects:
                 problem = f"effect {s.file.name} on {s.path!r} not finished: {exc}"
                 log.warning("%s (the next settle finishes it)", problem)
                 landing.problems.append(problem)
+                landing.unlanded.append(problem)
                 return False
             # The flag first, then the bytes aside: a crash (or a ledger that cannot be told)
             # between the two leaves the effect where it was, refused again by the next settle
@@ -1025,6 +1033,7 @@ class Effects:
                 problem = f"path {h} not settled: {type(exc).__name__}: {exc}"
                 log.error("%s", problem)
                 summary.problems.append(problem)
+                summary.unlanded.append(problem)
         return summary
 
     @staticmethod

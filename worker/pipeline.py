@@ -657,11 +657,28 @@ class Executor:
         effects = effects_of(self.sandbox)
         if effects.has_pending():
             try:
-                effects.settle(self.ledger, actor="read")
+                landing = effects.settle(self.ledger, actor="read")
             except Exception as exc:  # noqa: BLE001 - a read still runs; it says what it saw
                 log.warning("could not settle pending effects before a read: %s", exc)
+            else:
+                if landing.unlanded:  # committed bytes the sandbox cannot take now
+                    return Status.FAILED, _not_settled(landing.unlanded)
         status, result, _error = run_tool(tool, args, ToolContext(scope, self.sandbox))
         return status, result
+
+
+def _not_settled(unlanded: list[str]) -> dict[str, Any]:
+    """A read refused because committed effects could not land first (a full disk, a
+    read-only mount): it would have read what they replace, a cut-off append included, as
+    the file (a cold review)."""
+    return {
+        "error": "not_settled",
+        "message": (
+            f"{len(unlanded)} committed effect(s) in the sandbox could not land before this "
+            f"read ({unlanded[0]}): it would not see them, so nothing was read. Read again "
+            "once the sandbox takes them (the next sweep lands them)."
+        ),
+    }
 
 
 def run_tool(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -154,6 +155,26 @@ def test_execute__runs_an_approved_call_in_process(run, scope, tmp_path):
     assert shown["receipt"]["bytes_written"] == 4
     code, _, err = run("execute", "--scope", scope, "--tool-call-id", "c1")
     assert code == 5 and "succeeded" in err
+
+
+@pytest.mark.parametrize("state", ["unrecorded", "unsure"])
+def test_execute__a_call_whose_end_is_not_on_record_exits_1(run, scope, monkeypatch, state):
+    """``execute`` of a call whose outcome the ledger could not take (spooled for the sweep)
+    or whose claim could not be learned printed "unrecorded: …" and exited 0, which a script
+    read as the call having ended (a cold review): exit 1, one line on stderr."""
+    from toolledger.worker.pipeline import Outcome
+    from toolledger.worker.runtime import Runtime
+
+    class Unrecorded:
+        def execute(self, *_: Any) -> Outcome:
+            return Outcome(state, "e-1")
+
+    monkeypatch.setattr(Runtime, "executor", lambda self, worker_id: Unrecorded())
+    submit(run, scope, "c1", "write_file", {"path": "x", "content": "x"}, "--approved-by", "al")
+    code, out, err = run("execute", "--scope", scope, "--tool-call-id", "c1", "--json")
+    assert code == 1 and json.loads(out)["outcome"] == state
+    (line,) = err.strip().splitlines()
+    assert json.loads(line)["exit_code"] == 1 and "sweep" in json.loads(line)["error"]
 
 
 def test_execute__pending_call_is_refused(run, scope):

@@ -1479,3 +1479,38 @@ def test_pipeline__a_result_returned_past_the_time_limit_is_not_recorded_as_the_
     assert (outcome.state, outcome.status) == ("unknown", Status.UNKNOWN)
     (unknown,) = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "unknown"]
     assert unknown.detail["reason"].startswith("TimeLimitPassed") and view.current.result is None
+
+
+def test_read_only__a_read_while_committed_bytes_cannot_land_is_refused_not_stale(
+    ledger, scope, tmp_path, monkeypatch
+):
+    """An append committed whose bytes the sandbox cannot take now (a full disk): a read of
+    the file ran anyway and returned what the append replaces, as the file, succeeded (a
+    cold review). It fails now, saying why; once the bytes land, it reads them."""
+    import errno
+
+    from toolledger.builtin_tools import BUILTINS
+    from toolledger.effects import Effects
+
+    builtins = Registry(list(BUILTINS))
+    executor = Executor(
+        ledger, builtins, Sandbox(tmp_path), worker_id="w", lease_seconds=30,
+        leases=LeaseKeeper(ledger, 30, 0.0),
+    )  # fmt: skip
+    real = Effects._land_append
+
+    def full_disk(self: Effects, *args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Effects, "_land_append", full_disk)
+    ledger.submit(
+        scope, "a1", "append_file", {"path": "log.txt", "content": "x\n"}, approved_by="al"
+    )
+    outcome = executor.execute(scope, "append_file:a1", 1)
+    assert ledger.get(scope, "a1").operation.status is Status.SUCCEEDED  # the receipt: given
+    assert not (tmp_path / scope / "log.txt").exists(), outcome  # its bytes: not landed
+    read = executor.run_read_only(scope, builtins.get("read_file"), {"path": "log.txt"})
+    assert read[0] is Status.FAILED and read[1]["error"] == "not_settled", read
+    monkeypatch.setattr(Effects, "_land_append", real)  # the disk has room again
+    status, result = executor.run_read_only(scope, builtins.get("read_file"), {"path": "log.txt"})
+    assert status is Status.SUCCEEDED and result["content"] == "x\n", result

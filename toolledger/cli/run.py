@@ -11,10 +11,12 @@ import click
 import sqlalchemy as sa
 
 from toolledger.cli.common import (
+    EXIT_FAILURE,
     Context,
     Seconds,
     call_options,
     context_of,
+    fail,
     json_option,
     pass_ctx,
 )
@@ -62,6 +64,25 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
             + json.dumps(d.get("receipt"), ensure_ascii=False, indent=2)
         ),
     )
+    if outcome.state in ("unrecorded", "unsure"):  # it did not end on record: exit 0 said so
+        fail(
+            _NOT_ON_RECORD[outcome.state].format(call=f"{scope}/{tool_call_id}"),
+            EXIT_FAILURE,
+            c.json,
+        )
+
+
+#: What ``execute`` says on stderr (exit 1) of a call whose end is not on record.
+_NOT_ON_RECORD = {
+    "unrecorded": (
+        "{call} ran, but the ledger could not take its outcome: it is kept on disk and the "
+        "next sweep records it (toolledger wait)"
+    ),
+    "unsure": (
+        "{call}: whether its claim was recorded could not be learned (the ledger out of "
+        "reach); the tool did not run, and the sweep settles the claim"
+    ),
+}
 
 
 def _after(ledger: Ledger, scope: str, tool_call_id: str) -> dict[str, Any]:
