@@ -82,15 +82,18 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "accept_content": ["json"],
         "task_default_queue": settings.queue,
         "task_routes": {SWEEP: {"queue": settings.sweep_queue}},
-        # The beat: one sweep per interval on its own queue; a sweep message older than the
-        # interval is dropped (the next one is already on its way).
+        # The beat: one sweep per interval on its own queue; a sweep message that waited
+        # too long is dropped (the next one is on its way). Its expiry is the beat's clock
+        # read by the sweeper's: at 0.9 of the interval (9 s by default) a beat whose clock
+        # was 10 s behind had every sweep dropped, recovery off without a word (a cold
+        # review); SWEEP_EXPIRES_AT_LEAST tolerates a skew that large, a backlog bounded by it.
         "beat_schedule": {
             "toolledger-sweep": {
                 "task": SWEEP,
                 "schedule": settings.sweep_interval,
                 "options": {
                     "queue": settings.sweep_queue,
-                    "expires": round(settings.sweep_interval * 0.9, 3),
+                    "expires": round(max(settings.sweep_interval * 0.9, SWEEP_EXPIRES_AT_LEAST), 3),
                 },
             }
         },
@@ -99,6 +102,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "enable_utc": True,
     }
 
+
+#: The least time a sweep message waits before it is dropped (seconds): the clock skew
+#: between the beat's host and the sweepers' it tolerates.
+SWEEP_EXPIRES_AT_LEAST = 300.0
 
 #: How long a starting worker waits for an unreachable database before it gives up.
 START_WAIT_SECONDS = 120.0
@@ -168,6 +175,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.toolledger_settings = settings
     app.toolledger_publish = functools.partial(publish, app, settings)
     register_tasks(app, settings)
+    conf = app.conf
 
     @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _check(sender: Any = None, **_: Any) -> None:
@@ -184,10 +192,27 @@ def create_app(settings: Settings | None = None) -> Celery:
             log.critical("toolledger worker cannot start: %s", exc)
             raise SystemExit(2) from exc
 
+        if not forks_children(sender):
+            # a pool that cannot cancel a job (threads, solo) logged a NotImplementedError
+            # traceback per running task at each broker reconnection (the jobs run on; their
+            # messages come back, and the claim refuses them)
+            conf.worker_cancel_long_running_tasks_on_connection_loss = False
+
     @signals.worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
     def _settle(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:
             settle_at_start(settings)
+
+    @signals.task_revoked.connect(weak=False)  # type: ignore[untyped-decorator]
+    def _sweep_expired(sender: Any = None, expired: bool = False, **_: Any) -> None:
+        if expired and getattr(sender, "name", None) == SWEEP and sender.app is app:
+            log.warning(
+                "a sweep message expired before it ran (its expiry is the beat's clock, read "
+                "by this worker's): if every sweep expires, recovery is off — the beat's "
+                "clock is behind this worker's by more than %g s, or the sweepers are that "
+                "far behind",
+                max(settings.sweep_interval * 0.9, SWEEP_EXPIRES_AT_LEAST),
+            )
 
     observe(app, settings)
     return app

@@ -41,12 +41,35 @@ def test_beat__schedules_the_task_recovery_registers():
     assert SWEEP in app.tasks and app.tasks[SWEEP].app is app
 
 
-def test_beat__sweeps_on_its_own_queue_expiring_before_the_next():
+def test_beat__sweeps_on_its_own_queue_expiring_past_any_plausible_clock_skew():
+    """A sweep message's expiry is the beat's clock read by the sweeper's: at 0.9 of the
+    interval (6.3 s here), a beat 10 s behind had every sweep dropped, recovery off (a cold
+    review). It waits at least SWEEP_EXPIRES_AT_LEAST; a long interval's is 0.9 of it."""
+    from toolledger.worker.app import SWEEP_EXPIRES_AT_LEAST
+
     settings = redis_settings(sweep_interval=7)
     entry = create_app(settings).conf.beat_schedule["toolledger-sweep"]
     assert entry["task"] == SWEEP and entry["schedule"] == 7
     assert entry["options"]["queue"] == settings.sweep_queue != settings.queue
-    assert 0 < entry["options"]["expires"] < 7
+    assert entry["options"]["expires"] == SWEEP_EXPIRES_AT_LEAST >= 300
+    slow = create_app(redis_settings(sweep_interval=1000)).conf.beat_schedule
+    assert slow["toolledger-sweep"]["options"]["expires"] == 900
+
+
+def test_beat__a_sweep_dropped_as_expired_is_a_warning(caplog):
+    """Celery drops an expired message at INFO ("Discarding revoked task"): every sweep
+    dropped that way was recovery off with nothing above INFO to say so."""
+    import logging
+
+    from celery import signals
+
+    app = create_app(redis_settings())
+    app.loader.import_default_modules()
+    with caplog.at_level(logging.WARNING, logger="toolledger"):
+        signals.task_revoked.send(sender=app.tasks[SWEEP], request=None, expired=True)
+        signals.task_revoked.send(sender=app.tasks[SWEEP], request=None, expired=False)
+    (record,) = [r for r in caplog.records if "sweep message expired" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "clock" in record.getMessage()
 
 
 @pytest.mark.parametrize(
