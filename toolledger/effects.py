@@ -1242,11 +1242,20 @@ def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:  # a short write is not the whole file
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        # a full disk left an empty <name>.tmpPID for good, which nothing removed (a cold
+        # review); the file it was to replace is as it was
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)
