@@ -219,7 +219,7 @@ class LedgerResolution(LedgerBase):
         with self._write() as conn:
             seq = self._evidence(conn, execution_id, detail, actor)
             ex = self._require_execution(conn, execution_id)
-            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
+            human = self._human_decider(conn, ex)
             if (refused or not_started) and human and ex.status is Status.SUCCEEDED:
                 # a human said it happened; its executor proves it did not (what it staged
                 # never landed, or it never started the tool: that went unflagged, a review)
@@ -261,14 +261,44 @@ class LedgerResolution(LedgerBase):
         answer each. True if the call was flagged."""
         with self._write() as conn:
             ex = self._require_execution(conn, execution_id)
-            human = (ex.result or {}).get("resolved_by") if ex.reconciled else None
+            human = self._human_decider(conn, ex)
             if not human or ex.status not in TERMINAL or ex.status is status:
                 return False
             finding = {"status": status.value, "result": result, "evidence": evidence}
             seq = self._evidence(conn, execution_id, {"finding": finding}, actor)
+            self._locked_operation(conn, ex.scope, ex.idempotency_key)
+            waiting, _ = fold_flags(self._flag_events(conn, ex.scope, ex.idempotency_key))
+            if any(
+                f.execution_id == execution_id and f.reason == Review.CONTRADICTED for f in waiting
+            ):  # its executor's own word said so first: one flag for one fact
+                return False
             late_version = {"status": status.value, "result": result, "evidence": evidence}
             self._contradicted(conn, ex, human, late_version, seq, actor)
             return True
+
+    @staticmethod
+    def _human_decider(conn: sa.Connection, ex: ExecutionRecord) -> str | None:
+        """Who decided ``ex``'s terminal status, if a person did (a resolution or a review's
+        correction): read from the event that decided it. A tool's own result holding a
+        ``resolved_by`` key was taken for a person's decision (a cold review)."""
+        if not ex.reconciled or ex.status not in TERMINAL:
+            return None
+        row = conn.execute(
+            sa.select(execution_events.c.detail)
+            .where(
+                execution_events.c.scope == ex.scope,
+                execution_events.c.idempotency_key == ex.idempotency_key,
+                execution_events.c.execution_id == ex.execution_id,
+                execution_events.c.kind.in_([Status.SUCCEEDED.value, Status.FAILED.value]),
+            )
+            .order_by(execution_events.c.seq.desc())
+            .limit(1)
+        ).first()
+        proof = (row.detail or {}).get("evidence") if row is not None else None
+        if isinstance(proof, dict) and proof.get("kind") == "human":
+            by = proof.get("by")
+            return by if isinstance(by, str) else None
+        return None
 
     def _contradicted(
         self,
@@ -391,16 +421,23 @@ class LedgerResolution(LedgerBase):
                 actor=by,
             )
         except StaleFence:
-            current = self.execution(execution_id)
+            with self._read() as conn:
+                current = self._require_execution(conn, execution_id)
+                decider = self._human_decider(conn, current)
+                review = self._operation(conn, current.scope, current.idempotency_key).review
             said = current.result or {}
-            if (
-                current.status is status
-                and said.get("resolved_by") == by
-                and said.get("evidence") == evidence
-            ):
+            if current.status is status and decider == by and said.get("evidence") == evidence:
                 # this very resolution again (a script retried, a form sent twice): its
-                # replay. Taken as a review, it settled a flag raised since, unseen (a cold
-                # review); a review says something new.
+                # replay, never a review of a flag raised since, unseen (a cold review); a
+                # review says something new. A flag waiting is said, not passed over.
+                if review is not None:
+                    raise StaleFence(
+                        execution_id,
+                        f"execution {execution_id} is already resolved {status} by {by} "
+                        f"with this evidence, and its call has been flagged {review} since: "
+                        "look at it (toolledger show) and resolve again saying what you "
+                        "conclude",
+                    ) from None
                 return current
             return self.review(execution_id, status, by=by, evidence=evidence)
 

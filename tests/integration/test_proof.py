@@ -496,16 +496,62 @@ def test_contradiction__never_started_against_a_human_success_is_flagged(ledger,
 def test_resolve__the_same_resolution_again_is_its_replay_never_a_review(ledger, scope):
     """A person's resolution sent twice (a script retried) after a late result flagged it
     contradicted in between: the second was taken as a review, settling a flag nobody had
-    seen (a cold review). It is the first one's replay; a review says something new, and a
-    review's evidence may run over several lines as a resolution's does."""
+    seen (a cold review). It changes nothing and says the flag waits (exit 5); without a flag
+    it is the first one's replay (exit 0). A review says something new, and its evidence may
+    run over several lines as a resolution's does."""
     eid = unknown_attempt(ledger, scope)
     first = ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail")
     late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
     ledger.record_late_result(eid, late, actor="zombie", outcome=Status.SUCCEEDED)
-    again = ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail")
-    assert again == ledger.execution(eid) and again.result == first.result
+    with pytest.raises(StaleFence, match="flagged contradicted since"):  # said, exit 5
+        ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail")
+    assert ledger.execution(eid).result == first.result
     assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED  # still waiting
     ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="the late result:\n\tit was sent")
     view = ledger.get(scope, "c1")
     assert view.operation.review is None and view.current.status is Status.SUCCEEDED
+    replay = ledger.resolve(
+        eid, Status.SUCCEEDED, by="bob", evidence="the late result:\n\tit was sent"
+    )
+    assert replay == ledger.execution(eid)  # no flag waits: the replay, nothing recorded
+    assert ledger.verify().ok
+
+
+def test_sweep__a_tools_own_resolved_by_is_not_a_persons_decision(ledger, scope, tmp_path):
+    """A late result settled the execution with the tool's own result, which happens to hold
+    a ``resolved_by`` key; the reconciler then said otherwise: the call was flagged
+    contradicted, naming the tool's ``resolved_by`` as the person (a cold review). Only the
+    event that decided it says whether a person did."""
+    from toolledger.tools import Evidence, make_tool
+
+    first = unknown_attempt(ledger, scope)
+
+    def says_failed(_args: To, ctx: Any) -> Evidence | None:
+        if ctx.execution_id != first:  # the module's other unknown calls
+            return None
+        own = {"late_result": {"ticket": 7, "resolved_by": "helpdesk-bot"}, "proves": "succeeded"}
+        ledger.record_late_result(first, own, actor="zombie", outcome=Status.SUCCEEDED)
+        return Evidence(Status.FAILED, {"error": "no ticket"}, {"kind": "ticket api"})
+
+    def never(_args: To, _ctx: Any) -> dict[str, Any]:
+        raise AssertionError("recovery executed a tool")
+
+    summary = _sweep_with(ledger, tmp_path, make_tool(never, name="notify", reconcile=says_failed))
+    assert summary.contradicted == 0
+    assert ledger.get(scope, "c1").operation.review is None
+
+
+def test_contradiction__one_fact_flags_once(ledger, scope):
+    """The executor's record that it never started the tool flags a person's 'succeeded';
+    the sweep's proof from that same record, found after, flagged it again (a cold review)."""
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="probably sent")
+    late = {"not_started": True, "absent": True, "worker_id": "zombie"}
+    ledger.record_late_result(eid, late, actor="zombie", outcome=None)
+    proof = {"kind": "executor", "not_started": True}
+    again = ledger.record_finding_after_decision(
+        eid, Status.FAILED, {"error": "not_applied"}, evidence=proof, actor="sweep"
+    )
+    assert again is False
+    assert [e.kind for e in ledger.events(scope, "c1")].count("flagged") == 1
     assert ledger.verify().ok

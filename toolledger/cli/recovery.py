@@ -76,6 +76,7 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
                     "not_applied",
                     "auto_retried",
                     "still_unknown",
+                    "contradicted",
                     "landed",
                     "requeued",
                     "duration_s",
