@@ -477,6 +477,72 @@ def test_stdin_closed__the_calls_in_flight_are_answered_before_the_server_exits(
     assert reply["result"]["_meta"]["toolledger/status"] == "succeeded", reply
 
 
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_stdin_closed__a_call_still_running_is_answered_its_status_and_the_server_exits(
+    world: Stack, tmp_path: Path, command: str
+) -> None:
+    """The calls in flight at the input's end are waited for DRAIN_SECONDS, not their
+    ``--timeout`` (unbounded: ``--timeout 600`` kept ``serve`` up ten minutes after the host
+    closed stdin, a cold review); then each is answered with where it stands, not finished
+    yet, and the server exits 0."""
+    from toolledger.mcp.common import CUT_GRACE, DRAIN_SECONDS
+
+    scope = scope_of(f"cut-{command}")
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
+    if command == "serve":
+        argv = ["serve", "--timeout", "600"]
+        args = {"path": "cut.txt", "content": "x", "hold_ms": int(DRAIN_SECONDS * 1000 + 4000)}
+        params = {"name": "probe_write", "arguments": args, "_meta": {ID: "k1", SCOPE: scope}}
+    else:  # the upstream is never released: the forward never ends
+        argv = proxy_argv("--timeout", "600")
+        params = {
+            "name": "slow_charge",
+            "arguments": {"amount": 1},
+            "_meta": {ID: "k1", SCOPE: scope},
+        }
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log"),
+           "MCP_UPSTREAM_RELEASE": str(tmp_path / "never")}  # fmt: skip
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "mcp", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        killer = threading.Timer(120, proc.kill)
+        killer.start()
+        try:
+            first = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
+            proc.stdin.write(("\n".join(first) + "\n").encode())
+            proc.stdin.flush()
+            assert json.loads(proc.stdout.readline())["id"] == 1
+            proc.stdin.write((json.dumps(call) + "\n").encode())
+            proc.stdin.close()
+            closed = time.monotonic()
+            reply = json.loads(proc.stdout.readline())
+            took = time.monotonic() - closed
+            if command == "proxy":  # its forward goes on (up to --time-limit) until the
+                proc.terminate()  # host's SIGTERM, which records it unknown: as before
+            rest = proc.stdout.read()
+            code = proc.wait(60)
+        finally:
+            killer.cancel()
+            proc.kill()
+    assert "result" in reply, reply
+    said = json.loads(reply["result"]["content"][0]["text"])
+    assert said["finished"] is False and said["status"] == "running", said
+    assert took < DRAIN_SECONDS + CUT_GRACE + 20, took  # not --timeout's 600 s
+    assert not rest.strip()  # one answer
+    if command == "serve":
+        assert code == 0
+
+
 def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     world: Stack, tmp_path: Path
 ) -> None:

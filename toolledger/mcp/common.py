@@ -14,7 +14,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
@@ -208,10 +208,15 @@ def screened(raw: bytes) -> str:
 
 
 class InFlight:
-    """How many calls are being answered (``StdinLines`` lets them finish at the end)."""
+    """The calls being answered. At the input's end ``StdinLines`` gives them up to
+    ``DRAIN_SECONDS`` to be answered, then ``cut``s their waits: each answers with where its
+    call stands (not finished yet: asking again gets its receipt), never "Connection closed"
+    and never a wait as long as ``--timeout`` (unbounded) before the server exits."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.cutting = False
+        self._waits: set[anyio.CancelScope] = set()
 
     def __call__(self) -> int:
         return self.count
@@ -224,9 +229,31 @@ class InFlight:
         finally:
             self.count -= 1
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[anyio.CancelScope]:
+        """A wait for a receipt that ``cut`` ends (``cancelled_caught`` then says so)."""
+        scope = anyio.CancelScope()
+        if self.cutting:
+            scope.cancel()
+        self._waits.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._waits.discard(scope)
+
+    def cut(self) -> None:
+        self.cutting = True
+        for scope in list(self._waits):
+            scope.cancel()
+
 
 #: How long no call must be in flight, at the input's end, before the session ends.
 _SETTLE = 0.2
+#: At the input's end: how long the calls in flight are waited for, then how long their
+#: answers (their statuses, once their waits are cut) may take.
+DRAIN_SECONDS = 10.0
+CUT_GRACE = 5.0
 
 
 class StdinLines:
@@ -236,12 +263,12 @@ class StdinLines:
     stdin, so a proxy told to stop by SIGTERM could neither unwind (its upstream never
     stopped) nor exit."""
 
-    def __init__(self, in_flight: Callable[[], int] | None = None, drain: float = 0.0) -> None:
-        """``in_flight``: how many calls are being answered; at the input's end they are given
-        up to ``drain`` seconds to be answered before the session ends (the MCP host's way to
-        stop a stdio server is to close its stdin, then to wait for it to exit: it was
-        cancelled at once, and every call in flight answered "Connection closed", one that had
-        succeeded included)."""
+    def __init__(self, in_flight: InFlight | None = None, drain: float = DRAIN_SECONDS) -> None:
+        """``in_flight``: the calls being answered; at the input's end they are given up to
+        ``drain`` seconds to be answered, then their waits are cut and they answer with their
+        statuses, before the session ends (the MCP host's way to stop a stdio server is to
+        close its stdin, then to wait for it to exit: it was cancelled at once, and every call
+        in flight answered "Connection closed", one that had succeeded included)."""
         self._send, self._receive = anyio.create_memory_object_stream[str](16)
         self._in_flight, self._drain, self._ended_here = in_flight, drain, False
         # the thread's for the process's life (a private dup)
@@ -276,16 +303,25 @@ class StdinLines:
                 await self._answered(self._in_flight)
             raise StopAsyncIteration from None
 
-    async def _answered(self, in_flight: Callable[[], int]) -> None:
-        """Wait (at most ``drain`` seconds) until no call is being answered. The last lines
-        read may still be on their way to their handlers: none is counted until it starts, so
-        the count is read only after it has stayed at zero for ``_SETTLE`` seconds."""
-        with anyio.move_on_after(self._drain):
+    async def _answered(self, in_flight: InFlight) -> None:
+        """Wait (at most ``drain`` seconds) until no call is being answered; then cut their
+        waits and give their answers ``CUT_GRACE`` more. The last lines read may still be on
+        their way to their handlers: none is counted until it starts, so the count is read
+        only after it has stayed at zero for ``_SETTLE`` seconds."""
+
+        async def idle() -> None:
             idle_since = anyio.current_time()
             while anyio.current_time() - idle_since < _SETTLE:
                 await anyio.sleep(0.02)
                 if in_flight():
                     idle_since = anyio.current_time()
+
+        with anyio.move_on_after(self._drain) as draining:
+            await idle()
+        if draining.cancelled_caught:
+            in_flight.cut()
+            with anyio.move_on_after(CUT_GRACE):
+                await idle()
 
 
 class _Sends(Protocol):

@@ -94,6 +94,7 @@ from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY
 from toolledger.mcp.common import (
     CallIdentity,
+    InFlight,
     StdinLines,
     answering_malformed,
     call_identity,
@@ -235,7 +236,7 @@ class Proxy:
         self.tools = {t.name: self._relisted(t) for t in tools}
         self.validators = {t.name: _validator(t) for t in tools}
         self.worker_id = f"mcp-proxy@{socket.gethostname()}:{os.getpid()}"
-        self.in_flight = 0  # calls being answered (``_serve`` lets them finish at the end)
+        self.in_flight = InFlight()  # calls being answered (answered at the input's end)
 
     def _relisted(self, tool: types.Tool) -> types.Tool:
         """The upstream tool as the proxy lists it: idempotent only if ``--idempotent`` says
@@ -273,11 +274,8 @@ class Proxy:
     async def call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
-        self.in_flight += 1
-        try:
+        with self.in_flight.one():
             return await self._call_tool(ctx, params)
-        finally:
-            self.in_flight -= 1
 
     async def _call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
@@ -327,8 +325,14 @@ class Proxy:
                         self.forwards.start_soon(self._forward, claim)  # a timeout stops no one
             except sa.exc.SQLAlchemyError as exc:
                 raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        receipt = None
         try:
-            receipt = await self.client.wait(ident.scope, ident.tool_call_id, timeout=self.timeout)
+            with self.in_flight.waiting():  # cut at the input's end, once the drain's time is up
+                receipt = await self.client.wait(
+                    ident.scope, ident.tool_call_id, timeout=self.timeout
+                )
+            if receipt is None:  # cut: where it stands (its receipt, if it came meanwhile)
+                receipt = await self.client.wait(ident.scope, ident.tool_call_id, timeout=0)
         except ReceiptTimeout as exc:
             return pending_result(ident, exc.status)
         except sa.exc.SQLAlchemyError as exc:
@@ -860,7 +864,7 @@ async def _serve(handlers: Proxy, gone: anyio.Event) -> bool:
     the host's next line, so a host that kept stdin open had a proxy that neither answered
     nor exited (a cold review)."""
     server = handlers.server()
-    lines = StdinLines(lambda: handlers.in_flight, drain=handlers.timeout + GONE_GRACE)
+    lines = StdinLines(handlers.in_flight)
     stdin = cast("anyio.AsyncFile[str]", lines)
     async with (
         stdio_server(stdin) as (raw, write),
@@ -871,7 +875,7 @@ async def _serve(handlers: Proxy, gone: anyio.Event) -> bool:
         async def stop_when_gone() -> None:
             await gone.wait()
             with anyio.move_on_after(handlers.timeout + GONE_GRACE):
-                while handlers.in_flight:
+                while handlers.in_flight():
                     await anyio.sleep(0.05)
             lines.end()
             await anyio.sleep(GONE_GRACE)  # the session ends at the input's end; if not:

@@ -122,8 +122,12 @@ def build_server(
             return error_result(str(exc))
         except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
             raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        receipt = None
         try:
-            receipt = await handle.result(timeout=timeout)
+            with in_flight.waiting():  # cut at the input's end, once the drain's time is up
+                receipt = await handle.result(timeout=timeout)
+            if receipt is None:  # cut: where it stands (its receipt, if it came meanwhile)
+                receipt = await handle.result(timeout=0)
         except ReceiptTimeout as exc:
             return pending_result(ident, exc.status)
         except sa.exc.SQLAlchemyError as exc:
@@ -137,10 +141,6 @@ def build_server(
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
-
-
-#: At the input's end: the most the calls in flight take beyond ``timeout`` to be answered.
-_DRAIN_GRACE = 5.0
 
 
 def _db_error(exc: sa.exc.SQLAlchemyError) -> str:
@@ -177,7 +177,7 @@ async def serve(
             in_flight=in_flight,
         )
         # at the input's end, the calls in flight are answered before the session ends
-        lines = StdinLines(in_flight, drain=timeout + _DRAIN_GRACE)
+        lines = StdinLines(in_flight)
         stdin = cast("AsyncFile[str]", lines)
         async with stdio_server(stdin) as (raw, write), answering_malformed(raw, write) as read:
             await server.run(read, write, server.create_initialization_options())
