@@ -418,9 +418,10 @@ def test_fence__partitioned_worker_lands_nothing_after_the_database_revoked_it(
     out, err = proc.communicate(timeout=120)
     partition.heal()
     # Then the executor gave up on its own (self-fenced, or its commit never got through),
-    # kept its outcome on disk, and nothing of it landed
-    assert proc.returncode == 0, err
+    # kept its outcome on disk (exit 1: its end is not on record), and nothing of it landed
+    assert proc.returncode == 1, err
     assert json.loads(out)["outcome"] == "unrecorded"
+    assert "next sweep records it" in json.loads(err.strip().splitlines()[-1])["error"]
     assert world.file(scope, "notes.txt") is None and world.effects() == []
     # and once the path is back, the next sweep records its result as evidence, drops its
     # staged bytes, and proves the effect absent

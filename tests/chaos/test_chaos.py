@@ -33,11 +33,14 @@ def assert_clean(report: dict, *, staged: bool = True) -> None:
     # with staged bytes (every "0 landed" above was 0 of 0 before: a cold review)
     fenced = report["fenced"]
     assert fenced["not_started"] + fenced["refused_at_commit"] >= 1, fenced
-    # each kind, with staged bytes at the commit: on prefork. A threads pool's process is
-    # stopped, woken and killed whole, so another thread's failpoint may end it before the
-    # thread a figure waits for records (CI, 12-05: 1, 1 (0); then 0, 11 (2))
+    # each kind on prefork. A threads pool's process is stopped, woken and killed whole, so
+    # another thread's failpoint may end it before the thread a figure waits for records
+    # (CI, 12-05: 1, 1 (0); then 0, 11 (2)). Staged bytes refused at the commit are reported,
+    # not required: 8 prefork runs of 9 had them, CI's ninth (12-06) 1, 2 (0) — the child
+    # stopped after staging ended another way; tests/acceptance/test_fencing.py refuses
+    # staged bytes at a revoked commit every run (a partition after_stage)
     each = fenced["not_started"] >= 1 and fenced["refused_at_commit"] >= 1
-    assert (each and fenced["staged_refused"] >= 1) or not staged, fenced
+    assert each or not staged, fenced
     # (a threads pool's process stops once for two threads that stop it together)
     assert report["stopped_and_woken"] >= 1, report["stopped_and_woken"]
 

@@ -391,9 +391,15 @@ def test_a_fork_between_a_queue_files_opening_and_its_knowing_waits_for_it(
 
     monkeypatch.setattr(writers, "_QueueFile", Slow)
 
+    forked = threading.Event()
+
     def write() -> None:
         with writers.turn(str(database)):
             pass
+        # the thread (and its open file) lives until the fork is done: a thread ending as
+        # the child is forked may close its file between the two (a race ``close`` says is
+        # harmless), which made this test fail now and then on a loaded machine
+        forked.wait(10)
 
     thread = threading.Thread(target=write)
     thread.start()
@@ -402,5 +408,6 @@ def test_a_fork_between_a_queue_files_opening_and_its_knowing_waits_for_it(
         threading.Timer(0.3, go.set).start()  # the fork below comes first, then waits
         assert _a_child_has_no_queue_file(database)
     finally:
+        forked.set()
         go.set()
         thread.join(10)
