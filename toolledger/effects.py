@@ -282,8 +282,9 @@ class Landing:
     left: int = 0  # staged effects of executions still running
     #: spooled results that could not be settled now, one line each (the sweep reports them)
     problems: list[str] = field(default_factory=list, compare=False)
-    #: those of them that are committed effects left where they are (a full disk, a
-    #: read-only mount): a read now would not see them
+    #: those of them that are committed effects left for the next settle by an error of a
+    #: moment (a full disk, a quota, EIO): a read now would not see them. (Not a
+    #: path's own lasting error: it would refuse every read of every scope until mended.)
     unlanded: list[str] = field(default_factory=list, compare=False)
 
     @property
@@ -1033,7 +1034,6 @@ class Effects:
                 problem = f"path {h} not settled: {type(exc).__name__}: {exc}"
                 log.error("%s", problem)
                 summary.problems.append(problem)
-                summary.unlanded.append(problem)
         return summary
 
     @staticmethod

@@ -669,8 +669,8 @@ class Executor:
 
 def _not_settled(unlanded: list[str]) -> dict[str, Any]:
     """A read refused because committed effects could not land first (a full disk, a
-    read-only mount): it would have read what they replace, a cut-off append included, as
-    the file (a cold review)."""
+    quota, EIO: errors of a moment): it would have read what they replace, a cut-off append
+    included, as the file (a cold review)."""
     return {
         "error": "not_settled",
         "message": (
