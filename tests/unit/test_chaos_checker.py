@@ -604,6 +604,8 @@ def test_gather__reads_bytes_and_sees_every_file(tmp_path):
     pending.mkdir(parents=True)
     (pending / "e.1.ab.write").write_bytes(b"x")
     (pending / "e.1.ab.refused").write_bytes(b"x")
+    (pending / "e.spool.tmp7267").write_bytes(b"")  # a spool's write cut by a SIGKILL
+    (pending / "e.spool").write_bytes(b"{}")  # a spool never settled: still counted
     assert _read(root / "own" / "w1.txt") == "w1 r1\r"
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     ledger.upgrade()
@@ -612,7 +614,7 @@ def test_gather__reads_bytes_and_sees_every_file(tmp_path):
     finally:
         ledger.close()
     assert f.files == {"own/w1.txt": "w1 r1\r"}
-    assert (f.stray_files, f.unsettled) == (["own/zz.txt"], ["e.1.ab.write"])
+    assert (f.stray_files, f.unsettled) == (["own/zz.txt"], ["e.1.ab.write", "e.spool"])
 
 
 def test_checker__an_append_finished_again_is_no_landing_out_of_order():
