@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -29,6 +30,34 @@ LIST_LIMIT = 1000
 
 def op_key(scope: str, key: str) -> sa.ColumnElement[bool]:
     return sa.and_(operations.c.scope == scope, operations.c.idempotency_key == key)
+
+
+def last_event_detail(
+    conn: sa.Connection,
+    scope: str,
+    key: str,
+    kinds: Collection[str],
+    execution_id: str | None = None,
+) -> dict[str, Any] | None:
+    """The detail of the newest event of one of ``kinds`` in a call's history (of one of its
+    executions, if given), through the (scope, key, seq) index; None if there is none. An
+    event without a detail reads as ``{}``."""
+    where = [
+        execution_events.c.scope == scope,
+        execution_events.c.idempotency_key == key,
+        execution_events.c.kind.in_(list(kinds)),
+    ]
+    if execution_id is not None:
+        where.append(execution_events.c.execution_id == execution_id)
+    row = conn.execute(
+        sa.select(execution_events.c.detail)
+        .where(*where)
+        .order_by(execution_events.c.seq.desc())
+        .limit(1)
+    ).first()
+    if row is None:
+        return None
+    return row.detail if isinstance(row.detail, dict) else {}
 
 
 class LedgerReads:
@@ -243,18 +272,14 @@ class LedgerReads:
     def retried_automatically(self, claim: Claim) -> bool:
         """Whether ``claim``'s attempt was authorised by the sweep on proof of absence."""
         with self._read() as conn:
-            rows = conn.execute(
-                sa.select(execution_events.c.detail)
-                .where(
-                    execution_events.c.scope == claim.scope,
-                    execution_events.c.idempotency_key == claim.idempotency_key,
-                    execution_events.c.kind == EventKind.APPROVED,
-                )
-                .order_by(execution_events.c.seq.desc())
-                .limit(1)
-            ).all()
-        detail = rows[0].detail if rows else {}
-        return bool(detail.get("automatic")) and detail.get("attempt") == claim.attempt
+            detail = last_event_detail(
+                conn, claim.scope, claim.idempotency_key, [EventKind.APPROVED.value]
+            )
+        return (
+            detail is not None
+            and bool(detail.get("automatic"))
+            and detail.get("attempt") == claim.attempt
+        )
 
     def evidence_of(self, execution_id: str) -> list[EventRecord]:
         """The evidence events of one execution, oldest first."""

@@ -15,7 +15,7 @@ from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
 from toolledger.ledger.models import execution_events, executions, operations
-from toolledger.ledger.reads import op_key
+from toolledger.ledger.reads import last_event_detail, op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import (
     TERMINAL,
@@ -283,18 +283,14 @@ class LedgerResolution(LedgerBase):
         ``resolved_by`` key was taken for a person's decision (a cold review)."""
         if not ex.reconciled or ex.status not in TERMINAL:
             return None
-        row = conn.execute(
-            sa.select(execution_events.c.detail)
-            .where(
-                execution_events.c.scope == ex.scope,
-                execution_events.c.idempotency_key == ex.idempotency_key,
-                execution_events.c.execution_id == ex.execution_id,
-                execution_events.c.kind.in_([Status.SUCCEEDED.value, Status.FAILED.value]),
-            )
-            .order_by(execution_events.c.seq.desc())
-            .limit(1)
-        ).first()
-        proof = (row.detail or {}).get("evidence") if row is not None else None
+        detail = last_event_detail(
+            conn,
+            ex.scope,
+            ex.idempotency_key,
+            [Status.SUCCEEDED.value, Status.FAILED.value],
+            ex.execution_id,
+        )
+        proof = (detail or {}).get("evidence")
         if isinstance(proof, dict) and proof.get("kind") == "human":
             by = proof.get("by")
             return by if isinstance(by, str) else None

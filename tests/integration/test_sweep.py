@@ -6,6 +6,7 @@ import hashlib
 import math
 import multiprocessing
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from toolledger.effects import effects_of
 from toolledger.ledger.identity import new_execution_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.reads import last_event_detail
 from toolledger.ledger.transitions import Status
 from toolledger.ledger.types import db_now, db_now_plus
 from toolledger.recovery.sweep import sweep
@@ -205,6 +207,33 @@ def test_sweep__crash_before_the_tool_ran_not_applied_and_retried(ledger, scope,
     view = ledger.get(scope, "c1")
     assert (view.operation.status, view.operation.authorized_attempts) == (Status.APPROVED, 2)
     assert not (sandbox.scope_dir(scope) / "c1.txt").exists()
+
+
+def test_sweep__an_attempt_it_authorised_is_known_as_automatic_a_persons_is_not(
+    ledger, scope, sandbox
+):
+    # Given a write_file the sweep retried by itself, and one a person retried
+    crashed(ledger, sandbox, scope, "auto", effect="none")
+    crashed(ledger, sandbox, scope, "human", tool="append_file", effect="none")
+    run_sweep(ledger, sandbox)
+    ledger.authorize_retry(scope, "human", by="bob", accept_duplicate=True)
+    # When each next attempt is claimed
+    auto = ledger.claim(scope, "write_file:auto", 2, worker_id="w", lease_seconds=30)
+    human = ledger.claim(scope, "append_file:human", 2, worker_id="w", lease_seconds=30)
+    assert auto is not None and human is not None
+    # Then only the sweep's counts as automatic (the worker asks the reconciler again before
+    # it applies such an attempt), and only for the attempt it authorised
+    assert ledger.retried_automatically(auto)
+    assert not ledger.retried_automatically(human)
+    assert not ledger.retried_automatically(replace(auto, attempt=3))
+    # and the newest matching event is read, of the execution named when one is
+    with ledger.engine.connect() as conn:
+        first = ledger.get(scope, "auto").executions[0].execution_id
+        newest = last_event_detail(conn, scope, "write_file:auto", ["running"])
+        of_first = last_event_detail(conn, scope, "write_file:auto", ["running"], first)
+        none = last_event_detail(conn, scope, "write_file:auto", ["rejected"])
+    assert newest is not None and of_first is not None and none is None
+    assert newest != of_first  # two attempts, two running events
 
 
 def test_sweep__append_file_not_applied_never_rerun(ledger, scope, sandbox):
