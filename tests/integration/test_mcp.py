@@ -352,6 +352,78 @@ def proxy_argv(*options: str) -> list[str]:
     return ["proxy", *options, "--", sys.executable, UPSTREAM]
 
 
+HELLO = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+    "protocolVersion": "2025-06-18", "capabilities": {},
+    "clientInfo": {"name": "raw", "version": "1"}}})  # fmt: skip
+INITIALIZED = '{"jsonrpc":"2.0","method":"notifications/initialized"}'
+
+
+class RawHost:
+    """A host speaking to ``toolledger mcp`` line by line, no SDK in between: what it sends
+    is sent as it is, malformed or cut short, and its stdin closes when the test says."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None
+        self.proc, self.stdin = proc, proc.stdin
+
+    def send(self, *lines: str | dict[str, Any], close: bool = False) -> None:
+        """Each line as given (a dict as its JSON; a lone surrogate as the raw byte it
+        escapes), flushed; then stdin closed if ``close``."""
+        text = "".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines)
+        self.stdin.write(text.encode("utf-8", "surrogateescape"))
+        self.stdin.flush()
+        if close:
+            self.stdin.close()
+
+    def hello(self) -> None:
+        """The MCP handshake, its answer read."""
+        self.send(HELLO, INITIALIZED)
+        assert self.reply()["id"] == 1
+
+    def reply(self) -> Any:
+        """The next message the server writes (None at its output's end)."""
+        assert self.proc.stdout is not None
+        return json.loads(self.proc.stdout.readline() or "null")
+
+    def rest(self) -> list[Any]:
+        """Every message it writes until its output ends."""
+        assert self.proc.stdout is not None
+        return [json.loads(line) for line in self.proc.stdout.read().splitlines()]
+
+
+@contextlib.contextmanager
+def raw_host(
+    world: Stack,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    kill_after: float = 90,
+    read: bool = True,
+) -> Iterator[RawHost]:
+    """``toolledger mcp ARGV`` on the world (``env`` instead of its settings, if given),
+    spoken to by a :class:`RawHost`; killed after ``kill_after`` seconds, so that a reply or
+    an exit that never comes fails the test instead of hanging it, and killed at the end.
+    Its stderr goes to the world's ``mcp-stderr.log``; its stdout is read unless ``read`` is
+    false."""
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "mcp", *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE if read else subprocess.DEVNULL,
+            stderr=errlog,
+            env=world.env() if env is None else env,
+            cwd=ROOT,
+        )
+        killer = threading.Timer(kill_after, proc.kill)
+        killer.start()
+        try:
+            yield RawHost(proc)
+        finally:
+            killer.cancel()
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("command", ["serve", "proxy"])
 def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
     world: Stack, command: str
@@ -361,49 +433,23 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
     rules gets -32700 saying which: not strict UTF-8 (the SDK put U+FFFD in the arguments and
     ran the call), a key twice in one object (it ran the second ``name``'s tool). The next
     request is answered."""
-    hello = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "1"},
-        },
-    }
     lines = [
-        json.dumps(hello),
-        '{"jsonrpc":"2.0","method":"notifications/initialized"}',
+        HELLO,
+        INITIALIZED,
         "not json {",
         '{"jsonrpc":"2.0","id":5,"method":42}',
         '{"jsonrpc":"2.0","id":6,"method":"tools/call","params":{"name":"write_file",'
         '"name":"append_file","arguments":{"path":"d.txt","content":"x"}}}',
         '{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"write_file",'
-        '"arguments":{"path":"a\udcffb.txt","content":"x"}}}',
+        '"arguments":{"path":"a\udcffb.txt","content":"x"}}}',  # the raw byte 0xff
         '{"jsonrpc":"2.0","id":2,"method":"ping"}',
     ]
     argv = ["serve"] if command == "serve" else proxy_argv()
-    with (world.root / "mcp-stderr.log").open("a") as errlog:
-        proc = subprocess.Popen(
-            [*toolledger_argv(), "mcp", *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errlog,
-            env=world.env(),
-            cwd=ROOT,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        killer = threading.Timer(60, proc.kill)  # a reply that never comes fails, not hangs
-        killer.start()
-        try:  # the raw byte 0xff where the path's \udcff is
-            proc.stdin.write(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
-            proc.stdin.flush()
-            replies = [json.loads(proc.stdout.readline() or "null") for _ in range(6)]
-            proc.stdin.close()
-            proc.wait(60)
-        finally:
-            killer.cancel()
-            proc.kill()
+    with raw_host(world, argv, kill_after=60) as host:
+        host.send(*lines)
+        replies = [host.reply() for _ in range(6)]
+        host.send(close=True)
+        host.proc.wait(60)
     errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
     assert errors == [(None, -32700), (None, -32600), (None, -32700), (None, -32700)], replies
     said = [r["error"]["message"] for r in replies if r and "error" in r]
@@ -422,9 +468,6 @@ def test_stdin_closed__the_calls_in_flight_are_answered_before_the_server_exits(
     error that invites the host to issue it again) though it ran to its end, on ``proxy`` its
     forward cut off and recorded unknown."""
     scope = scope_of(f"eof-{command}")
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
     release = tmp_path / "release"
     if command == "serve":
         argv = ["serve"]
@@ -441,35 +484,18 @@ def test_stdin_closed__the_calls_in_flight_are_answered_before_the_server_exits(
             "_meta": {ID: "e1", SCOPE: scope},
         }
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
-    lines = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
     env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log"),
            "MCP_UPSTREAM_RELEASE": str(release)}  # fmt: skip
-    with (world.root / "mcp-stderr.log").open("a") as errlog:
-        proc = subprocess.Popen(
-            [*toolledger_argv(), "mcp", *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errlog,
-            env=env,
-            cwd=ROOT,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        killer = threading.Timer(90, proc.kill)  # a server that never exits fails, not hangs
-        killer.start()
-        releaser = threading.Timer(1.5, release.touch)  # the upstream answers 1.5 s later
+    releaser = threading.Timer(1.5, release.touch)  # the upstream answers 1.5 s later
+    with raw_host(world, argv, env) as host:
         try:
-            proc.stdin.write(("\n".join(lines) + "\n").encode())
-            proc.stdin.flush()
-            assert json.loads(proc.stdout.readline())["id"] == 1
-            proc.stdin.write((json.dumps(call) + "\n").encode())
-            proc.stdin.close()  # at once: the call is in flight
+            host.hello()
+            host.send(call, close=True)  # at once: the call is in flight
             releaser.start()
-            replies = [json.loads(line) for line in proc.stdout.read().splitlines()]
-            code = proc.wait(60)
+            replies = host.rest()
+            code = host.proc.wait(60)
         finally:
-            killer.cancel()
             releaser.cancel()
-            proc.kill()
     assert code == 0
     (reply,) = replies
     assert reply["id"] == 2 and "result" in reply, reply  # not -32000 "Connection closed"
@@ -488,9 +514,6 @@ def test_stdin_closed__a_call_still_running_is_answered_its_status_and_the_serve
     from toolledger.mcp.common import CUT_GRACE, DRAIN_SECONDS
 
     scope = scope_of(f"cut-{command}")
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
     if command == "serve":
         argv = ["serve", "--timeout", "600"]
         args = {"path": "cut.txt", "content": "x", "hold_ms": int(DRAIN_SECONDS * 1000 + 4000)}
@@ -505,40 +528,21 @@ def test_stdin_closed__a_call_still_running_is_answered_its_status_and_the_serve
     call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
     env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log"),
            "MCP_UPSTREAM_RELEASE": str(tmp_path / "never")}  # fmt: skip
-    with (world.root / "mcp-stderr.log").open("a") as errlog:
-        proc = subprocess.Popen(
-            [*toolledger_argv(), "mcp", *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errlog,
-            env=env,
-            cwd=ROOT,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        killer = threading.Timer(120, proc.kill)
-        killer.start()
-        try:
-            first = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
-            proc.stdin.write(("\n".join(first) + "\n").encode())
-            proc.stdin.flush()
-            assert json.loads(proc.stdout.readline())["id"] == 1
-            proc.stdin.write((json.dumps(call) + "\n").encode())
-            proc.stdin.close()
-            closed = time.monotonic()
-            reply = json.loads(proc.stdout.readline())
-            took = time.monotonic() - closed
-            if command == "proxy":  # its forward goes on (up to --time-limit) until the
-                proc.terminate()  # host's SIGTERM, which records it unknown: as before
-            rest = proc.stdout.read()
-            code = proc.wait(60)
-        finally:
-            killer.cancel()
-            proc.kill()
+    with raw_host(world, argv, env, kill_after=120) as host:
+        host.hello()
+        host.send(call, close=True)
+        closed = time.monotonic()
+        reply = host.reply()
+        took = time.monotonic() - closed
+        if command == "proxy":  # its forward goes on (up to --time-limit) until the
+            host.proc.terminate()  # host's SIGTERM, which records it unknown: as before
+        rest = host.rest()
+        code = host.proc.wait(60)
     assert "result" in reply, reply
     said = json.loads(reply["result"]["content"][0]["text"])
     assert said["finished"] is False and said["status"] == "running", said
     assert took < DRAIN_SECONDS + CUT_GRACE + 20, took  # not --timeout's 600 s
-    assert not rest.strip()  # one answer
+    assert not rest  # one answer
     if command == "serve":
         assert code == 0
 
@@ -731,44 +735,20 @@ def test_proxy__an_upstream_gone_answers_the_calls_in_flight_and_exits_with_stdi
     before: a cold review)."""
     log = tmp_path / "upstream.log"
     scope = scope_of("gone")
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
-
     params = {"name": "slow_charge", "arguments": {"amount": 3}, "_meta": {ID: "g2", SCOPE: scope}}
-    slow = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params})
-
+    slow = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
     env = {**world.env(), "MCP_UPSTREAM_LOG": str(log),
            "MCP_UPSTREAM_RELEASE": str(tmp_path / "never")}  # fmt: skip
-    with (world.root / "mcp-stderr.log").open("a") as errlog:
-        proc = subprocess.Popen(
-            [*toolledger_argv(), "mcp", *proxy_argv("--timeout", "20")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errlog,
-            env=env,
-            cwd=ROOT,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        killer = threading.Timer(90, proc.kill)  # a proxy that never exits fails, not hangs
-        killer.start()
-        try:
-            first = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
-            proc.stdin.write(("\n".join(first) + "\n").encode())
-            proc.stdin.flush()
-            assert json.loads(proc.stdout.readline())["id"] == 1
-            proc.stdin.write((slow + "\n").encode())
-            proc.stdin.flush()
-            deadline = time.monotonic() + 30
-            while not invocations(log) and time.monotonic() < deadline:
-                time.sleep(0.05)  # forwarded, waiting upstream
-            (upstream,) = [c["pid"] for c in invocations(log)]
-            os.kill(upstream, signal.SIGKILL)  # it crashed: no answer, its stdout ends
-            replies = {2: json.loads(proc.stdout.readline())}
-            code = proc.wait(60)  # stdin still open
-        finally:
-            killer.cancel()
-            proc.kill()
+    with raw_host(world, proxy_argv("--timeout", "20"), env) as host:
+        host.hello()
+        host.send(slow)
+        deadline = time.monotonic() + 30
+        while not invocations(log) and time.monotonic() < deadline:
+            time.sleep(0.05)  # forwarded, waiting upstream
+        (upstream,) = [c["pid"] for c in invocations(log)]
+        os.kill(upstream, signal.SIGKILL)  # it crashed: no answer, its stdout ends
+        replies = {2: host.reply()}
+        code = host.proc.wait(60)  # stdin still open
     assert code == 1
     assert "result" in replies[2], replies[2]  # a receipt, not a JSON-RPC error
     result = replies[2]["result"]
@@ -787,42 +767,24 @@ def test_proxy__a_call_cancelled_by_its_host_is_still_sent_once_recorded(
 
     log = tmp_path / "upstream.log"
     scope = scope_of("cancel")
-    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}}  # fmt: skip
-    lines = [json.dumps(hello), '{"jsonrpc":"2.0","method":"notifications/initialized"}']
+    lines: list[str | dict[str, Any]] = [HELLO, INITIALIZED]
     for n in range(100, 140):
         params = {
             "name": "charge",
             "arguments": {"amount": n},
             "_meta": {ID: f"k{n}", SCOPE: scope},
         }
-        lines.append(
-            json.dumps({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": params})
-        )
+        lines.append({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": params})
         cancel = {"requestId": n, "reason": "the host gave up"}
-        lines.append(json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
-                                 "params": cancel}))  # fmt: skip
-    with (world.root / "mcp-stderr.log").open("a") as errlog:
-        proc = subprocess.Popen(
-            [*toolledger_argv(), "mcp", *proxy_argv()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=errlog,
-            env={**world.env(), "MCP_UPSTREAM_LOG": str(log)},
-            cwd=ROOT,
-        )
-        assert proc.stdin is not None
-        try:
-            for line in lines:
-                proc.stdin.write((line + "\n").encode())
-                proc.stdin.flush()
-                time.sleep(0.002)
-            time.sleep(3)
-            proc.stdin.close()
-            proc.wait(60)
-        finally:
-            proc.kill()
+        lines.append({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel})
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log)}
+    with raw_host(world, proxy_argv(), env, read=False) as host:
+        for line in lines:
+            host.send(line)
+            time.sleep(0.002)
+        time.sleep(3)
+        host.send(close=True)
+        host.proc.wait(60)
     ledger = Ledger(world.db)
     try:
         calls = ledger.list_calls(scope=scope, limit=0)
