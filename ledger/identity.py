@@ -140,6 +140,11 @@ def check_call(
     """Every check on a submission that needs no database; returns (key, args_sha256)."""
     check_scope(scope)
     check_text_id(tool_call_id, "tool_call_id", 256)
+    if tool_call_id in (".", ".."):  # a URL path's dot segment: no HTTP client can name it
+        raise InvalidIdentifier(
+            f"tool_call_id {tool_call_id!r} is a dot segment: the console and the HTTP API "
+            "could not name it in a URL (clients remove it)"
+        )
     check_tool_name(tool)
     key = default_key(tool, tool_call_id) if key is None else check_text_id(key, "key")
     return key, check_args(args, max_bytes)

@@ -86,6 +86,8 @@ CLI_CASES: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "tool_call_id: U+2028": ((), {"tcid": "c\u2028d"}, "U+2028"),
     "tool_call_id: U+0085": ((), {"tcid": "c\x85"}, "U+0085"),
     "tool_call_id: bidi override": ((), {"tcid": "c\u202ed"}, "U+202E"),
+    "tool_call_id: a dot segment": ((), {"tcid": ".."}, "dot segment"),
+    "tool_call_id: the other dot segment": ((), {"tcid": "."}, "dot segment"),
     "key: C1 control": (("--key", "k\x9b"), {}, "key"),
     "key: invalid UTF-8": (("--key", "k" + SURROGATE), {}, "key"),
     "approved-by: invalid UTF-8": (("--approved-by", "al" + SURROGATE), {}, "approver"),

@@ -114,6 +114,13 @@ def test_submit_show_events_list__the_cli_shapes(server: Any, scope: str) -> Non
     assert listed["count"] == 1 and listed["calls"][0]["tool_call_id"] == "c1"
     inbox = client.get("/api/inbox", headers=bearer("vera")).json()
     assert inbox["pending_approval"] >= 1
+    for dots in (".", ".."):  # a URL path drops them: its console page could not be opened
+        r = client.post(
+            "/api/calls", json={**body, "tool_call_id": dots}, headers=bearer("agent-7")
+        )
+        assert r.status_code == 422 and "dot segment" in r.json()["error"], r.text
+    listed = client.get("/api/calls", params={"scope": scope}, headers=bearer("vera")).json()
+    assert listed["count"] == 1  # nothing recorded
 
 
 def test_list__pages_with_a_cursor(server: Any, scope: str) -> None:
@@ -138,6 +145,8 @@ def test_list__pages_with_a_cursor(server: Any, scope: str) -> None:
     login(client, "vera")
     for params in (
         {"cursor": crafted("2020-01-01T00:00:00", "a", "b")},  # a naive time
+        {"cursor": crafted("0001-01-01T00:00:00+01:00", "a", "b")},  # before year 1 in UTC
+        {"cursor": crafted("9999-12-31T23:59:59-01:00", "a", "b")},  # after 9999 in UTC
         {"cursor": crafted("2020-01-01T00:00:00+00:00", "a\x00", "b")},
         {"cursor": crafted("2020-01-01T00:00:00+00:00", "a", "b\x00")},
         {"scope": "a\x00"},

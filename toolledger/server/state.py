@@ -44,8 +44,11 @@ def decode_cursor(cursor: str) -> tuple[datetime, str, str]:
         when = datetime.fromisoformat(at)
         if when.tzinfo is None:
             raise ValueError("a naive time")
+        # in UTC here, as the ledger binds it: 0001-01-01T00:00+01:00 is before year 1, and
+        # overflowed in SQLite's binding, a 500 (a cold review)
+        when = when.astimezone(UTC)
         return when, check_scope(scope), check_text_id(key, "key")
-    except (ValueError, TypeError, InputError):
+    except (ValueError, TypeError, OverflowError, InputError):
         raise InvalidArguments("cursor is not one this server gave out") from None
 
 
