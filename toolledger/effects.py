@@ -104,6 +104,12 @@ _STAGE = re.compile(
     r"(?P<kind>write|append|refused|applying-(?P<offset>\d+))$"
 )
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
+#: A spool's temporary file (``_replace_durably``), left by a process killed writing it.
+_SPOOL_TMP = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool\.tmp\d+$")
+#: How old such a file must be before a settle removes it (its execution no longer running):
+#: a writer frozen mid-write and woken later loses the late result it was keeping; an hour
+#: makes that a process stopped that long, never one merely slow.
+SPOOL_LEFTOVER_AGE = 3600.0
 #: A path's lock file, under ``paths/<first two of its hash>/``.
 _LOCK = re.compile(r"^[0-9a-f]{32}\.lock$")
 #: The sandbox state's format, in ``.toolledger/format`` (absent: 1). At 2, every process
@@ -280,6 +286,7 @@ class Landing:
     recorded: int = 0  # spooled results recorded by their executor's lease
     evidence: int = 0  # spooled results recorded as late evidence
     left: int = 0  # staged effects of executions still running
+    leftovers: int = 0  # spools' temporary files that killed processes left, removed
     #: spooled results that could not be settled now, one line each (the sweep reports them)
     problems: list[str] = field(default_factory=list, compare=False)
     #: those of them that are committed effects left for the next settle by an error of a
@@ -440,14 +447,18 @@ class Effects:
         finally:
             os.close(fd)
 
-    def _scan(self, pfd: int) -> tuple[list[StageFile], set[str]]:
-        files, spools = [], set()
+    def _scan(self, pfd: int) -> tuple[list[StageFile], set[str], dict[str, list[str]]]:
+        """The stage files, the spooled results' execution ids, and the spools' temporary
+        files by execution id, of one listing of the pending area."""
+        files, spools, leftovers = [], set(), defaultdict(list)
         for name in os.listdir(pfd):
             if (f := StageFile.parse(name)) is not None:
                 files.append(f)
             elif (m := _SPOOL.match(name)) is not None:
                 spools.add(m["eid"])
-        return files, spools
+            elif (m := _SPOOL_TMP.match(name)) is not None:
+                leftovers[m["eid"]].append(name)
+        return files, spools, leftovers
 
     def stage(
         self, scope: str, execution_id: str, n: int, kind: str, path: str, data: bytes
@@ -1002,7 +1013,9 @@ class Effects:
         if not self.pending_dir.is_dir():
             return summary
         with self._pending() as pfd:
-            files, spools = self._scan(pfd)
+            files, spools, leftovers = self._scan(pfd)
+        if leftovers:
+            self._clear_spool_leftovers(ledger, leftovers, summary)
         for eid in sorted(spools):
             # one spool that cannot be settled now stops neither the others nor the landing
             try:
@@ -1035,6 +1048,36 @@ class Effects:
                 log.error("%s", problem)
                 summary.problems.append(problem)
         return summary
+
+    def _clear_spool_leftovers(
+        self, ledger: Ledger, leftovers: dict[str, list[str]], summary: Landing
+    ) -> None:
+        """Remove the temporary files of spools (``<eid>.spool.tmpPID``) that processes
+        killed while writing them left: nothing else would, and they piled up. Such a file
+        holds no effect; the result it was to keep is lost, and its execution stands as the
+        ledger says (it ended unknown, or another settle recorded it). Removed only once its
+        execution no longer runs and the file is ``SPOOL_LEFTOVER_AGE`` old; the writer's
+        PID decides nothing (a sandbox shared by containers sees other PID namespaces)."""
+        states = ledger.effect_states(sorted(leftovers))
+        now = time.time()
+        with self._pending() as pfd:
+            for eid, names in sorted(leftovers.items()):
+                state = states.get(eid)
+                if state is None or state.status is Status.RUNNING:
+                    continue  # its writer may be at work; or not this ledger's execution
+                for name in names:
+                    try:
+                        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < SPOOL_LEFTOVER_AGE:
+                            continue
+                        os.unlink(name, dir_fd=pfd)
+                    except FileNotFoundError:
+                        continue  # another settle's
+                    except OSError as exc:  # the disk's: a later settle tries again
+                        log.warning("spool leftover %s not removed: %s", name, exc)
+                        continue
+                    summary.leftovers += 1
+                    log.info("removed %s, a spool's temporary file its killed writer left", name)
 
     @staticmethod
     def _spool_failed(summary: Landing, eid: str, why: str) -> None:

@@ -884,6 +884,36 @@ def test_pipeline__a_spooled_result_after_revocation_becomes_evidence_lands_noth
     assert len(ledger.evidence_of(outcome.execution_id)) == 1
 
 
+def test_pipeline__a_spools_temporary_file_a_killed_writer_left_is_removed_once_stale(
+    spooled, ledger, tmp_path
+):
+    # Given the temporary file of a spool whose writer was killed before its rename (it held
+    # the result; no effect), and one of an execution this ledger does not know
+    outcome, _, spool_file = spooled(lease=0.3)
+    eid = outcome.execution_id
+    left = spool_file.with_name(f"{spool_file.name}.tmp4242")
+    spool_file.rename(left)
+    stranger = spool_file.with_name("00000000-0000-4000-8000-000000000000.spool.tmp7")
+    stranger.write_bytes(b"{")
+    hours_ago = time.time() - 2 * 3600
+
+    def settle_at(mtime: float) -> int:
+        for f in (left, stranger):
+            os.utime(f, (mtime, mtime))
+        return effects_of(Sandbox(tmp_path)).settle(ledger).leftovers
+
+    # When settles run: its execution still running, even an old file stays (its writer may
+    # be at work); once revoked, a fresh one stays (a writer woken from a freeze renames it)
+    assert settle_at(hours_ago) == 0 and left.exists()
+    time.sleep(0.35)
+    assert ledger.mark_expired(grace_seconds=0)
+    assert settle_at(time.time()) == 0 and left.exists()
+    # Then once revoked and an hour old it is removed; the stranger is nobody's to judge
+    assert settle_at(hours_ago) == 1
+    assert not left.exists() and stranger.exists()
+    assert ledger.execution(eid).status is Status.UNKNOWN and ledger.verify().ok
+
+
 class StatesFailFor(Ledger):
     """The database fails the one question about one execution (a lock timeout, say)."""
 
