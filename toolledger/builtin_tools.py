@@ -67,15 +67,20 @@ def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
     wanted = hashlib.sha256(data).hexdigest()
     if not ctx.sandbox.attached:
         return None  # a sandbox this process cannot see proves nothing
+    effects = effects_of(ctx.sandbox)
     try:
+        # Asked before the file is read: bytes committed before this question wait now
+        # (cannot tell) or have landed, where the read sees them; asked again after a file
+        # found missing, for bytes staged meanwhile. Asked only after the read (as it was),
+        # a newer write that landed between the read and the question was seen by neither,
+        # and the automatic retry's older bytes landed over it (a cold review).
+        waiting = effects.pending_on(ctx.scope, args.path)
         found = ctx.sandbox.sha256(ctx.scope, args.path)
-    except (OSError, SandboxError):  # e.g. a hard link now: not what a write leaves
-        return None
+        if found is None and not waiting:
+            waiting = effects.pending_on(ctx.scope, args.path)
+    except (OSError, SandboxError):  # e.g. a hard link now: not what a write leaves; or the
+        return None  # pending area cannot be looked at: cannot tell
     if found is None:
-        try:
-            waiting = effects_of(ctx.sandbox).pending_on(ctx.scope, args.path)
-        except OSError:
-            return None  # cannot look: cannot tell
         if waiting:
             return None
         return Absent({"method": "target file is missing", "path": args.path})

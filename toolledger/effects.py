@@ -287,6 +287,7 @@ class Landing:
     evidence: int = 0  # spooled results recorded as late evidence
     left: int = 0  # staged effects of executions still running
     leftovers: int = 0  # spools' temporary files that killed processes left, removed
+    strangers: int = 0  # staged by executions this ledger does not know (another's?): kept
     #: spooled results that could not be settled now, one line each (the sweep reports them)
     problems: list[str] = field(default_factory=list, compare=False)
     #: those of them that are committed effects left for the next settle by an error of a
@@ -700,6 +701,41 @@ class Effects:
                     steps.append(step)
             self._land_in_order(pfd, steps, book, landing)
 
+    def unlanded_on(self, book: Book, scope: str, path: str) -> str | None:
+        """Why a read of this path now would not see what the ledger says happened, or None.
+
+        Bytes committed for the path and not landed yet (its lander frozen holding the path's
+        lock, a full disk, a crash before it landed them) are landed here first, under the
+        path's lock; if they still wait, the read would return what they replace while the
+        ledger's receipt says they were written (a cold review read the old bytes after a
+        succeeded receipt). Bytes staged by a running execution, or by one this ledger does
+        not know, do not stop a read: nothing of theirs is committed."""
+        h = path_hash(scope, path)
+        if not self.pending_dir.is_dir():
+            return None
+        for landed_once in (False, True):
+            with self._pending() as pfd:
+                ids = sorted({f.execution_id for f in self._path_files(pfd, h)})
+            if not ids:
+                return None
+            try:
+                states = book.effect_states(ids)
+            except Exception as exc:  # noqa: BLE001 - the ledger away: cannot tell
+                what = type(exc).__name__
+                return f"the ledger cannot say if bytes staged for {path!r} are committed ({what})"
+            if not any(s.own_success for s in states.values()):
+                return None
+            if landed_once:
+                return f"bytes committed for {path!r} have not landed yet"
+            try:
+                with self._path_lock(h):
+                    self._land_path(h, book, None, Landing())
+            except PathBusy:
+                return f"bytes committed for {path!r} have not landed: a lander holds the path"
+            except OSError as exc:
+                return f"bytes committed for {path!r} cannot land now ({exc})"
+        return None  # not reached
+
     def pending_on(self, scope: str, path: str) -> bool:
         """Whether bytes for this path wait in the pending area: staged by a running
         execution, or committed and not landed yet. While they do, the file as it stands does
@@ -744,7 +780,15 @@ class Effects:
         if state is not None and state.status is Status.RUNNING:
             landing.left += 1  # if it commits, its seq will be newer than every one here
             return None
-        # revoked, failed, decided by a reconciler or a human, or never claimed: never lands
+        if state is None:
+            # Not this ledger's: every stage is made after its claim's commit, so another
+            # ledger's (a process pointed at the right sandbox and another ledger, an unset
+            # TOOLLEDGER_DB making the embedded one). It was removed as "never claimed": a
+            # read through the wrong ledger deleted the committed bytes of the right one's
+            # succeeded calls, which then never landed, unflagged (a cold review). Kept.
+            landing.strangers += 1
+            return None
+        # revoked, failed, decided by a reconciler or a human: never lands
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f.name, dir_fd=pfd)
             landing.discarded += 1

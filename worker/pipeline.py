@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from toolledger import failpoints
 from toolledger.effects import (
     Commit,
+    Effects,
     Landing,
     LeaseLost,
     LeaseWatch,
@@ -662,21 +664,65 @@ class Executor:
                 log.warning("could not settle pending effects before a read: %s", exc)
             else:
                 if landing.unlanded:  # committed bytes the sandbox cannot take now
-                    return Status.FAILED, _not_settled(landing.unlanded)
-        status, result, _error = run_tool(tool, args, ToolContext(scope, self.sandbox))
+                    return Status.FAILED, _not_settled(
+                        f"{len(landing.unlanded)} committed effect(s) in the sandbox could "
+                        f"not land before this read ({landing.unlanded[0]})"
+                    )
+        view = SettledReads(effects, self.ledger)
+        status, result, _error = run_tool(tool, args, ToolContext(scope, view))
+        if view.refused is not None:  # whatever the tool made of the refusal
+            return Status.FAILED, _not_settled(view.refused)
         return status, result
 
 
-def _not_settled(unlanded: list[str]) -> dict[str, Any]:
+class NotSettled(SandboxError):
+    """A read-only tool read a path whose committed bytes have not landed."""
+
+
+class SettledReads(Sandbox):
+    """The sandbox as a read-only tool sees it: a path is read only once no bytes committed
+    for it wait to land (``Effects.unlanded_on``, which lands them first). The settle before
+    the tool runs passes over a path whose lock a frozen lander holds, or that a full disk
+    refuses: a read of it returned the old bytes after the call's succeeded receipt (a cold
+    review). Such a read is refused, ``not_settled``; other paths read as ever."""
+
+    def __init__(self, effects: Effects, book: Ledger) -> None:
+        base = effects.sandbox
+        super().__init__(
+            base.root, base.max_content_bytes, effects_log=base.effects_log,
+            lock_wait=base.lock_wait,
+        )  # fmt: skip
+        self._effects, self._book = effects, book
+        self.refused: str | None = None
+
+    def _settled(self, scope: str, path: str) -> None:
+        why = self._effects.unlanded_on(self._book, scope, path)
+        if why is not None:
+            self.refused = self.refused or why
+            raise NotSettled(why)
+
+    def read(self, scope: str, path: str, max_bytes: int | None = None) -> bytes | None:
+        self._settled(scope, path)
+        return super().read(scope, path, max_bytes)
+
+    def sha256(self, scope: str, path: str) -> str | None:
+        self._settled(scope, path)
+        return super().sha256(scope, path)
+
+    def stat(self, scope: str, path: str) -> os.stat_result | None:
+        self._settled(scope, path)
+        return super().stat(scope, path)
+
+
+def _not_settled(why: str) -> dict[str, Any]:
     """A read refused because committed effects could not land first (a full disk, a
-    quota, EIO: errors of a moment): it would have read what they replace, a cut-off append
-    included, as the file (a cold review)."""
+    quota, EIO, a frozen lander holding the path): it would have read what they replace, a
+    cut-off append included, as the file (a cold review)."""
     return {
         "error": "not_settled",
         "message": (
-            f"{len(unlanded)} committed effect(s) in the sandbox could not land before this "
-            f"read ({unlanded[0]}): it would not see them, so nothing was read. Read again "
-            "once the sandbox takes them (the next sweep lands them)."
+            f"{why}: the read would not see them, so nothing was read. Read again once "
+            "they land (the next sweep lands them)."
         ),
     }
 

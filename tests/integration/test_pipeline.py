@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from tests.helpers import pending_files
 from toolledger import failpoints
 from toolledger.builtin_tools import BUILTINS
-from toolledger.effects import LeaseLost, effects_of
+from toolledger.effects import LeaseLost, effects_of, path_hash
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 from toolledger.recovery.sweep import sweep
@@ -1426,12 +1426,13 @@ def test_pipeline__a_target_that_is_a_mount_point_is_refused_not_retried_forever
 def test_pipeline__a_folder_named_like_a_stage_blocks_no_other_path(
     run, ledger, tmp_path, monkeypatch
 ):
-    # Before: settle unlinked it as a never-claimed execution's stage: IsADirectoryError ended
-    # the pass, and every path after it kept its committed bytes unlanded, pass after pass.
+    # Before: settle unlinked it as a failed execution's stage: IsADirectoryError ended the
+    # pass, and every path after it kept its committed bytes unlanded, pass after pass.
+    failed, _ = run("reports_failure")
     _, view = _committed_then_crashed(run, monkeypatch, "write_file", "r.txt", "v")
     sandbox = Sandbox(tmp_path)
-    never_claimed = "00000000-0000-4000-8000-000000000000"
-    (effects_of(sandbox).pending_dir / f"{never_claimed}.0.{'0' * 32}.write").mkdir()
+    folder = f"{failed.execution_id}.0.{'0' * 32}.write"
+    (effects_of(sandbox).pending_dir / folder).mkdir()
     summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
     assert summary.landed == 1 and len(summary.errors) == 1
     assert "IsADirectoryError" in summary.errors[0]
@@ -1544,3 +1545,138 @@ def test_read_only__a_read_while_committed_bytes_cannot_land_is_refused_not_stal
     monkeypatch.setattr(Effects, "_land_append", real)  # the disk has room again
     status, result = executor.run_read_only(scope, builtins.get("read_file"), {"path": "log.txt"})
     assert status is Status.SUCCEEDED and result["content"] == "x\n", result
+
+
+def _builtin_executor(ledger: Ledger, root: Path, lock_wait: float = 2.0) -> Executor:
+    return Executor(
+        ledger, Registry(list(BUILTINS)), Sandbox(root, lock_wait=lock_wait).prepare(), worker_id="w",
+        lease_seconds=30, leases=LeaseKeeper(ledger, 30, 0.0),
+    )  # fmt: skip
+
+
+def _committed_not_landed(
+    executor: Executor, scope: str, cid: str, path: str, content: str, monkeypatch: Any
+) -> None:
+    """A write_file committed succeeded whose bytes wait in the pending area (its landing
+    failed, as a crash or a full disk leaves it): settle, or a read, lands them."""
+    from toolledger.effects import Effects
+
+    real = Effects.publish
+
+    def cannot(self: Effects, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    executor.ledger.submit(
+        scope, cid, "write_file", {"path": path, "content": content}, approved_by="al"
+    )
+    monkeypatch.setattr(Effects, "publish", cannot)
+    try:
+        executor.execute(scope, f"write_file:{cid}", 1)
+    finally:
+        monkeypatch.setattr(Effects, "publish", real)
+    assert executor.ledger.get(scope, cid).operation.status is Status.SUCCEEDED
+
+
+def test_auto_retry__a_newer_write_landing_while_it_is_reconciled_is_not_written_over(
+    fresh_db_url, scope, tmp_path, monkeypatch
+):
+    """write_file's reconciler read the file, then asked whether bytes wait for it: a newer
+    committed write that landed between the two was seen by neither, and the automatic
+    retry's older bytes landed over it (a cold review). Asked first now, it is seen."""
+    ledger = Ledger(fresh_db_url)
+    try:
+        executor = _builtin_executor(ledger, tmp_path)
+        # Given c1, whose executor died before its tool ran: the sweep proves it absent and
+        # authorises its retry; then c2, a newer write of the same file, committed, its
+        # bytes not landed yet
+        ledger.submit(scope, "c1", "write_file", {"path": "a.txt", "content": "old"},
+                      approved_by="al")  # fmt: skip
+        ledger.claim(scope, "write_file:c1", 1, worker_id="dead", lease_seconds=0.05)
+        time.sleep(0.1)
+        sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0, requeue_after=60,
+              publish=None)  # fmt: skip
+        assert ledger.get(scope, "c1").operation.authorized_attempts == 2
+        _committed_not_landed(executor, scope, "c2", "a.txt", "new", monkeypatch)
+        # When attempt 2's reconciler finds a.txt missing, and a settle lands c2 just then
+        real, landed = Sandbox.sha256, []
+
+        def racing(self: Sandbox, at: str, path: str) -> str | None:
+            found = real(self, at, path)
+            if path == "a.txt" and not landed:
+                landed.append(effects_of(executor.sandbox).settle(ledger).landed)
+            return found
+
+        monkeypatch.setattr(Sandbox, "sha256", racing)
+        outcome = executor.execute(scope, "write_file:c1", 2)
+        # Then the retry writes nothing: the world moved on, and the newer bytes stand
+        assert landed == [1]
+        assert (tmp_path / scope / "a.txt").read_text() == "new"
+        assert outcome.status is Status.FAILED
+        assert ledger.get(scope, "c1").current.result["error"] == "superseded"
+    finally:
+        ledger.close()
+
+
+def test_read_only__a_path_whose_committed_bytes_wait_is_not_read_stale(
+    ledger, scope, tmp_path, monkeypatch
+):
+    """A write committed (its receipt says succeeded) whose bytes cannot land before a read:
+    its lander frozen holding the path's lock, or the ledger unable to say what is
+    committed. The read returned the bytes it replaces (a cold review); it fails
+    ``not_settled`` now, and reads the new bytes once they land. Other paths read."""
+    from toolledger.effects import Effects
+
+    executor = _builtin_executor(ledger, tmp_path, lock_wait=0.2)
+    read_file = executor.registry.get("read_file")
+    ledger.submit(scope, "v1", "write_file", {"path": "a.txt", "content": "v1"}, approved_by="al")
+    executor.execute(scope, "write_file:v1", 1)
+    ledger.submit(scope, "b", "write_file", {"path": "b.txt", "content": "b"}, approved_by="al")
+    executor.execute(scope, "write_file:b", 1)
+    _committed_not_landed(executor, scope, "v2", "a.txt", "v2", monkeypatch)
+    effects = effects_of(executor.sandbox)
+    with effects._path_lock(path_hash(scope, "a.txt")):  # a frozen lander holds it
+        status, result = executor.run_read_only(scope, read_file, {"path": "a.txt"})
+        assert status is Status.FAILED and result["error"] == "not_settled", result
+        assert "lander holds the path" in result["message"]
+        other = executor.run_read_only(scope, read_file, {"path": "b.txt"})
+        assert other[0] is Status.SUCCEEDED and other[1]["content"] == "b", other
+    real = Effects.settle  # the ledger cannot answer: no settle, no question answered
+    monkeypatch.setattr(Effects, "settle", _raises_operational)
+    monkeypatch.setattr(Ledger, "effect_states", _raises_operational)
+    status, result = executor.run_read_only(scope, read_file, {"path": "a.txt"})
+    assert status is Status.FAILED and result["error"] == "not_settled", result
+    other = executor.run_read_only(scope, read_file, {"path": "b.txt"})  # nothing waits there
+    assert other[0] is Status.SUCCEEDED, other
+    monkeypatch.undo()
+    assert Effects.settle is real
+    status, result = executor.run_read_only(scope, read_file, {"path": "a.txt"})
+    assert status is Status.SUCCEEDED and result["content"] == "v2", result
+
+
+def _raises_operational(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise sa.exc.OperationalError("SELECT", {}, Exception("the ledger is away"))
+
+
+def test_settle__through_another_ledger_keeps_the_bytes_it_does_not_know(
+    ledger, fresh_db_url, scope, tmp_path, monkeypatch
+):
+    """A process pointed at the right sandbox and another ledger (an unset TOOLLEDGER_DB
+    makes the embedded one) removed every staged effect it could not find as "never
+    claimed": committed bytes of succeeded calls never landed, unflagged (a cold review).
+    Another ledger's stages are kept; the right ledger's settle lands them."""
+    executor = _builtin_executor(ledger, tmp_path)
+    _committed_not_landed(executor, scope, "w", "w.txt", "kept", monkeypatch)
+    waiting = pending_files(executor.sandbox)
+    assert waiting
+    other = Ledger(fresh_db_url)
+    try:
+        wrong = _builtin_executor(other, tmp_path)
+        landing = effects_of(wrong.sandbox).settle(other)
+        assert (landing.strangers, landing.discarded, landing.landed) == (len(waiting), 0, 0)
+        read = wrong.run_read_only(scope, wrong.registry.get("read_file"), {"path": "w.txt"})
+        assert read[0] is Status.FAILED  # no such file yet: what that ledger can tell
+    finally:
+        other.close()
+    assert pending_files(executor.sandbox) == waiting
+    assert effects_of(executor.sandbox).settle(ledger).landed == 1
+    assert (tmp_path / scope / "w.txt").read_text() == "kept"
