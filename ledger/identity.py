@@ -107,6 +107,19 @@ def check_attempt(attempt: object, what: str = "attempt", minimum: int = 1) -> i
     return attempt
 
 
+def check_new_tool_call_id(tool_call_id: str) -> str:
+    """A tool_call_id the ledger records anew: never a URL path's dot segment, which HTTP
+    clients and browsers remove, so the console could not open such a call nor the API
+    name it. Only for new calls: one recorded before is still replayed (a refusal would tell
+    the model that a call which took effect had failed)."""
+    if tool_call_id in (".", ".."):
+        raise InvalidIdentifier(
+            f"tool_call_id {tool_call_id!r} is a dot segment: the console and the HTTP API "
+            "could not name it in a URL (clients remove it)"
+        )
+    return tool_call_id
+
+
 def default_key(tool: str, tool_call_id: str) -> str:
     """``"{tool}:{tool_call_id}"``: one logical action per call the model made."""
     check_tool_name(tool)
@@ -140,11 +153,6 @@ def check_call(
     """Every check on a submission that needs no database; returns (key, args_sha256)."""
     check_scope(scope)
     check_text_id(tool_call_id, "tool_call_id", 256)
-    if tool_call_id in (".", ".."):  # a URL path's dot segment: no HTTP client can name it
-        raise InvalidIdentifier(
-            f"tool_call_id {tool_call_id!r} is a dot segment: the console and the HTTP API "
-            "could not name it in a URL (clients remove it)"
-        )
     check_tool_name(tool)
     key = default_key(tool, tool_call_id) if key is None else check_text_id(key, "key")
     return key, check_args(args, max_bytes)

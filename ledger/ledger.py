@@ -17,10 +17,15 @@ import sqlalchemy as sa
 
 from toolledger.ledger import db, inputs, metrics
 from toolledger.ledger.base import event
-from toolledger.ledger.errors import ConflictError, InputError, InvalidTransition
+from toolledger.ledger.errors import ConflictError, InputError, InvalidTransition, NotFound
 from toolledger.ledger.events import VerifyReport, verify
 from toolledger.ledger.execution import LEASE_SECONDS, LedgerExecution
-from toolledger.ledger.identity import MAX_ARGS_BYTES, check_call, check_text_id
+from toolledger.ledger.identity import (
+    MAX_ARGS_BYTES,
+    check_call,
+    check_new_tool_call_id,
+    check_text_id,
+)
 from toolledger.ledger.models import operations, tool_calls
 from toolledger.ledger.outbox import LedgerOutbox
 from toolledger.ledger.reads import op_key
@@ -100,6 +105,8 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         outbox stamp is written now, in the same transaction (clear_enqueued if it fails).
         """
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.max_args_bytes)
+        if tool_call_id in (".", "..") and not self._holds_call(scope, tool_call_id):
+            check_new_tool_call_id(tool_call_id)
         if approved_by is not None:
             check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
         inputs.check_text(reason, "reason")
@@ -162,6 +169,14 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
             )
         metrics.transition(tool, status)
         return Submitted(op, tool_call_id, "created")
+
+    def _holds_call(self, scope: str, tool_call_id: str) -> bool:
+        """Whether this tool_call_id is recorded in ``scope``."""
+        try:
+            self.key_for(scope, tool_call_id)
+        except NotFound:
+            return False
+        return True
 
     def _insert_operation(
         self,

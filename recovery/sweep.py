@@ -65,6 +65,10 @@ class SweepSummary:
     spooled_results: int = 0
     #: What the pass found contradicts a person's decision made while it looked: flagged.
     contradicted: int = 0
+    #: Effects staged in the sandbox by executions this ledger does not know: kept, never
+    #: landed nor removed by it (the sandbox shared with another ledger, or this process
+    #: pointed at the wrong one: an unset TOOLLEDGER_DB makes the embedded ledger).
+    strangers: int = 0
     #: The reconciling step ran out of its time budget: the next pass goes on after it.
     reconcile_deferred: bool = False
     duration_s: float = 0.0
@@ -165,6 +169,13 @@ def _sweep(
         landing = effects.settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
+        summary.strangers = landing.strangers
+        if landing.strangers:
+            log.warning(
+                "%d staged effects in the sandbox belong to executions this ledger does not "
+                "know: kept (is this process pointed at another ledger than the workers?)",
+                landing.strangers,
+            )
         summary.errors.extend(landing.problems)
         if removed := effects.sweep_locks():  # format 2: the lock files no lander holds
             log.info("removed %d path lock files no lander held", removed)

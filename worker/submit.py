@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolledger.config import Settings
 from toolledger.ledger.errors import InputError
-from toolledger.ledger.identity import check_call
+from toolledger.ledger.identity import check_call, check_new_tool_call_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import OperationRecord
 from toolledger.ledger.transitions import Status
@@ -110,6 +110,7 @@ class Submitter:
         that a call that took effect had failed (and invited it to issue it again)."""
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.settings.max_args_bytes)
         try:
+            check_new_tool_call_id(tool_call_id)
             spec = self.registry.get(tool)
             parsed = spec.parse(args)
             if spec.check is not None:

@@ -1617,6 +1617,43 @@ def test_auto_retry__a_newer_write_landing_while_it_is_reconciled_is_not_written
         ledger.close()
 
 
+def test_auto_retry__a_write_staged_while_it_is_reconciled_stops_it(
+    fresh_db_url, scope, tmp_path, monkeypatch
+):
+    """The reconciler asks again after it finds the file missing: a newer write staged
+    between its first question and its read (its execution running, to commit before the
+    retry does) would land under the retry's older bytes. Cannot tell: nothing written."""
+    ledger = Ledger(fresh_db_url)
+    try:
+        executor = _builtin_executor(ledger, tmp_path)
+        ledger.submit(scope, "c1", "write_file", {"path": "a.txt", "content": "old"},
+                      approved_by="al")  # fmt: skip
+        ledger.claim(scope, "write_file:c1", 1, worker_id="dead", lease_seconds=0.05)
+        time.sleep(0.1)
+        sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0, requeue_after=60,
+              publish=None)  # fmt: skip
+        ledger.submit(scope, "c3", "write_file", {"path": "a.txt", "content": "newer"},
+                      approved_by="al")  # fmt: skip
+        c3 = ledger.claim(scope, "write_file:c3", 1, worker_id="w3", lease_seconds=30)
+        assert c3 is not None
+        real, staged = Sandbox.sha256, []
+
+        def racing(self: Sandbox, at: str, path: str) -> str | None:
+            if path == "a.txt" and not staged:  # c3's tool writes while the file is read
+                staging = effects_of(executor.sandbox).staging(scope, c3.execution_id, None)
+                staged.append(staging.write_atomic(scope, "a.txt", b"newer"))
+                staging.seal()
+            return real(self, at, path)
+
+        monkeypatch.setattr(Sandbox, "sha256", racing)
+        outcome = executor.execute(scope, "write_file:c1", 2)
+        assert staged and outcome.status is Status.FAILED
+        assert ledger.get(scope, "c1").current.result["error"] == "superseded"
+        assert not (tmp_path / scope / "a.txt").exists()
+    finally:
+        ledger.close()
+
+
 def test_read_only__a_path_whose_committed_bytes_wait_is_not_read_stale(
     ledger, scope, tmp_path, monkeypatch
 ):
@@ -1675,6 +1712,9 @@ def test_settle__through_another_ledger_keeps_the_bytes_it_does_not_know(
         assert (landing.strangers, landing.discarded, landing.landed) == (len(waiting), 0, 0)
         read = wrong.run_read_only(scope, wrong.registry.get("read_file"), {"path": "w.txt"})
         assert read[0] is Status.FAILED  # no such file yet: what that ledger can tell
+        summary = sweep(other, wrong.registry, wrong.sandbox, grace_seconds=0, requeue_after=60,
+                        publish=None)  # fmt: skip
+        assert summary.strangers == len(waiting) and summary.dropped == 0  # said, and kept
     finally:
         other.close()
     assert pending_files(executor.sandbox) == waiting

@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from toolledger.config import ConfigError, Settings
-from toolledger.ledger.errors import NotFound
+from toolledger.ledger.errors import InvalidIdentifier, NotFound
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 from toolledger.server.app import create_app
@@ -121,6 +121,24 @@ def test_submit_show_events_list__the_cli_shapes(server: Any, scope: str) -> Non
         assert r.status_code == 422 and "dot segment" in r.json()["error"], r.text
     listed = client.get("/api/calls", params={"scope": scope}, headers=bearer("vera")).json()
     assert listed["count"] == 1  # nothing recorded
+
+
+def test_submit__a_dot_id_recorded_before_it_was_refused_is_still_replayed(
+    server: Any, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking again for a call the ledger holds is its replay, never a refusal (which would
+    tell the model that a call which took effect had failed): the rule against '.' and '..'
+    is for new calls only (a cold review: its first version refused the replay, exit 6)."""
+    client, ledger = server
+    args = {"path": "dot.txt", "content": "x"}
+    with monkeypatch.context() as m:  # as an earlier version recorded it
+        m.setattr("toolledger.ledger.ledger.check_new_tool_call_id", lambda tcid: tcid)
+        ledger.submit(scope, ".", "write_file", args)
+    body = {"scope": scope, "tool_call_id": ".", "tool": "write_file", "args": args}
+    r = client.post("/api/calls", json=body, headers=bearer("agent-7"))
+    assert r.status_code == 200 and r.json()["outcome"] == "existing", r.text
+    with pytest.raises(InvalidIdentifier, match="dot segment"):  # a new one still refused
+        ledger.submit(scope, "..", "write_file", args)
 
 
 def test_list__pages_with_a_cursor(server: Any, scope: str) -> None:

@@ -83,6 +83,12 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
                 )
             )
             + "".join(f"\nwarning: {e}" for e in d["errors"])
+            + (
+                f"\nwarning: {d['strangers']} staged effects belong to executions this ledger "
+                "does not know: kept (is this the workers' ledger?)"
+                if d["strangers"]
+                else ""
+            )
         ),
     )
     return EXIT_FAILURE if summary.errors else EXIT_OK
