@@ -1577,6 +1577,19 @@ def _committed_not_landed(
     assert executor.ledger.get(scope, cid).operation.status is Status.SUCCEEDED
 
 
+def _retried_by_the_sweep(executor: Executor, scope: str, cid: str, path: str) -> None:
+    """A write_file of ``path`` ("old") whose executor died before its tool ran: the sweep
+    proves it absent and authorises its attempt 2 by itself (not published)."""
+    ledger = executor.ledger
+    args = {"path": path, "content": "old"}
+    ledger.submit(scope, cid, "write_file", args, approved_by="al")
+    ledger.claim(scope, f"write_file:{cid}", 1, worker_id="dead", lease_seconds=0.05)
+    time.sleep(0.1)
+    sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0, requeue_after=60,
+          publish=None)  # fmt: skip
+    assert ledger.get(scope, cid).operation.authorized_attempts == 2
+
+
 def test_auto_retry__a_newer_write_landing_while_it_is_reconciled_is_not_written_over(
     fresh_db_url, scope, tmp_path, monkeypatch
 ):
@@ -1586,16 +1599,9 @@ def test_auto_retry__a_newer_write_landing_while_it_is_reconciled_is_not_written
     ledger = Ledger(fresh_db_url)
     try:
         executor = _builtin_executor(ledger, tmp_path)
-        # Given c1, whose executor died before its tool ran: the sweep proves it absent and
-        # authorises its retry; then c2, a newer write of the same file, committed, its
-        # bytes not landed yet
-        ledger.submit(scope, "c1", "write_file", {"path": "a.txt", "content": "old"},
-                      approved_by="al")  # fmt: skip
-        ledger.claim(scope, "write_file:c1", 1, worker_id="dead", lease_seconds=0.05)
-        time.sleep(0.1)
-        sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0, requeue_after=60,
-              publish=None)  # fmt: skip
-        assert ledger.get(scope, "c1").operation.authorized_attempts == 2
+        # Given c1, retried by the sweep; then c2, a newer write of the same file,
+        # committed, its bytes not landed yet
+        _retried_by_the_sweep(executor, scope, "c1", "a.txt")
         _committed_not_landed(executor, scope, "c2", "a.txt", "new", monkeypatch)
         # When attempt 2's reconciler finds a.txt missing, and a settle lands c2 just then
         real, landed = Sandbox.sha256, []
@@ -1626,12 +1632,7 @@ def test_auto_retry__a_write_staged_while_it_is_reconciled_stops_it(
     ledger = Ledger(fresh_db_url)
     try:
         executor = _builtin_executor(ledger, tmp_path)
-        ledger.submit(scope, "c1", "write_file", {"path": "a.txt", "content": "old"},
-                      approved_by="al")  # fmt: skip
-        ledger.claim(scope, "write_file:c1", 1, worker_id="dead", lease_seconds=0.05)
-        time.sleep(0.1)
-        sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0, requeue_after=60,
-              publish=None)  # fmt: skip
+        _retried_by_the_sweep(executor, scope, "c1", "a.txt")
         ledger.submit(scope, "c3", "write_file", {"path": "a.txt", "content": "newer"},
                       approved_by="al")  # fmt: skip
         c3 = ledger.claim(scope, "write_file:c3", 1, worker_id="w3", lease_seconds=30)
