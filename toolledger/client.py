@@ -189,7 +189,7 @@ class Notifier:
                 self._ready.clear()
                 if self._stop.is_set():
                     return
-                log.warning("receipt listener: %s; reconnecting", exc)
+                log.warning("receipt listener: %s; reconnecting", " ".join(str(exc).split()))
                 self._stop.wait(min(self.reconnect_pause * 2**failures, 5.0))
                 failures += 1
 
@@ -450,7 +450,8 @@ class Client:
         try:
             return self.ledger.get(scope, tool_call_id)
         except sa.exc.OperationalError as exc:
-            log.warning("waiting for %s/%s: %s", scope, tool_call_id, str(exc.orig).strip())
+            said = " ".join(str(exc.orig).split())  # libpq's messages span lines
+            log.warning("waiting for %s/%s: %s", scope, tool_call_id, said)
             pause = min(1.0, self.poll_interval)
             if deadline is not None:
                 pause = max(0.0, min(pause, deadline - time.monotonic()))

@@ -41,15 +41,16 @@ def test_wait__the_listener_start_is_bounded_by_the_timeout(client: Any, monkeyp
 
 
 def test_wait__a_database_out_of_reach_pauses_no_longer_than_the_timeout(
-    client: Any, monkeypatch: Any
+    client: Any, monkeypatch: Any, caplog: Any
 ) -> None:
     client.submit("w", "p2", "write_file", {"path": "q.txt", "content": "x"})
     get, calls = client.ledger.get, {"n": 0}
+    said = "server closed the connection unexpectedly\n\tThis probably means the server..."
 
     def unreachable(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] > 2:  # the two reads before the wait answer; then it is gone
-            raise sa.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+            raise sa.exc.OperationalError("SELECT", {}, Exception(said))  # as libpq says it
         return get(*args, **kwargs)
 
     monkeypatch.setattr(client.ledger, "get", unreachable)
@@ -58,6 +59,8 @@ def test_wait__a_database_out_of_reach_pauses_no_longer_than_the_timeout(
     with pytest.raises(ReceiptTimeout):
         client.wait("w", "p2", timeout=0.3)
     assert pauses and all(p <= 0.3 for p in pauses)
+    warned = [r.getMessage() for r in caplog.records if "waiting for w/p2" in r.getMessage()]
+    assert warned and all("\n" not in m for m in warned), warned  # one line each
 
 
 @pytest.mark.postgres
