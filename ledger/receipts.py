@@ -20,7 +20,7 @@ def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -
         content: dict[str, object] = {"status": "rejected"}
         if operation.reason:
             content["reason"] = operation.reason
-        return Receipt(status, content, None)
+        return Receipt(status, content, None, review=operation.review)
     if status is Status.UNKNOWN:
         if execution is None:
             raise CorruptRecord(f"{operation.idempotency_key!r} is unknown without an execution")
@@ -29,12 +29,12 @@ def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -
             "execution_id": execution.execution_id,
             "message": UNKNOWN_MESSAGE,
         }
-        return Receipt(status, content, execution.execution_id)
+        return Receipt(status, content, execution.execution_id, review=operation.review)
     if status in TERMINAL:
         if execution is None or execution.result is None:
             raise CorruptRecord(
                 f"{operation.idempotency_key!r} is {status} without a saved result: "
                 "recovery stops here; inspect the ledger"
             )
-        return Receipt(status, execution.result, execution.execution_id)
+        return Receipt(status, execution.result, execution.execution_id, review=operation.review)
     raise NoReceipt(f"{operation.idempotency_key!r} is {status}: there is no receipt yet")

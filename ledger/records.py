@@ -237,7 +237,10 @@ class Receipt:
     it as a tool-result message of each API, under the call's own id — the same items
     ``repair`` inserts. ``scope`` and ``tool_call_id`` are set when the receipt was asked for
     by call (the client, ``wait``); ``reconciled``: the result was established after the
-    fact (a reconciler, a late result, a person), not reported by the execution itself."""
+    fact (a reconciler, a late result, a person), not reported by the execution itself;
+    ``review``: the flag waiting on the call (``contradicted``: the ledger holds another
+    version of its outcome, a person decides; ``not_landed``…), None when there is none.
+    A flagged receipt is the ledger's word now, and may change at the review."""
 
     status: Status
     content: dict[str, Any]
@@ -245,6 +248,7 @@ class Receipt:
     scope: str | None = None
     tool_call_id: str | None = None
     reconciled: bool = False
+    review: str | None = None
 
     @property
     def is_error(self) -> bool:
@@ -284,6 +288,7 @@ class Receipt:
             "execution_id": self.execution_id,
             "reconciled": self.reconciled,
             "is_error": self.is_error,
+            "review": self.review,
         }
 
 

@@ -450,6 +450,7 @@ def repair_transcript(
             "tool": c.name,
             "status": r.status.value,
             "execution_id": r.execution_id,
+            "review": r.review,  # a flagged call's receipt may change at its review
         }
         for _, receipts in planned
         for c, r in receipts

@@ -86,7 +86,10 @@ def receipt_of(view: CallView) -> Receipt | None:
         return None
     current = view.current
     reconciled = bool(current and current.reconciled and r.execution_id == current.execution_id)
-    return Receipt(r.status, r.content, r.execution_id, view.scope, view.tool_call_id, reconciled)
+    return Receipt(
+        r.status, r.content, r.execution_id, view.scope, view.tool_call_id, reconciled,
+        op.review,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------ wake-ups

@@ -17,6 +17,7 @@ from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Review, Status
 from toolledger.recovery.sweep import sweep
+from toolledger.recovery.transcript import repair_transcript
 from toolledger.registry import load_registry
 from toolledger.sandbox import Sandbox
 
@@ -259,6 +260,29 @@ def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decisio
     assert shown["review_detail"]["late"]["status"] == "succeeded"
     code, out, _ = cli("show", "--scope", scope, "--tool-call-id", "c1")
     assert "REVIEW: contradicted" in out
+    # wait and repair say the flag with the receipt (they gave "failed" alone: a script
+    # could not tell that the ledger holds proof it took effect, a cold review)
+    code, out, _ = cli("wait", "--scope", scope, "--tool-call-id", "c1", "--timeout", "1",
+                       "--json")  # fmt: skip
+    said = json.loads(out)
+    assert code == 0 and (said["status"], said["review"]) == ("failed", "contradicted")
+    code, out, _ = cli("wait", "--scope", scope, "--tool-call-id", "c1", "--timeout", "1")
+    assert "flagged contradicted" in out
+    dangling = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "notify", "arguments": json.dumps(NOTIFY)},
+                }
+            ],
+        }
+    ]
+    report = repair_transcript(json.dumps(dangling).encode(), ledger, scope, "openai")
+    assert [(i["status"], i["review"]) for i in report.inserted] == [("failed", "contradicted")]
     # When the human looks again and finds the notification was sent after all
     code, out, err = cli(
         "resolve", "--execution-id", eid, "--as", "succeeded", "--by", "erin",
@@ -273,6 +297,8 @@ def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decisio
     assert ledger.receipt(scope, "c1").content["resolved_by"] == "erin"
     code, out, _ = cli("list", "--review", "--scope", scope, "--json")
     assert json.loads(out)["count"] == 0
+    code, out, _ = cli("wait", "--scope", scope, "--tool-call-id", "c1", "--json")
+    assert json.loads(out)["review"] is None
     code, out, _ = cli("verify", "--json")
     assert code == 0 and json.loads(out)["ok"]
 

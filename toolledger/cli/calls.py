@@ -234,4 +234,10 @@ def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> No
 def _human_receipt(d: dict[str, Any]) -> str:
     mark = " (reconciled)" if d["reconciled"] else ""
     head = f"{d['scope']}/{d['tool_call_id']}  [{d['status']}]{mark}  {d['execution_id'] or ''}"
-    return head.rstrip() + "\n" + json.dumps(d["content"], ensure_ascii=False, indent=2)
+    body = head.rstrip() + "\n" + json.dumps(d["content"], ensure_ascii=False, indent=2)
+    if d.get("review"):  # a script reading the status alone was misled (a cold review)
+        body += (
+            f"\nflagged {d['review']}: the ledger holds another version of this outcome; a "
+            "person reviews it and this receipt may change (toolledger show)"
+        )
+    return body

@@ -196,7 +196,9 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
             f"{d['format'] or 'no tool calls'}: {d['calls']} calls, {d['answered_before']} had "
             f"results, {len(d['inserted'])} inserted"
             + "".join(
-                f"\n  {i['tool_call_id']} ({i['tool']}): {i['status']}" for i in d["inserted"]
+                f"\n  {i['tool_call_id']} ({i['tool']}): {i['status']}"
+                + (f", flagged {i['review']}: a person reviews it" if i["review"] else "")
+                for i in d["inserted"]
             )
         ),
     )

@@ -29,6 +29,8 @@ META_IDEMPOTENCY_KEY = "toolledger/idempotency_key"
 META_STATUS = "toolledger/status"
 META_EXECUTION_ID = "toolledger/execution_id"
 META_RECONCILED = "toolledger/reconciled"
+#: Result ``_meta`` key: the flag a person must settle (``contradicted``…), or null.
+META_REVIEW = "toolledger/review"
 #: Seconds a call waits for its receipt before it is answered with its status instead.
 DEFAULT_TIMEOUT = 60.0
 
@@ -37,6 +39,7 @@ __all__ = [
     "META_EXECUTION_ID",
     "META_IDEMPOTENCY_KEY",
     "META_RECONCILED",
+    "META_REVIEW",
     "META_SCOPE",
     "META_STATUS",
     "META_TOOL_CALL_ID",

@@ -32,6 +32,7 @@ from toolledger.ledger.records import Receipt
 from toolledger.mcp import (
     META_EXECUTION_ID,
     META_RECONCILED,
+    META_REVIEW,
     META_SCOPE,
     META_STATUS,
     META_TOOL_CALL_ID,
@@ -108,6 +109,7 @@ def receipt_meta(receipt: Receipt) -> dict[str, Any]:
         META_STATUS: receipt.status.value,
         META_EXECUTION_ID: receipt.execution_id,
         META_RECONCILED: receipt.reconciled,
+        META_REVIEW: receipt.review,
     }
 
 
