@@ -263,9 +263,18 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
     current, head = current_revision(engine), head_revision()
     if current == head:
         return
-    if current is None and create_embedded and engine.dialect.name == "sqlite":
-        upgrade(engine)
-        return
+    if current is None and engine.dialect.name == "sqlite":
+        if others := sa.inspect(engine).get_table_names():
+            # another application's database (a mistyped --db): made a ledger in silence
+            # by any command, ``show`` included, until a cold review
+            named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
+            raise SchemaError(
+                f"the database holds tables that are not a toolledger ledger's ({named}): "
+                "nothing was made there (is --db or TOOLLEDGER_DB right?)"
+            )
+        if create_embedded:
+            upgrade(engine)
+            return
     raise SchemaError(
         f"the ledger schema is at revision {current or 'none'}, this code needs {head}: "
         "run 'toolledger db upgrade'"

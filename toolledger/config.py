@@ -292,6 +292,22 @@ OTHER_VARIABLES = frozenset(
 )
 _warned: set[str] = set()
 
+
+def _tell_as_text(message: str) -> None:
+    print(f"toolledger: warning: {message}", file=sys.stderr)
+
+
+#: How a warning about the settings themselves is told: a plain line on stderr, or, under the
+#: CLI's ``--json``, a JSON object (``tell_warnings_with``).
+_tell: Callable[[str], None] = _tell_as_text
+
+
+def tell_warnings_with(tell: Callable[[str], None]) -> None:
+    """Tell warnings about the settings (a misspelt variable) with ``tell`` from now on."""
+    global _tell
+    _tell = tell
+
+
 #: How an on/off variable (TOOLLEDGER_METRICS, TOOLLEDGER_FOLDER_WATCH) may be spelt, any case.
 SWITCH_ON = frozenset({"on", "1", "true", "yes"})
 SWITCH_OFF = frozenset({"off", "0", "false", "no"})
@@ -354,11 +370,7 @@ def _warn_misspelt(env: Mapping[str, str]) -> None:
         close = difflib.get_close_matches(variable.upper(), names, n=1, cutoff=0.85)
         if close:
             _warned.add(variable)
-            print(
-                f"toolledger: warning: {variable} is not a setting (did you mean {close[0]}?): "
-                "ignored",
-                file=sys.stderr,
-            )
+            _tell(f"{variable} is not a setting (did you mean {close[0]}?): ignored")
 
 
 def _checked(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -223,6 +223,30 @@ def test_cli__real_entry_point_never_prints_a_traceback(tmp_path: Path):
     assert ok.returncode == 0 and "submit" in ok.stdout
 
 
+def test_cli__under_json_every_warning_is_a_json_line(tmp_path: Path):
+    """A misspelt setting was a plain line under --json, and a Python warning (SQLAlchemy's,
+    about a URL option it ignores) two plain lines quoting source code (a cold review)."""
+    exe = Path(sys.executable).with_name("toolledger")
+    env = {"PATH": "/usr/bin:/bin", "TOOLLEDGER_LEASE_SECOND": "3"}
+    db = f"sqlite:///{tmp_path / 'ledger.db'}?mode=ro"
+    proc = subprocess.run(
+        [str(exe), "--json", "--db", db, "submit", "--scope", "s", "--tool-call-id", "c",
+         "--tool", "write_file", "--args", ARGS],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stderr.splitlines()]  # each line JSON
+    loggers = {d["logger"] for d in lines if "warning" in d}
+    assert {"toolledger.config", "py.warnings"} <= loggers, lines
+    told = next(d["warning"] for d in lines if d.get("logger") == "toolledger.config")
+    assert "TOOLLEDGER_LEASE_SECONDS" in told
+    plain = subprocess.run(
+        [str(exe), "--db", db, "show", "--scope", "s", "--tool-call-id", "c"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert "toolledger: warning: TOOLLEDGER_LEASE_SECOND is not a setting" in plain.stderr
+
+
 def test_cli__embedded_default_creates_its_ledger_on_first_use(tmp_path: Path):
     exe = Path(sys.executable).with_name("toolledger")
     env = {"PATH": "/usr/bin:/bin"}
@@ -497,6 +521,37 @@ def test_cli__a_command_on_recorded_calls_refuses_a_missing_embedded_ledger(
     assert run_cli(capsys, "db", "upgrade")[0] == 0
     code, out, err = run_cli(capsys, *argv)
     assert "no ledger at" not in err and code in (0, 1, 4, 5, 7), (code, out, err)
+
+
+def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_ledger(
+    tmp_path, capsys
+):
+    """`--db` naming another application's SQLite database (a typo): `show` and `list` made
+    it a ledger in silence, and so did `submit`; an empty file at the ledger's path was made
+    one by `list` (a cold review). Read commands make nothing; no command makes a ledger
+    among another application's tables."""
+    import contextlib
+    import sqlite3
+
+    app, empty = tmp_path / "app.db", tmp_path / "empty.db"
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER)")
+        conn.commit()
+    empty.touch()
+    show = ["show", "--scope", "s", "--tool-call-id", "c", "--json"]
+    submit = ["submit", "--scope", "s", "--tool-call-id", "c", "--tool", "write_file",
+              "--args", '{"path": "a.txt", "content": "x"}', "--json"]  # fmt: skip
+    for argv in (show, ["list", "--json"], submit):
+        code, _, err = run_cli(capsys, "--db", f"sqlite:///{app}", *argv)
+        assert code == 1 and "not a toolledger ledger" in err and err.count("\n") == 1, err
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    assert tables == ["invoices"]
+    for argv in (show, ["list", "--json"]):
+        code, _, err = run_cli(capsys, "--db", f"sqlite:///{empty}", *argv)
+        assert code == 1 and "db upgrade" in err, err
+    code, _, err = run_cli(capsys, "--db", f"sqlite:///{empty}", *submit)  # submit makes it
+    assert code == 0, err
 
 
 @pytest.mark.postgres

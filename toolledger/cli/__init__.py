@@ -208,6 +208,14 @@ def log_as_json_lines() -> None:
         handler.setFormatter(JsonLines())
         root.addHandler(handler)
         root.setLevel(logging.WARNING)
+        # Python's own warnings (SQLAlchemy's about a URL's ignored options) were two plain
+        # lines quoting source code (a cold review): records of py.warnings, one JSON line
+        logging.captureWarnings(True)
+        from toolledger import config  # a misspelt variable too: it was a plain line
+
+        config.tell_warnings_with(
+            lambda message: logging.getLogger("toolledger.config").warning("%s", message)
+        )
 
 
 #: Errors told as their own message and exit code, even under TOOLLEDGER_DEBUG.

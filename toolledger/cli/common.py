@@ -111,9 +111,15 @@ class Context:
 
     @cached_property
     def recorded_ledger(self) -> Ledger:
-        """The ledger of a command that reads or changes calls already recorded."""
+        """The ledger of a command that reads or changes calls already recorded: its schema
+        checked, never made (an empty file at the ledger's path was made a ledger by ``show``
+        or ``list``, as any other SQLite database was: a cold review)."""
+        from toolledger.ledger.db import ensure_schema
+
         self.require_recorded()
-        return self.ledger
+        ledger = self.unchecked_ledger
+        ensure_schema(ledger.engine, create_embedded=False)
+        return ledger
 
     @cached_property
     def unchecked_ledger(self) -> Ledger:
