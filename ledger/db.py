@@ -264,7 +264,8 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
     if current == head:
         return
     if current is None and engine.dialect.name == "sqlite":
-        if others := sa.inspect(engine).get_table_names():
+        others = [t for t in sa.inspect(engine).get_table_names() if t != "alembic_version"]
+        if others:  # (alembic_version alone: a ledger downgraded to base, made again)
             # another application's database (a mistyped --db): made a ledger in silence
             # by any command, ``show`` included, until a cold review
             named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
