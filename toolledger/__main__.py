@@ -1,5 +1,5 @@
 """``python -m toolledger`` is ``toolledger``."""
 
-from toolledger.cli import main
+from toolledger.entry import main
 
 main()

@@ -247,6 +247,42 @@ def test_cli__under_json_every_warning_is_a_json_line(tmp_path: Path):
     assert "toolledger: warning: TOOLLEDGER_LEASE_SECOND is not a setting" in plain.stderr
 
 
+def test_cli__ctrl_c_is_one_line_aborted_while_it_loads_and_while_it_runs(tmp_path: Path):
+    """A Ctrl-C while a command ran printed an empty line before its JSON error (click's
+    Abort), and one while the script imported the command line a traceback (a cold review)."""
+    import signal
+    import time
+
+    exe = Path(sys.executable).with_name("toolledger")
+    env = {"PATH": "/usr/bin:/bin"}
+    submit = [str(exe), "submit", "--scope", "s", "--tool-call-id", "c", "--tool", "write_file",
+              "--args", ARGS]  # fmt: skip
+    assert subprocess.run(submit, env=env, cwd=tmp_path, timeout=60).returncode == 0
+    wait = subprocess.Popen(
+        [str(exe), "--json", "wait", "--scope", "s", "--tool-call-id", "c", "--timeout", "60"],
+        env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2.0)  # waiting (pending approval: no receipt comes)
+    wait.send_signal(signal.SIGINT)
+    _, err = wait.communicate(timeout=30)
+    assert wait.returncode == 130 and err == '{"error": "aborted", "exit_code": 130}\n', err
+    interrupted_import = (
+        "import sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'toolledger.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "from toolledger.entry import main\n"
+        "main()\n"
+    )
+    loading = subprocess.run(
+        [sys.executable, "-c", interrupted_import, "list"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert (loading.returncode, loading.stderr) == (130, "toolledger: error: aborted\n")
+
+
 def test_cli__embedded_default_creates_its_ledger_on_first_use(tmp_path: Path):
     exe = Path(sys.executable).with_name("toolledger")
     env = {"PATH": "/usr/bin:/bin"}

@@ -54,6 +54,7 @@ ROOMS: list[tuple[str, int, tuple[str, ...]]] = [
             "toolledger.harness",
             "toolledger.server",
             "toolledger.__main__",
+            "toolledger.entry",
         ),
     ),
     ("api", 4, ("toolledger",)),

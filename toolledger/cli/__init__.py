@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -107,8 +107,19 @@ def load_command(name: str) -> click.Command:
     return command
 
 
+class Interrupted(Exception):
+    """A Ctrl-C while a command ran (click's own Abort printed an empty line first, before
+    the one line of the error: a cold review)."""
+
+
 class LazyGroup(click.Group):
     """A group whose commands come from ``COMMANDS``, each imported when it is resolved."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted from None
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -167,7 +178,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         rv = cli.main(args=args, prog_name="toolledger", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, Interrupted):
         fail("aborted", 130, as_json)
     except CliError as exc:
         fail(exc.message, exc.code, as_json)
