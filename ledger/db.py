@@ -271,7 +271,7 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
             named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
             raise SchemaError(
                 f"the database holds tables that are not a toolledger ledger's ({named}): "
-                "nothing was made there (is --db or TOOLLEDGER_DB right?)"
+                "no ledger was made there (is --db or TOOLLEDGER_DB right?)"
             )
         if create_embedded:
             upgrade(engine)

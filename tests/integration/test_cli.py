@@ -583,9 +583,22 @@ def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_led
     with contextlib.closing(sqlite3.connect(app)) as conn:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
     assert tables == ["invoices"]
-    for argv in (show, ["list", "--json"]):
-        code, _, err = run_cli(capsys, "--db", f"sqlite:///{empty}", *argv)
-        assert code == 1 and "db upgrade" in err, err
+    transcript = tmp_path / "t.json"
+    transcript.write_text("[]")
+    call = ["--scope", "s", "--tool-call-id", "c"]
+    readers = [
+        show, ["list"], ["events", *call], ["wait", *call, "--timeout", "0.5"],
+        ["approve", *call, "--by", "a"], ["reject", *call, "--by", "a"],
+        ["retry", *call, "--by", "a"], ["execute", *call], ["verify"],
+        ["resolve", "--execution-id", "e", "--as", "failed", "--by", "a", "--evidence", "x"],
+        ["repair", str(transcript), "--scope", "s"],
+    ]  # fmt: skip
+    broker = f"embedded+sqlite:///{tmp_path / 'broker.db'}"
+    for argv in readers:
+        code, _, err = run_cli(capsys, "--db", f"sqlite:///{empty}", "--broker", broker, *argv)
+        assert code == 1 and "db upgrade" in err, (argv, err)
+        with contextlib.closing(sqlite3.connect(empty)) as conn:
+            assert not conn.execute("SELECT name FROM sqlite_master").fetchall(), argv
     code, _, err = run_cli(capsys, "--db", f"sqlite:///{empty}", *submit)  # submit makes it
     assert code == 0, err
 

@@ -677,6 +677,7 @@ def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forward
             decided = run_async(ask_again)
             assert decided.is_error and decided.meta["toolledger/status"] == "failed"
             assert decided.meta["toolledger/reconciled"] is True
+            assert decided.meta["toolledger/review"] is None  # no flag waits on it
             assert len(invocations(log)) == 1
         finally:
             ledger.close()

@@ -246,7 +246,7 @@ def contradicted(ledger: Ledger, scope: str) -> str:
 
 
 def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decision(
-    cli, ledger, scope
+    cli, ledger, scope, tmp_path
 ):
     eid = contradicted(ledger, scope)
     # The inbox: list --review, and show with both versions side by side
@@ -283,6 +283,10 @@ def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decisio
     ]
     report = repair_transcript(json.dumps(dangling).encode(), ledger, scope, "openai")
     assert [(i["status"], i["review"]) for i in report.inserted] == [("failed", "contradicted")]
+    transcript = tmp_path / "t.json"
+    transcript.write_text(json.dumps(dangling))
+    code, out, err = cli("repair", str(transcript), "--scope", scope)
+    assert code == 0 and "c1 (notify): failed, flagged contradicted" in out, (out, err)
     # When the human looks again and finds the notification was sent after all
     code, out, err = cli(
         "resolve", "--execution-id", eid, "--as", "succeeded", "--by", "erin",

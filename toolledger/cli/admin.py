@@ -203,7 +203,7 @@ def verify(c: Context) -> int:
         c.require_recorded(nothing="nothing to verify")
     except CliError as exc:  # verify's own word for it since 12-01: exit 1, a difference
         raise CliError(exc.message, EXIT_FAILURE) from None
-    report = c.ledger.verify()
+    report = c.recorded_ledger.verify()
     c.emit(
         report.to_json(),
         lambda d: (

@@ -76,7 +76,7 @@ def _decision(name: str, approve: bool) -> click.Command:
     @json_option
     @pass_ctx
     def command(c: Context, scope: str, tool_call_id: str, by: str, reason: str | None) -> None:
-        c.require_recorded()
+        c.recorded_ledger  # noqa: B018 - there, its schema checked, never made
         out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
         out["outcome"] = "decided"
         c.emit(out, _human_submit)
@@ -220,7 +220,7 @@ def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> No
     """Wait for the call's receipt (woken by the database) and print it."""
     from toolledger.client import Client, ReceiptTimeout
 
-    c.require_recorded()
+    c.recorded_ledger  # noqa: B018 - there, its schema checked, never made
     client = Client(c.settings)
     try:
         receipt = client.wait(scope, tool_call_id, timeout=timeout)
@@ -236,8 +236,10 @@ def _human_receipt(d: dict[str, Any]) -> str:
     head = f"{d['scope']}/{d['tool_call_id']}  [{d['status']}]{mark}  {d['execution_id'] or ''}"
     body = head.rstrip() + "\n" + json.dumps(d["content"], ensure_ascii=False, indent=2)
     if d.get("review"):  # a script reading the status alone was misled (a cold review)
-        body += (
-            f"\nflagged {d['review']}: the ledger holds another version of this outcome; a "
-            "person reviews it and this receipt may change (toolledger show)"
+        why = (
+            "the ledger holds another version of this outcome"
+            if d["review"] == "contradicted"
+            else "a person must look at this call"
         )
+        body += f"\nflagged {d['review']}: {why}; this receipt may change (toolledger show)"
     return body
