@@ -20,7 +20,7 @@ KEYS = ("faults", "duplicates", "effects_after_revocation", "shared_path_mismatc
         "statuses", "recovered_s", "duration_s")  # fmt: skip
 
 
-def assert_clean(report: dict, *, staged: bool = True) -> None:
+def assert_clean(report: dict, *, prefork: bool = True) -> None:
     broken = [i for i in report["invariants"] if not i["ok"]]
     assert not broken, json.dumps(broken, indent=2)
     assert report["duplicates"] == report["effects_after_revocation"] == 0
@@ -32,7 +32,12 @@ def assert_clean(report: dict, *, staged: bool = True) -> None:
     # until the sweep revoked them) and met the fence, before their tool and at their commit
     # with staged bytes (every "0 landed" above was 0 of 0 before: a cold review)
     fenced = report["fenced"]
-    assert fenced["not_started"] + fenced["refused_at_commit"] >= 1, fenced
+    # On threads it is reported, not required: CI's run of 12-06 06:16 met it 0, 0 (0) with
+    # two processes stopped and woken — the woken process lost its leases (the keeper's own
+    # stop: "claim treated as lost", its writes refused) and another thread's stop, then a
+    # restart, ended it before any thread put its fence on record. The ledger's fence is
+    # proved every run by tests/acceptance/test_fencing.py, on both pools' paths.
+    assert fenced["not_started"] + fenced["refused_at_commit"] >= 1 or not prefork, fenced
     # each kind on prefork. A threads pool's process is stopped, woken and killed whole, so
     # another thread's failpoint may end it before the thread a figure waits for records
     # (CI, 12-05: 1, 1 (0); then 0, 11 (2)). Staged bytes refused at the commit are reported,
@@ -40,7 +45,7 @@ def assert_clean(report: dict, *, staged: bool = True) -> None:
     # stopped after staging ended another way; tests/acceptance/test_fencing.py refuses
     # staged bytes at a revoked commit every run (a partition after_stage)
     each = fenced["not_started"] >= 1 and fenced["refused_at_commit"] >= 1
-    assert each or not staged, fenced
+    assert each or not prefork, fenced
     # (a threads pool's process stops once for two threads that stop it together)
     assert report["stopped_and_woken"] >= 1, report["stopped_and_woken"]
 
@@ -104,7 +109,7 @@ def test_chaos__threads_pool_every_fault_kind_every_invariant(
         progress=print,
     )
     report = run_chaos(cfg)
-    assert_clean(report, staged=False)
+    assert_clean(report, prefork=False)
     assert report["pool"] == "threads"
     assert report["fault_kinds_skipped"] == ["kill_child"]  # no pool child to kill
     faults = report["faults"]
