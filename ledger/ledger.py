@@ -17,7 +17,13 @@ import sqlalchemy as sa
 
 from toolledger.ledger import db, inputs, metrics
 from toolledger.ledger.base import event
-from toolledger.ledger.errors import ConflictError, InputError, InvalidTransition, NotFound
+from toolledger.ledger.errors import (
+    ConflictError,
+    InputError,
+    InvalidIdentifier,
+    InvalidTransition,
+    NotFound,
+)
 from toolledger.ledger.events import VerifyReport, verify
 from toolledger.ledger.execution import LEASE_SECONDS, LedgerExecution
 from toolledger.ledger.identity import (
@@ -105,8 +111,11 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         outbox stamp is written now, in the same transaction (clear_enqueued if it fails).
         """
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.max_args_bytes)
-        if tool_call_id in (".", "..") and not self._holds_call(scope, tool_call_id):
+        try:
             check_new_tool_call_id(tool_call_id)
+        except InvalidIdentifier:
+            if not self._holds_call(scope, tool_call_id):  # a replay passes (see prepare)
+                raise
         if approved_by is not None:
             check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
         inputs.check_text(reason, "reason")
