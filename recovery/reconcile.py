@@ -65,6 +65,8 @@ class ReconcileTally:
     still_unknown: int = 0
     #: Found after a person decided otherwise meanwhile: the call flagged contradicted.
     contradicted: int = 0
+    #: Tools' reconcilers that raised: their rows stay unknown, for a person (the inbox).
+    reconciler_failures: int = 0
     errors: list[str] = field(default_factory=list)
     to_publish: list[tuple[str, str, int]] = field(default_factory=list)
     #: Where the pass stopped when its time ran out (the next pass starts after it); None
@@ -231,9 +233,14 @@ def _findings(
         own = late_result(events)
         world = None if isinstance(own, Evidence) else ask_reconciler(tool, sandbox, ex, op)
     except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
+        # The exception's class only, above DEBUG: a tool's own text may quote the call's
+        # arguments, which no line at INFO or above holds (a cold review found a reconciler's
+        # message, with the mail body it quoted, in the WARNING line and the sweep's summary).
         tally.still_unknown += 1
-        tally.errors.append(f"reconciler for {ex.execution_id} failed: {exc}")
-        log.warning("reconciler for %s failed: %s", ex.execution_id, exc)
+        tally.reconciler_failures += 1
+        tally.errors.append(f"reconciler for {ex.execution_id} failed: {type(exc).__name__}")
+        log.warning("reconciler for %s failed: %s", ex.execution_id, type(exc).__name__)
+        log.debug("reconciler for %s failed: %s", ex.execution_id, exc)
         return None
     return tool, own, world
 

@@ -280,6 +280,7 @@ OTHER_VARIABLES = frozenset(
         "LOG_FORMAT",
         "METRICS",
         "METRICS_PORT",
+        "METRICS_ADDR",
         "SERVE_PORT",
         "SERVE_INSECURE_LOCAL",
         "DEBUG",
@@ -343,6 +344,19 @@ def check_process_variables(env: Mapping[str, str]) -> None:
     value = given("METRICS_PORT")
     if value is not None and not (value.isascii() and value.isdigit() and int(value) <= 65535):
         refuse("METRICS_PORT", "a port number, 0 to 65535 (0: any free port)")
+    value = given("METRICS_ADDR")
+    if value is not None and not _ip_address(value):
+        refuse("METRICS_ADDR", "an IP address to listen on (127.0.0.1, ::1, 0.0.0.0)")
+
+
+def _ip_address(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _warn_misspelt(env: Mapping[str, str]) -> None:

@@ -245,7 +245,7 @@ def observe(app: Celery, settings: Settings) -> None:
         # where (a port of 0 is any free one): said again once the worker is ready.
         if getattr(sender, "app", None) is app:
             for port in bound:
-                metrics.log.info("metrics at %s", metrics.endpoint(port))
+                metrics.log.info("metrics at %s", metrics.endpoint(port, metrics.metrics_addr()))
 
     @signals.worker_process_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _child(**_: Any) -> None:

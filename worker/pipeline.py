@@ -69,6 +69,8 @@ TERMINAL_BACKOFF_SECONDS = 0.2
 SELF_FENCE_MARGIN = 0.2
 
 State = Literal["finished", "lost", "unknown", "stale", "unrecorded", "unsure"]
+#: Statuses an ``execute_tool`` span ends in error with (its status ERROR).
+_NOT_FINE = (Status.FAILED, Status.UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,8 @@ class Executor:
             tracing.annotate(
                 span, {"toolledger.status": status, "toolledger.outcome": outcome.state}
             )
+            if outcome.state not in ("finished", "lost") or outcome.status in _NOT_FINE:
+                tracing.failed(span, f"{outcome.state}: {status}")  # a lost claim ran nothing
             if report is not None:
                 report(outcome)
             return outcome
@@ -416,8 +420,13 @@ class Executor:
         try:
             found = tool.reconcile(tool.parse(claim.args), ctx)
         except Exception as exc:  # noqa: BLE001 - cannot tell: do not apply it late
-            found = None
-            log.warning("reconciler of %s failed before its retry: %s", claim.execution_id, exc)
+            found = None  # its class above DEBUG: a tool's text may quote the arguments
+            log.warning(
+                "reconciler of %s failed before its retry: %s",
+                claim.execution_id,
+                type(exc).__name__,
+            )
+            log.debug("reconciler of %s failed before its retry: %s", claim.execution_id, exc)
         if isinstance(found, Absent):
             return None
         if isinstance(found, Evidence):

@@ -345,21 +345,41 @@ def test_metrics__one_prometheus_multiproc_dir_for_two_workers_and_a_beat(
     assert [p.name for p in shared.iterdir()] == ["worker-elsewhere-1"]
 
 
-def test_worker__a_metrics_port_of_0_is_logged_once_ready(tmp_path):
+def listening_on(port: int) -> set[str]:
+    """The local addresses of the IPv4 sockets listening on ``port`` (/proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        ip, at = local.split(":")
+        if state == "0A" and int(at, 16) == port:  # TCP_LISTEN
+            found.add(socket.inet_ntoa(bytes.fromhex(ip)[::-1]))
+    return found
+
+
+@pytest.mark.parametrize("addr", [None, "127.0.0.1"])
+def test_worker__a_metrics_port_of_0_is_logged_once_ready(tmp_path, addr):
     """Any free port is only useful if the worker says which: its endpoint opens before
-    Celery sets up logging, which dropped the line (the beat said it; the worker did not)."""
+    Celery sets up logging, which dropped the line (the beat said it; the worker did not).
+    It listens on every interface unless TOOLLEDGER_METRICS_ADDR says where (it could not be
+    kept to loopback, a cold review)."""
     env = service_env(home=str(tmp_path / "home"), metrics_port="0")
+    if addr is not None:
+        env["TOOLLEDGER_METRICS_ADDR"] = addr
     worker = worker_process("w", env, tmp_path, concurrency=1)
     procs = [worker.start()]
+    expected = addr or "0.0.0.0"  # noqa: S104 - the default said
     try:
         worker.wait_ready(60)
         said = wait_for(
-            lambda: re.search(r"metrics at http://0\.0\.0\.0:(\d+)/metrics", worker.log_text()),
+            lambda: re.search(
+                rf"metrics at http://{re.escape(expected)}:(\d+)/metrics", worker.log_text()
+            ),
             10,
             "the metrics line",
         )
         samples = scrape(f"http://127.0.0.1:{said.group(1)}/metrics")
         assert any(name.startswith("toolledger_") for name, _ in samples), samples
+        assert listening_on(int(said.group(1))) == {expected}
     finally:
         stop_all(procs)
 
@@ -623,6 +643,102 @@ def test_collector__cached_for_its_ttl(sqlite_url):
     ledger.close()
     assert after is not None and before is not None
     assert after["calls"]["pending_approval"] == before["calls"]["pending_approval"] + 1
+
+
+def test_collector__an_unreadable_ledger_is_said_beside_the_values_it_last_read(
+    sqlite_url, monkeypatch
+):
+    """The ledger's gauges go on being served when it cannot be read (a vanished gauge would
+    resolve its alerts), but ``toolledger_ledger_state_up`` says 0 and the timestamp says when
+    they were read: frozen values were served as current (a cold review)."""
+    from toolledger.observability import metrics as m
+
+    def served(collector: m.LedgerStateCollector) -> dict[str, float]:
+        return {
+            (s.name + str(sorted(s.labels.items())) if s.labels else s.name): s.value
+            for family in collector.collect()
+            for s in family.samples
+        }
+
+    ledger = Ledger(sqlite_url)
+    try:
+        collector = m.LedgerStateCollector(ledger, ttl=0)
+        ok = served(collector)
+        assert ok["toolledger_ledger_state_up"] == 1.0
+        assert ok["toolledger_ledger_state_timestamp_seconds"] == pytest.approx(time.time(), abs=5)
+
+        def unreadable(_ledger: Ledger) -> None:
+            raise sa.exc.OperationalError("SELECT", {}, Exception("the server went away"))
+
+        monkeypatch.setattr(m, "state_counts", unreadable)
+        time.sleep(0.01)
+        down = served(collector)
+        assert down["toolledger_ledger_state_up"] == 0.0
+        # the values last read, and when: unchanged
+        assert {k: v for k, v in down.items() if k != "toolledger_ledger_state_up"} == {
+            k: v for k, v in ok.items() if k != "toolledger_ledger_state_up"
+        }
+        # never read at all: the up gauge alone
+        never = served(m.LedgerStateCollector(ledger, ttl=0))
+        assert never == {"toolledger_ledger_state_up": 0.0}
+    finally:
+        ledger.close()
+
+
+def test_serve_metrics__a_slow_ledger_read_does_not_hold_the_event_loop(sqlite_url, monkeypatch):
+    """``/metrics`` reads the ledger in a worker thread: run on the event loop, one scrape
+    while the ledger was slow held every API and console request (10.6 s for a 404, a cold
+    review)."""
+    import httpx
+    import uvicorn
+
+    from toolledger.observability import metrics as m
+
+    entered, release = threading.Event(), threading.Event()
+    real = m.state_counts
+
+    def slow(ledger: Ledger) -> dict[str, dict[str, float]]:
+        entered.set()
+        release.wait(30)
+        return real(ledger)
+
+    counters.disable()
+    ledger = Ledger(sqlite_url)
+    metrics_app = asgi_app(ledger, ttl=0)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/ping":  # a route without the ledger
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await metrics_app(scope, receive, send)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 20, "uvicorn started")
+        monkeypatch.setattr(m, "state_counts", slow)
+        scraped: list[int] = []
+        scraper = threading.Thread(
+            target=lambda: scraped.append(
+                httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=40).status_code
+            )
+        )
+        scraper.start()
+        assert entered.wait(10), "the scrape never read the ledger"
+        # While the scrape waits on the ledger, another request is answered
+        assert httpx.get(f"http://127.0.0.1:{port}/ping", timeout=5).status_code == 204
+        release.set()
+        scraper.join(40)
+        assert scraped == [200]
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(10)
+        ledger.close()
+        counters.disable()
 
 
 def test_cold_paths__import_neither_prometheus_client_nor_opentelemetry():

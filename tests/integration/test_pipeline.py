@@ -1655,6 +1655,36 @@ def test_auto_retry__a_write_staged_while_it_is_reconciled_stops_it(
         ledger.close()
 
 
+def test_auto_retry__a_reconciler_failing_before_it_stops_it_and_keeps_its_text_at_debug(
+    fresh_db_url, scope, tmp_path, monkeypatch, caplog
+):
+    """Cannot tell whether the world moved on: nothing written. The reconciler's own text
+    (a tool's, which may quote the call's arguments) is logged at DEBUG only (a cold review
+    found a reconciler's message reaching WARNING lines)."""
+    ledger = Ledger(fresh_db_url)
+    try:
+        executor = _builtin_executor(ledger, tmp_path)
+        _retried_by_the_sweep(executor, scope, "c1", "a.txt")
+
+        def failing(self: Sandbox, at: str, path: str) -> str | None:
+            raise RuntimeError("driver broke reading a.txt, content='SECRET-hunter2'")
+
+        monkeypatch.setattr(Sandbox, "sha256", failing)
+        caplog.set_level("DEBUG", logger="toolledger")
+        outcome = executor.execute(scope, "write_file:c1", 2)
+        assert outcome.status is Status.FAILED
+        assert ledger.get(scope, "c1").current.result["error"] == "superseded"
+        assert not (tmp_path / scope / "a.txt").exists()
+        said = [r for r in caplog.records if "SECRET" in r.getMessage()]
+        assert said and {r.levelname for r in said} == {"DEBUG"}
+        assert any(
+            "before its retry: RuntimeError" in r.getMessage() and r.levelname == "WARNING"
+            for r in caplog.records
+        )
+    finally:
+        ledger.close()
+
+
 def test_read_only__a_path_whose_committed_bytes_wait_is_not_read_stale(
     ledger, scope, tmp_path, monkeypatch
 ):

@@ -303,9 +303,36 @@ def _bomb_write(args: ContentArgs, ctx: Any) -> dict[str, Any]:
     raise AssertionError("recovery executed a tool")
 
 
-def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(ledger, scope, sandbox):
+def last_success() -> float:
+    """The sweep's last-success gauge, as this process counts it."""
+    from toolledger.ledger import metrics as counters
+
+    own = counters.active()
+    assert own is not None
+    value = own.registry.get_sample_value("toolledger_sweep_last_success_timestamp_seconds")
+    return float(value or 0)
+
+
+@pytest.fixture
+def counting():
+    from toolledger.ledger import metrics as counters
+
+    counters.disable()
+    counters.enable()
+    yield
+    counters.disable()
+
+
+def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(
+    ledger, scope, sandbox, caplog, counting
+):
+    """The pass goes on, the row stays unknown for a person; the reconciler's own text (which
+    may quote the call's arguments) reaches no line at INFO or above nor the summary; and the
+    pass counts as a success: a tool's broken reconciler fired the critical stalled-sweep
+    alert for ever (a cold review)."""
+
     def broken_reconcile(*_: Any) -> Any:
-        raise OSError("disk on fire")
+        raise OSError("disk on fire, body='SECRET-hunter2'")
 
     registry = Registry(
         [
@@ -314,9 +341,15 @@ def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(ledger, s
         ]
     )
     crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    caplog.set_level("DEBUG", logger="toolledger")
     summary = run_sweep(ledger, sandbox, registry)
-    assert summary.still_unknown >= 1 and any("disk on fire" in e for e in summary.errors)
+    assert summary.still_unknown >= 1 and summary.reconciler_failures >= 1
+    assert any("reconciler for" in e and "OSError" in e for e in summary.errors)
+    assert "SECRET" not in str(summary.to_json())
+    said = [r for r in caplog.records if "SECRET" in r.getMessage()]
+    assert said and {r.levelname for r in said} == {"DEBUG"}  # at DEBUG only
     assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    assert last_success() == pytest.approx(time.time(), abs=60)
 
 
 @pytest.mark.parametrize(
@@ -358,7 +391,9 @@ def test_sweep__what_a_reconciler_reports_is_stored_as_a_result_is(
             assert view.current.result == stored
 
 
-def test_sweep__one_row_that_cannot_be_recorded_stops_no_other(ledger, scope, sandbox, monkeypatch):
+def test_sweep__one_row_that_cannot_be_recorded_stops_no_other(
+    ledger, scope, sandbox, monkeypatch, counting
+):
     """Whatever recording one finding raises, the pass goes on to the next row."""
     from toolledger.recovery import reconcile
 
@@ -386,6 +421,7 @@ def test_sweep__one_row_that_cannot_be_recorded_stops_no_other(ledger, scope, sa
     assert any("cannot record this one" in e for e in summary.errors)
     assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
     assert ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
+    assert last_success() == 0  # the ledger refused a finding: the pass did not succeed
 
 
 # ---------------------------------------------------------------------------- concurrency

@@ -178,6 +178,39 @@ def test_trace__submit_span_is_the_parent_of_the_worker_span(
     assert '"x"' not in line["message"]  # no argument contents
 
 
+def test_trace__an_execution_that_failed_ends_its_span_in_error(sqlite_url, tmp_path, spans):
+    """A tool's failure is the span's (status ERROR): a trace UI showed it as fine (a cold
+    review); a success stays unset."""
+    from opentelemetry.trace import StatusCode
+
+    from toolledger.builtin_tools import BUILTINS
+    from toolledger.sandbox import Sandbox
+    from toolledger.tools import Registry
+    from toolledger.worker.pipeline import Executor, LeaseKeeper
+
+    ledger = Ledger(sqlite_url)
+    try:
+        executor = Executor(
+            ledger, Registry(list(BUILTINS)), Sandbox(tmp_path / "sb").prepare(), worker_id="w",
+            lease_seconds=30, leases=LeaseKeeper(ledger, 30, 0.0),
+        )  # fmt: skip
+        ledger.submit("tr", "ok", "write_file", {"path": "a.txt", "content": "x"}, approved_by="a")
+        ledger.submit("tr", "bad", "write_file", {"path": "d", "content": "x"}, approved_by="a")
+        (tmp_path / "sb" / "tr" / "d").mkdir(parents=True)  # a folder there: the write fails
+        assert executor.execute("tr", "write_file:ok", 1).status is Status.SUCCEEDED
+        assert executor.execute("tr", "write_file:bad", 1).status is Status.FAILED
+    finally:
+        ledger.close()
+    by_call = {
+        s.attributes["toolledger.idempotency_key"]: s
+        for s in spans.get_finished_spans()
+        if s.name.startswith("execute_tool")
+    }
+    assert by_call["write_file:ok"].status.status_code is StatusCode.UNSET
+    assert by_call["write_file:bad"].status.status_code is StatusCode.ERROR
+    assert by_call["write_file:bad"].status.description == "finished: failed"
+
+
 def test_trace__a_sweep_and_its_reconciliation_are_spans(sqlite_url, tmp_path, spans):
     from toolledger.recovery.sweep import sweep
     from toolledger.registry import load_registry

@@ -23,6 +23,7 @@ EXPECTED = {
     "ToolledgerCallWaitingLong",
     "ToolledgerLeaseExpirationsRising",
     "ToolledgerSweepStalled",
+    "ToolledgerLedgerUnreadable",
 }
 
 
@@ -66,7 +67,7 @@ def alerts() -> set[str]:
     return {r["alert"] for g in doc["groups"] for r in g["rules"] if "alert" in r}
 
 
-def test_alert_rules__schema_and_the_four_alerts():
+def test_alert_rules__schema_and_the_five_alerts():
     assert schema_errors(yaml.safe_load(ALERTS.read_text())) == []
     assert alerts() == EXPECTED
 
@@ -88,7 +89,7 @@ def test_promtool__check_rules_and_config():
     tool = promtool()
     checked = run(tool, "check", "rules", "alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 4 rules found" in checked.stdout
+    assert "SUCCESS: 5 rules found" in checked.stdout
     config = run(tool, "check", "config", "prometheus.yml")
     assert config.returncode == 0, config.stdout + config.stderr
 

@@ -118,6 +118,8 @@ def test_settings__typed_errors_name_the_variable():
         ("TOOLLEDGER_METRICS_PORT", "65536", "a port number"),
         ("TOOLLEDGER_METRICS_PORT", "-1", "a port number"),
         ("TOOLLEDGER_METRICS_PORT", "٣", "a port number"),  # a digit, not an ASCII one
+        ("TOOLLEDGER_METRICS_ADDR", "localhost:9808", "an IP address"),
+        ("TOOLLEDGER_METRICS_ADDR", "every", "an IP address"),
     ],
 )
 def test_settings__the_variables_outside_the_settings_refused_malformed(

@@ -76,7 +76,7 @@ def _decision(name: str, approve: bool) -> click.Command:
     @json_option
     @pass_ctx
     def command(c: Context, scope: str, tool_call_id: str, by: str, reason: str | None) -> None:
-        c.recorded_ledger  # noqa: B018 - there, its schema checked, never made
+        c.require_ledger()
         out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
         out["outcome"] = "decided"
         c.emit(out, _human_submit)
@@ -220,7 +220,7 @@ def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> No
     """Wait for the call's receipt (woken by the database) and print it."""
     from toolledger.client import Client, ReceiptTimeout
 
-    c.recorded_ledger  # noqa: B018 - there, its schema checked, never made
+    c.require_ledger()
     client = Client(c.settings)
     try:
         receipt = client.wait(scope, tool_call_id, timeout=timeout)

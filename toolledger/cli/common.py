@@ -121,6 +121,11 @@ class Context:
         ensure_schema(ledger.engine, create_embedded=False)
         return ledger
 
+    def require_ledger(self) -> None:
+        """Fail unless a ledger is recorded there (its schema checked, never made): for a
+        command that reaches the ledger through another part (the submitter), before it does."""
+        self.recorded_ledger  # noqa: B018 - the property's check is the point
+
     @cached_property
     def unchecked_ledger(self) -> Ledger:
         # Lock waits and idle transactions bounded: a human's command frozen mid-transaction

@@ -132,7 +132,7 @@ def retry(
     c: Context, scope: str, tool_call_id: str, by: str, accept_duplicate: bool, reason: str | None
 ) -> None:
     """A new attempt under the same key (unknown or failed calls), authorised by a person."""
-    c.recorded_ledger  # noqa: B018 - there, its schema checked, never made
+    c.require_ledger()
     sub = c.submitter
     out = retry_call(
         sub.ledger,

@@ -16,7 +16,8 @@ scrape).
 
 Environment (read by the process entry points): ``TOOLLEDGER_METRICS=off`` turns every
 counter and endpoint off; ``TOOLLEDGER_METRICS_PORT`` is the port of a worker's or the
-beat's endpoint (defaults ``WORKER_PORT``/``BEAT_PORT``; 0 = any free port, logged).
+beat's endpoint (defaults ``WORKER_PORT``/``BEAT_PORT``; 0 = any free port, logged),
+``TOOLLEDGER_METRICS_ADDR`` the address it listens on (default every interface).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def metrics_on(env: Mapping[str, str] | None = None) -> bool:
 
 def metrics_port(default: int, env: Mapping[str, str] | None = None) -> int:
     return int((env if env is not None else os.environ).get("TOOLLEDGER_METRICS_PORT", default))
+
+
+def metrics_addr(env: Mapping[str, str] | None = None) -> str:
+    """The address a worker's or the beat's endpoint listens on: ``TOOLLEDGER_METRICS_ADDR``,
+    every interface by default (prometheus_client's, for a Prometheus in another container);
+    127.0.0.1 keeps it to this host (it could not be, a cold review)."""
+    given = (env if env is not None else os.environ).get("TOOLLEDGER_METRICS_ADDR", "").strip()
+    return given or "0.0.0.0"  # noqa: S104 - the documented default
 
 
 # ------------------------------------------------------------------------ the ledger's gauges
@@ -167,12 +176,26 @@ def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
 
 
 class LedgerStateCollector:
-    """The gauges read from the ledger, cached ``ttl`` seconds (one query per ttl at most)."""
+    """The gauges read from the ledger, cached ``ttl`` seconds (one query per ttl at most).
 
-    def __init__(self, ledger: Ledger, ttl: float = CACHE_SECONDS) -> None:
-        self.ledger, self.ttl = ledger, ttl
+    When the ledger cannot be read, the last values read are served on (a gauge that
+    vanished would resolve the alerts on it) beside ``toolledger_ledger_state_up`` 0 and
+    the time they were read: values frozen since a rename or an outage were served as
+    current, and the inbox alerts fired on them (a cold review).
+
+    ``read_on_collect`` False: ``collect`` serves what ``counts`` last read and never queries
+    itself — for an endpoint on an event loop, which calls ``counts`` in a thread first (a
+    scrape of ``toolledger serve`` ran the query on the loop: every API and console request
+    waited behind it while the ledger was slow, a cold review)."""
+
+    def __init__(
+        self, ledger: Ledger, ttl: float = CACHE_SECONDS, *, read_on_collect: bool = True
+    ) -> None:
+        self.ledger, self.ttl, self.read_on_collect = ledger, ttl, read_on_collect
         self._lock = threading.Lock()
         self._cached: tuple[float, dict[str, dict[str, float]]] | None = None
+        self._read_at = 0.0  # Unix time of the values cached
+        self._up = False  # whether the last read of the ledger succeeded
 
     def counts(self) -> dict[str, dict[str, float]] | None:
         with self._lock:
@@ -182,8 +205,16 @@ class LedgerStateCollector:
                     self._cached = (now, state_counts(self.ledger))
                 except sa.exc.SQLAlchemyError as exc:
                     log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
+                    self._up = False
                     return self._cached[1] if self._cached else None
+                self._read_at, self._up = time.time(), True
             return self._cached[1]
+
+    def _served(self) -> tuple[dict[str, dict[str, float]] | None, bool, float]:
+        counts = self.counts() if self.read_on_collect else None
+        with self._lock:
+            cached = self._cached[1] if self._cached else None
+            return (counts if self.read_on_collect else cached), self._up, self._read_at
 
     def describe(self) -> Iterable[Metric]:
         return []  # not known before the first scrape; nothing to check for clashes
@@ -191,9 +222,20 @@ class LedgerStateCollector:
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import GaugeMetricFamily
 
-        counts = self.counts()
+        counts, up, read_at = self._served()
+        yield GaugeMetricFamily(
+            "toolledger_ledger_state_up",
+            "1 if the last read of the ledger's state succeeded; 0 if it failed (the gauges "
+            "read from it are then those of toolledger_ledger_state_timestamp_seconds).",
+            value=1.0 if up else 0.0,
+        )
         if counts is None:
             return
+        yield GaugeMetricFamily(
+            "toolledger_ledger_state_timestamp_seconds",
+            "When the ledger's gauges served were read (Unix time).",
+            value=read_at,
+        )
         calls = GaugeMetricFamily(
             "toolledger_calls", "Calls by status now (open statuses).", labels=["status"]
         )
@@ -280,13 +322,30 @@ def asgi_app(ledger: Ledger, *, ttl: float = CACHE_SECONDS) -> Any:
     gauges are served)."""
     from prometheus_client import CollectorRegistry, make_asgi_app
 
+    state = LedgerStateCollector(ledger, ttl, read_on_collect=False)
     if not metrics_on():
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(LedgerStateCollector(ledger, ttl))
-        return make_asgi_app(registry=registry)
-    _in_memory()
-    counters.enable()
-    return make_asgi_app(registry=process_registry(LedgerStateCollector(ledger, ttl)))
+        registry.register(state)
+    else:
+        _in_memory()
+        counters.enable()
+        registry = process_registry(state)
+    return _ReadFirst(make_asgi_app(registry=registry), state)
+
+
+class _ReadFirst:
+    """An ASGI app that reads the ledger's state in a worker thread, then lets ``inner``
+    (prometheus_client's, which renders synchronously on the event loop) serve it."""
+
+    def __init__(self, inner: Any, state: LedgerStateCollector) -> None:
+        self.inner, self.state = inner, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") == "http":
+            import anyio.to_thread
+
+            await anyio.to_thread.run_sync(self.state.counts)
+        await self.inner(scope, receive, send)
 
 
 # ------------------------------------------------------------------------ worker and beat
@@ -354,7 +413,8 @@ def serve_http(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") ->
 
 def endpoint(port: int, addr: str = "0.0.0.0") -> str:  # noqa: S104
     """The URL ``serve_http`` serves at."""
-    return f"http://{addr}:{port}/metrics"
+    host = f"[{addr}]" if ":" in addr else addr
+    return f"http://{host}:{port}/metrics"
 
 
 def start_worker_metrics(default_port: int = WORKER_PORT) -> int | None:
@@ -366,7 +426,7 @@ def start_worker_metrics(default_port: int = WORKER_PORT) -> int | None:
     use_multiprocess()
     counters.enable()
     try:
-        return serve_http(process_registry(), metrics_port(default_port))
+        return serve_http(process_registry(), metrics_port(default_port), metrics_addr())
     except OSError as exc:
         log.warning("metrics endpoint not started: %s", exc)
         return None
@@ -412,7 +472,7 @@ def start_beat_metrics(
     )
     try:
         registry = process_registry(LedgerStateCollector(ledger), interval)
-        return serve_http(registry, metrics_port(default_port))
+        return serve_http(registry, metrics_port(default_port), metrics_addr())
     except OSError as exc:
         log.warning("metrics endpoint not started: %s", exc)
         return None

@@ -114,6 +114,17 @@ def annotate(current: Any, attributes: Mapping[str, Any], name: str | None = Non
         current.update_name(name)
 
 
+def failed(current: Any, description: str) -> None:
+    """Mark the span's operation as failed (status ERROR): a trace UI showed a tool that
+    failed, an unknown outcome or a result refused by the fence as fine (a cold review)."""
+    if current is None:
+        return
+    from opentelemetry.trace import Status as SpanStatus
+    from opentelemetry.trace import StatusCode
+
+    current.set_status(SpanStatus(StatusCode.ERROR, description))
+
+
 def inject(headers: MutableMapping[str, Any]) -> None:
     """Write the current trace context into a message's headers (nothing if not in use)."""
     if _trace() is None:
