@@ -83,7 +83,10 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     packages = report["machine"]["packages"]
     assert packages["celery"] == metadata.version("celery"), packages
     assert f"celery {packages['celery']}" in (out / "bench.md").read_text()
-    assert "(threads: the production configuration)" in (out / "bench.md").read_text()
+    assert (
+        "(threads, 2 workers of 2; not the production configuration)"
+        in (out / "bench.md").read_text()
+    )
     # and under what durability: fsync and synchronous commit on, for every side
     for side in ("toolledger", "baselines"):
         assert report["machine"]["durability"][side] == {"fsync": "on", "synchronous_commit": "on"}

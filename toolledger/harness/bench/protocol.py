@@ -37,6 +37,7 @@ from toolledger.harness.bench.common import Figures, atomic_write, plain_url
 from toolledger.harness.bench.procs import Group
 from toolledger.ledger import writers
 from toolledger.ledger.db import create_engine
+from toolledger.ledger.transitions import Status
 
 IMPLS = ("toolledger", "handwritten", "insert")
 QUEUED = "handwritten_queued"
@@ -69,7 +70,8 @@ def _toolledger_job(url: str, sandbox: str) -> Any:
 
     def job(scope: str, key: str) -> None:
         outcome = executor.execute(scope, key, 1)
-        assert outcome.state == "finished", outcome
+        # finished *and* succeeded: a failed call is no throughput (a cold review)
+        assert outcome.state == "finished" and outcome.status is Status.SUCCEEDED, outcome
 
     return job
 
@@ -257,8 +259,10 @@ def _insert_job(url: str, sandbox: str) -> Any:
 def run_share(
     impl: str, url: str, scope: str, keys: list[str], start_at: float, sandbox: str
 ) -> tuple[float, float, float]:
-    """In a group process: build (once) and warm the job, wait for the start, run the share.
-    Its seconds, and the user and system CPU seconds this process spent on it."""
+    """In a group process: build the job (once: connections live as long as the process; no
+    call is made before the measure, so round 1 carries each side's first-call costs, more
+    of them toolledger's), wait for the start, run the share. Its seconds, and the user and
+    system CPU seconds this process spent on it."""
     factories: dict[str, Callable[[str, str], Any]] = {
         "toolledger": _toolledger_job,
         "insert": _insert_job,
