@@ -23,10 +23,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/toolledger demo
 
+# The suite runs in PYTEST_WORKERS processes (pytest-xdist; one per core, at most 4), a test
+# file's tests in one of them: most of its time is waiting on workers, leases and sockets, so
+# two processes on two cores take about half of it. PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= auto
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 # The production stack for real: images built (on a local debootstrapped base), docker-compose
 # up with 4 workers, containers killed mid-run, the ledger and the sandbox judged. Needs dockerd.

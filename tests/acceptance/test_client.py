@@ -224,8 +224,8 @@ def test_listener__a_killed_listen_connection_reconnects_and_misses_nothing(
             killed = conn.execute(
                 sa.text(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name = :name"
-                ),
+                    "WHERE application_name = :name AND datname = current_database()"
+                ),  # this test's database only: another test's listeners are not its own
                 {"name": LISTENER_NAME},
             ).all()
         assert killed == [(True,)]
