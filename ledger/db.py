@@ -253,6 +253,20 @@ def refuse_newer(engine: sa.Engine, stored: str | None = None) -> None:
         )
 
 
+def _sqlite_state(engine: sa.Engine) -> tuple[str | None, list[str]]:
+    """The revision a SQLite database holds and its tables but Alembic's, read in one
+    transaction (one snapshot). Read apart, a ledger another process made between the two
+    reads looked like another application's tables: the second of ``make demo``'s workers,
+    starting beside the first on a fresh ledger, refused it under load."""
+    with engine.connect() as conn:
+        names = sa.inspect(conn).get_table_names()
+        made = None
+        if VERSION_TABLE in names:
+            rows = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
+            made = str(rows[0][0]) if len(rows) == 1 else None
+    return made, [t for t in names if t != VERSION_TABLE]
+
+
 def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
     """Check the schema is at head. An empty embedded SQLite ledger is created on the spot;
     anything else (Postgres, or an older revision) must be migrated on purpose."""
@@ -264,8 +278,10 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
     if current == head:
         return
     if current is None and engine.dialect.name == "sqlite":
-        others = [t for t in sa.inspect(engine).get_table_names() if t != "alembic_version"]
-        if others:  # (alembic_version alone: a ledger downgraded to base, made again)
+        made, others = _sqlite_state(engine)
+        if made == head:  # another process made the ledger since the revision was read
+            return
+        if made is None and others:  # (alembic_version alone: downgraded to base, made again)
             # another application's database (a mistyped --db): made a ledger in silence
             # by any command, ``show`` included, until a cold review
             named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")

@@ -385,3 +385,34 @@ def test_upgrade__waits_for_another_migrator_past_its_lock_timeout(pg_server, ca
         engine = create_engine(url)
         assert current_revision(engine) == head_revision()
         engine.dispose()
+
+
+def test_ensure_schema__a_ledger_another_process_made_meanwhile_is_taken(tmp_path, monkeypatch):
+    """Two processes start on a fresh embedded ledger (``make demo``'s two workers): one reads
+    no revision, the other makes the ledger, then the first lists the tables. It found the
+    ledger's own tables and refused them as another application's (CI, under load)."""
+    from toolledger.ledger import db
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    real, made = db.current_revision, []
+
+    def read_then_another_makes_it(e: sa.Engine) -> str | None:
+        revision = real(e)  # none yet
+        if not made:
+            made.append(upgrade(e))  # the other process, between this read and the next
+        return revision
+
+    monkeypatch.setattr(db, "current_revision", read_then_another_makes_it)
+    try:
+        db.ensure_schema(engine)  # no SchemaError
+        assert made and db.stored_revision(engine) == head_revision()
+        # and another application's database is still refused
+        other = create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+        with other.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE customers (id INTEGER)")
+        monkeypatch.setattr(db, "current_revision", real)
+        with pytest.raises(db.SchemaError, match="not a toolledger ledger's"):
+            db.ensure_schema(other)
+        other.dispose()
+    finally:
+        engine.dispose()
