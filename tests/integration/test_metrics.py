@@ -685,6 +685,28 @@ def test_collector__an_unreadable_ledger_is_said_beside_the_values_it_last_read(
         ledger.close()
 
 
+def test_collector__a_failed_read_is_not_tried_again_for_its_ttl(sqlite_url, monkeypatch):
+    """Every scrape read the ledger again while it failed (nothing was cached): scrapes
+    queued, each holding a server thread (a cold review). Tried once per ttl, as a success."""
+    from toolledger.observability import metrics as m
+
+    tries = []
+
+    def unreadable(_ledger: Ledger) -> None:
+        tries.append(1)
+        raise sa.exc.OperationalError("SELECT", {}, Exception("the server went away"))
+
+    monkeypatch.setattr(m, "state_counts", unreadable)
+    ledger = Ledger(sqlite_url)
+    try:
+        collector = m.LedgerStateCollector(ledger, ttl=3600)
+        for _ in range(5):
+            assert collector.counts() is None
+        assert len(tries) == 1
+    finally:
+        ledger.close()
+
+
 def test_serve_metrics__a_slow_ledger_read_does_not_hold_the_event_loop(sqlite_url, monkeypatch):
     """``/metrics`` reads the ledger in a worker thread: run on the event loop, one scrape
     while the ledger was slow held every API and console request (10.6 s for a 404, a cold
@@ -728,8 +750,11 @@ def test_serve_metrics__a_slow_ledger_read_does_not_hold_the_event_loop(sqlite_u
         )
         scraper.start()
         assert entered.wait(10), "the scrape never read the ledger"
-        # While the scrape waits on the ledger, another request is answered
+        # While the scrape waits on the ledger, another request is answered, and so is a
+        # second scrape, with what was last read (it waited on the first's lock, on the loop)
         assert httpx.get(f"http://127.0.0.1:{port}/ping", timeout=5).status_code == 204
+        second = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert second.status_code == 200 and "toolledger_ledger_state_up 0.0" in second.text
         release.set()
         scraper.join(40)
         assert scraped == [200]

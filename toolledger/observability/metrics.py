@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import shutil
 import socket
@@ -175,6 +177,14 @@ def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
     return sa.union_all(pending, unknown, flagged)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+    values: dict[str, dict[str, float]] | None  # the last values read
+    up: bool  # whether the last try to read succeeded
+    read_at: float  # Unix time the values were read
+    tried: float  # monotonic time the last try ended
+
+
 class LedgerStateCollector:
     """The gauges read from the ledger, cached ``ttl`` seconds (one query per ttl at most).
 
@@ -186,35 +196,45 @@ class LedgerStateCollector:
     ``read_on_collect`` False: ``collect`` serves what ``counts`` last read and never queries
     itself — for an endpoint on an event loop, which calls ``counts`` in a thread first (a
     scrape of ``toolledger serve`` ran the query on the loop: every API and console request
-    waited behind it while the ledger was slow, a cold review)."""
+    waited behind it while the ledger was slow, a cold review).
+
+    One read at a time, and nobody waits for it: a scrape arriving while another reads serves
+    the values last read (``collect`` takes no lock: the snapshot is one attribute). A failed
+    read is not tried again for ``ttl`` either: scrapes queued behind a lock, each to read
+    again, held the loop and the server's threads (a second cold review)."""
 
     def __init__(
         self, ledger: Ledger, ttl: float = CACHE_SECONDS, *, read_on_collect: bool = True
     ) -> None:
         self.ledger, self.ttl, self.read_on_collect = ledger, ttl, read_on_collect
-        self._lock = threading.Lock()
-        self._cached: tuple[float, dict[str, dict[str, float]]] | None = None
-        self._read_at = 0.0  # Unix time of the values cached
-        self._up = False  # whether the last read of the ledger succeeded
+        self._reading = threading.Lock()
+        self._snapshot = _Snapshot(None, False, 0.0, -math.inf)
 
     def counts(self) -> dict[str, dict[str, float]] | None:
-        with self._lock:
-            now = time.monotonic()
-            if self._cached is None or now - self._cached[0] >= self.ttl:
-                try:
-                    self._cached = (now, state_counts(self.ledger))
-                except sa.exc.SQLAlchemyError as exc:
-                    log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
-                    self._up = False
-                    return self._cached[1] if self._cached else None
-                self._read_at, self._up = time.time(), True
-            return self._cached[1]
+        """The values to serve: read now if the last try is ``ttl`` old and nobody reads."""
+        snap = self._snapshot
+        if time.monotonic() - snap.tried < self.ttl or not self._reading.acquire(blocking=False):
+            return snap.values
+        try:
+            snap = self._snapshot
+            if time.monotonic() - snap.tried < self.ttl:  # read while this one waited
+                return snap.values
+            try:
+                values = state_counts(self.ledger)
+            except sa.exc.SQLAlchemyError as exc:
+                log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
+                self._snapshot = dataclasses.replace(snap, up=False, tried=time.monotonic())
+                return snap.values
+            self._snapshot = _Snapshot(values, True, time.time(), time.monotonic())
+            return values
+        finally:
+            self._reading.release()
 
     def _served(self) -> tuple[dict[str, dict[str, float]] | None, bool, float]:
-        counts = self.counts() if self.read_on_collect else None
-        with self._lock:
-            cached = self._cached[1] if self._cached else None
-            return (counts if self.read_on_collect else cached), self._up, self._read_at
+        if self.read_on_collect:
+            self.counts()
+        snap = self._snapshot
+        return snap.values, snap.up, snap.read_at
 
     def describe(self) -> Iterable[Metric]:
         return []  # not known before the first scrape; nothing to check for clashes
