@@ -230,9 +230,19 @@ def _findings(
     except UnknownTool:
         tool = None
     try:
-        own = late_result(events)
-        world = None if isinstance(own, Evidence) else ask_reconciler(tool, sandbox, ex, op)
-    except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
+        own = late_result(events)  # toolledger's own reading: its failure is the pass's
+    except Exception as exc:  # noqa: BLE001 - one row cannot stop the pass
+        tally.still_unknown += 1
+        tally.errors.append(f"reading the late result of {ex.execution_id} failed: {exc}")
+        log.warning("reading the late result of %s failed: %s", ex.execution_id, exc)
+        return None
+    if isinstance(own, Evidence):
+        return tool, own, None
+    try:
+        world = ask_reconciler(tool, sandbox, ex, op)
+    except Exception as exc:  # a broken reconciler leaves the row for a human
+        if _time_limit(exc):
+            raise  # the task's time limit, not the tool's failure: the pass stops, unsuccessful
         # The exception's class only, above DEBUG: a tool's own text may quote the call's
         # arguments, which no line at INFO or above holds (a cold review found a reconciler's
         # message, with the mail body it quoted, in the WARNING line and the sweep's summary).
@@ -243,6 +253,14 @@ def _findings(
         log.debug("reconciler for %s failed: %s", ex.execution_id, exc)
         return None
     return tool, own, world
+
+
+def _time_limit(exc: BaseException) -> bool:
+    """Celery's soft time limit (billiard's, an ``Exception``): imported only when asked, so
+    that the commands reading a sweep's module never load billiard."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    return isinstance(exc, SoftTimeLimitExceeded)
 
 
 def _decided_meanwhile(

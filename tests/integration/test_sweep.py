@@ -676,3 +676,45 @@ def test_sweep__the_wrap_around_follows_the_databases_collation(pg_server, sandb
         ledger.close()
     finally:
         drop_database(pg_server, name)
+
+
+def test_sweep__the_time_limit_inside_a_reconciler_stops_the_pass_unsuccessful(
+    ledger, scope, sandbox, counting
+):
+    """Celery's soft time limit (an ``Exception``) raised in a reconciler was counted as the
+    tool's failure, and the pass as a success (a cold review): it stops the pass now."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    def slow_reconcile(*_: Any) -> Any:
+        raise SoftTimeLimitExceeded()
+
+    registry = Registry(
+        [
+            make_tool(_bomb_write, name="write_file", reconcile=slow_reconcile),
+            make_tool(_bomb_write, name="append_file"),
+        ]
+    )
+    crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    with pytest.raises(SoftTimeLimitExceeded):
+        run_sweep(ledger, sandbox, registry)
+    assert last_success() == 0
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+
+
+def test_sweep__reading_a_late_result_failing_is_the_pass_s_error_not_the_tool_s(
+    ledger, scope, sandbox, counting, monkeypatch
+):
+    """toolledger's own reading of what an executor left is not a tool's reconciler: its
+    failure fails the pass (it was counted as the tool's, and the pass a success)."""
+    from toolledger.recovery import reconcile
+
+    def broken(_events: Any) -> Any:
+        raise ValueError("a late result that does not parse")
+
+    monkeypatch.setattr(reconcile, "late_result", broken)
+    crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    summary = run_sweep(ledger, sandbox)
+    assert summary.reconciler_failures == 0
+    assert any("reading the late result" in e for e in summary.errors)
+    assert last_success() == 0
+    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
