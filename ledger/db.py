@@ -281,6 +281,9 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
         made, others = _sqlite_state(engine)
         if made == head:  # another process made the ledger since the revision was read
             return
+        if made is not None:  # made meanwhile by another version of toolledger
+            refuse_newer(engine, made)
+            current = made
         if made is None and others:  # (alembic_version alone: downgraded to base, made again)
             # another application's database (a mistyped --db): made a ledger in silence
             # by any command, ``show`` included, until a cold review
@@ -289,7 +292,7 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
                 f"the database holds tables that are not a toolledger ledger's ({named}): "
                 "no ledger was made there (is --db or TOOLLEDGER_DB right?)"
             )
-        if create_embedded:
+        if made is None and create_embedded:
             upgrade(engine)
             return
     raise SchemaError(

@@ -416,3 +416,33 @@ def test_ensure_schema__a_ledger_another_process_made_meanwhile_is_taken(tmp_pat
         other.dispose()
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("stamped", ["0001", "0099"])
+def test_ensure_schema__made_meanwhile_at_another_revision_is_said_as_it_is(
+    tmp_path, monkeypatch, stamped
+):
+    """A ledger made meanwhile by another toolledger (an older one, or a newer): its own
+    revision in the message (it said "none"), a newer one refused as newer, never migrated
+    here on the spot (an older ledger is migrated on purpose)."""
+    from toolledger.ledger import db
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+
+    def another_made_it(e: sa.Engine) -> str | None:
+        upgrade(e, "0001")
+        with e.begin() as conn:
+            conn.exec_driver_sql(f"UPDATE alembic_version SET version_num = '{stamped}'")
+        return None  # read before it was made
+
+    monkeypatch.setattr(db, "current_revision", another_made_it)
+    try:
+        expected = "newer" if stamped == "0099" else "at revision 0001"
+        with pytest.raises(db.SchemaError, match=expected):
+            db.ensure_schema(engine)
+        with engine.connect() as conn:  # nothing migrated here
+            assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").all() == [
+                (stamped,)
+            ]
+    finally:
+        engine.dispose()
