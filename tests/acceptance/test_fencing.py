@@ -446,7 +446,7 @@ def _waiting_on_a_lock(pg_url: str, needle: str) -> bool:
         return bool(
             mon.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE %s",
+                "AND datname = current_database() AND query LIKE %s",
                 (f"%{needle}%",),
             ).fetchone()[0]
         )
