@@ -67,6 +67,8 @@ class ReconcileTally:
     contradicted: int = 0
     #: Tools' reconcilers that raised: their rows stay unknown, for a person (the inbox).
     reconciler_failures: int = 0
+    #: Celery's soft time limit interrupted a reconciler: the pass stops there, unsuccessful.
+    out_of_time: bool = False
     errors: list[str] = field(default_factory=list)
     to_publish: list[tuple[str, str, int]] = field(default_factory=list)
     #: Where the pass stopped when its time ran out (the next pass starts after it); None
@@ -175,6 +177,9 @@ def reconcile_unknown(
             with _observed(ex, op) as span:
                 events = evidence.get(ex.execution_id, [])
                 found = _findings(registry, sandbox, ex, op, events, tally)
+                if tally.out_of_time:  # the pass stops; the next goes on after this row
+                    tally.resume_after = last
+                    return tally
                 if found is None:
                     continue
                 retry = ex.attempt <= max_auto_retries
@@ -240,9 +245,13 @@ def _findings(
         return tool, own, None
     try:
         world = ask_reconciler(tool, sandbox, ex, op)
-    except Exception as exc:  # a broken reconciler leaves the row for a human
-        if _time_limit(exc):
-            raise  # the task's time limit, not the tool's failure: the pass stops, unsuccessful
+    except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
+        if _time_limit(exc):  # the task's time limit, not the tool's failure
+            tally.still_unknown += 1
+            tally.out_of_time = True
+            tally.errors.append(f"reconciler for {ex.execution_id} stopped by the time limit")
+            log.warning("reconciler for %s stopped by the time limit", ex.execution_id)
+            return None
         # The exception's class only, above DEBUG: a tool's own text may quote the call's
         # arguments, which no line at INFO or above holds (a cold review found a reconciler's
         # message, with the mail body it quoted, in the WARNING line and the sweep's summary).

@@ -679,14 +679,20 @@ def test_sweep__the_wrap_around_follows_the_databases_collation(pg_server, sandb
 
 
 def test_sweep__the_time_limit_inside_a_reconciler_stops_the_pass_unsuccessful(
-    ledger, scope, sandbox, counting
+    fresh_db_url, scope, sandbox, counting
 ):
     """Celery's soft time limit (an ``Exception``) raised in a reconciler was counted as the
-    tool's failure, and the pass as a success (a cold review): it stops the pass now."""
+    tool's failure, and the pass as a success (a cold review): it stops the pass there, not a
+    success, and the next pass goes on after that row (not starved behind it)."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
-    def slow_reconcile(*_: Any) -> Any:
-        raise SoftTimeLimitExceeded()
+    asked: list[str] = []
+
+    def slow_reconcile(args: Any, ctx: Any) -> Any:
+        asked.append(args.path)
+        if args.path == "c1.txt":
+            raise SoftTimeLimitExceeded()
+        return None
 
     registry = Registry(
         [
@@ -694,11 +700,20 @@ def test_sweep__the_time_limit_inside_a_reconciler_stops_the_pass_unsuccessful(
             make_tool(_bomb_write, name="append_file"),
         ]
     )
-    crashed(ledger, sandbox, scope, "c1", effect="legacy")
-    with pytest.raises(SoftTimeLimitExceeded):
-        run_sweep(ledger, sandbox, registry)
-    assert last_success() == 0
-    assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    ledger = Ledger(fresh_db_url)
+    try:
+        for cid in ("c1", "c2"):
+            crashed(ledger, sandbox, scope, cid, effect="legacy")
+        first = run_sweep(ledger, sandbox, registry, reconcile_budget=3600)
+        assert asked[-1] == "c1.txt" and len(asked) == 1  # stopped at c1
+        assert first.reconcile_deferred and first.reconciler_failures == 0
+        assert any("stopped by the time limit" in e for e in first.errors)
+        assert last_success() == 0
+        run_sweep(ledger, sandbox, registry, reconcile_budget=3600)
+        assert asked[1] == "c2.txt"  # the next pass went on after c1
+        assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+    finally:
+        ledger.close()
 
 
 def test_sweep__reading_a_late_result_failing_is_the_pass_s_error_not_the_tool_s(
