@@ -167,7 +167,12 @@ def test_approve_in_the_browser__a_real_worker_runs_it(browser: Browser, served:
         return status_of(page) == "succeeded"
 
     wait_until(ran, 60, "the worker to run the approved call")
-    assert "the file holds exactly the requested content" in page.inner_text("#file")
+
+    def shown_landed() -> bool:  # the receipt is given at the commit; the bytes land after it
+        page.reload()
+        return "the file holds exactly the requested content" in page.inner_text("#file")
+
+    wait_until(shown_landed, 30, "the approved call's bytes to land")
     assert "abe" in page.inner_text("#events")  # the token's name, recorded
     assert landed(world.sandbox / scope / "reports" / "q0.txt") == ("the quarterly report\n")
     shot(page, "call.png")

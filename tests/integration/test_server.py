@@ -936,3 +936,29 @@ def test_ids_with_a_slash__an_escaped_suffix_is_part_of_the_id(server: Any, scop
     assert ledger.get(scope, "x").operation.status is Status.PENDING_APPROVAL
     r = client.post(f"/api/calls/{scope}/x%2Fevents/approve", json={"reason": "r"}, headers=h)
     assert r.status_code == 200 and r.json()["tool_call_id"] == "x/events", r.text
+
+
+def test_console__a_file_whose_bytes_wait_to_land_says_so(
+    server: Any, scope: str, tmp_path: Path
+) -> None:
+    """A call seen succeeded a moment before its bytes land (the receipt is given at the
+    commit) read "the requested content is not in the file" (CI, under load): the page says
+    bytes for the path wait to land, and the verdict says "not yet"."""
+    from toolledger.effects import effects_of
+    from toolledger.sandbox import Sandbox
+
+    client, ledger = server
+    ledger.submit(scope, "w", "write_file", {"path": "a.txt", "content": "hello"},
+                  approved_by="setup")  # fmt: skip
+    login(client, "ann")
+    before = client.get(f"/calls/{scope}/w").text
+    assert 'id="file-pending"' not in before and "not in the file yet" not in before
+    claim = ledger.claim(scope, "write_file:w", 1, worker_id="w", lease_seconds=30)
+    assert claim is not None
+    sandbox = Sandbox(tmp_path / "sandbox").prepare()
+    staging = effects_of(sandbox).staging(scope, claim.execution_id, None)
+    staging.write_atomic(scope, "a.txt", b"hello")
+    staging.seal()
+    page = client.get(f"/calls/{scope}/w").text
+    assert 'id="file-pending"' in page
+    assert "the requested content is not in the file yet: bytes for it wait to land" in page

@@ -221,6 +221,11 @@ class Desk:
             return {"path": path, "error": f"{type(exc).__name__}: {exc}"}
         out: dict[str, Any] = {
             "path": path,
+            # Bytes for the path waiting to land (committed, a receipt given, or staged by a
+            # running call): the file as it stands is not what the ledger says it will hold.
+            # Without it, a call seen succeeded a moment before its bytes landed read "the
+            # requested content is not in the file" (CI, under load).
+            "pending": self._pending_on(op.scope, path),
             "exists": current is not None,
             "sha256": hashlib.sha256(current).hexdigest() if current is not None else None,
             "size": len(current) if current is not None else None,
@@ -231,6 +236,14 @@ class Desk:
             out["matches"] = current == wanted
             out["contains"] = current is not None and wanted in current
         return out
+
+    def _pending_on(self, scope: str, path: str) -> bool:
+        from toolledger.effects import effects_of
+
+        try:
+            return effects_of(self.submitter.sandbox).pending_on(scope, path)
+        except Exception:  # noqa: BLE001 - cannot tell: said as not waiting, the file as it is
+            return False
 
     def events(self, who: Token, scope: str, tool_call_id: str) -> dict[str, Any]:
         """The CLI's ``events --json``."""
