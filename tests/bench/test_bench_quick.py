@@ -18,6 +18,7 @@ HEADLINES = (
     "added_cpu_ms_per_call",
     "vs_procrastinate",
     "threads_vs_procrastinate",
+    "production_vs_procrastinate",
     "vs_dbos",
     "sweep_1m_vs_10k",
 )
@@ -59,7 +60,8 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     minimal = report["ledger_vs_handwritten"]["vs_minimal_by_processes"]
     assert all(m["median"] > 0 for m in minimal.values()), minimal
     assert "against the minimal SQL written from scratch" in (out / "bench.md").read_text()
-    assert {"toolledger", "toolledger_threads", "celery_noop", "celery_write"} <= set(raw["e2e"])
+    assert {"toolledger", "toolledger_threads", "toolledger_production", "celery_noop",
+            "celery_write"} <= set(raw["e2e"])  # fmt: skip
     for name, e2e in raw["e2e"].items():  # the machine's CPU per call, every variant
         assert e2e["cpu_ms_per_call"]["median"] > 0, name
         parts = e2e["cpu_parts_ms_per_call"]  # and where it went, every part named
@@ -103,7 +105,7 @@ def test_bench__quick_run_reports_every_figure(pg_server, redis_server, tmp_path
     ("section", "headlines", "raw"),
     [
         ("protocol", HEADLINES[:2], {"protocol_jobs_per_s", "protocol_cpu_ms_per_job", "jobs"}),
-        ("e2e", HEADLINES[2:8], {"e2e", "e2e_cpu_over_peers", "e2e_not_run", "jobs"}),
+        ("e2e", HEADLINES[2:9], {"e2e", "e2e_cpu_over_peers", "e2e_not_run", "jobs"}),
     ],
 )
 def test_bench__one_section_alone(

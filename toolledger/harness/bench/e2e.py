@@ -3,6 +3,9 @@ calls/s from the first submit to the last completion, and p50/p99 latency submit
 
 toolledger     submit (ledger + outbox) -> Redis -> Celery worker -> claim, write, terminal
 toolledger_threads  the same on Celery's threads pool (one process per worker, 2 threads)
+toolledger_production  the README's production configuration: 2 workers on the threads pool at
+               8 threads, consuming the job queue alone, a prefork sweeper on the sweep queue
+               and a beat beside them (every one of their processes in the CPU measured)
 celery_noop    the same Celery app settings, a task that does nothing
 celery_write   the same Celery app settings, the file write with no ledger
 procrastinate  defer -> Postgres queue -> procrastinate worker -> the file write
@@ -30,12 +33,19 @@ from toolledger.harness.bench.common import (
     scratch_postgres,
     wait_for,
 )
-from toolledger.harness.processes import ManagedProcess, service_env, stop_all, worker_process
+from toolledger.harness.processes import (
+    ManagedProcess,
+    beat_process,
+    service_env,
+    stop_all,
+    worker_process,
+)
 from toolledger.ledger.db import create_engine
 
 VARIANTS = (
     "toolledger",
     "toolledger_threads",
+    "toolledger_production",
     "celery_noop",
     "celery_write",
     "procrastinate",
@@ -87,7 +97,9 @@ class E2E:
 
     # ------------------------------------------------------------------ toolledger
 
-    def toolledger(self, db: str, pool: str = "prefork") -> Result:
+    def toolledger(self, db: str, pool: str = "prefork", *, production: bool = False) -> Result:
+        """toolledger's 2 workers of 2 (``pool``); ``production``: the README's production
+        configuration instead (threads at 8 on the job queue alone, a sweeper, a beat)."""
         from toolledger.worker.submit import Submitter
 
         prefix, scope = f"bench-{uuid.uuid4().hex[:8]}:", f"e2e-{uuid.uuid4().hex[:6]}"
@@ -98,11 +110,26 @@ class E2E:
             "sandbox": str(self.root / "sandbox"),
             "home": str(self.root / "home"),
         }
-        procs = self._procs(
-            lambda i: worker_process(
-                f"bench-tl{i}", service_env(None, **env), self.root / "logs", pool=pool
+        logs = self.root / "logs"
+        if production:
+            jobs = ("--queues", "toolledger")
+            procs = self._procs(
+                lambda i: worker_process(
+                    f"bench-tp{i}", service_env(None, **env), logs, pool="threads",
+                    concurrency=8, extra=jobs,
+                )
+            )  # fmt: skip
+            sweeper = worker_process(
+                "bench-tp-sweeper", service_env(None, **env), logs, concurrency=1,
+                extra=("--queues", "toolledger.sweep"),
+            )  # fmt: skip
+            beat = beat_process("bench-tp-beat", service_env(None, **env), logs)
+            procs += [sweeper.start(), beat.start()]
+            sweeper.wait_ready(120)
+        else:
+            procs = self._procs(
+                lambda i: worker_process(f"bench-tl{i}", service_env(None, **env), logs, pool=pool)
             )
-        )
         try:
             sub = Submitter(
                 Settings.from_env({f"TOOLLEDGER_{k.upper()}": v for k, v in env.items()})
@@ -331,6 +358,7 @@ class E2E:
         runs: dict[str, Callable[[], Result]] = {
             "toolledger": lambda: self.toolledger(dbs["toolledger"]),
             "toolledger_threads": lambda: self.toolledger(dbs["toolledger"], "threads"),
+            "toolledger_production": lambda: self.toolledger(dbs["toolledger"], production=True),
             "celery_noop": lambda: self.celery("noop"),
             "celery_write": lambda: self.celery("write"),
             "procrastinate": lambda: self.procrastinate(dbs["procrastinate"]),
