@@ -54,3 +54,6 @@ def test_published_report__is_what_the_report_code_renders_from_its_json():
     rendered = markdown(json.loads((docs / "bench.json").read_text()))
     assert rendered == (docs / "bench.md").read_text()
     assert "against the loop in turn too" in rendered  # a row read at "4", not 4
+    production = markdown(json.loads((docs / "e2e-production.json").read_text()))
+    assert production == (docs / "e2e-production.md").read_text()
+    assert "| production_vs_procrastinate (production configuration" in production
