@@ -67,7 +67,8 @@ class ReconcileTally:
     contradicted: int = 0
     #: Tools' reconcilers that raised: their rows stay unknown, for a person (the inbox).
     reconciler_failures: int = 0
-    #: Celery's soft time limit interrupted a reconciler: the pass stops there, unsuccessful.
+    #: Celery's soft time limit interrupted the pass: it stops there (the next goes on after
+    #: the row it was at).
     out_of_time: bool = False
     errors: list[str] = field(default_factory=list)
     to_publish: list[tuple[str, str, int]] = field(default_factory=list)
@@ -189,6 +190,11 @@ def reconcile_unknown(
                     continue
                 except Exception as exc:  # noqa: BLE001 - one row cannot stop the pass
                     tally.still_unknown += 1
+                    if _time_limit(exc):  # but the time limit stops it (no success)
+                        tally.errors.append(f"the time limit stopped the pass at {ex.execution_id}")
+                        log.warning("the time limit stopped the pass at %s", ex.execution_id)
+                        tally.out_of_time, tally.resume_after = True, last
+                        return tally
                     tally.errors.append(f"recording {ex.execution_id} failed: {exc}")
                     log.warning("recording what was found for %s failed: %s", ex.execution_id, exc)
                     continue
@@ -246,9 +252,13 @@ def _findings(
     try:
         world = ask_reconciler(tool, sandbox, ex, op)
     except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
-        if _time_limit(exc):  # the task's time limit, not the tool's failure
+        if _time_limit(exc):  # a reconciler slower than the pass's time: the pass stops there
+            # (the next goes on after this row) and the slowness is the tool's, as a failure
+            # would be: counted the pass's, one slow reconciler failed every pass and fired
+            # the stalled-sweep alert (a cold review)
             tally.still_unknown += 1
             tally.out_of_time = True
+            tally.reconciler_failures += 1
             tally.errors.append(f"reconciler for {ex.execution_id} stopped by the time limit")
             log.warning("reconciler for %s stopped by the time limit", ex.execution_id)
             return None

@@ -678,12 +678,14 @@ def test_sweep__the_wrap_around_follows_the_databases_collation(pg_server, sandb
         drop_database(pg_server, name)
 
 
-def test_sweep__the_time_limit_inside_a_reconciler_stops_the_pass_unsuccessful(
+def test_sweep__the_time_limit_inside_a_reconciler_stops_the_pass_there(
     fresh_db_url, scope, sandbox, counting
 ):
-    """Celery's soft time limit (an ``Exception``) raised in a reconciler was counted as the
-    tool's failure, and the pass as a success (a cold review): it stops the pass there, not a
-    success, and the next pass goes on after that row (not starved behind it)."""
+    """Celery's soft time limit (an ``Exception``) raised in a reconciler was taken for a
+    failure and the pass went on past the limit (a cold review): it stops the pass there, and
+    the next pass goes on after that row (not starved behind it). The slowness is the tool's,
+    as its failure would be: a pass that stops there still succeeds (counted the pass's, one
+    slow reconciler failed every pass and fired the stalled-sweep alert, a second review)."""
     from billiard.exceptions import SoftTimeLimitExceeded
 
     asked: list[str] = []
@@ -706,9 +708,9 @@ def test_sweep__the_time_limit_inside_a_reconciler_stops_the_pass_unsuccessful(
             crashed(ledger, sandbox, scope, cid, effect="legacy")
         first = run_sweep(ledger, sandbox, registry, reconcile_budget=3600)
         assert asked[-1] == "c1.txt" and len(asked) == 1  # stopped at c1
-        assert first.reconcile_deferred and first.reconciler_failures == 0
+        assert first.reconcile_deferred and first.reconciler_failures == 1
         assert any("stopped by the time limit" in e for e in first.errors)
-        assert last_success() == 0
+        assert last_success() == pytest.approx(time.time(), abs=60)
         run_sweep(ledger, sandbox, registry, reconcile_budget=3600)
         assert asked[1] == "c2.txt"  # the next pass went on after c1
         assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
@@ -733,3 +735,37 @@ def test_sweep__reading_a_late_result_failing_is_the_pass_s_error_not_the_tool_s
     assert any("reading the late result" in e for e in summary.errors)
     assert last_success() == 0
     assert ledger.get(scope, "c1").operation.status is Status.UNKNOWN
+
+
+def test_sweep__the_time_limit_while_recording_a_finding_stops_the_pass_unsuccessful(
+    fresh_db_url, scope, sandbox, counting, monkeypatch
+):
+    """The soft time limit arriving in toolledger's own work (recording a finding) was taken
+    for one row's error, and the pass went on past the limit (a cold review): it stops there,
+    unsuccessful, and the next pass goes on after that row."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    from toolledger.recovery import reconcile
+
+    decide, calls = reconcile._decide, []
+
+    def out_of_time_once(led: Any, ex: Any, *rest: Any) -> Any:
+        calls.append(ex.idempotency_key)
+        if len(calls) == 1:
+            raise SoftTimeLimitExceeded()
+        return decide(led, ex, *rest)
+
+    monkeypatch.setattr(reconcile, "_decide", out_of_time_once)
+    ledger = Ledger(fresh_db_url)
+    try:
+        for cid in ("c1", "c2"):
+            crashed(ledger, sandbox, scope, cid, effect="none")
+        first = run_sweep(ledger, sandbox, reconcile_budget=3600)
+        assert calls == ["write_file:c1"]  # stopped at c1: c2 not looked at
+        assert first.reconcile_deferred
+        assert any("the time limit stopped the pass" in e for e in first.errors)
+        assert last_success() == 0
+        run_sweep(ledger, sandbox, reconcile_budget=3600)
+        assert calls[1] == "write_file:c2"  # the next pass went on after c1
+    finally:
+        ledger.close()
