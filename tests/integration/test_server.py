@@ -952,7 +952,7 @@ def test_console__a_file_whose_bytes_wait_to_land_says_so(
                   approved_by="setup")  # fmt: skip
     login(client, "ann")
     before = client.get(f"/calls/{scope}/w").text
-    assert 'id="file-pending"' not in before and "not in the file yet" not in before
+    assert 'id="file-pending"' not in before and "not in the file (yet" not in before
     claim = ledger.claim(scope, "write_file:w", 1, worker_id="w", lease_seconds=30)
     assert claim is not None
     sandbox = Sandbox(tmp_path / "sandbox").prepare()
@@ -961,4 +961,4 @@ def test_console__a_file_whose_bytes_wait_to_land_says_so(
     staging.seal()
     page = client.get(f"/calls/{scope}/w").text
     assert 'id="file-pending"' in page
-    assert "the requested content is not in the file yet: bytes for it wait to land" in page
+    assert "the requested content is not in the file (yet: bytes for this path wait" in page

@@ -245,8 +245,9 @@ class LedgerStateCollector:
         counts, up, read_at = self._served()
         yield GaugeMetricFamily(
             "toolledger_ledger_state_up",
-            "1 if the last read of the ledger's state succeeded; 0 if it failed (the gauges "
-            "read from it are then those of toolledger_ledger_state_timestamp_seconds).",
+            "1 if the last read of the ledger's state succeeded; 0 if it failed or none has "
+            "ended yet (the gauges read from it are then those of "
+            "toolledger_ledger_state_timestamp_seconds).",
             value=1.0 if up else 0.0,
         )
         if counts is None:

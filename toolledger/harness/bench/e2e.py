@@ -125,7 +125,12 @@ class E2E:
             )  # fmt: skip
             beat = beat_process("bench-tp-beat", service_env(None, **env), logs)
             procs += [sweeper.start(), beat.start()]
-            sweeper.wait_ready(120)
+            try:
+                sweeper.wait_ready(120)
+                beat.wait_ready(120)  # a beat that did not start is no configuration measured
+            except BaseException:
+                stop_all(procs)
+                raise
         else:
             procs = self._procs(
                 lambda i: worker_process(f"bench-tl{i}", service_env(None, **env), logs, pool=pool)
