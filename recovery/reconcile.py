@@ -243,9 +243,12 @@ def _findings(
     try:
         own = late_result(events)  # toolledger's own reading: its failure is the pass's
     except Exception as exc:  # noqa: BLE001 - one row cannot stop the pass
-        tally.still_unknown += 1
-        tally.errors.append(f"reading the late result of {ex.execution_id} failed: {exc}")
-        log.warning("reading the late result of %s failed: %s", ex.execution_id, exc)
+        tally.still_unknown += 1  # its class only above DEBUG: a result's text may be quoted
+        tally.errors.append(
+            f"reading the late result of {ex.execution_id} failed: {type(exc).__name__}"
+        )
+        log.warning("reading the late result of %s failed: %s", ex.execution_id, type(exc).__name__)
+        log.debug("reading the late result of %s failed: %s", ex.execution_id, exc)
         return None
     if isinstance(own, Evidence):
         return tool, own, None

@@ -69,8 +69,9 @@ class SweepSummary:
     #: landed nor removed by it (the sandbox shared with another ledger, or this process
     #: pointed at the wrong one: an unset TOOLLEDGER_DB makes the embedded ledger).
     strangers: int = 0
-    #: Tools' reconcilers that raised (each also in ``errors``): their calls stay unknown for
-    #: a person. Not the pass's own failure: it went on, and counts as a success.
+    #: Tools' reconcilers that raised or outlasted the soft time limit (each also in
+    #: ``errors``): their calls stay unknown for a person. Not the pass's own failure: it
+    #: counts as a success.
     reconciler_failures: int = 0
     #: The reconciling step ran out of its time budget: the next pass goes on after it.
     reconcile_deferred: bool = False
