@@ -217,7 +217,7 @@ class LedgerStateCollector:
             return snap.values
         try:
             snap = self._snapshot
-            if time.monotonic() - snap.tried < self.ttl:  # read while this one waited
+            if time.monotonic() - snap.tried < self.ttl:  # read by another since the first look
                 return snap.values
             try:
                 values = state_counts(self.ledger)
