@@ -1004,12 +1004,14 @@ def test_proxy__refuses_upstream_tools_it_cannot_record(tmp_path: Path) -> None:
     missing = run("proxy", "--", str(tmp_path / "no-such-server"))
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     # a tools/list that never ends, or never answers, stopped the start for ever
-    for pages, says in (
-        ("same", "gave the cursor 'again' twice"),
-        ("endless", "has more than 100 pages"),
-        ("silent", "did not answer within 2 s"),
+    # (the pages' cases get a long start timeout: 100 round trips with a Python upstream took
+    # over 2 s on a loaded 2-core CI machine, and the timeout, not the page limit, spoke)
+    for pages, timeout, says in (
+        ("same", "60", "gave the cursor 'again' twice"),
+        ("endless", "60", "has more than 100 pages"),
+        ("silent", "2", "did not answer within 2 s"),
     ):
-        stuck = run(*proxy_argv("--start-timeout", "2"), MCP_UPSTREAM_PAGES=pages)
+        stuck = run(*proxy_argv("--start-timeout", timeout), MCP_UPSTREAM_PAGES=pages)
         assert stuck.returncode == 1 and says in stuck.stderr, (pages, stuck.stderr)
         assert "Traceback" not in stuck.stderr
     assert not (tmp_path / "upstream.log").exists()  # nothing was called
