@@ -97,9 +97,12 @@ def markdown(r: dict[str, Any]) -> str:
     if "protocol_cpu_ms_per_job" in raw:
         lines += ["", *_protocol_cpu(raw["protocol_cpu_ms_per_job"])]
     if "e2e" in raw:
+        head = "End to end, 2 worker processes of concurrency 2, the same file write"
+        if "toolledger_production" in raw["e2e"]:
+            head += " (toolledger_production: of 8 threads each, with a sweeper and a beat)"
         lines += [
             "",
-            "End to end, 2 workers x concurrency 2, same file write:",
+            head + ":",
             "",
             "| system | calls/s | p50 ms | p99 ms | CPU ms/call (all processes) |",
             "|---|---|---|---|---|",
