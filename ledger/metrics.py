@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 _P = ParamSpec("_P")
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, Gauge
 
 #: Buckets (seconds) of the duration histograms: a tool call, a queue wait, a sweep pass.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -28,7 +29,7 @@ class Metrics:
     """Every metric this process counts (one instance, built by ``enable``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import Counter, Histogram
 
         self.registry = r = registry
         self.calls_total = Counter(
@@ -78,12 +79,25 @@ class Metrics:
             buckets=BUCKETS,
             registry=r,
         )
-        self.sweep_last_success = Gauge(
-            "toolledger_sweep_last_success_timestamp_seconds",
-            "Unix time of the end of the last sweep pass without errors.",
-            multiprocess_mode="max",
-            registry=r,
-        )
+        self._sweep_last_success: Gauge | None = None
+        self._lock = threading.Lock()
+
+    def sweep_succeeded(self, at: float) -> None:
+        """``toolledger_sweep_last_success_timestamp_seconds``, made at this process's first
+        pass without errors: a process that never swept (the beat, ``serve``, a worker off the
+        sweep queue) exports no such time rather than 0 (1970), so the series is absent until
+        some pass succeeded (the stalled-sweep alert's ``absent()``)."""
+        with self._lock:
+            if self._sweep_last_success is None:
+                from prometheus_client import Gauge
+
+                self._sweep_last_success = Gauge(
+                    "toolledger_sweep_last_success_timestamp_seconds",
+                    "Unix time of the end of the last sweep pass without errors.",
+                    multiprocess_mode="max",
+                    registry=self.registry,
+                )
+            self._sweep_last_success.set(at)
 
 
 _metrics: Metrics | None = None
@@ -179,4 +193,4 @@ def sweep_finished(seconds: float, ok: bool) -> None:
     if _metrics is not None:
         _metrics.sweep_duration.observe(seconds)
         if ok:
-            _metrics.sweep_last_success.set(time.time())
+            _metrics.sweep_succeeded(time.time())

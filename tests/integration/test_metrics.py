@@ -332,6 +332,8 @@ def test_metrics__one_prometheus_multiproc_dir_for_two_workers_and_a_beat(
         for status in ("running", "succeeded"):
             counted = [total(s, "toolledger_calls_total", status=status) for s in samples]
             assert counted[0] + counted[1] == 12 and counted[2] == 0, (status, counted)
+        # the beat never sweeps: it exports no last-success time (it exported 0, 1970)
+        assert LAST_SUCCESS not in {name for name, _ in samples[2]}, samples[2]
         # each worker has its directory, the dead worker's is gone, another host's is not
         mine = sorted(p.name for p in shared.iterdir())
         assert mine == sorted(
@@ -780,6 +782,29 @@ def test_cold_paths__import_neither_prometheus_client_nor_opentelemetry():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+LAST_SUCCESS = "toolledger_sweep_last_success_timestamp_seconds"
+
+
+def test_sweep_last_success__absent_until_a_pass_succeeds():
+    """A process that never swept exported 0 (1970) beside the sweepers' times: a dashboard
+    read it as a sweep failing since 1970, and ``absent()`` could never fire while one such
+    process was scraped."""
+    from toolledger.ledger import metrics as counters
+
+    counters.disable()
+    try:
+        own = counters.enable()
+        assert own.registry.get_sample_value(LAST_SUCCESS) is None
+        counters.sweep_finished(0.1, ok=False)
+        assert own.registry.get_sample_value(LAST_SUCCESS) is None
+        before = time.time()
+        counters.sweep_finished(0.1, ok=True)
+        counters.sweep_finished(0.1, ok=True)  # made once, set again
+        assert (own.registry.get_sample_value(LAST_SUCCESS) or 0) >= before
+    finally:
+        counters.disable()
 
 
 def test_metrics_off__no_endpoint_and_no_counting(monkeypatch):
