@@ -687,16 +687,29 @@ def test_collector__an_unreadable_ledger_is_said_beside_the_values_it_last_read(
         ledger.close()
 
 
-def test_collector__a_failed_read_is_not_tried_again_for_its_ttl(sqlite_url, monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        sa.exc.OperationalError("SELECT", {}, Exception("the server went away")),
+        # not the database's: a bug, a driver's own error, a thread's MemoryError
+        RuntimeError("something else"),
+    ],
+    ids=["sqlalchemy", "other"],
+)
+def test_collector__a_failed_read_is_not_tried_again_for_its_ttl(
+    sqlite_url, monkeypatch, caplog, error
+):
     """Every scrape read the ledger again while it failed (nothing was cached): scrapes
-    queued, each holding a server thread (a cold review). Tried once per ttl, as a success."""
+    queued, each holding a server thread (a cold review). Tried once per ttl, as a success.
+    An error that was not SQLAlchemy's went through: every scrape failed whole (no counters
+    either) and read again."""
     from toolledger.observability import metrics as m
 
     tries = []
 
     def unreadable(_ledger: Ledger) -> None:
         tries.append(1)
-        raise sa.exc.OperationalError("SELECT", {}, Exception("the server went away"))
+        raise error
 
     monkeypatch.setattr(m, "state_counts", unreadable)
     ledger = Ledger(sqlite_url)
@@ -705,6 +718,9 @@ def test_collector__a_failed_read_is_not_tried_again_for_its_ttl(sqlite_url, mon
         for _ in range(5):
             assert collector.counts() is None
         assert len(tries) == 1
+        up = [s.value for f in collector.collect() for s in f.samples]
+        assert up == [0.0] and len(tries) == 1
+        assert any(type(error).__name__ in r.getMessage() for r in caplog.records)
     finally:
         ledger.close()
 

@@ -221,8 +221,15 @@ class LedgerStateCollector:
                 return snap.values
             try:
                 values = state_counts(self.ledger)
-            except sa.exc.SQLAlchemyError as exc:
-                log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
+            except Exception as exc:  # any: a scrape serves the counters whatever this read does
+                # the database's own errors by class (their text may quote SQL and parameters);
+                # anything else is a bug, worth its traceback
+                database = isinstance(exc, sa.exc.SQLAlchemyError)
+                log.warning(
+                    "metrics: cannot read the ledger: %s",
+                    type(exc).__name__,
+                    exc_info=not database,
+                )
                 self._snapshot = dataclasses.replace(snap, up=False, tried=time.monotonic())
                 return snap.values
             self._snapshot = _Snapshot(values, True, time.time(), time.monotonic())
