@@ -146,7 +146,8 @@ def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.E
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
         cursor = dbapi_conn.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        if _may_turn_wal(cursor):
+            cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = FULL")
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
@@ -157,6 +158,19 @@ def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.E
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+def _may_turn_wal(cursor: Any) -> bool:
+    """Whether this connection may switch the file to WAL (a mode the file keeps): not when it
+    is already, nor when the file holds another application's tables and no ledger's (a
+    mistyped ``--db``: the command refuses it, and it was left in WAL mode, which its own
+    application may not read, on a read-only or network mount)."""
+    if cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+        return False
+    tables = {
+        row[0] for row in cursor.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+    }
+    return not tables or VERSION_TABLE in tables
 
 
 @contextmanager

@@ -582,7 +582,9 @@ def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_led
         assert code == 1 and "not a toolledger ledger" in err and err.count("\n") == 1, err
     with contextlib.closing(sqlite3.connect(app)) as conn:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-    assert tables == ["invoices"]
+        # nor left in WAL mode, which the file keeps (its application may not read WAL)
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    assert tables == ["invoices"] and mode == "delete"
     transcript = tmp_path / "t.json"
     transcript.write_text("[]")
     call = ["--scope", "s", "--tool-call-id", "c"]
@@ -601,6 +603,11 @@ def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_led
             assert not conn.execute("SELECT name FROM sqlite_master").fetchall(), argv
     code, _, err = run_cli(capsys, "--db", f"sqlite:///{empty}", *submit)  # submit makes it
     assert code == 0, err
+    # `db upgrade` makes the other application's database a ledger, on purpose: WAL from then
+    assert run_cli(capsys, "--db", f"sqlite:///{app}", "db", "upgrade")[0] == 0
+    assert run_cli(capsys, "--db", f"sqlite:///{app}", *submit)[0] == 0
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 @pytest.mark.postgres
