@@ -1,5 +1,6 @@
 """The end-to-end path alone, for a profiler: a producer submitting approved calls to two
-workers x 2 (prefork, or ``--pool threads``) over Postgres and Redis, in a database of its own.
+workers x 2 (prefork, or ``--pool threads``; ``--pool production``: the production
+configuration) over Postgres and Redis, in a database of its own.
 
     py-spy record --subprocesses -o docs/bench/e2e-flame.svg -- \\
         python -m toolledger.harness.bench.profile_e2e --jobs 1500
@@ -21,16 +22,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     p.add_argument("--jobs", type=int, default=1500)
-    p.add_argument("--pool", choices=("prefork", "threads"), default="prefork")
+    p.add_argument(
+        "--pool",
+        choices=("prefork", "threads", "production"),
+        default="prefork",
+        help="production: the README's production configuration (the bench's "
+        "toolledger_production: threads at 8 on the job queue alone, a sweeper, a beat)",
+    )
     a = p.parse_args(argv)
     name = scratch.new_name("tl_prof")
     scratch.create_database(a.pg, name, migrate=True)
     try:
         root = Path(tempfile.mkdtemp(prefix="toolledger-profile-"))
         started = time.monotonic()
-        result = E2E(a.pg, a.redis, root, a.jobs, print).toolledger(
-            a.pg.rsplit("/", 1)[0] + "/" + name, a.pool
-        )
+        db = a.pg.rsplit("/", 1)[0] + "/" + name
+        e2e = E2E(a.pg, a.redis, root, a.jobs, print)
+        if a.pool == "production":
+            result = e2e.toolledger(db, production=True)
+        else:
+            result = e2e.toolledger(db, a.pool)
         print(f"{a.jobs} calls in {time.monotonic() - started:.1f} s: {result}")
     finally:
         scratch.drop_database(a.pg, name)
