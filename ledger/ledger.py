@@ -120,7 +120,10 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
             check_text_id(approved_by, "approver", inputs.MAX_ACTOR)
         inputs.check_text(reason, "reason")
         if reason is not None and approved_by is None:  # it would be dropped in silence
-            raise InputError("reason: it says why a call was approved; give approved_by too")
+            raise InputError(
+                "reason: it says why a call was approved; approve it too (--approved-by, "
+                'approved_by, or the API\'s "approve": true)'
+            )
         check_text_id(actor, "actor", inputs.MAX_ACTOR)
         status = Status.APPROVED if approved_by else Status.PENDING_APPROVAL
         check_transition(None, status)

@@ -63,8 +63,8 @@ def retry(
     if not (tool.idempotent or nothing_landed or accept_duplicate):
         raise DuplicateNotAccepted(
             f"{op.tool} is not idempotent: the {op.status} attempt may already have taken "
-            "effect, so a retry may apply it a second time; pass --accept-duplicate to accept "
-            "a duplicate effect"
+            "effect, so a retry may apply it a second time; accept a duplicate effect explicitly "
+            "(--accept-duplicate; accept_duplicate in the API and the Python client)"
         )
     retried = ledger.authorize_retry(
         scope, tool_call_id, by=by, accept_duplicate=accept_duplicate, reason=reason

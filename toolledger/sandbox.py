@@ -48,6 +48,7 @@ from toolledger import folders
 from toolledger.folders import alias_key
 from toolledger.ledger.errors import InputError
 from toolledger.ledger.identity import check_scope
+from toolledger.ledger.inputs import INVISIBLE
 
 if TYPE_CHECKING:
     from toolledger.config import Settings
@@ -384,6 +385,15 @@ class Sandbox:
         siblings unless ``compare`` is False."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+        split_path(path)  # its own refusals first (a NUL, a control character, "..")
+        if bad := INVISIBLE.search(path):
+            # a name nobody reads as it is (a bidirectional override, a zero-width character):
+            # ``invoice<U+202E>fdp.sh`` looked like ``invoicehs.pdf`` to the person approving
+            # it (a cold review). New calls only: bytes committed before land as ever.
+            raise PathRefused(
+                f"path {path!r} contains U+{ord(bad.group()):04X}, a control, format or "
+                "separator character that does not show as itself"
+            )
         compare = compare and kind != "read"
         with self.open_parent(scope, path, create=False, compare=compare) as (parent, name):
             if parent is None:

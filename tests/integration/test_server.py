@@ -602,6 +602,106 @@ def test_console__a_form_that_is_not_utf8_is_refused_not_replaced(server: Any, s
     assert ledger.get(scope, "u8").operation.reason == "café ok"
 
 
+def test_console__a_multipart_form_is_refused(server: Any, scope: str) -> None:
+    """A multipart body's fields went through Starlette's parser, which read bytes that are not
+    UTF-8 as Latin-1: a rejection was recorded with "bad \xff\xfe bytes" as "bad ÿþ bytes"
+    (a cold review). The console's forms post nothing but urlencoded bodies."""
+    client, ledger = server
+    pending(ledger, scope, "mp")
+    login(client, "ann")
+    token = csrf_of(client.get(f"/calls/{scope}/mp").text)
+    for reason in (b"bad \xff\xfe bytes", b"fine"):
+        r = client.post(
+            f"/calls/{scope}/mp/reject",
+            files={"csrf": (None, token.encode()), "reason": (None, reason)},
+            follow_redirects=False,
+        )
+        assert r.status_code == 422 and "urlencoded" in r.text, r.text
+    assert ledger.get(scope, "mp").operation.status is Status.PENDING_APPROVAL
+
+
+def test_console__what_nobody_sees_is_shown_escaped(server: Any, scope: str) -> None:
+    """A bidirectional override in an agent's path showed ``invoice\u202efdp.sh`` as
+    ``invoicehs.pdf`` on the page where a person approves it; ids differing by a zero-width
+    character showed as one (a cold review). Every value a page shows writes them escaped;
+    a new call's path holding one is refused (bytes committed before land as ever)."""
+    client, ledger = server
+    ledger.submit(scope, "bidi", "write_file", {"path": "a.txt", "content": "x\u202ey\n"})
+    ledger.submit(scope, "zw\u200b1", "write_file", {"path": "b.txt", "content": "x"})
+    login(client, "ann")
+    page = client.get(f"/calls/{scope}/bidi").text
+    assert "\u202e" not in page and "x\\u202ey" in page
+    listed = client.get("/calls", params={"status": "pending_approval", "scope": scope}).text
+    assert "\u200b" not in listed and "zw\\u200b1" in listed
+    for path in ("invoice\u202efdp.sh", "n\u2066otes.txt", "zw\u200b.txt", "s\xadoft.txt"):
+        body = {
+            "scope": scope,
+            "tool_call_id": f"p{len(path)}",
+            "tool": "write_file",
+            "args": {"path": path, "content": "x"},
+        }
+        r = client.post("/api/calls", json=body, headers=bearer("agent-7"))
+        assert r.status_code == 422 and "does not show as itself" in r.text, (path, r.text)
+    assert [c.tool_call_id for c in ledger.list_calls(scope=scope)] == ["bidi", "zw\u200b1"]
+
+
+def test_api__a_path_whose_escapes_are_not_utf8_is_refused(server: Any, scope: str) -> None:
+    """Escapes that are not UTF-8 were read as U+FFFD: ``bad%FE`` and ``bad%FF`` both named
+    the call ``bad\ufffd`` and approved it (a cold review)."""
+    client, ledger = server
+    pending(ledger, scope, "bad\ufffd")
+    for path in (f"/api/calls/{scope}/bad%FF", f"/calls/{scope}/bad%FF"):
+        r = client.get(path, headers=bearer("ann"))
+        assert r.status_code == 422 and "not UTF-8" in r.json()["error"], r.text
+    r = client.post(f"/api/calls/{scope}/bad%FE/approve", json={}, headers=bearer("ann"))
+    assert r.status_code == 422
+    assert ledger.get(scope, "bad\ufffd").operation.status is Status.PENDING_APPROVAL
+    r = client.get(f"/api/calls/{scope}/bad%EF%BF%BD", headers=bearer("ann"))  # U+FFFD itself
+    assert r.status_code == 200 and r.json()["tool_call_id"] == "bad\ufffd"
+
+
+def test_api__an_unavailable_database_is_said_in_the_apis_shape(
+    server: Any, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A locked or unreachable database answered a bare text/plain 500 after the busy timeout
+    (a cold review): 503 in the API's shape, the CLI's exit code 1, no SQL; the console says
+    it on its error page; any other bug is a JSON 500 too."""
+    import sqlalchemy as sa
+
+    from toolledger.server import state
+
+    client, _ledger = server
+    secret = "SELECT secret_column"
+
+    def down(*_args: Any, **_kwargs: Any) -> Any:
+        raise sa.exc.OperationalError(secret, {}, Exception("database is locked"))
+
+    monkeypatch.setattr(state.Desk, "show", down)
+    r = client.get(f"/api/calls/{scope}/c", headers=bearer("vera"))
+    assert r.status_code == 503 and secret not in r.text
+    assert r.json() == {
+        "error": "database unavailable: try again (what was recorded stands; show tells)",
+        "kind": "unavailable",
+        "exit_code": 1,
+    }
+
+    def bug(*_args: Any, **_kwargs: Any) -> Any:
+        raise KeyError("internal detail")
+
+    monkeypatch.setattr(state.Desk, "show", bug)
+    bad = TestClient(client.app, raise_server_exceptions=False)
+    r = bad.get(f"/api/calls/{scope}/c", headers=bearer("vera"))
+    assert r.status_code == 500 and r.json()["kind"] == "internal" and "detail" not in r.text
+
+
+def test_api__an_empty_scope_filter_is_no_filter(server: Any, scope: str) -> None:
+    """``?scope=`` was 422 where ``?status=`` is no filter, and the console took both as none."""
+    client, ledger = server
+    pending(ledger, scope, "e1")
+    r = client.get("/api/calls", params={"scope": "", "status": ""}, headers=bearer("vera"))
+    assert r.status_code == 200 and "e1" in [c["tool_call_id"] for c in r.json()["calls"]]
+
+
 def test_api__a_client_gone_mid_body_is_no_server_error(server: Any) -> None:
     """A client that disconnects before its body is read left an unhandled ClientDisconnect
     and a traceback in the log (a cold review): it is an ordinary end now."""
@@ -848,6 +948,37 @@ def _reads_after_a_drop(client: TestClient, ledger: Ledger, scope: str) -> None:
     for _ in range(3):
         r = client.get(f"/api/calls/{scope}/p", headers=h)
         assert r.status_code == 200, r.text
+
+
+def test_insecure_local__a_judged_header_sent_twice_is_refused() -> None:
+    """The last of two ``Origin`` (or ``Sec-Fetch-Site``, or ``Host``) headers was judged,
+    whatever the first said (a cold review; no browser sends two, a forger may)."""
+    from toolledger.server.deps import LoopbackOnly
+
+    def request(*headers: tuple[str, str]) -> dict[str, Any]:
+        return {"method": "POST", "headers": [(k.encode(), v.encode()) for k, v in headers]}
+
+    ours = ("host", "127.0.0.1:8420")
+    assert LoopbackOnly.refusal(request(ours, ("origin", "http://127.0.0.1:8420"))) is None
+    for twice in (
+        [("Origin", "https://evil.example"), ("origin", "http://127.0.0.1:8420")],
+        [("sec-fetch-site", "cross-site"), ("sec-fetch-site", "same-origin")],
+        [("host", "evil.example")],
+    ):
+        assert "more than one" in (LoopbackOnly.refusal(request(ours, *twice)) or ""), twice
+
+
+def test_serve__a_short_session_key_is_refused(tmp_path: Path, monkeypatch: Any) -> None:
+    """Any key was taken ("x"): it keys the token fingerprint a cookie carries, and a guessable
+    one made a copied cookie an offline oracle for a weak secret again (a cold review)."""
+    from toolledger.server import run
+
+    monkeypatch.setenv("TOOLLEDGER_API_TOKENS", TOKENS)
+    monkeypatch.setenv("TOOLLEDGER_API_SESSION_KEY", "x" * (run.MIN_SESSION_KEY - 1))
+    monkeypatch.setattr("uvicorn.run", lambda *_a, **_k: pytest.fail("served with that key"))
+    settings = Settings.from_env({"TOOLLEDGER_HOME": str(tmp_path / "home")})
+    with pytest.raises(ConfigError, match="TOOLLEDGER_API_SESSION_KEY is 31 characters"):
+        run.run(settings, host="127.0.0.1", port=0, insecure_local=False)
 
 
 def test_insecure_local__refuses_other_sites_and_other_host_names(

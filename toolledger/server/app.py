@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio.to_thread
+import sqlalchemy as sa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +20,13 @@ from toolledger.ledger.db import ensure_schema
 from toolledger.ledger.errors import LedgerError
 from toolledger.server import api, console
 from toolledger.server.auth import LOCAL, Authenticator, Token
-from toolledger.server.deps import BodyLimit, LoopbackOnly, error_response, max_body_for
+from toolledger.server.deps import (
+    BodyLimit,
+    LoopbackOnly,
+    StrictPath,
+    error_response,
+    max_body_for,
+)
 from toolledger.server.state import Desk
 from toolledger.worker.submit import Submitter
 
@@ -73,6 +80,7 @@ def create_app(
     app.include_router(api.router)
     app.include_router(console.router)
     app.add_middleware(BodyLimit, api_limit=max_body_for(settings))
+    app.add_middleware(StrictPath)
     if app.state.local is not None:
         app.add_middleware(LoopbackOnly)
 
@@ -83,6 +91,39 @@ def create_app(
                 request, "error.html", console._status_of(exc), who=None, error=str(exc)
             )
         return error_response(exc)
+
+    @app.exception_handler(sa.exc.OperationalError)
+    async def unavailable(request: Request, exc: sa.exc.OperationalError) -> Response:
+        # the database did not answer, or refused (locked, gone, out of connections): said in
+        # the API's shape with the CLI's exit code (1), not as a bare text 500 (a cold
+        # review); its text (which may quote SQL and parameters) stays in the log, at DEBUG
+        log.warning(
+            "%s %s: database unavailable: %s",
+            request.method,
+            request.url.path,
+            type(exc.orig).__name__,
+        )
+        log.debug("the database's error", exc_info=exc)
+        message = "database unavailable: try again (what was recorded stands; show tells)"
+        if not request.url.path.startswith("/api/"):
+            return console.render(request, "error.html", 503, who=None, error=message)
+        return JSONResponse({"error": message, "kind": "unavailable", "exit_code": 1}, 503)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> Response:
+        # anything else is a bug: Starlette logs its traceback; the client gets the API's shape
+        if not request.url.path.startswith("/api/"):
+            return console.render(
+                request,
+                "error.html",
+                500,
+                who=None,
+                error="internal error (its traceback is in the server's log)",
+            )
+        return JSONResponse(
+            {"error": f"internal error: {type(exc).__name__}", "kind": "internal", "exit_code": 1},
+            500,
+        )
 
     @app.exception_handler(ConfigError)
     async def config_error(_request: Request, exc: ConfigError) -> Response:

@@ -16,9 +16,11 @@ from urllib.parse import quote, urlencode
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from starlette.concurrency import run_in_threadpool
 
 from toolledger.ledger.errors import InvalidArguments, LedgerError
+from toolledger.ledger.inputs import shown
 from toolledger.server.auth import (
     LOGIN_COOKIE,
     SESSION_COOKIE,
@@ -54,11 +56,23 @@ DONE = {
 #: Rows per inbox section; the counts above say how many there are, the list pages show all.
 INBOX_LIMIT = 25
 
+
+def _visible(value: Any) -> Any:
+    """Every value a page shows, with the characters nobody sees as themselves written as
+    their escapes (``inputs.shown``; line breaks and tabs kept): an agent's path
+    ``invoice\\u202efdp.sh`` showed as ``invoicehs.pdf`` on the page where a person approves
+    it, and ids differing by a zero-width character as one id (a cold review)."""
+    if isinstance(value, str) and not isinstance(value, Markup):  # a macro's: shown already
+        return shown(value, keep="\n\t")
+    return value
+
+
 env = Environment(
     loader=FileSystemLoader(Path(__file__).parent / "templates"),
     autoescape=select_autoescape(default=True, default_for_string=True),
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_visible,
 )
 env.filters["pretty"] = lambda v: json.dumps(v, ensure_ascii=False, indent=2, default=str)
 env.filters["q"] = lambda v: quote(str(v), safe="")
@@ -116,19 +130,23 @@ async def _who(request: Request) -> Token | None:
 
 async def _form(request: Request, who: Token) -> dict[str, str]:
     """The posted form, once its CSRF token proved it came from one of our pages."""
-    if _media_type(request) == "application/x-www-form-urlencoded":
-        # read strictly: Starlette's parser turns bytes that are not UTF-8 into U+FFFD, and a
-        # reason was recorded so, where the API refuses it (a cold review)
-        raw = await request.body()
-        try:
-            pairs = urllib.parse.parse_qsl(
-                raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8", errors="strict"
-            )
-        except UnicodeDecodeError:
-            raise InvalidArguments("the form is not UTF-8 text: nothing was done") from None
-        form: dict[str, Any] = dict(pairs)  # the last of a repeated field, as Starlette's
-    else:
-        form = dict((await request.form()).items())
+    if _media_type(request) != "application/x-www-form-urlencoded":
+        # the console's forms post nothing else; a multipart body's fields went through
+        # Starlette's parser, which read bytes that are not UTF-8 as Latin-1, and a reason was
+        # recorded so (a cold review)
+        raise InvalidArguments(
+            "a form is posted as application/x-www-form-urlencoded: nothing was done"
+        )
+    # read strictly: Starlette's parser turns bytes that are not UTF-8 into U+FFFD, and a
+    # reason was recorded so, where the API refuses it (a cold review)
+    raw = await request.body()
+    try:
+        pairs = urllib.parse.parse_qsl(
+            raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8", errors="strict"
+        )
+    except UnicodeDecodeError:
+        raise InvalidArguments("the form is not UTF-8 text: nothing was done") from None
+    form: dict[str, Any] = dict(pairs)  # the last of a repeated field, as Starlette's
     # a browser sends a textarea's line breaks as CRLF (the HTML form encoding): the text's
     # lines are LF, as the API takes them (a two-line reason was refused for its U+000D; a
     # cold review). A lone CR is still the input rules' to refuse.

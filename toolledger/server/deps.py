@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 from fastapi import Request
@@ -32,7 +33,7 @@ ERRORS: list[tuple[type[BaseException], int, str, int]] = [
 
 
 class Unauthorized(LedgerError):
-    """No valid token: send ``Authorization: Bearer SECRET``."""
+    """No valid token: send Authorization: Bearer SECRET."""
 
 
 class BodyTooLarge(InputError):
@@ -187,6 +188,10 @@ class LoopbackOnly:
     @staticmethod
     def refusal(scope: Any) -> str | None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        names = [k.decode("latin-1").lower() for k, _ in scope["headers"]]
+        for judged in ("host", "origin", "sec-fetch-site"):
+            if names.count(judged) > 1:  # the last one was judged, whatever the first said
+                return f"--insecure-local refuses a request with more than one {judged} header"
         host = headers.get("host", "")
         if host_name(host) not in LOOPBACK_NAMES:
             return f"--insecure-local answers only requests to a loopback name, not {host!r}"
@@ -206,6 +211,27 @@ class LoopbackOnly:
         ):
             return f"--insecure-local refuses a request from another site ({origin!r})"
         return None
+
+
+class StrictPath:
+    """Refuses (422, nothing read or changed) a request whose path's escapes are not UTF-8:
+    the router read them leniently, as U+FFFD, so many malformed paths named one call, and
+    ``POST /api/calls/acme/bad%FE/approve`` approved the call ``bad\ufffd`` (a cold review).
+    Bodies were strict UTF-8 already."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            raw: bytes = scope.get("raw_path") or b""
+            try:
+                urllib.parse.unquote_to_bytes(raw).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                why = f"the request's path is not UTF-8 once unescaped (byte {exc.start})"
+                await error_response(InvalidArguments(why))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def require_suffix(request: Request, suffix: str) -> None:

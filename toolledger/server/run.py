@@ -13,6 +13,9 @@ from toolledger.server.auth import load_tokens
 
 log = logging.getLogger("toolledger.serve")
 
+#: The fewest characters of ``TOOLLEDGER_API_SESSION_KEY`` (``openssl rand -hex 32`` gives 64).
+MIN_SESSION_KEY = 32
+
 
 def _loopback(host: str) -> bool:
     if host == "localhost":
@@ -54,6 +57,13 @@ def run(
             raise ConfigError(f"--insecure-local binds a loopback address only, not {host!r}")
         log.warning("serving without tokens (--insecure-local): every request is an operator")
     key = os.environ.get("TOOLLEDGER_API_SESSION_KEY") or ""
+    if key and len(key) < MIN_SESSION_KEY:
+        # it keys the token fingerprint a cookie carries: a guessable key made a copied cookie
+        # an offline oracle for a weak secret again (a cold review; "x" was taken)
+        raise ConfigError(
+            f"TOOLLEDGER_API_SESSION_KEY is {len(key)} characters, fewer than "
+            f"{MIN_SESSION_KEY}: use a random one (openssl rand -hex 32)"
+        )
     if workers > 1:
         # Each worker process builds its app from the environment: the settings as resolved
         # here (the command line's --db/--broker/--sandbox included) and one session key, so

@@ -151,6 +151,7 @@ class Desk:
             raise InvalidArguments(f"limit must be 1..{PAGE_LIMIT}")
         wanted = parse_status(status) if status else None
         after = decode_cursor(cursor) if cursor else None
+        scope = scope or None  # empty: no filter, as status and cursor (a form's empty field)
         if scope is not None:
             check_scope(scope)
         if scope is not None and not who.sees(scope):
