@@ -1,9 +1,11 @@
 """Example user tool: a call to a downstream service that honours idempotency keys.
 
-The contract (see worker/tools.py): send ``ctx.idempotency_key`` with the request, so the
+The contract (see toolledger/tools.py): send ``ctx.service_key`` with the request, so the
 downstream itself refuses a duplicate; and reconcile by asking the downstream for its
-receipt under that same key — never by sending the request again. Load it with
-``TOOLLEDGER_TOOLS=examples.downstream_tool`` (from the repository root).
+receipt under that same key — never by sending the request again. ``ctx.service_key`` is
+``SCOPE/IDEMPOTENCY_KEY``: the idempotency key alone is unique within its scope only, and two
+conversations' ``call_1`` would be one charge (this example sent it alone until 2026-12-06).
+Load it with ``TOOLLEDGER_TOOLS=examples.downstream_tool`` (from the repository root).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class ChargeArgs(BaseModel):
 def reconcile_charge(args: ChargeArgs, ctx: ToolContext) -> Evidence | None:
     """Ask the downstream for its receipt under the original key. No receipt: no evidence
     (the call stays unknown for a human); a receipt for other terms: no evidence either."""
-    assert ctx.idempotency_key is not None
-    found = SERVICE.receipt(ctx.idempotency_key)
+    assert ctx.service_key is not None
+    found = SERVICE.receipt(ctx.service_key)
     if found is None or (found["account"], found["cents"]) != (args.account, args.cents):
         return None
     return Evidence(
@@ -69,6 +71,6 @@ def reconcile_charge(args: ChargeArgs, ctx: ToolContext) -> Evidence | None:
 @tool(idempotent=True, reconcile=reconcile_charge)
 def charge_account(args: ChargeArgs, ctx: ToolContext) -> dict[str, Any]:
     """Charge an account. Idempotent through the downstream's own idempotency key."""
-    if ctx.idempotency_key is None:
+    if ctx.service_key is None:
         raise ToolError("a charge needs an idempotency key")
-    return SERVICE.charge(ctx.idempotency_key, args.account, args.cents)
+    return SERVICE.charge(ctx.service_key, args.account, args.cents)

@@ -127,6 +127,14 @@ def default_key(tool: str, tool_call_id: str) -> str:
     return f"{tool}:{tool_call_id}"
 
 
+def service_key(scope: str, idempotency_key: str) -> str:
+    """The key a service outside the ledger deduplicates a call's effect by: ``SCOPE/KEY``.
+    An idempotency key is unique within its scope only (two conversations' ``call_1`` share
+    ``tool:call_1``), and a service deduplicating by it alone gave one call another's receipt
+    (a cold review). A scope holds no ``/``, so the two parts never run together."""
+    return f"{scope}/{idempotency_key}"
+
+
 def new_execution_id() -> str:
     """A UUIDv7 (RFC 9562): unique per attempt and ordered by time, kind to B-tree indexes."""
     unix_ms = time.time_ns() // 1_000_000

@@ -14,14 +14,14 @@ what recovery needs to know about it:
   (never change it: the sandbox refuses writes here) and say whether the requested effect
   holds (Evidence), provably does not (Absent), or cannot tell (None: the call stays
   ``unknown`` for a human). A tool that calls a downstream service reconciles by asking that
-  service for its receipt under ``ctx.idempotency_key`` — the key it sent with the request;
+  service for its receipt under ``ctx.service_key`` — the key it sent with the request;
 - ``auto_retry``: when an execution was revoked and the reconciler proves its effect absent,
   the sweep authorises the next attempt by itself (an event records the evidence). Needs a
   reconciler; off unless the author is sure a late retry is what a user wants;
 - ``check(args, ctx)``: refuse unsafe arguments at submit time, before anything is recorded.
 
 What is fenced: the sandbox. What is not: anything else a tool touches. A downstream service
-is protected only if it checks ``ctx.idempotency_key`` itself (and refuses a key it has seen);
+is protected only if it checks ``ctx.service_key`` itself (and refuses a key it has seen);
 a tool may also check ``ctx.lease_lost`` before starting something that cannot be undone.
 
 Mark a function with ``@tool`` in a module named by ``TOOLLEDGER_TOOLS`` or by an entry point
@@ -41,7 +41,7 @@ import pydantic
 
 from toolledger.effects import LeaseWatch
 from toolledger.ledger.errors import InvalidArguments, NotFound
-from toolledger.ledger.identity import check_registered_name
+from toolledger.ledger.identity import check_registered_name, service_key
 from toolledger.ledger.transitions import Status
 from toolledger.sandbox import Sandbox
 
@@ -78,6 +78,15 @@ class ToolContext:
     attempt: int = 0
     lease_lost: threading.Event = field(default_factory=threading.Event)
     lease: LeaseWatch | None = None
+
+    @property
+    def service_key(self) -> str | None:
+        """The key to send a service outside the ledger with the request, and to ask it for
+        its receipt under: ``SCOPE/IDEMPOTENCY_KEY``, unique across the ledger's scopes
+        (``idempotency_key`` is unique within its scope only). None where there is no call."""
+        if self.idempotency_key is None:
+            return None
+        return service_key(self.scope, self.idempotency_key)
 
 
 @dataclass(frozen=True)

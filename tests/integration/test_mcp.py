@@ -554,6 +554,9 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     scope = scope_of("proxy")
     meta = {ID: "call_1", SCOPE: scope}
     refused = {ID: "call_2", SCOPE: scope}
+    # another conversation's call_1: another call, whose key upstream must differ (the key
+    # alone went, and an upstream deduplicating by it gave this call the first one's receipt)
+    elsewhere = {ID: "call_1", SCOPE: scope_of("proxy-other")}
 
     async def go() -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -561,6 +564,7 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
             out["tools"] = {t.name: t for t in (await s.list_tools()).tools}
             out["first"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
             out["second"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+            out["elsewhere"] = await s.call_tool("charge", {"amount": 7}, meta=elsewhere)
             out["refused"] = await s.call_tool("refuse", {}, meta=refused)
         argv = proxy_argv("--idempotent", "charge")
         async with mcp_server(world, *argv, MCP_UPSTREAM_LOG=str(log)) as s:
@@ -576,14 +580,22 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     assert out["relisted"]["charge"].annotations.idempotent_hint is True
     first = out["first"]
     assert not first.is_error and first.content[0].text == "charged 5"
-    assert first.structured_content == {"charged": 5, "key": "mcp.charge:call_1"}
+    key = f"{scope}/mcp.charge:call_1"
+    assert first.structured_content == {"charged": 5, "key": key}
     assert first.meta["toolledger/status"] == "succeeded"
     assert out["second"] == first and out["later"] == first  # replayed, not forwarded
     assert out["refused"].is_error and out["refused"].content[0].text == "no"
     assert out["refused_again"] == out["refused"]
     calls = invocations(log)
-    assert [c["tool"] for c in calls] == ["charge", "refuse"]  # once each, over six answers
-    assert calls[0]["meta"] == {"toolledger/idempotency_key": "mcp.charge:call_1"}
+    assert [c["tool"] for c in calls] == ["charge", "charge", "refuse"]  # once each call
+    assert calls[0]["meta"] == {"toolledger/idempotency_key": key}
+    assert calls[1]["meta"] == {
+        "toolledger/idempotency_key": f"{elsewhere[SCOPE]}/mcp.charge:call_1"
+    }
+    assert out["elsewhere"].structured_content == {
+        "charged": 7,
+        "key": calls[1]["meta"]["toolledger/idempotency_key"],
+    }
     assert calls[0]["arguments"] == {"amount": 5}
     ledger = Ledger(world.db)
     try:
@@ -594,7 +606,7 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
         assert ex.result == {
             "content": [{"type": "text", "text": "charged 5"}],
             "isError": False,
-            "structuredContent": {"charged": 5, "key": "mcp.charge:call_1"},
+            "structuredContent": {"charged": 5, "key": key},
         }
         assert ledger.get(scope, "call_2").operation.status.value == "failed"
     finally:

@@ -8,7 +8,8 @@ them over its own stdio. A ``tools/call`` goes through the ledger as a worker's 
 2. **claim** under a lease, by this process (``running`` is committed before anything is
    sent upstream); only the claim's winner forwards, so a call is forwarded at most once
    per authorised attempt, whoever asks and however often;
-3. **forward** upstream with the idempotency key in ``_meta["toolledger/idempotency_key"]``,
+3. **forward** upstream with ``SCOPE/KEY`` (``identity.service_key``: unique across the
+   ledger's scopes) in ``_meta["toolledger/idempotency_key"]``,
    renewing the lease every lease/3 while it runs, for at most ``--time-limit`` seconds
    (an hour unless given: long enough for any upstream call that works, short of for ever,
    and not a worker's 20 s, which would cut calls that used to finish): a forward still
@@ -87,6 +88,7 @@ from toolledger.ledger.identity import (
     check_scope,
     check_text_id,
     check_tool_name,
+    service_key,
 )
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim, Receipt
@@ -384,7 +386,7 @@ class Proxy:
             params=types.CallToolRequestParams(
                 name=claim.tool.removeprefix(PROXIED_PREFIX),
                 arguments=claim.args,
-                _meta={META_IDEMPOTENCY_KEY: claim.idempotency_key},
+                _meta={META_IDEMPOTENCY_KEY: service_key(claim.scope, claim.idempotency_key)},
             )
         )
         try:
