@@ -44,7 +44,7 @@ _INT_DIGITS = len(str(MAX_INT))
 
 #: Every character a person cannot see as itself (Unicode's control, format, line and
 #: paragraph separator characters: Cc, Cf, Zl, Zp; bidirectional overrides and zero-width
-#: characters among them), for Python's Unicode 14 (``tests/unit/test_invisible.py`` compares
+#: characters among them), for Python's Unicode 14 (``tests/unit/test_input_text.py`` compares
 #: it with ``unicodedata``). A path holding one is refused at submit, and the console shows
 #: each escaped (``\u202e``): ``invoice\u202efdp.sh`` read as ``invoicehs.pdf`` on the page
 #: where a person approves it (a cold review).
@@ -245,6 +245,8 @@ def loads_arguments(text: str, what: str) -> dict[str, Any]:
 
 def check_identifier(value: Any, what: str, max_len: int = 512) -> str:
     """Non-empty, at most ``max_len`` characters, encodable, no control characters."""
+    if not isinstance(value, str) and value is not None:  # 7 was "must not be empty"
+        _refuse(what, f"must be a string, not {type(value).__name__}", InvalidIdentifier)
     if not isinstance(value, str) or not value.strip():
         _refuse(what, "must not be empty", InvalidIdentifier)
     check_encodable_id(value, what)

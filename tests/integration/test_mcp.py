@@ -442,19 +442,30 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
         '"name":"append_file","arguments":{"path":"d.txt","content":"x"}}}',
         '{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"write_file",'
         '"arguments":{"path":"a\udcffb.txt","content":"x"}}}',  # the raw byte 0xff
+        # an id MCP does not allow: read as a notification, never answered (a cold review)
+        '{"jsonrpc":"2.0","id":7.5,"method":"ping"}',
+        '{"jsonrpc":"2.0","id":true,"method":"ping"}',
+        '{"jsonrpc":"2.0","id":null,"method":"ping"}',
         '{"jsonrpc":"2.0","id":2,"method":"ping"}',
     ]
     argv = ["serve"] if command == "serve" else proxy_argv()
     with raw_host(world, argv, kill_after=60) as host:
         host.send(*lines)
-        replies = [host.reply() for _ in range(6)]
+        replies = [host.reply() for _ in range(9)]
         host.send(close=True)
         host.proc.wait(60)
     errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
-    assert errors == [(None, -32700), (None, -32600), (None, -32700), (None, -32700)], replies
+    assert (
+        errors
+        == [(None, -32700), (None, -32600), (None, -32700), (None, -32700)] + [(None, -32600)] * 3
+    ), replies
     said = [r["error"]["message"] for r in replies if r and "error" in r]
     assert said[2] == "Parse error: duplicate key 'name' in one object", said
     assert said[3].startswith("Parse error: not UTF-8 (byte "), said
+    assert said[4:] == [
+        f"Invalid Request: an id is a string or an integer, not {kind}"
+        for kind in ("float", "bool", "NoneType")
+    ], said
     assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies
 
 

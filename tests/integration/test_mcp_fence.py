@@ -6,6 +6,9 @@ registered one is never run as the registered one. On both backends."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +17,10 @@ import anyio
 import pytest
 import sqlalchemy as sa
 from mcp import types
+from mcp.shared.exceptions import MCPError
 
 from toolledger.builtin_tools import BUILTINS
-from toolledger.ledger.errors import InvalidArguments, InvalidIdentifier
+from toolledger.ledger.errors import InvalidArguments, InvalidIdentifier, NotFound
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 from toolledger.mcp.common import CallIdentity
@@ -69,8 +73,31 @@ def test_forward__a_call_still_held_is_sent_once_and_finished(ledger: Ledger, sc
     anyio.run(proxy_for(ledger, upstream)._forward, claim)
     assert len(upstream.sent) == 1
     assert upstream.sent[0].params.name == "charge"  # the upstream's own name
-    assert upstream.sent[0].params.meta == {"toolledger/idempotency_key": "mcp.charge:c2"}
+    assert upstream.sent[0].params.meta == {"toolledger/idempotency_key": f"{scope}/mcp.charge:c2"}
     assert ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
+
+
+class ErringUpstream(Upstream):
+    async def send_request(self, request: Any, _result_type: Any) -> types.CallToolResult:
+        self.sent.append(request)
+        raise MCPError(-32000, "boom secret=hunter2")
+
+
+def test_forward__an_upstream_error_is_recorded_never_logged(
+    ledger: Ledger, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The upstream's error message ("boom secret=hunter2") reached the log at WARNING, where
+    no call's contents go (a cold review). The person deciding the unknown call reads it in
+    the ledger; the log says its class and code."""
+    claim = claimed(ledger, scope, "c9")
+    with caplog.at_level(logging.DEBUG):
+        anyio.run(proxy_for(ledger, ErringUpstream())._forward, claim)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "MCPError (code -32000)" in logged and "hunter2" not in logged
+    view = ledger.get(scope, "c9")
+    assert view.operation.status is Status.UNKNOWN
+    (marked,) = [e for e in ledger.events(scope, "c9") if e.kind == "unknown"]
+    assert marked.detail["reason"].endswith("MCPError (code -32000): boom secret=hunter2")
 
 
 def test_forward__stopped_between_claim_and_send_is_recorded_failed_not_sent(
@@ -247,6 +274,62 @@ def test_schema_check__runs_off_the_loop_and_is_bounded(
     monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 5.0)
     many = {"xs": [{"k": i} for i in range(6000)]}  # pairwise: about a minute
     anyio.run(unique._check_new, "t", many, ident)  # within the bound: taken
+
+
+EVIL = "^(a|aa)+$"  # backtracks exponentially on a run of a's that does not end right
+
+
+@pytest.mark.parametrize(
+    ("schema", "args"),
+    [
+        ({"properties": {"s": {"type": "string", "pattern": EVIL}}}, {"s": "a" * 60 + "!"}),
+        ({"patternProperties": {EVIL: {"type": "string"}}}, {"a" * 60 + "!": "x"}),
+        ({"patternProperties": {EVIL: {}}, "additionalProperties": False}, {"a" * 60 + "!": 1}),
+    ],
+    ids=["pattern", "patternProperties", "additionalProperties"],
+)
+def test_schema_check__a_pattern_that_backtracks_is_bounded_and_holds_nothing(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch, schema: Any, args: Any
+) -> None:
+    """Python's ``re`` holds the GIL while it backtracks: an upstream's ``^(a|aa)+$`` and a
+    model's 60 a's froze the proxy's loop, every other call, the lease renewals and SIGTERM
+    for good, past the check's bound (a cold review). The searches are bounded by the check's
+    deadline and let the loop run meanwhile; the call is refused, nothing recorded."""
+    monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 1.0)
+    proxy = schema_proxy(ledger, {"type": "object", **schema})
+    ticks: list[float] = []
+    threads = threading.active_count()
+
+    async def checking() -> BaseException | None:
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            try:
+                await proxy._check_new("t", args, CallIdentity(scope, "evil"))
+            except InvalidArguments as exc:
+                return exc
+            finally:
+                tg.cancel_scope.cancel()
+        return None
+
+    began = time.monotonic()
+    refused = anyio.run(checking)
+    assert refused is not None and re.search(r"could not be checked .* within 1 s", str(refused))
+    assert time.monotonic() - began < 10 and len(ticks) >= 10  # the loop ran meanwhile
+    # and the check's thread ended by the deadline too (abandoned, it matched on for ever)
+    wait_until = time.monotonic() + 5
+    while threading.active_count() > threads and time.monotonic() < wait_until:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads
+    with pytest.raises(NotFound):
+        ledger.get(scope, "evil")
+    fine = {k.replace("!", ""): v for k, v in args.items()}
+    fine = {k: (v.replace("!", "") if isinstance(v, str) else v) for k, v in fine.items()}
+    anyio.run(proxy._check_new, "t", fine, CallIdentity(scope, "fine"))  # a match: taken
 
 
 def test_schema_check__a_recorded_call_is_answered_whatever_the_schema_says_now(

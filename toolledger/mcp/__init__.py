@@ -31,8 +31,11 @@ META_EXECUTION_ID = "toolledger/execution_id"
 META_RECONCILED = "toolledger/reconciled"
 #: Result ``_meta`` key: the flag a person must settle (``contradicted``…), or null.
 META_REVIEW = "toolledger/review"
-#: Seconds a call waits for its receipt before it is answered with its status instead.
-DEFAULT_TIMEOUT = 60.0
+#: Seconds a call waits for its receipt before it is answered with its status instead: under
+#: the 60 s most hosts give a request (the TypeScript SDK's default), so the answer reaches the
+#: host before it gives up. At 60 it never did: the host saw a timeout, and its retry of a call
+#: it had not named ran the upstream tool a second time (a cold review).
+DEFAULT_TIMEOUT = 45.0
 
 __all__ = [
     "DEFAULT_TIMEOUT",

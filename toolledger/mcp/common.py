@@ -175,6 +175,8 @@ def log_to_stderr(level: int = logging.WARNING) -> None:
 #: What a screened line that broke the input rules is replaced with, then its reason: no JSON
 #: (the SDK's parse fails on the NUL), told to the host by ``answering_malformed``.
 _REFUSED = "\x00toolledger-refused: "
+#: The same, for JSON that is no request: answered -32600, "Invalid Request".
+_INVALID = "\x00toolledger-invalid: "
 
 
 class _DuplicateKey(ValueError):
@@ -201,12 +203,22 @@ def screened(raw: bytes) -> str:
     except UnicodeDecodeError as exc:
         return f"{_REFUSED}not UTF-8 (byte {exc.start} of the line)\n"
     try:
-        json.loads(text, object_pairs_hook=_no_duplicates)
+        message = json.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
         return f"{_REFUSED}duplicate key {one_line(str(exc.args[0]))[:200]!r} in one object\n"
     except (ValueError, RecursionError):
-        pass  # not JSON: the SDK says so
+        return text  # not JSON: the SDK says so
+    request = isinstance(message, dict) and "method" in message  # not a response of the host's
+    if request and "id" in message and not _an_id(message["id"]):
+        # the SDK read it as a notification and nobody answered: the host waited for ever
+        kind = type(message["id"]).__name__
+        return f"{_INVALID}an id is a string or an integer, not {kind}\n"
     return text
+
+
+def _an_id(value: Any) -> bool:
+    """An id MCP allows: a string, or an integer (not a boolean, a float, null)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 class InFlight:
@@ -356,6 +368,9 @@ async def answering_malformed(
                 line = errors[0].get("input") if errors else None
                 if isinstance(line, str) and line.startswith(_REFUSED):
                     text = f"{text}: {line.removeprefix(_REFUSED).strip()}"
+                elif isinstance(line, str) and line.startswith(_INVALID):
+                    code = types.INVALID_REQUEST
+                    text = f"Invalid Request: {line.removeprefix(_INVALID).strip()}"
                 log.warning("a line from the host is no JSON-RPC message: %s", text)
                 error = types.ErrorData(code=code, message=text)
                 await write.send(

@@ -93,7 +93,7 @@ from toolledger.ledger.identity import (
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim, Receipt
 from toolledger.ledger.transitions import Status
-from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY
+from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY, patterns
 from toolledger.mcp.common import (
     CallIdentity,
     InFlight,
@@ -398,6 +398,7 @@ class Proxy:
             raise
         result: types.CallToolResult | None = None
         failure = STOPPED_MID_FORWARD
+        logged: str | None = None  # the failure as the log says it, where it differs
         try:
             async with anyio.create_task_group() as leases:
                 leases.start_soon(self._keep_lease, claim)
@@ -411,6 +412,9 @@ class Proxy:
                     )
                 except Exception as exc:  # noqa: BLE001 - no result: whether it ran is unknown
                     failure = "upstream gave no result: " + _no_contents(exc)
+                    if isinstance(exc, MCPError):  # its message is the upstream's: recorded,
+                        logged = failure  # for the person who decides; never logged (a review)
+                        failure += f": {one_line(exc.message)[:1000]}"
                 leases.cancel_scope.cancel()
         except anyio.get_cancelled_exc_class():
             # the proxy stops (SIGTERM): mid-forward, or with the answer in hand while the
@@ -418,17 +422,22 @@ class Proxy:
             if result is None:
                 log.warning("%s: the proxy stops mid-forward: unknown", claim.execution_id)
             with anyio.CancelScope(shield=True):
-                await self._outcome(claim, result, failure)
+                await self._outcome(claim, result, failure, logged)
             raise
         with anyio.CancelScope(shield=True):  # a stop meanwhile waits for the record
-            await self._outcome(claim, result, failure)
+            await self._outcome(claim, result, failure, logged)
 
     async def _outcome(
-        self, claim: Claim, result: types.CallToolResult | None, failure: str
+        self,
+        claim: Claim,
+        result: types.CallToolResult | None,
+        failure: str,
+        logged: str | None = None,
     ) -> None:
-        """Record what the forward came back with: the upstream's result, else unknown."""
+        """Record what the forward came back with: the upstream's result, else unknown
+        (``failure`` recorded; ``logged``, else ``failure``, logged)."""
         if result is None:
-            log.warning("%s: %s: unknown", claim.execution_id, failure)
+            log.warning("%s: %s: unknown", claim.execution_id, logged or failure)
             await self._record(claim, Status.UNKNOWN, None, failure)
         else:
             status = Status.FAILED if result.is_error else Status.SUCCEEDED
@@ -578,6 +587,8 @@ def _no_contents(exc: Exception) -> str:
         where = ".".join(str(p) for p in first[0]["loc"]) if first else "?"
         said = one_line(first[0]["msg"]) if first else "invalid"
         return f"a malformed result ({exc.error_count()} errors; at {where}: {said})"
+    if isinstance(exc, MCPError):  # the upstream's own error: its message is its words
+        return f"MCPError (code {exc.code})"
     return one_line(f"{type(exc).__name__}: {exc}")
 
 
@@ -619,6 +630,7 @@ def _validator(tool: types.Tool) -> jsonschema.protocols.Validator | None:
     """A validator of the upstream tool's ``inputSchema`` (its ``$schema``, else JSON Schema
     2020-12, as MCP says); None, with a warning, for a schema that is not one: its calls are
     then forwarded unchecked, as the upstream would take them."""
+    patterns.install()
     schema = tool.input_schema
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     checker: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
@@ -646,7 +658,13 @@ def _check_arguments(
     if validator is None:
         return
     try:
-        error = jsonschema.exceptions.best_match(validator.iter_errors(args))
+        with patterns.deadline(SCHEMA_CHECK_SECONDS):
+            error = jsonschema.exceptions.best_match(validator.iter_errors(args))
+    except TimeoutError:  # a pattern's search, past the deadline (patterns)
+        raise InvalidArguments(
+            f"arguments could not be checked against {name!r}'s inputSchema within "
+            f"{SCHEMA_CHECK_SECONDS:g} s: refused"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - a $ref it cannot resolve, say: cannot check
         log.warning(
             "upstream tool %r: its inputSchema cannot be applied (%s): arguments not checked",

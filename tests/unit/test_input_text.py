@@ -1,4 +1,4 @@
-"""``inputs.INVISIBLE`` is exactly the characters a person cannot see as themselves."""
+"""The input layer on text: the characters nobody sees as themselves, identifiers of the wrong type."""
 
 from __future__ import annotations
 
@@ -24,3 +24,18 @@ def test_shown__escapes_what_cannot_be_seen_and_keeps_the_rest():
     assert shown("a\nb\tc", keep="\n\t") == "a\nb\tc"
     assert shown("a\nb") == "a\\u000ab"
     assert shown("café 日本 👍") == "café 日本 👍"
+
+
+def test_identifier__a_value_that_is_no_string_is_said_so() -> None:
+    """``_meta``'s ``toolledger/tool_call_id`` of 7 was refused as "must not be empty"."""
+    import pytest
+
+    from toolledger.ledger.errors import InvalidIdentifier
+    from toolledger.ledger.inputs import check_identifier
+
+    for value, said in ((7, "int"), (["x"], "list"), (True, "bool"), ({"a": 1}, "dict")):
+        with pytest.raises(InvalidIdentifier, match=f"tool_call_id: must be a string, not {said}"):
+            check_identifier(value, "tool_call_id")
+    for empty in ("", "  ", None):
+        with pytest.raises(InvalidIdentifier, match="must not be empty"):
+            check_identifier(empty, "tool_call_id")
