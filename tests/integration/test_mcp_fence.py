@@ -243,6 +243,32 @@ class SlowValidator:
         return iter(())
 
 
+def checked_ticking(
+    proxy: Proxy, args: dict[str, Any], ident: CallIdentity
+) -> tuple[InvalidArguments | None, int]:
+    """``proxy._check_new`` of ``args`` for the tool ``t``, beside a task that ticks every
+    50 ms on the same loop: its refusal (None if taken) and how often the loop ticked."""
+    ticks: list[float] = []
+
+    async def checking() -> InvalidArguments | None:
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            try:
+                await proxy._check_new("t", args, ident)
+            except InvalidArguments as exc:
+                return exc
+            finally:
+                tg.cancel_scope.cancel()
+        return None
+
+    return anyio.run(checking), len(ticks)
+
+
 def test_schema_check__runs_off_the_loop_and_is_bounded(
     ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,21 +278,8 @@ def test_schema_check__runs_off_the_loop_and_is_bounded(
     ident = CallIdentity(scope, "s1")
     proxy = schema_proxy(ledger, {"type": "object"})
     proxy.validators["t"] = SlowValidator()  # type: ignore[assignment]
-    ticks: list[float] = []
-
-    async def checking() -> None:
-        async def tick() -> None:
-            while True:
-                ticks.append(time.monotonic())
-                await anyio.sleep(0.05)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(tick)
-            await proxy._check_new("t", {}, ident)
-            tg.cancel_scope.cancel()
-
-    anyio.run(checking)
-    assert len(ticks) >= 10  # the loop ran while the check did
+    refused, ticks = checked_ticking(proxy, {}, ident)
+    assert refused is None and ticks >= 10  # the loop ran while the check did
     monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 0.2)
     with pytest.raises(InvalidArguments, match=r"could not be checked .* within 0\.2 s"):
         anyio.run(proxy._check_new, "t", {}, ident)
@@ -297,29 +310,11 @@ def test_schema_check__a_pattern_that_backtracks_is_bounded_and_holds_nothing(
     deadline and let the loop run meanwhile; the call is refused, nothing recorded."""
     monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 1.0)
     proxy = schema_proxy(ledger, {"type": "object", **schema})
-    ticks: list[float] = []
     threads = threading.active_count()
-
-    async def checking() -> BaseException | None:
-        async def tick() -> None:
-            while True:
-                ticks.append(time.monotonic())
-                await anyio.sleep(0.05)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(tick)
-            try:
-                await proxy._check_new("t", args, CallIdentity(scope, "evil"))
-            except InvalidArguments as exc:
-                return exc
-            finally:
-                tg.cancel_scope.cancel()
-        return None
-
     began = time.monotonic()
-    refused = anyio.run(checking)
+    refused, ticks = checked_ticking(proxy, args, CallIdentity(scope, "evil"))
     assert refused is not None and re.search(r"could not be checked .* within 1 s", str(refused))
-    assert time.monotonic() - began < 10 and len(ticks) >= 10  # the loop ran meanwhile
+    assert time.monotonic() - began < 10 and ticks >= 10  # the loop ran meanwhile
     # and the check's thread ended by the deadline too (abandoned, it matched on for ever)
     wait_until = time.monotonic() + 5
     while threading.active_count() > threads and time.monotonic() < wait_until:
