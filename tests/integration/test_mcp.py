@@ -593,7 +593,9 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     assert not first.is_error and first.content[0].text == "charged 5"
     key = f"{scope}/mcp.charge:call_1"
     assert first.structured_content == {"charged": 5, "key": key}
-    assert first.meta["toolledger/status"] == "succeeded"
+    assert first.meta["toolledger/status"] == "succeeded"  # the upstream's forged one: not
+    assert first.meta["example.com/served-by"] == "upstream"  # its own _meta: passed on
+    assert "toolledger/verified" not in first.meta  # nothing under toolledger/ but ours
     assert out["second"] == first and out["later"] == first  # replayed, not forwarded
     assert out["refused"].is_error and out["refused"].content[0].text == "no"
     assert out["refused_again"] == out["refused"]
@@ -618,6 +620,7 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
             "content": [{"type": "text", "text": "charged 5"}],
             "isError": False,
             "structuredContent": {"charged": 5, "key": key},
+            "_meta": {"example.com/served-by": "upstream"},  # dropped until 2026-12-06
         }
         assert ledger.get(scope, "call_2").operation.status.value == "failed"
     finally:

@@ -173,18 +173,29 @@ def ledger_name(upstream_name: str) -> str:
 
 def stored_result(result: types.CallToolResult) -> dict[str, Any]:
     """The upstream's result as the ledger keeps it: the ``CallToolResult``'s wire fields
-    (``content``, ``structuredContent``, ``isError``). A result outside the ledger's input
+    (``content``, ``structuredContent``, ``isError``, and its ``_meta`` but for keys under
+    ``toolledger/``, which are the proxy's to say). A result outside the ledger's input
     rules (a lone surrogate, an integer past 64 bits) is kept as a note saying so."""
     content = [b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content]
     stored: dict[str, Any] = {"content": content, "isError": result.is_error}
     if result.structured_content is not None:
         stored["structuredContent"] = result.structured_content
+    if theirs := _upstream_meta(result.meta):  # the host's due too: it was dropped (a review)
+        stored["_meta"] = theirs
     try:
         inputs.check_value(stored, "upstream result")
     except InputError as exc:
         note = f"the upstream's result could not be recorded as it was: {exc}"
         stored = {"content": [{"type": "text", "text": note}], "isError": result.is_error}
     return stored
+
+
+def _upstream_meta(meta: Any) -> dict[str, Any]:
+    """The upstream result's ``_meta`` keys that are not ``toolledger/``'s: an upstream never
+    says how the call stands in the ledger."""
+    if not isinstance(meta, dict):
+        return {}
+    return {k: v for k, v in meta.items() if not str(k).startswith("toolledger/")}
 
 
 def reply(receipt: Receipt) -> types.CallToolResult:
@@ -200,7 +211,7 @@ def reply(receipt: Receipt) -> types.CallToolResult:
                     "content": content["content"],
                     "structuredContent": content.get("structuredContent"),
                     "isError": receipt.is_error,
-                    "_meta": receipt_meta(receipt),
+                    "_meta": {**_upstream_meta(content.get("_meta")), **receipt_meta(receipt)},
                 }
             )
         except pydantic.ValidationError:
