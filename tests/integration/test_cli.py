@@ -559,6 +559,40 @@ def test_cli__a_command_on_recorded_calls_refuses_a_missing_embedded_ledger(
     assert "no ledger at" not in err and code in (0, 1, 4, 5, 7), (code, out, err)
 
 
+def test_cli__a_database_locked_past_the_timeout_is_busy_not_unavailable(
+    tmp_path, capsys, monkeypatch
+):
+    """SQLite's lock held by another process past the command's timeout read "database
+    unavailable": a person went looking for a server that was there (a cold review)."""
+    import contextlib
+    import sqlite3
+
+    db = tmp_path / "ledger.db"
+    url = f"sqlite:///{db}"
+    assert run_cli(capsys, "--db", url, "db", "upgrade")[0] == 0
+    monkeypatch.setenv("TOOLLEDGER_DB_TIMEOUT", "0.5")
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as holder:
+        holder.execute("BEGIN EXCLUSIVE")
+        submit = ["submit", "--scope", "s", "--tool-call-id", "c", "--tool", "write_file",
+                  "--args", '{"path": "a.txt", "content": "x"}']  # fmt: skip
+        code, _, err = run_cli(capsys, "--db", url, *submit)
+        holder.execute("ROLLBACK")
+    assert code == 1 and err.startswith("toolledger: error: database busy: "), err
+    assert "locked" in err
+
+
+def test_cli__busy_is_a_lock_or_statement_timeout_only():
+    from toolledger.cli import _busy
+
+    class PgError(Exception):
+        def __init__(self, sqlstate: str) -> None:
+            self.sqlstate = sqlstate
+
+    assert _busy(PgError("55P03")) and _busy(PgError("57014"))  # lock, statement timeout
+    assert not _busy(PgError("08006")) and not _busy(None)  # a connection failure
+    assert not _busy(ConnectionRefusedError("is locked"))
+
+
 def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_ledger(
     tmp_path, capsys
 ):
