@@ -49,7 +49,7 @@ A filesystem without coherent locks can reorder two landings on one path; it can
 revoked execution's bytes.
 
 Outside the sandbox nothing is fenced: a tool that calls a service must send
-``ctx.idempotency_key`` (or a fence token) and the service must check it.
+``ctx.service_key`` (or a fence token) and the service must check it.
 """
 
 from __future__ import annotations

@@ -14,14 +14,18 @@ what recovery needs to know about it:
   (never change it: the sandbox refuses writes here) and say whether the requested effect
   holds (Evidence), provably does not (Absent), or cannot tell (None: the call stays
   ``unknown`` for a human). A tool that calls a downstream service reconciles by asking that
-  service for its receipt under ``ctx.service_key`` — the key it sent with the request;
+  service for its receipt under the key it sent with the request (``ctx.service_key``);
 - ``auto_retry``: when an execution was revoked and the reconciler proves its effect absent,
   the sweep authorises the next attempt by itself (an event records the evidence). Needs a
   reconciler; off unless the author is sure a late retry is what a user wants;
 - ``check(args, ctx)``: refuse unsafe arguments at submit time, before anything is recorded.
 
 What is fenced: the sandbox. What is not: anything else a tool touches. A downstream service
-is protected only if it checks ``ctx.service_key`` itself (and refuses a key it has seen);
+is protected only if it checks the key the tool sends itself (and refuses a key it has seen):
+``ctx.service_key``, ``SCOPE/IDEMPOTENCY_KEY``, unique across scopes. ``ctx.idempotency_key``
+is unique within its scope only (two conversations' ``call_1`` share ``tool:call_1``); a tool
+written against it keeps it until its calls in flight are settled (their attempts went out
+under it, and a retry under the other key is a second effect to the service);
 a tool may also check ``ctx.lease_lost`` before starting something that cannot be undone.
 
 Mark a function with ``@tool`` in a module named by ``TOOLLEDGER_TOOLS`` or by an entry point
@@ -83,7 +87,8 @@ class ToolContext:
     def service_key(self) -> str | None:
         """The key to send a service outside the ledger with the request, and to ask it for
         its receipt under: ``SCOPE/IDEMPOTENCY_KEY``, unique across the ledger's scopes
-        (``idempotency_key`` is unique within its scope only). None where there is no call."""
+        (``idempotency_key`` is unique within its scope only; a tool switching from it first
+        settles its calls in flight). None where there is no call."""
         if self.idempotency_key is None:
             return None
         return service_key(self.scope, self.idempotency_key)

@@ -102,7 +102,7 @@ async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.Cal
     amount = arguments.get("amount")
     return types.CallToolResult(
         content=[types.TextContent(text=f"charged {amount}")],
-        structured_content={"charged": amount, "key": meta.get("toolledger/idempotency_key")},
+        structured_content={"charged": amount, "key": meta.get("toolledger/service_key")},
         # its own _meta, and a forged status: the host gets the first, never the second
         _meta={
             "example.com/served-by": "upstream",

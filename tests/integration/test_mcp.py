@@ -601,13 +601,14 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     assert out["refused_again"] == out["refused"]
     calls = invocations(log)
     assert [c["tool"] for c in calls] == ["charge", "charge", "refuse"]  # once each call
-    assert calls[0]["meta"] == {"toolledger/idempotency_key": key}
-    assert calls[1]["meta"] == {
-        "toolledger/idempotency_key": f"{elsewhere[SCOPE]}/mcp.charge:call_1"
+    assert calls[0]["meta"] == {
+        "toolledger/idempotency_key": "mcp.charge:call_1",  # as it always went
+        "toolledger/service_key": key,
     }
+    assert calls[1]["meta"]["toolledger/service_key"] == f"{elsewhere[SCOPE]}/mcp.charge:call_1"
     assert out["elsewhere"].structured_content == {
         "charged": 7,
-        "key": calls[1]["meta"]["toolledger/idempotency_key"],
+        "key": calls[1]["meta"]["toolledger/service_key"],
     }
     assert calls[0]["arguments"] == {"amount": 5}
     ledger = Ledger(world.db)

@@ -73,7 +73,10 @@ def test_forward__a_call_still_held_is_sent_once_and_finished(ledger: Ledger, sc
     anyio.run(proxy_for(ledger, upstream)._forward, claim)
     assert len(upstream.sent) == 1
     assert upstream.sent[0].params.name == "charge"  # the upstream's own name
-    assert upstream.sent[0].params.meta == {"toolledger/idempotency_key": f"{scope}/mcp.charge:c2"}
+    assert upstream.sent[0].params.meta == {
+        "toolledger/idempotency_key": "mcp.charge:c2",
+        "toolledger/service_key": f"{scope}/mcp.charge:c2",
+    }
     assert ledger.get(scope, "c2").operation.status is Status.SUCCEEDED
 
 

@@ -25,6 +25,9 @@ META_SCOPE = "toolledger/scope"
 #: Upstream request ``_meta`` key (``proxy``): the call's idempotency key, for an upstream
 #: that can refuse a key it has seen.
 META_IDEMPOTENCY_KEY = "toolledger/idempotency_key"
+#: Upstream request ``_meta`` key (``proxy``): ``SCOPE/KEY``, unique across the ledger's
+#: scopes, where the idempotency key is unique within its scope only: the key to deduplicate by.
+META_SERVICE_KEY = "toolledger/service_key"
 #: Result ``_meta`` keys: where the answer came from.
 META_STATUS = "toolledger/status"
 META_EXECUTION_ID = "toolledger/execution_id"
@@ -44,6 +47,7 @@ __all__ = [
     "META_RECONCILED",
     "META_REVIEW",
     "META_SCOPE",
+    "META_SERVICE_KEY",
     "META_STATUS",
     "META_TOOL_CALL_ID",
 ]

@@ -8,8 +8,9 @@ them over its own stdio. A ``tools/call`` goes through the ledger as a worker's 
 2. **claim** under a lease, by this process (``running`` is committed before anything is
    sent upstream); only the claim's winner forwards, so a call is forwarded at most once
    per authorised attempt, whoever asks and however often;
-3. **forward** upstream with ``SCOPE/KEY`` (``identity.service_key``: unique across the
-   ledger's scopes) in ``_meta["toolledger/idempotency_key"]``,
+3. **forward** upstream with the idempotency key in ``_meta["toolledger/idempotency_key"]``
+   and ``SCOPE/KEY`` (``identity.service_key``: unique across the ledger's scopes) in
+   ``_meta["toolledger/service_key"]``,
    renewing the lease every lease/3 while it runs, for at most ``--time-limit`` seconds
    (an hour unless given: long enough for any upstream call that works, short of for ever,
    and not a worker's 20 s, which would cut calls that used to finish): a forward still
@@ -93,7 +94,7 @@ from toolledger.ledger.identity import (
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim, Receipt
 from toolledger.ledger.transitions import Status
-from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY, patterns
+from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY, META_SERVICE_KEY, patterns
 from toolledger.mcp.common import (
     CallIdentity,
     InFlight,
@@ -397,7 +398,12 @@ class Proxy:
             params=types.CallToolRequestParams(
                 name=claim.tool.removeprefix(PROXIED_PREFIX),
                 arguments=claim.args,
-                _meta={META_IDEMPOTENCY_KEY: service_key(claim.scope, claim.idempotency_key)},
+                _meta={
+                    # the key as it always went (an upstream deduplicating by it keeps its
+                    # history across the upgrade), and the one unique across scopes
+                    META_IDEMPOTENCY_KEY: claim.idempotency_key,
+                    META_SERVICE_KEY: service_key(claim.scope, claim.idempotency_key),
+                },
             )
         )
         try:
