@@ -164,13 +164,19 @@ def _may_turn_wal(cursor: Any) -> bool:
     """Whether this connection may switch the file to WAL (a mode the file keeps): not when it
     is already, nor when the file holds another application's tables and no ledger's (a
     mistyped ``--db``: the command refuses it, and it was left in WAL mode, which its own
-    application may not read, on a read-only or network mount)."""
+    application may not read, on a read-only or network mount). A ledger is told by its own
+    tables: Alembic's version table alone is any Alembic-managed application's too (a cold
+    review)."""
     if cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
         return False
     tables = {
         row[0] for row in cursor.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
     }
-    return not tables or VERSION_TABLE in tables
+    return not tables or tables >= LEDGER_TABLES
+
+
+#: Tables every revision of the ledger has had: what tells a ledger's SQLite file.
+LEDGER_TABLES = frozenset({"operations", "executions", "execution_events"})
 
 
 @contextmanager
@@ -261,6 +267,16 @@ def refuse_newer(engine: sa.Engine, stored: str | None = None) -> None:
     migrated it, and no migration of this code can take it anywhere."""
     stored = stored if stored is not None else stored_revision(engine)
     if stored is not None and stored not in files_revisions():
+        with engine.connect() as conn:
+            names = set(sa.inspect(conn).get_table_names())
+        if not names >= LEDGER_TABLES:  # an Alembic-managed application's: never "newer"
+            others = sorted(names - {VERSION_TABLE})
+            named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
+            raise SchemaError(
+                f"the database holds tables that are not a toolledger ledger's ({named or 'none'}"
+                f"; Alembic revision {stored}): no ledger is there (is --db or TOOLLEDGER_DB "
+                "right?)"
+            )
         raise SchemaError(
             f"the ledger schema is at revision {stored}, newer than this code knows "
             f"(its newest is {files_head()}): upgrade toolledger itself"

@@ -604,8 +604,14 @@ def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_led
     import sqlite3
 
     app, empty = tmp_path / "app.db", tmp_path / "empty.db"
+    alembic_app = tmp_path / "alembic-app.db"  # Alembic's version table is any such app's too
     with contextlib.closing(sqlite3.connect(app)) as conn:
         conn.execute("CREATE TABLE invoices (id INTEGER)")
+        conn.commit()
+    with contextlib.closing(sqlite3.connect(alembic_app)) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER)")
+        conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.execute("INSERT INTO alembic_version VALUES ('3f2a1b9c0d7e')")
         conn.commit()
     empty.touch()
     show = ["show", "--scope", "s", "--tool-call-id", "c", "--json"]
@@ -619,6 +625,10 @@ def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_led
         # nor left in WAL mode, which the file keeps (its application may not read WAL)
         mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     assert tables == ["invoices"] and mode == "delete"
+    code, _, err = run_cli(capsys, "--db", f"sqlite:///{alembic_app}", "list")
+    assert code == 1 and "not a toolledger ledger's (invoices; Alembic revision" in err, err
+    with contextlib.closing(sqlite3.connect(alembic_app)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     transcript = tmp_path / "t.json"
     transcript.write_text("[]")
     call = ["--scope", "s", "--tool-call-id", "c"]
