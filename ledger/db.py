@@ -179,6 +179,27 @@ def _may_turn_wal(cursor: Any) -> bool:
 LEDGER_TABLES = frozenset({"operations", "executions", "execution_events"})
 
 
+def busy(orig: BaseException | None) -> bool:
+    """Whether a driver's error is a wait that ran out (a lock another holds, a statement
+    timeout): Postgres's SQLSTATE 55P03 and 57014, SQLite's "database is locked"."""
+    if getattr(orig, "sqlstate", None) in ("55P03", "57014"):
+        return True
+    return type(orig).__module__ == "sqlite3" and "is locked" in str(orig)
+
+
+def unreachable(orig: BaseException | None) -> bool:
+    """Whether a driver's error is a database out of reach for now: no connection (psycopg
+    gives no SQLSTATE), a connection lost or refused (class 08), a server shutting down or
+    starting (57P01-57P03), out of connections (53300); SQLite's file that cannot be opened.
+    Anything else (a missing table, a read-only file) is no matter of trying again."""
+    if type(orig).__module__ == "sqlite3":
+        return "unable to open" in str(orig)
+    if orig is None or not hasattr(orig, "sqlstate"):  # psycopg's errors all have one
+        return False
+    state = orig.sqlstate
+    return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03", "53300")
+
+
 @contextmanager
 def write_transaction(engine: sa.Engine) -> Iterator[sa.Connection]:
     """One transaction that will write: on SQLite it holds the write lock from BEGIN, taken

@@ -582,7 +582,7 @@ def test_cli__a_database_locked_past_the_timeout_is_busy_not_unavailable(
 
 
 def test_cli__busy_is_a_lock_or_statement_timeout_only():
-    from toolledger.cli import _busy
+    from toolledger.ledger.db import busy as _busy
 
     class PgError(Exception):
         def __init__(self, sqlstate: str) -> None:

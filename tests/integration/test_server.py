@@ -666,6 +666,9 @@ def test_api__an_unavailable_database_is_said_in_the_apis_shape(
     """A locked or unreachable database answered a bare text/plain 500 after the busy timeout
     (a cold review): 503 in the API's shape, the CLI's exit code 1, no SQL; the console says
     it on its error page; any other bug is a JSON 500 too."""
+    import sqlite3
+
+    import psycopg
     import sqlalchemy as sa
 
     from toolledger.server import state
@@ -673,23 +676,37 @@ def test_api__an_unavailable_database_is_said_in_the_apis_shape(
     client, _ledger = server
     secret = "SELECT secret_column"
 
-    def down(*_args: Any, **_kwargs: Any) -> Any:
-        raise sa.exc.OperationalError(secret, {}, Exception("database is locked"))
+    def raising(orig: BaseException) -> Any:
+        def down(*_args: Any, **_kwargs: Any) -> Any:
+            raise sa.exc.OperationalError(secret, {}, orig)
 
-    monkeypatch.setattr(state.Desk, "show", down)
-    r = client.get(f"/api/calls/{scope}/c", headers=bearer("vera"))
-    assert r.status_code == 503 and secret not in r.text
-    assert r.json() == {
-        "error": "database unavailable: try again (what was recorded stands; show tells)",
-        "kind": "unavailable",
-        "exit_code": 1,
-    }
+        return down
+
+    bad = TestClient(client.app, raise_server_exceptions=False)
+    for orig in (
+        sqlite3.OperationalError("database is locked"),  # past the busy timeout
+        psycopg.OperationalError("connection refused"),  # no server (no SQLSTATE)
+    ):
+        monkeypatch.setattr(state.Desk, "show", raising(orig))
+        monkeypatch.setattr(state.Desk, "page", raising(orig))  # the console's call page
+        r = client.get(f"/api/calls/{scope}/c", headers=bearer("vera"))
+        assert r.status_code == 503 and secret not in r.text, orig
+        assert r.json() == {
+            "error": "database unavailable: try again (what was recorded stands; show tells)",
+            "kind": "unavailable",
+            "exit_code": 1,
+        }
+        page = bad.get(f"/calls/{scope}/c", headers=bearer("vera"))
+        assert page.status_code == 503 and "database unavailable" in page.text
+    # an OperationalError that trying again will not mend (a table gone): a bug's 500
+    monkeypatch.setattr(state.Desk, "show", raising(sqlite3.OperationalError("no such table: x")))
+    r = bad.get(f"/api/calls/{scope}/c", headers=bearer("vera"))
+    assert r.status_code == 500 and r.json()["kind"] == "internal" and secret not in r.text
 
     def bug(*_args: Any, **_kwargs: Any) -> Any:
         raise KeyError("internal detail")
 
     monkeypatch.setattr(state.Desk, "show", bug)
-    bad = TestClient(client.app, raise_server_exceptions=False)
     r = bad.get(f"/api/calls/{scope}/c", headers=bearer("vera"))
     assert r.status_code == 500 and r.json()["kind"] == "internal" and "detail" not in r.text
 

@@ -251,23 +251,15 @@ def _describe(exc: Exception) -> tuple[str, int, bool]:
     if _is(exc, "sqlalchemy.exc", "OperationalError"):
         # a lock or statement timeout is a database that answered, busy: "unavailable" sent
         # people looking for a server that was up (a cold review)
-        busy = _busy(getattr(exc, "orig", None))
-        return f"database {'busy' if busy else 'unavailable'}: {orig}", EXIT_FAILURE, False
+        from toolledger.ledger.db import busy
+
+        waited = busy(getattr(exc, "orig", None))
+        return f"database {'busy' if waited else 'unavailable'}: {orig}", EXIT_FAILURE, False
     if _is(exc, "sqlalchemy.exc", "SQLAlchemyError"):
         return f"database error: {orig}", EXIT_FAILURE, True
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "), EXIT_FAILURE, False
     return f"internal error: {type(exc).__name__}: {exc}", EXIT_FAILURE, True
-
-
-def _busy(orig: BaseException | None) -> bool:
-    """Whether the driver's error is a wait that ran out (a lock held by another, a statement
-    timeout), not a database out of reach: Postgres's SQLSTATE 55P03 and 57014, SQLite's
-    "database is locked"/"database table is locked"."""
-    sqlstate = getattr(orig, "sqlstate", None)
-    if sqlstate in ("55P03", "57014"):
-        return True
-    return type(orig).__module__ == "sqlite3" and "is locked" in str(orig)
 
 
 def _is(exc: Exception, module: str, name: str) -> bool:

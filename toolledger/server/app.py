@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from toolledger.config import ConfigError, Settings
-from toolledger.ledger.db import ensure_schema
+from toolledger.ledger.db import busy, ensure_schema, unreachable
 from toolledger.ledger.errors import LedgerError
 from toolledger.server import api, console
 from toolledger.server.auth import LOCAL, Authenticator, Token
@@ -94,16 +94,14 @@ def create_app(
 
     @app.exception_handler(sa.exc.OperationalError)
     async def unavailable(request: Request, exc: sa.exc.OperationalError) -> Response:
-        # the database did not answer, or refused (locked, gone, out of connections): said in
-        # the API's shape with the CLI's exit code (1), not as a bare text 500 (a cold
-        # review); its text (which may quote SQL and parameters) stays in the log, at DEBUG
-        log.warning(
-            "%s %s: database unavailable: %s",
-            request.method,
-            request.url.path,
-            type(exc.orig).__name__,
-        )
-        log.debug("the database's error", exc_info=exc)
+        # the database did not answer, or waited past its timeout (locked, gone, out of
+        # connections): said in the API's shape with the CLI's exit code (1), not as a bare
+        # text 500 (a cold review). Anything else of the kind (a missing table, a read-only
+        # file) is no matter of trying again: the 500 below, its traceback logged.
+        if not (busy(exc.orig) or unreachable(exc.orig)):
+            return await internal(request, exc)
+        said = (str(exc.orig).strip().splitlines() or [""])[0][:300]  # the driver's, no SQL
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path, said)
         message = "database unavailable: try again (what was recorded stands; show tells)"
         if not request.url.path.startswith("/api/"):
             return console.render(request, "error.html", 503, who=None, error=message)
@@ -111,7 +109,9 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:
-        # anything else is a bug: Starlette logs its traceback; the client gets the API's shape
+        # anything else is a bug: the client gets the API's shape, the log its traceback
+        if isinstance(exc, sa.exc.SQLAlchemyError):  # (Starlette logs the rest's itself)
+            log.error("%s %s: internal error", request.method, request.url.path, exc_info=exc)
         if not request.url.path.startswith("/api/"):
             return console.render(
                 request,
