@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolledger.ledger.transitions import Status
-from toolledger.sandbox import SandboxError
+from toolledger.sandbox import SandboxError, refuse_invisible
 from toolledger.tools import Absent, Evidence, Finding, Tool, ToolContext, ToolError, make_tool
 
 
@@ -31,6 +31,7 @@ def check_file(args: FileArgs, ctx: ToolContext, kind: str = "write") -> None:
     """Submit time: the path must be safe now for ``kind`` (``Sandbox.check``: a name that
     would alias a sibling is refused; to append or read, so is a hard-linked file), the
     content under the cap. Refused here, a call is never recorded (exit 6)."""
+    refuse_invisible(args.path)  # at submit only: a call recorded before runs as approved
     ctx.sandbox.check(ctx.scope, args.path, kind=kind)
     if isinstance(args, ContentArgs):
         ctx.sandbox.check_content(args.content.encode("utf-8"))

@@ -157,6 +157,19 @@ def split_path(path: str) -> list[str]:
     return parts
 
 
+def refuse_invisible(path: str) -> None:
+    """PathRefused for a path holding a character that does not show as itself (a format or
+    separator character: a bidirectional override, a zero-width space): ``invoice<U+202E>
+    fdp.sh`` looked like ``invoicehs.pdf`` to the person approving it (a cold review). The
+    built-in tools call it at submit only: a call recorded before runs as it was approved."""
+    split_path(path)  # its own refusals first (a NUL, a control character, "..")
+    if bad := INVISIBLE.search(path):
+        raise PathRefused(
+            f"path {path!r} contains U+{ord(bad.group()):04X}, a control, format or "
+            "separator character that does not show as itself"
+        )
+
+
 def alias_among(names: list[str], name: str) -> str | None:
     """The first of ``names`` (a directory's listing) other than ``name`` that is one file
     with it where names fold case, or None. A listing of ASCII names, the common case, is
@@ -385,15 +398,6 @@ class Sandbox:
         siblings unless ``compare`` is False."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
-        split_path(path)  # its own refusals first (a NUL, a control character, "..")
-        if bad := INVISIBLE.search(path):
-            # a name nobody reads as it is (a bidirectional override, a zero-width character):
-            # ``invoice<U+202E>fdp.sh`` looked like ``invoicehs.pdf`` to the person approving
-            # it (a cold review). New calls only: bytes committed before land as ever.
-            raise PathRefused(
-                f"path {path!r} contains U+{ord(bad.group()):04X}, a control, format or "
-                "separator character that does not show as itself"
-            )
         compare = compare and kind != "read"
         with self.open_parent(scope, path, create=False, compare=compare) as (parent, name):
             if parent is None:

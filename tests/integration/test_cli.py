@@ -559,6 +559,38 @@ def test_cli__a_command_on_recorded_calls_refuses_a_missing_embedded_ledger(
     assert "no ledger at" not in err and code in (0, 1, 4, 5, 7), (code, out, err)
 
 
+def test_cli__a_path_that_does_not_show_as_itself_is_refused_for_new_calls_only(tmp_path, capsys):
+    """A new call's path holding a zero-width space or a bidirectional override is refused
+    at submit (it read as another name on the page a person approves from); a call recorded
+    before that rule, approved as it was, still runs (a cold review: it failed at execute)."""
+    from toolledger.ledger.ledger import Ledger
+
+    url, sandbox = f"sqlite:///{tmp_path / 'ledger.db'}", tmp_path / "sandbox"
+    cli = [
+        "--db",
+        url,
+        "--sandbox",
+        str(sandbox),
+        "--broker",
+        f"embedded+sqlite:///{tmp_path / 'b.db'}",
+    ]
+    assert run_cli(capsys, *cli, "db", "upgrade")[0] == 0
+    ledger = Ledger(url)
+    old = {"path": "zw\u200b.txt", "content": "x"}
+    ledger.submit("s", "old1", "write_file", old, approved_by="ann")  # as before the rule
+    ledger.close()
+    code, out, err = run_cli(
+        capsys, *cli, "--json", "execute", "--scope", "s", "--tool-call-id", "old1"
+    )
+    assert code == 0 and '"succeeded"' in out, err
+    assert (sandbox / "s" / "zw\u200b.txt").read_text() == "x"
+    for path in ("zw\u200b2.txt", "invoice\u202efdp.sh"):
+        args = json.dumps({"path": path, "content": "x"})
+        code, _, err = run_cli(capsys, *cli, "submit", "--scope", "s", "--tool-call-id",
+                               f"new-{len(path)}", "--tool", "write_file", "--args", args)  # fmt: skip
+        assert code == 6 and "does not show as itself" in err, err
+
+
 def test_cli__a_database_locked_past_the_timeout_is_busy_not_unavailable(
     tmp_path, capsys, monkeypatch
 ):
