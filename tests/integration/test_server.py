@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import pytest
@@ -516,6 +517,29 @@ def csrf_of(html: str) -> str:
     return re.search(r'name="csrf" value="([^"]+)"', html).group(1)  # type: ignore[union-attr]
 
 
+def test_console__login_leads_back_to_a_call_whose_id_is_escaped(server: Any, scope: str) -> None:
+    """Logging in led to "/" instead of back to a call whose id holds a zero-width space (the
+    page wrote its path escaped, ``\\u200b``, which is no path), and to another call for an id
+    holding an escaped "/" (the path was decoded). Both come back to their call."""
+    client, ledger = server
+    for call in ("zw\u200bid", "a/b"):
+        pending(ledger, scope, call)
+        path = f"/calls/{scope}/" + quote(call, safe="")
+        client.cookies.clear()
+        r = client.get(path, follow_redirects=False)
+        assert r.status_code == 303
+        page = client.get(r.headers["location"])
+        nonce = re.search(r'name="nonce" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
+        target = re.search(r'name="next" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
+        r = client.post(
+            "/login",
+            data={"nonce": nonce, "token": SECRETS["ann"], "next": target},
+            follow_redirects=False,
+        )
+        assert r.status_code == 303 and r.headers["location"] == path, (call, target)
+        assert client.get(path).status_code == 200
+
+
 def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
     client, ledger = server
     pending(ledger, scope, "p")
@@ -633,6 +657,10 @@ def test_console__what_nobody_sees_is_shown_escaped(server: Any, scope: str) -> 
     assert "\u202e" not in page and "x\\u202ey" in page
     listed = client.get("/calls", params={"status": "pending_approval", "scope": scope}).text
     assert "\u200b" not in listed and "zw\\u200b1" in listed
+    # an id typed with a backslash, "zw\u200b1" in seven characters, is another id: shown so
+    ledger.submit(scope, r"zw\u200b1", "write_file", {"path": "c.txt", "content": "x"})
+    listed = client.get("/calls", params={"status": "pending_approval", "scope": scope}).text
+    assert "zw\\u200b1" in listed and r"zw\\u200b1" in listed
     for path in ("invoice\u202efdp.sh", "n\u2066otes.txt", "zw\u200b.txt", "s\xadoft.txt"):
         body = {
             "scope": scope,
@@ -642,7 +670,11 @@ def test_console__what_nobody_sees_is_shown_escaped(server: Any, scope: str) -> 
         }
         r = client.post("/api/calls", json=body, headers=bearer("agent-7"))
         assert r.status_code == 422 and "does not show as itself" in r.text, (path, r.text)
-    assert [c.tool_call_id for c in ledger.list_calls(scope=scope)] == ["bidi", "zw\u200b1"]
+    assert [c.tool_call_id for c in ledger.list_calls(scope=scope)] == [
+        "bidi",
+        "zw\u200b1",
+        r"zw\u200b1",
+    ]
 
 
 def test_api__a_path_whose_escapes_are_not_utf8_is_refused(server: Any, scope: str) -> None:

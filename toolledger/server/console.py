@@ -7,6 +7,7 @@ for every template and nothing is marked safe."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import urllib.parse
 from pathlib import Path
@@ -57,14 +58,34 @@ DONE = {
 INBOX_LIMIT = 25
 
 
+class _Shown(str):
+    """Text written for the page already (``pretty``'s JSON: its own escapes tell a backslash
+    typed from one written); still HTML-escaped, as any text."""
+
+
 def _visible(value: Any) -> Any:
-    """Every value a page shows, with the characters nobody sees as themselves written as
-    their escapes (``inputs.shown``; line breaks and tabs kept): an agent's path
+    """Every value a page shows, with each control, format and separator character written as
+    its escape (``inputs.shown``; line breaks and tabs kept): an agent's path
     ``invoice\\u202efdp.sh`` showed as ``invoicehs.pdf`` on the page where a person approves
-    it, and ids differing by a zero-width character as one id (a cold review)."""
-    if isinstance(value, str) and not isinstance(value, Markup):  # a macro's: shown already
-        return shown(value, keep="\n\t")
+    it, and ids differing by a zero-width character as one id (a cold review). A backslash
+    typed before ``u`` or ``U`` is written twice, so that ``zw\\u200b1`` typed is not shown as
+    the id holding a zero-width space."""
+    if isinstance(value, _Shown | Markup):  # pretty's, or a macro's: shown already
+        return value
+    if isinstance(value, str):
+        return shown(_TYPED_ESCAPE.sub(r"\\\\", value), keep="\n\t")
     return value
+
+
+#: A backslash before ``u`` or ``U``: what ``shown``'s escapes start with.
+_TYPED_ESCAPE = re.compile(r"\\(?=[uU])")
+
+
+def _pretty(value: Any) -> _Shown:
+    """A value as indented JSON, the characters nobody sees escaped (JSON's own escaping
+    tells a typed backslash: it is written twice)."""
+    text = json.dumps(value, ensure_ascii=False, indent=2, default=str)
+    return _Shown(shown(text, keep="\n"))
 
 
 env = Environment(
@@ -74,7 +95,7 @@ env = Environment(
     lstrip_blocks=True,
     finalize=_visible,
 )
-env.filters["pretty"] = lambda v: json.dumps(v, ensure_ascii=False, indent=2, default=str)
+env.filters["pretty"] = _pretty
 env.filters["q"] = lambda v: quote(str(v), safe="")
 
 
@@ -113,7 +134,10 @@ def secure_headers() -> dict[str, str]:
 
 
 def _login_redirect(request: Request) -> RedirectResponse:
-    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    # the path as it was sent (escaped): decoded, an id's "%2F" became a "/", another path
+    raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
+    path = raw.decode("latin-1")
+    target = path + (f"?{request.url.query}" if request.url.query else "")
     return RedirectResponse("/login?" + urlencode({"next": target}), status_code=303)
 
 
@@ -193,7 +217,9 @@ def _local_path(target: str) -> str:
     local = target.startswith("/") and not target.startswith("//")
     if not local or "\\" in target or any(ord(c) < 0x20 or ord(c) == 0x7F for c in target):
         return "/"
-    return target
+    # escaped where it is not ASCII (an id's zero-width space): the page writes it as it is,
+    # and the escape the page would show for it is no path (a cold review: login led to "/")
+    return quote(target, safe="/?&=%#:@!$'()*+,;~")
 
 
 @router.post("/login")
