@@ -371,3 +371,30 @@ def test_proxied__no_registered_tool_can_take_a_proxied_name() -> None:
     (builtin,) = [t for t in BUILTINS if t.name == "write_file"]
     with pytest.raises(InvalidIdentifier):
         Registry([dataclasses.replace(builtin, name=ledger_name("write_file"))])
+
+
+@pytest.mark.parametrize(
+    ("pattern", "values"),
+    [
+        ("^[a-z]+$", ["abc", "aB", ""]),
+        (r"^\d{3}$", ["123", "12a", "١٢٣"]),
+        ("(?i)^ab$", ["AB", "ac"]),
+        ("^[[:alpha:]]+$", ["abc", "a]", ":]"]),  # a set then "]" to re: so it stays
+        ("^[[:digit:]]{3}$", ["123", "d]d]d]"]),
+        (r"^\w+@\w+\.com$", ["a@b.com", "a@b.org", "é@ü.com"]),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:Possible nested set:FutureWarning")  # re's, on [[:
+def test_schema_check__patterns_answer_as_before(
+    ledger: Ledger, pattern: str, values: list[str]
+) -> None:
+    """The bounded search (regex) gives the answers Python's re gave: regex read POSIX classes
+    where re reads a set of characters (a cold review)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    proxy = schema_proxy(ledger, schema)
+    for value in values:
+        before = jsonschema.Draft202012Validator(schema).is_valid({"s": value})  # re, no deadline
+        refused, _ticks = checked_ticking(proxy, {"s": value}, CallIdentity("s", "p"))
+        assert (refused is None) == before, (pattern, value, refused)

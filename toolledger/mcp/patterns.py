@@ -21,6 +21,9 @@ from typing import Any
 
 _check = threading.local()
 
+#: What opens a POSIX class in ``regex`` (never in ``re``): such a pattern stays ``re``'s.
+_POSIX_CLASS = "[:"
+
 
 class _TimedRe:
     """What jsonschema's modules see as ``re``: ``re`` itself, but ``search``, bounded by
@@ -32,12 +35,14 @@ class _TimedRe:
     @staticmethod
     def search(pattern: Any, string: str, flags: int = 0) -> Any:
         deadline: float | None = getattr(_check, "deadline", None)
-        if deadline is None:
+        if deadline is None or _POSIX_CLASS in str(pattern):
+            # regex reads [[:alpha:]] as a POSIX class, where re (and JSON Schema's ECMA 262)
+            # read a set of the characters "[:alph" then "]": the same answer as ever (a review)
             return re.search(pattern, string, flags)
         import regex
 
         left = max(0.001, deadline - time.monotonic())
-        return regex.search(pattern, string, flags, timeout=left)
+        return regex.search(pattern, string, flags | regex.VERSION0, timeout=left)
 
 
 _installed = False
