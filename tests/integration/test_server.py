@@ -1026,7 +1026,7 @@ def test_serve__a_short_session_key_is_refused(tmp_path: Path, monkeypatch: Any)
     monkeypatch.setenv("TOOLLEDGER_API_SESSION_KEY", "x" * (run.MIN_SESSION_KEY - 1))
     monkeypatch.setattr("uvicorn.run", lambda *_a, **_k: pytest.fail("served with that key"))
     settings = Settings.from_env({"TOOLLEDGER_HOME": str(tmp_path / "home")})
-    with pytest.raises(ConfigError, match="TOOLLEDGER_API_SESSION_KEY is 31 characters"):
+    with pytest.raises(ConfigError, match=f"SESSION_KEY is {run.MIN_SESSION_KEY - 1} characters"):
         run.run(settings, host="127.0.0.1", port=0, insecure_local=False)
 
 

@@ -371,10 +371,7 @@ class Proxy:
             if await self._db(self._recorded, ident):
                 return
             if isinstance(exc, TimeoutError):
-                raise InvalidArguments(
-                    f"arguments could not be checked against {name!r}'s inputSchema within "
-                    f"{SCHEMA_CHECK_SECONDS:g} s: refused"
-                ) from None
+                raise _unchecked(name) from None
             raise
 
     def _recorded(self, ident: CallIdentity) -> bool:
@@ -666,6 +663,13 @@ def _validator(tool: types.Tool) -> jsonschema.protocols.Validator | None:
     return checker(schema)
 
 
+def _unchecked(name: str) -> InvalidArguments:
+    return InvalidArguments(
+        f"arguments could not be checked against {name!r}'s inputSchema within "
+        f"{SCHEMA_CHECK_SECONDS:g} s: refused"
+    )
+
+
 def _check_arguments(
     name: str, validator: jsonschema.protocols.Validator | None, args: dict[str, Any]
 ) -> None:
@@ -678,10 +682,7 @@ def _check_arguments(
         with patterns.deadline(SCHEMA_CHECK_SECONDS):
             error = jsonschema.exceptions.best_match(validator.iter_errors(args))
     except TimeoutError:  # a pattern's search, past the deadline (patterns)
-        raise InvalidArguments(
-            f"arguments could not be checked against {name!r}'s inputSchema within "
-            f"{SCHEMA_CHECK_SECONDS:g} s: refused"
-        ) from None
+        raise _unchecked(name) from None
     except Exception as exc:  # noqa: BLE001 - a $ref it cannot resolve, say: cannot check
         log.warning(
             "upstream tool %r: its inputSchema cannot be applied (%s): arguments not checked",

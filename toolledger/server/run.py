@@ -13,8 +13,9 @@ from toolledger.server.auth import load_tokens
 
 log = logging.getLogger("toolledger.serve")
 
-#: The fewest characters of ``TOOLLEDGER_API_SESSION_KEY`` (``openssl rand -hex 32`` gives 64).
-MIN_SESSION_KEY = 32
+#: The fewest characters of ``TOOLLEDGER_API_SESSION_KEY``: 128 random bits written in base64
+#: (``openssl rand -base64 16``); ``openssl rand -hex 32`` gives 64.
+MIN_SESSION_KEY = 24
 
 
 def _loopback(host: str) -> bool:
