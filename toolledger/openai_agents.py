@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -44,7 +43,8 @@ from agents import FunctionTool, RunContextWrapper
 from agents.tool_context import ToolContext
 
 from toolledger.client import AsyncCallHandle, AsyncClient, Client, ReceiptTimeout
-from toolledger.ledger.errors import LedgerError, StateError
+from toolledger.ledger import inputs
+from toolledger.ledger.errors import InputError, LedgerError, StateError
 from toolledger.ledger.transitions import Status
 from toolledger.tools import Registry, Tool
 from toolledger.turns import CallsWaiting
@@ -178,11 +178,12 @@ def _function_tool(
 
     async def invoke(ctx: ToolContext[Any], args_json: str) -> str:
         try:
-            args = json.loads(args_json) if args_json.strip() else {}
-        except ValueError as exc:
-            return f"error: arguments are not JSON: {exc}"
-        if not isinstance(args, dict):
-            return "error: arguments must be a JSON object"
+            # the input rules run_turn and repair read a call's arguments by: plain json.loads
+            # took a key given twice (the last won), and repair then refused the transcript
+            # holding the call that ran (a cold review)
+            args = inputs.loads_arguments(args_json, "arguments")
+        except InputError as exc:
+            return f"error: {exc}"
         call_id = ctx.tool_call_id
         # reached without a policy approver: the SDK's approval let it through (or a replay)
         by = None if tool.read_only else (policy(call_id, args) or sdk_approver)

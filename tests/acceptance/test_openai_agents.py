@@ -227,3 +227,48 @@ def test_a_read_only_tool__answers_its_result(tmp_path: Path, async_client: bool
 
     model = asyncio.run(go())
     assert "hello from the sandbox" in model.seen["call_r1"], model.seen
+
+
+def test_arguments__read_by_the_input_rules_as_run_turn_and_repair_read_them(
+    tmp_path: Path,
+) -> None:
+    """A key given twice was taken by ``json.loads`` (the last won) and the call ran; then
+    ``repair`` and ``run_turn`` refused the transcript holding it (a cold review). Refused at
+    once now, nothing recorded."""
+    from agents.tool_context import ToolContext
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'l.db'}",
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+        }
+    )  # fmt: skip  (nothing is published: every call here is refused)
+    twice = '{"path": "a.txt", "content": "first", "content": "second"}'
+
+    async def go() -> list[str]:
+        said = []
+        async with AsyncClient(settings) as client:
+            (tool,) = [
+                t
+                for t in ledger_function_tools(client, scope="dup", approve=always, timeout=5)
+                if t.name == "write_file"
+            ]
+            for i, args in enumerate((twice, "[1]", "{not json")):
+                ctx = ToolContext(None, tool_name="write_file", tool_call_id=f"c{i}",
+                                  tool_arguments=args)  # fmt: skip
+                said.append(str(await tool.on_invoke_tool(ctx, args)))
+        return said
+
+    said = asyncio.run(go())
+    assert said[0] == "error: arguments: duplicate key 'content' in one object", said
+    assert said[1].startswith("error: arguments: must be a JSON object"), said
+    assert said[2].startswith("error: arguments: "), said
+    from toolledger.ledger.ledger import Ledger
+
+    ledger = Ledger(settings.db)
+    try:
+        assert ledger.list_calls(scope="dup") == []  # nothing recorded
+    finally:
+        ledger.close()
