@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,13 @@ if TYPE_CHECKING:
     from celery import Celery  # imported by ``app`` and ``enqueue``: a call left pending needs none
 
 log = logging.getLogger("toolledger.submit")
+
+#: Seconds after which a replayed submit of an approved call nobody claimed publishes it again.
+REPUBLISH_AFTER = 5.0
+
+
+def _stamped_long_ago(stamp: datetime | None) -> bool:
+    return stamp is not None and (datetime.now(UTC) - stamp).total_seconds() > REPUBLISH_AFTER
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,14 @@ class Submitter:
                 )
             )
         elif op.status is Status.APPROVED and not op.enqueued_at:
+            out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
+        elif op.status is Status.APPROVED and _stamped_long_ago(op.enqueued_at):
+            # A replay of a call approved, stamped and still unclaimed: its publish may have
+            # died with the process that stamped it (killed between the commit and the
+            # publish), and the sweep re-publishes it only after requeue_after (120 s): a
+            # crashed agent's run_turn, run again, waited out its timeout (a cold review).
+            # Published again, the stamp renewed: a second message is harmless, the claim
+            # decides which one runs.
             out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
         return out
 

@@ -1,0 +1,54 @@
+"""A replayed submit of a call approved, stamped as published and never claimed publishes it
+again: its first publish may have died with the process that stamped it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from toolledger.config import Settings
+from toolledger.worker import submit as submitting
+from toolledger.worker.submit import Submitter
+
+ARGS = {"path": "a.txt", "content": "x"}
+
+
+def test_replay__an_approved_call_stamped_long_ago_and_unclaimed_is_published_again(
+    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent killed between the submit's commit (approved, stamped) and its publish, then
+    run again: the replay published nothing, and the call waited for the sweep's re-publish
+    (120 s) past run_turn's timeout (a cold review)."""
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",  # never reached: enqueue is counted
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    published: list[tuple[str, str, int]] = []
+
+    def enqueue(_self: Any, scope: str, key: str, attempt: int, **_kw: Any) -> dict[str, Any]:
+        published.append((scope, key, attempt))
+        return {"enqueued": True}
+
+    monkeypatch.setattr(Submitter, "enqueue", enqueue)
+    sub = Submitter(settings)
+    try:
+        call = sub.prepare("s", "c1", "write_file", ARGS)
+        # the commit that approved and stamped it; the process died before its publish
+        sub.ledger.submit("s", "c1", "write_file", ARGS, approved_by="ann", stamp_enqueued=True)
+        monkeypatch.setattr(submitting, "REPUBLISH_AFTER", 3600.0)
+        sub.submit(call, approved_by="ann")  # a replay at once: its publish may be in flight
+        assert published == []
+        monkeypatch.setattr(submitting, "REPUBLISH_AFTER", 0.0)
+        out = sub.submit(call, approved_by="ann")  # stamped long ago, still unclaimed
+        assert published == [("s", "write_file:c1", 1)] and out["enqueued"] is True
+        assert sub.ledger.claim("s", "write_file:c1", 1, worker_id="w") is not None
+        sub.submit(call, approved_by="ann")  # claimed: never published again
+        assert published == [("s", "write_file:c1", 1)]
+    finally:
+        sub.close()
