@@ -464,7 +464,7 @@ class Client:
     def run_turn(
         self,
         scope: str,
-        message: dict[str, Any],
+        message: dict[str, Any] | list[Any],
         *,
         approve: Callable[[str, str, dict[str, Any]], str | None] | None = None,
         timeout: float | None = None,
@@ -615,7 +615,7 @@ class AsyncClient:
     async def run_turn(
         self,
         scope: str,
-        message: dict[str, Any],
+        message: dict[str, Any] | list[Any],
         *,
         approve: Callable[[str, str, dict[str, Any]], str | Awaitable[str | None] | None]
         | None = None,

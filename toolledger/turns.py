@@ -63,6 +63,12 @@ def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]
     result is among the items given is answered already: it was answered again, and the
     transcript then held two results for it, a cold review); InputError for anything else."""
     items = list(message) if isinstance(message, list) else [message]
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):  # an SDK's object: said "holds no tool call" (a review)
+            raise TranscriptError(
+                f"item {i + 1} is a {type(item).__name__}, not a dict: pass an SDK's message "
+                "as its .model_dump()"
+            )
     fmt = detect(items)
     if fmt is None:
         raise TranscriptError("the message holds no tool call")

@@ -74,6 +74,19 @@ def test_run_turn__a_turn_of_two_formats_is_refused(client: Client, scope: str) 
             client.ledger.get(scope, call)
 
 
+def test_run_turn__an_sdk_object_is_told_to_be_a_dict(client: Client, scope: str) -> None:
+    """An OpenAI SDK ``ChatCompletionMessage`` passed as it is was refused as "the message
+    holds no tool call", which it did (a cold review)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    reply = ChatCompletionMessage.model_validate(openai_turn(1, "sdk"))
+    with pytest.raises(LedgerError, match=r"item 1 is a ChatCompletionMessage, not a dict: .*"
+                       r"\.model_dump\(\)"):  # fmt: skip
+        client.run_turn(scope, reply, approve=lambda *_: "policy", timeout=5)  # type: ignore[arg-type]
+    with pytest.raises(NotFound):
+        client.ledger.get(scope, "sdk_0")
+
+
 def test_run_turn__each_call_is_checked_once(
     client: Client, scope: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
