@@ -23,7 +23,8 @@ is a tool with ``needs_approval``: the run stops with an interruption, and once
 ``approved_by`` (default ``openai-agents``). A call the SDK rejects is never submitted:
 nothing is recorded. A call already in the ledger and decided (a replay) needs no second
 approval; one recorded earlier and still waiting for a person pauses the run the same way,
-and the SDK's approval approves it in the ledger.
+and the SDK's approval approves it in the ledger, but its rejection does not reach the ledger
+(the SDK answers the model without calling the tool): reject such a call in the ledger too.
 
 The tool waits for its receipt (every approved call ends: its worker finishes it, or the
 sweep declares it ``unknown``), so the model is never told anything invented. A ``timeout``,
