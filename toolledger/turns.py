@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,17 @@ def _approver(value: Any, call: Call, prepared: PreparedCall) -> str | None:
     return check_text_id(value, f"approver of call {call.id!r}", inputs.MAX_ACTOR)
 
 
+log = logging.getLogger("toolledger.client")
+
+
+def _said(scope: str, call: Call, submitted: dict[str, Any]) -> None:
+    """The submit's warning, said: an approver's answer for a call already waiting for a
+    person is not applied (it is the person's to decide), and run_turn waited its timeout
+    out in silence (a cold review)."""
+    if warning := submitted.get("warning"):
+        log.warning("%s/%s: %s", scope, call.id, warning)
+
+
 def _status_of(exc: TimeoutError) -> str:
     status = getattr(exc, "status", None)
     if status is None:
@@ -146,6 +158,8 @@ def run_turn(
         (call, client.submit_checked(prepared, approved_by=approver))
         for call, prepared, approver in zip(calls, checked, approvers, strict=True)
     ]
+    for call, handle in handles:
+        _said(scope, call, handle.submitted)
     outcomes: list[tuple[Call, Receipt | str]] = []
     for call, handle in handles:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -174,6 +188,8 @@ async def run_turn_async(
         (call, await client.submit_checked(prepared, approved_by=approver))
         for call, prepared, approver in zip(calls, checked, approvers, strict=True)
     ]
+    for call, handle in handles:
+        _said(scope, call, handle.handle.submitted)
 
     async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:
         try:

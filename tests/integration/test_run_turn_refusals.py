@@ -270,3 +270,29 @@ def test_run_turn__a_call_answered_among_the_items_given_is_not_answered_again(
             return await aclient.run_turn(scope, [first, done], timeout=1)
 
     assert asyncio.run(in_async()) == []
+
+
+def test_run_turn__an_approval_not_applied_to_a_waiting_call_is_said(
+    client: Client, scope: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Run again with a policy that now approves a call already waiting for a person, the
+    approval is not applied (the person decides) and run_turn waited its timeout out in
+    silence (a cold review): it says so, sync and async."""
+    from toolledger.turns import CallsWaiting
+
+    turn = openai_turn(1, "waits")
+    with pytest.raises(CallsWaiting):
+        client.run_turn(scope, turn, approve=lambda *_: None, timeout=0)
+    with caplog.at_level("WARNING", logger="toolledger.client"):
+        with pytest.raises(CallsWaiting):
+            client.run_turn(scope, turn, approve=lambda *_: "policy", timeout=0)
+
+        async def again() -> None:
+            async with AsyncClient(client.settings) as aclient:
+                await aclient.run_turn(scope, turn, approve=lambda *_: "policy", timeout=0)
+
+        with pytest.raises(CallsWaiting):
+            asyncio.run(again())
+    said = [r.getMessage() for r in caplog.records if "was not applied" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith(f"{scope}/waits_0: the call already exists")
+    assert client.ledger.get(scope, "waits_0").operation.status is Status.PENDING_APPROVAL
