@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolledger.config import Settings
 from toolledger.ledger.errors import InputError
-from toolledger.ledger.identity import check_call, check_new_tool_call_id
+from toolledger.ledger.identity import PROXIED_PREFIX, check_call, check_new_tool_call_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import OperationRecord
 from toolledger.ledger.transitions import Status
@@ -35,6 +35,14 @@ log = logging.getLogger("toolledger.submit")
 
 #: Seconds after which a replayed submit of an approved call nobody claimed publishes it again.
 REPUBLISH_AFTER = 5.0
+
+
+def _a_workers(op: OperationRecord) -> bool:
+    """Whether a replay may publish the call for a worker, as the sweep's re-publish would:
+    not an upstream's tool the MCP proxy recorded (a proxy sends it: a worker handed one ended
+    it failed, the upstream never asked), not a call flagged for review (its claim is refused
+    until a person has reviewed it) (a cold review)."""
+    return op.review is None and not op.tool.startswith(PROXIED_PREFIX)
 
 
 def _stamped_long_ago(stamp: datetime | None) -> bool:
@@ -199,6 +207,8 @@ class Submitter:
                     op.scope, op.idempotency_key, attempt, stamped=True, tool_call_id=call_id
                 )
             )
+        elif not _a_workers(op):
+            pass  # a proxy's call (a proxy sends it), or one flagged (no claim takes it)
         elif op.status is Status.APPROVED and not op.enqueued_at:
             out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
         elif op.status is Status.APPROVED and _stamped_long_ago(op.enqueued_at):

@@ -52,3 +52,32 @@ def test_replay__an_approved_call_stamped_long_ago_and_unclaimed_is_published_ag
         assert published == [("s", "write_file:c1", 1)]
     finally:
         sub.close()
+
+
+def test_replay__an_upstream_call_the_proxy_recorded_is_never_published_for_a_worker(
+    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call the MCP proxy recorded (approved, never stamped: the proxy sends it itself),
+    replayed through a Submitter, was published: a worker handed it ended it failed, the
+    upstream never asked (a cold review)."""
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    published: list[str] = []
+    monkeypatch.setattr(
+        Submitter, "enqueue", lambda _s, _scope, key, *_a, **_k: published.append(key) or {}
+    )
+    monkeypatch.setattr(submitting, "REPUBLISH_AFTER", 0.0)
+    sub = Submitter(settings)
+    try:
+        args = {"to": "ann"}
+        sub.ledger.submit("s", "p1", "mcp.send_email", args, approved_by="mcp")  # the proxy's
+        out = sub.submit(sub.prepare("s", "p1", "mcp.send_email", args), approved_by="mcp")
+        assert out["outcome"] == "existing" and published == []
+    finally:
+        sub.close()
