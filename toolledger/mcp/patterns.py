@@ -21,9 +21,6 @@ from typing import Any
 
 _check = threading.local()
 
-#: What opens a POSIX class in ``regex`` (never in ``re``): such a pattern stays ``re``'s.
-_POSIX_CLASS = "[:"
-
 
 class _TimedRe:
     """What jsonschema's modules see as ``re``: ``re`` itself, but ``search``, bounded by
@@ -35,12 +32,15 @@ class _TimedRe:
     @staticmethod
     def search(pattern: Any, string: str, flags: int = 0) -> Any:
         deadline: float | None = getattr(_check, "deadline", None)
-        if deadline is None or _POSIX_CLASS in str(pattern):
-            # regex reads [[:alpha:]] as a POSIX class, where re (and JSON Schema's ECMA 262)
-            # read a set of the characters "[:alph" then "]": the same answer as ever (a review)
+        if deadline is None or not isinstance(pattern, str):
             return re.search(pattern, string, flags)
         import regex
 
+        # regex reads "[:alpha:]" in a set as a POSIX class, where re (and JSON Schema's ECMA
+        # 262) read the characters "[:alph" and then "]"; "\:" is a colon to all three, so the
+        # answers stay re's (a review: ^[[:alpha:]]+$ took "abc"; sent to re instead, such a
+        # pattern matched without the deadline, and ^(a|aa)+[:]?$ froze the proxy again)
+        pattern = pattern.replace("[:", "[\\:")
         left = max(0.001, deadline - time.monotonic())
         return regex.search(pattern, string, flags | regex.VERSION0, timeout=left)
 
