@@ -661,6 +661,9 @@ def test_console__what_nobody_sees_is_shown_escaped(server: Any, scope: str) -> 
     ledger.submit(scope, r"zw\u200b1", "write_file", {"path": "c.txt", "content": "x"})
     listed = client.get("/calls", params={"status": "pending_approval", "scope": scope}).text
     assert "zw\\u200b1" in listed and r"zw\\u200b1" in listed
+    # an error quotes the id with repr: shown once, not as the typed id's notation
+    missing = client.get(f"/calls/{scope}/" + quote("zw\u200b9", safe="")).text
+    assert "zw\\u200b9" in missing and r"zw\\u200b9" not in missing, missing
     for path in ("invoice\u202efdp.sh", "n\u2066otes.txt", "zw\u200b.txt", "s\xadoft.txt"):
         body = {
             "scope": scope,

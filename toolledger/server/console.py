@@ -118,6 +118,11 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
     context.setdefault("csrf", desk_of(request).auth.csrf_for(session) if session else "")
     context.setdefault("local", request.app.state.local is not None)
     context.setdefault("may", {a.value: bool(who and who.may(a)) for a in Action})
+    if isinstance(error := context.get("error"), str):
+        # an error quotes ids with repr, which writes a typed backslash twice already and a
+        # zero-width space as \u200b: written again, the real id read as the typed one (a
+        # cold review)
+        context["error"] = _Shown(shown(error, keep="\n\t"))
     html = env.get_template(name).render(request=request, **context)
     return HTMLResponse(html, status_code=status, headers=secure_headers())
 
