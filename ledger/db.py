@@ -179,10 +179,20 @@ def _may_turn_wal(cursor: Any) -> bool:
 LEDGER_TABLES = frozenset({"operations", "executions", "execution_events"})
 
 
+#: SQLSTATEs of a wait that ran out or a conflict to try again: lock and statement timeouts,
+#: a deadlock, a serialization failure, an idle session ended.
+_BUSY = frozenset({"55P03", "57014", "40P01", "40001", "57P05"})
+#: SQLSTATEs of a server out of reach for now: shutting down or starting, out of connections
+#: (and class 08, the connection's).
+_UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
+#: A connection refused by a server that is there, in words that mean "for now".
+_FOR_NOW = ("starting up", "shutting down", "recovery mode", "too many clients", "slots")
+
+
 def busy(orig: BaseException | None) -> bool:
-    """Whether a driver's error is a wait that ran out (a lock another holds, a statement
-    timeout): Postgres's SQLSTATE 55P03 and 57014, SQLite's "database is locked"."""
-    if getattr(orig, "sqlstate", None) in ("55P03", "57014"):
+    """Whether a driver's error is a wait that ran out or a conflict to try again (a lock
+    another holds, a statement timeout, a deadlock): SQLite's "database is locked" too."""
+    if getattr(orig, "sqlstate", None) in _BUSY:
         return True
     return type(orig).__module__ == "sqlite3" and "is locked" in str(orig)
 
@@ -197,7 +207,10 @@ def unreachable(orig: BaseException | None) -> bool:
     if orig is None or not hasattr(orig, "sqlstate"):  # psycopg's errors all have one
         return False
     state = orig.sqlstate
-    return state is None or state.startswith("08") or state in ("57P01", "57P02", "57P03", "53300")
+    if state is None:  # no server's answer, or the server's FATAL at connect, in words only
+        said = str(orig)
+        return "FATAL" not in said or any(words in said for words in _FOR_NOW)
+    return state.startswith("08") or state in _UNREACHABLE
 
 
 @contextmanager
@@ -291,17 +304,20 @@ def refuse_newer(engine: sa.Engine, stored: str | None = None) -> None:
         with engine.connect() as conn:
             names = set(sa.inspect(conn).get_table_names())
         if not names >= LEDGER_TABLES:  # an Alembic-managed application's: never "newer"
-            others = sorted(names - {VERSION_TABLE})
-            named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
-            raise SchemaError(
-                f"the database holds tables that are not a toolledger ledger's ({named or 'none'}"
-                f"; Alembic revision {stored}): no ledger is there (is --db or TOOLLEDGER_DB "
-                "right?)"
-            )
+            raise _not_a_ledger(sorted(names - {VERSION_TABLE}), f"Alembic revision {stored}")
         raise SchemaError(
             f"the ledger schema is at revision {stored}, newer than this code knows "
             f"(its newest is {files_head()}): upgrade toolledger itself"
         )
+
+
+def _not_a_ledger(tables: list[str], also: str | None = None) -> SchemaError:
+    """Another application's database (a mistyped ``--db``), named by its first tables."""
+    named = ", ".join(tables[:3]) + (", …" if len(tables) > 3 else "") or "none"
+    return SchemaError(
+        f"the database holds tables that are not a toolledger ledger's ({named}"
+        f"{f'; {also}' if also else ''}): no ledger is there (is --db or TOOLLEDGER_DB right?)"
+    )
 
 
 def _sqlite_state(engine: sa.Engine) -> tuple[str | None, list[str]]:
@@ -338,11 +354,7 @@ def ensure_schema(engine: sa.Engine, *, create_embedded: bool = True) -> None:
         if made is None and others:  # (alembic_version alone: downgraded to base, made again)
             # another application's database (a mistyped --db): made a ledger in silence
             # by any command, ``show`` included, until a cold review
-            named = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
-            raise SchemaError(
-                f"the database holds tables that are not a toolledger ledger's ({named}): "
-                "no ledger was made there (is --db or TOOLLEDGER_DB right?)"
-            )
+            raise _not_a_ledger(others)
         if made is None and create_embedded:
             upgrade(engine)
             return

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from tests.helpers import row_counts, run_cli
 from toolledger.ledger.errors import InputError
@@ -611,6 +612,41 @@ def test_cli__a_database_locked_past_the_timeout_is_busy_not_unavailable(
         holder.execute("ROLLBACK")
     assert code == 1 and err.startswith("toolledger: error: database busy: "), err
     assert "locked" in err
+
+
+@pytest.mark.postgres
+def test_unreachable__a_server_out_of_reach_not_one_that_refused_for_good(pg_server):
+    """Every connect failure was "unreachable", a 503 "try again" from serve: a database or a
+    role that does not exist too, which no retry mends (a cold review)."""
+    import psycopg
+
+    from toolledger.ledger.db import unreachable
+
+    def failure(url: str) -> BaseException:
+        with pytest.raises(psycopg.OperationalError) as caught:
+            psycopg.connect(url, connect_timeout=5)
+        return caught.value
+
+    server = sa.make_url(pg_server)
+    base = f"postgresql://{server.username}@{server.host}:{server.port}"
+    assert unreachable(failure("postgresql://127.0.0.1:1/x"))  # nothing listens
+    assert not unreachable(failure(f"{base}/no_such_database_zz"))
+    assert not unreachable(failure(f"postgresql://no_such_role_zz@{server.host}:{server.port}/x"))
+
+
+def test_cli__a_database_error_trying_again_will_not_mend_is_no_unavailable(tmp_path, capsys):
+    """A table gone read "database unavailable" (a cold review): it is a database error."""
+    import contextlib
+    import sqlite3
+
+    db = tmp_path / "ledger.db"
+    url = f"sqlite:///{db}"
+    assert run_cli(capsys, "--db", url, "db", "upgrade")[0] == 0
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("DROP TABLE tool_calls")
+        conn.commit()
+    code, _, err = run_cli(capsys, "--db", url, "show", "--scope", "s", "--tool-call-id", "c")
+    assert code == 1 and err.startswith("toolledger: error: database error: no such table"), err
 
 
 def test_cli__busy_is_a_lock_or_statement_timeout_only():

@@ -1031,6 +1031,12 @@ def test_serve__a_short_session_key_is_refused(tmp_path: Path, monkeypatch: Any)
     settings = Settings.from_env({"TOOLLEDGER_HOME": str(tmp_path / "home")})
     with pytest.raises(ConfigError, match=f"SESSION_KEY is {run.MIN_SESSION_KEY - 1} characters"):
         run.run(settings, host="127.0.0.1", port=0, insecure_local=False)
+    assert run.MIN_SESSION_KEY <= 24  # 128 bits in base64 (openssl rand -base64 16) will do
+    served: list[Any] = []
+    monkeypatch.setattr("uvicorn.run", lambda *a, **_k: served.append(a))
+    monkeypatch.setenv("TOOLLEDGER_API_SESSION_KEY", "k" * 24)
+    run.run(settings, host="127.0.0.1", port=0, insecure_local=False)
+    assert len(served) == 1
 
 
 def test_insecure_local__refuses_other_sites_and_other_host_names(

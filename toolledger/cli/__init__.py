@@ -251,10 +251,15 @@ def _describe(exc: Exception) -> tuple[str, int, bool]:
     if _is(exc, "sqlalchemy.exc", "OperationalError"):
         # a lock or statement timeout is a database that answered, busy: "unavailable" sent
         # people looking for a server that was up (a cold review)
-        from toolledger.ledger.db import busy
+        from toolledger.ledger.db import busy, unreachable
 
-        waited = busy(getattr(exc, "orig", None))
-        return f"database {'busy' if waited else 'unavailable'}: {orig}", EXIT_FAILURE, False
+        cause = getattr(exc, "orig", None)
+        if busy(cause):
+            return f"database busy: {orig}", EXIT_FAILURE, False
+        if unreachable(cause):
+            return f"database unavailable: {orig}", EXIT_FAILURE, False
+        # a table gone, a read-only file: no matter of trying again (it read "unavailable")
+        return f"database error: {orig}", EXIT_FAILURE, True
     if _is(exc, "sqlalchemy.exc", "SQLAlchemyError"):
         return f"database error: {orig}", EXIT_FAILURE, True
     if isinstance(exc, OSError):
