@@ -49,18 +49,30 @@ class LedgerResolution(LedgerBase):
         return marked[0]
 
     def mark_expired(
-        self, *, grace_seconds: float = 0.0, limit: int = 1000, actor: str = "sweep"
+        self,
+        *,
+        grace_seconds: float = 0.0,
+        limit: int = 1000,
+        actor: str = "sweep",
+        call: tuple[str, str] | None = None,
     ) -> list[ExecutionRecord]:
-        """Every ``running`` whose lease expired more than ``grace_seconds`` ago -> unknown.
+        """Every ``running`` whose lease expired more than ``grace_seconds`` ago -> unknown
+        (``call``: only the executions of that ``(scope, idempotency_key)``).
 
         The UPDATE re-checks status and lease in its own WHERE, so an executor that renewed
         or finished meanwhile wins; concurrent sweeps skip each other's locked rows and each
         row changes (and gets its event) once.
         """
         deadline = db_now_plus(-grace_seconds)
+        of_call = () if call is None else (executions.c.scope == call[0],
+                                           executions.c.idempotency_key == call[1])  # fmt: skip
         expired = (
             sa.select(executions.c.execution_id)
-            .where(executions.c.status == Status.RUNNING, executions.c.lease_expires_at < deadline)
+            .where(
+                executions.c.status == Status.RUNNING,
+                executions.c.lease_expires_at < deadline,
+                *of_call,
+            )
             .order_by(executions.c.lease_expires_at)
             .limit(limit)
             .with_for_update(skip_locked=True)

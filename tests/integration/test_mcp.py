@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -657,8 +658,8 @@ def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forward
                     os.kill(line["ppid"], signal.SIGKILL)  # the proxy, mid-forward
         return outcome
 
-    async def ask_again(*options: str) -> Any:
-        async with mcp_server(world, *proxy_argv(*options), **env) as s:
+    async def ask_again(*options: str, **more: str) -> Any:
+        async with mcp_server(world, *proxy_argv(*options), **env, **more) as s:
             return await s.call_tool("slow_charge", {"amount": 7}, meta=meta)
 
     try:
@@ -669,14 +670,23 @@ def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forward
             view = ledger.get(scope, "cut_1")
             assert view.operation.status.value == "running"
             # still running (its lease not yet expired, or not yet swept): not forwarded again
-            pending = run_async(ask_again, "--timeout", "0.5")
+            pending = run_async(
+                partial(ask_again, "--timeout", "0.5", TOOLLEDGER_SWEEP_GRACE="600")
+            )
             assert not pending.is_error and text_of(pending)["status"] == "running"
             assert len(invocations(log)) == 1
             time.sleep(1.5)  # past the 1 s lease
+            # a proxy asked about it marks it unknown itself, as the sweep would: a proxy alone
+            # has no sweep, and the host was told "not finished yet" for good (a cold review)
+            marked = run_async(partial(ask_again, "--timeout", "0.5", TOOLLEDGER_SWEEP_GRACE="0"))
+            assert marked.is_error and text_of(marked)["status"] == "unknown"
+            assert ledger.get(scope, "cut_1").operation.status.value == "unknown"
+            (event,) = [e for e in ledger.events(scope, "cut_1") if e.kind == "unknown"]
+            assert event.actor == "mcp-proxy" and event.detail["reason"] == "lease expired"
             swept = cli(world, "--json", "sweep", sweep_grace="0")
             assert swept.returncode == 0, swept.stderr
             summary = json.loads(swept.stdout)
-            assert summary["marked_unknown"] >= 1 and not summary["errors"]
+            assert summary["marked_unknown"] == 0 and not summary["errors"]  # done already
             assert ledger.get(scope, "cut_1").operation.status.value == "unknown"
             again = cli(world, "--json", "sweep", sweep_grace="0")
             assert again.returncode == 0, again.stderr  # no reconciler guesses: still unknown

@@ -400,3 +400,19 @@ def test_schema_check__patterns_answer_as_before(
         before = jsonschema.Draft202012Validator(schema).is_valid({"s": value})  # re, no deadline
         refused, _ticks = checked_ticking(proxy, {"s": value}, CallIdentity("s", "p"))
         assert (refused is None) == before, (pattern, value, refused)
+
+
+def test_mark_expired__of_one_call_touches_no_other(ledger: Ledger, scope: str) -> None:
+    """What a proxy asked about a call runs: that call's expired executions only, the rest
+    left to the sweep."""
+    for call_id in ("e1", "e2"):
+        ledger.submit(scope, call_id, ledger_name("charge"), {"cents": 5}, approved_by="host")
+        claim = ledger.claim(
+            scope, f"mcp.charge:{call_id}", 1, worker_id="mcp-proxy@dead:1", lease_seconds=0.05
+        )
+        assert claim is not None
+    time.sleep(0.2)
+    marked = ledger.mark_expired(actor="mcp-proxy", call=(scope, "mcp.charge:e1"))
+    assert [m.idempotency_key for m in marked] == ["mcp.charge:e1"]
+    assert ledger.get(scope, "e1").operation.status is Status.UNKNOWN
+    assert ledger.get(scope, "e2").operation.status is Status.RUNNING

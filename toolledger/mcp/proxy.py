@@ -241,8 +241,10 @@ class Proxy:
         lease: float,
         timeout: float,
         time_limit: float,
+        grace: float = 5.0,
     ) -> None:
         self.client, self.ledger, self.upstream = client, ledger, upstream
+        self.grace = grace  # past its lease, a forward's row is unknown after this (the sweep's)
         self.forwards, self.gone = forwards, gone
         self.scope, self.session, self.approved_by = scope, session, approved_by
         self.idempotent, self.lease, self.timeout = idempotent, lease, timeout
@@ -325,6 +327,18 @@ class Proxy:
                 raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
             op = submitted.operation
             try:
+                if op.status is Status.RUNNING:
+                    # its forwarding proxy may be dead (killed mid-forward): past its lease and
+                    # the sweep's grace (the database's clock), the row is unknown now, as the
+                    # sweep would mark it. A proxy alone has no sweep: the host was told "not
+                    # finished yet" for good (a cold review)
+                    await self._db(
+                        self.ledger.mark_expired,
+                        grace_seconds=self.grace,
+                        limit=10,
+                        actor="mcp-proxy",
+                        call=(op.scope, op.idempotency_key),
+                    )
                 if op.status is Status.APPROVED:
                     self._check_upstream()  # recorded, not claimed: the next proxy sends it
                     claim = await self._db(
@@ -855,6 +869,7 @@ async def proxy(
                                 lease=lease,
                                 timeout=timeout,
                                 time_limit=time_limit,
+                                grace=settings.sweep_grace,
                             )
                             exited = await _serve(handlers, gone)
                 pipe.cancel_scope.cancel()
