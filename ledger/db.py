@@ -185,8 +185,9 @@ _BUSY = frozenset({"55P03", "57014", "40P01", "40001", "57P05"})
 #: SQLSTATEs of a server out of reach for now: shutting down or starting, out of connections
 #: (and class 08, the connection's).
 _UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
-#: A connection refused by a server that is there, in words that mean "for now".
-_FOR_NOW = ("starting up", "shutting down", "recovery mode", "too many clients", "slots")
+#: A connection refused by a server that is there, in words that mean "for good" (every other
+#: refusal: starting up, shutting down, too many connections... is for now).
+_FOR_GOOD = ("does not exist", "authentication failed", "pg_hba.conf", "permission denied")
 
 
 def busy(orig: BaseException | None) -> bool:
@@ -209,7 +210,7 @@ def unreachable(orig: BaseException | None) -> bool:
     state = orig.sqlstate
     if state is None:  # no server's answer, or the server's FATAL at connect, in words only
         said = str(orig)
-        return "FATAL" not in said or any(words in said for words in _FOR_NOW)
+        return "FATAL" not in said or not any(words in said for words in _FOR_GOOD)
     return state.startswith("08") or state in _UNREACHABLE
 
 

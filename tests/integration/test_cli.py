@@ -632,6 +632,12 @@ def test_unreachable__a_server_out_of_reach_not_one_that_refused_for_good(pg_ser
     assert unreachable(failure("postgresql://127.0.0.1:1/x"))  # nothing listens
     assert not unreachable(failure(f"{base}/no_such_database_zz"))
     assert not unreachable(failure(f"postgresql://no_such_role_zz@{server.host}:{server.port}/x"))
+    for for_now in (  # refusals at connect that pass, in the server's words (no SQLSTATE)
+        'FATAL:  too many connections for role "app"',
+        "FATAL:  the database system is not yet accepting connections",
+        "FATAL:  the database system is shutting down",
+    ):
+        assert unreachable(psycopg.OperationalError(f"connection failed: {for_now}")), for_now
 
 
 def test_cli__a_database_error_trying_again_will_not_mend_is_no_unavailable(tmp_path, capsys):

@@ -384,6 +384,10 @@ def test_proxied__no_registered_tool_can_take_a_proxied_name() -> None:
         ("^[[:alpha:]]+$", ["abc", "a]", ":]"]),  # a set then "]" to re: so it stays
         ("^[[:digit:]]{3}$", ["123", "d]d]d]"]),
         (r"^\w+@\w+\.com$", ["a@b.com", "a@b.org", "é@ü.com"]),
+        # braces that open no quantifier: literal to re, fuzzy matching to regex
+        ("^(?:abc){e<=1}$", ["abd", "abc{e<=1}"]),
+        ("^(?:ab){s<=1}$", ["ax", "ab{s<=1}"]),
+        (r"^a{2,3}\{x$", ["aa{x", "aaaa{x", "a{x"]),
     ],
 )
 @pytest.mark.filterwarnings("ignore:Possible nested set:FutureWarning")  # re's, on [[:

@@ -36,13 +36,42 @@ class _TimedRe:
             return re.search(pattern, string, flags)
         import regex
 
-        # regex reads "[:alpha:]" in a set as a POSIX class, where re (and JSON Schema's ECMA
-        # 262) read the characters "[:alph" and then "]"; "\:" is a colon to all three, so the
-        # answers stay re's (a review: ^[[:alpha:]]+$ took "abc"; sent to re instead, such a
-        # pattern matched without the deadline, and ^(a|aa)+[:]?$ froze the proxy again)
-        pattern = pattern.replace("[:", "[\\:")
+        pattern = as_re_reads(pattern)
         left = max(0.001, deadline - time.monotonic())
         return regex.search(pattern, string, flags | regex.VERSION0, timeout=left)
+
+
+#: A quantifier ``re`` reads: ``{m}``, ``{m,}``, ``{m,n}``, ``{,n}``.
+_QUANTIFIER = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}")
+
+
+def as_re_reads(pattern: str) -> str:
+    r"""``pattern`` written so that ``regex`` reads it as ``re`` (and JSON Schema's ECMA 262)
+    do, where the two differ on text ``re`` takes literally (reviews: answers changed):
+
+    - ``[:`` opens a POSIX class to ``regex`` (``[[:alpha:]]`` took "abc"), a set of "[:alph"
+      then "]" to ``re``: written ``[\:``, a colon to all three. (Sent to ``re`` instead, such
+      a pattern matched without the deadline, and ``^(a|aa)+[:]?$`` froze the proxy again.)
+    - a ``{`` that opens no quantifier is literal to ``re``, where ``regex`` reads
+      ``{e<=1}`` as fuzzy matching: written ``\{``.
+
+    An escaped character is copied as it is."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif pattern.startswith("[:", i):
+            out.append("[\\:")
+            i += 2
+        elif pattern[i] == "{" and not _QUANTIFIER.match(pattern, i):
+            out.append("\\{")
+            i += 1
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
 
 
 _installed = False

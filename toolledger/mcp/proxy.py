@@ -28,18 +28,19 @@ each forward still running is cancelled upstream and recorded ``unknown`` by the
 killed), so that no upstream outlives its proxy.
 
 Every answer is the call's receipt, rebuilt from the ledger: the first answer and every
-replay are the same. A proxy killed mid-forward leaves its execution ``running``; once its
-lease expires the sweep marks it ``unknown`` (no reconciler knows an upstream tool, so it
-stays there for a human: ``toolledger resolve``), and the same call asked again is answered
-with that unknown receipt — it is never forwarded again.
+replay are the same. A proxy killed (or frozen) mid-forward leaves its execution ``running``;
+once its lease and the sweep's grace (``TOOLLEDGER_SWEEP_GRACE``, as this proxy reads it)
+have passed, the sweep marks it ``unknown``, or a proxy asked about the call does (no
+reconciler knows an upstream tool, so it stays there for a human: ``toolledger resolve``), and
+the same call asked again is answered with that unknown receipt — it is never forwarded again.
 
 Upstream tools are not in the registry, and the ledger records them as ``mcp.NAME``, a name
 no registered tool can take (an upstream ``write_file`` is never the built-in one): the ledger
 and the sweep need nothing from the registry for them (an unknown tool has no reconciler and
 no fence, so its unknown calls wait for a human; ``retry`` refuses them). A worker that is
-handed one (the sweep re-publishes approved work nobody claimed, e.g. after a proxy died
-between submit and claim) ends it ``failed`` without running anything: the worker does not
-know the tool.
+handed one ends it ``failed`` without running anything: the worker does not know the tool.
+Neither the sweep's re-publishing of approved work nobody claimed nor a replayed submit
+publishes one: a proxy sends it, the next one asked for the call.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ from toolledger.ledger.identity import (
     service_key,
 )
 from toolledger.ledger.ledger import Ledger
-from toolledger.ledger.records import Claim, Receipt
+from toolledger.ledger.records import Claim, OperationRecord, Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY, META_SERVICE_KEY, patterns
 from toolledger.mcp.common import (
@@ -328,17 +329,7 @@ class Proxy:
             op = submitted.operation
             try:
                 if op.status is Status.RUNNING:
-                    # its forwarding proxy may be dead (killed mid-forward): past its lease and
-                    # the sweep's grace (the database's clock), the row is unknown now, as the
-                    # sweep would mark it. A proxy alone has no sweep: the host was told "not
-                    # finished yet" for good (a cold review)
-                    await self._db(
-                        self.ledger.mark_expired,
-                        grace_seconds=self.grace,
-                        limit=10,
-                        actor="mcp-proxy",
-                        call=(op.scope, op.idempotency_key),
-                    )
+                    await self._expire(op)
                 if op.status is Status.APPROVED:
                     self._check_upstream()  # recorded, not claimed: the next proxy sends it
                     claim = await self._db(
@@ -366,6 +357,23 @@ class Proxy:
         except sa.exc.SQLAlchemyError as exc:
             raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
         return reply(receipt)
+
+    async def _expire(self, op: OperationRecord) -> None:
+        """A running call's forwarding proxy may be dead (killed mid-forward): past its lease
+        and the sweep's grace (the database's clock), its row is unknown now, as the sweep
+        would mark it. A proxy alone has no sweep: the host was told "not finished yet" for
+        good (a cold review). Housekeeping: a failure is logged, and the answer goes on."""
+        try:
+            await self._db(
+                self.ledger.mark_expired,
+                grace_seconds=self.grace,
+                limit=10,
+                actor="mcp-proxy",
+                call=(op.scope, op.idempotency_key),
+            )
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("%s/%s: expired leases not marked: %s", op.scope, op.idempotency_key,
+                        type(exc).__name__)  # fmt: skip
 
     async def _check_new(self, name: str, args: dict[str, Any], ident: CallIdentity) -> None:
         """Refuse arguments the upstream's ``inputSchema`` refuses, for a call not recorded
