@@ -81,3 +81,47 @@ def test_replay__an_upstream_call_the_proxy_recorded_is_never_published_for_a_wo
         assert out["outcome"] == "existing" and published == []
     finally:
         sub.close()
+
+
+def test_replay__a_call_flagged_for_review_is_not_published(
+    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call whose retry waits behind a flag (a late result contradicted a person's decision)
+    cannot be claimed until a person has reviewed it: a replay published it anyway, a message
+    every claim refuses (a cold review), as the sweep's re-publish never does."""
+    from toolledger.ledger.transitions import Status
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+            "TOOLLEDGER_TOOLS": "tests.external_tools",
+        }
+    )
+    published: list[str] = []
+    monkeypatch.setattr(
+        Submitter, "enqueue", lambda _s, _scope, key, *_a, **_k: published.append(key) or {}
+    )
+    monkeypatch.setattr(submitting, "REPUBLISH_AFTER", 0.0)
+    sub = Submitter(settings)
+    ledger = sub.ledger
+    try:
+        args = {"to": "ann"}
+        ledger.submit("s", "f1", "notify", args, approved_by="al", stamp_enqueued=True)
+        claim = ledger.claim("s", "notify:f1", 1, worker_id="zombie")
+        assert claim is not None
+        ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+        ledger.resolve(claim.execution_id, Status.FAILED, by="bob", evidence="nothing sent")
+        ledger.authorize_retry("s", "f1", by="carol", accept_duplicate=True)
+        late = {"late_result": {"sent": 1}}  # the zombie wakes: it did send
+        ledger.record_late_result(
+            claim.execution_id, late, actor="zombie", outcome=Status.SUCCEEDED
+        )
+        op = ledger.get("s", "f1").operation
+        assert op.status is Status.APPROVED and op.review is not None  # flagged, its retry waits
+        out = sub.submit(sub.prepare("s", "f1", "notify", args), approved_by="al")
+        assert out["outcome"] == "existing" and published == []
+    finally:
+        sub.close()
