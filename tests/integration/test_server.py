@@ -540,6 +540,25 @@ def test_console__login_leads_back_to_a_call_whose_id_is_escaped(server: Any, sc
         assert client.get(path).status_code == 200
 
 
+def test_console__a_login_link_made_by_hand_leads_to_its_call(server: Any, scope: str) -> None:
+    """A login link whose ``next`` is escaped once (a bookmark, a link in a mail) reaches the
+    form decoded: its zero-width space was written ``\\u200b`` on the page, which is no path,
+    and the login led to "/". The form's ``next`` is escaped again where it is not ASCII."""
+    client, ledger = server
+    pending(ledger, scope, "zw\u200bhand")
+    path = f"/calls/{scope}/" + quote("zw\u200bhand", safe="")
+    client.cookies.clear()
+    page = client.get(f"/login?next={path}")  # escaped once: the form gets it decoded
+    target = re.search(r'name="next" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
+    nonce = re.search(r'name="nonce" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
+    r = client.post(
+        "/login",
+        data={"nonce": nonce, "token": SECRETS["ann"], "next": target},
+        follow_redirects=False,
+    )
+    assert r.status_code == 303 and r.headers["location"] == path, target
+
+
 def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
     client, ledger = server
     pending(ledger, scope, "p")
