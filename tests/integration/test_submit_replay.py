@@ -15,20 +15,26 @@ from toolledger.worker.submit import Submitter
 ARGS = {"path": "a.txt", "content": "x"}
 
 
+def settings_of(db: str, tmp_path: Path, **more: str) -> Settings:
+    """A Submitter's settings whose broker is never reached: its enqueue is counted."""
+    return Settings.from_env(
+        {
+            "TOOLLEDGER_DB": db,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+            **more,
+        }
+    )
+
+
 def test_replay__an_approved_call_stamped_long_ago_and_unclaimed_is_published_again(
     fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An agent killed between the submit's commit (approved, stamped) and its publish, then
     run again: the replay published nothing, and the call waited for the sweep's re-publish
     (120 s) past run_turn's timeout (a cold review)."""
-    settings = Settings.from_env(
-        {
-            "TOOLLEDGER_DB": fresh_db_url,
-            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",  # never reached: enqueue is counted
-            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
-            "TOOLLEDGER_HOME": str(tmp_path / "home"),
-        }
-    )
+    settings = settings_of(fresh_db_url, tmp_path)
     published: list[tuple[str, str, int]] = []
 
     def enqueue(_self: Any, scope: str, key: str, attempt: int, **_kw: Any) -> dict[str, Any]:
@@ -60,14 +66,7 @@ def test_replay__an_upstream_call_the_proxy_recorded_is_never_published_for_a_wo
     """A call the MCP proxy recorded (approved, never stamped: the proxy sends it itself),
     replayed through a Submitter, was published: a worker handed it ended it failed, the
     upstream never asked (a cold review)."""
-    settings = Settings.from_env(
-        {
-            "TOOLLEDGER_DB": fresh_db_url,
-            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
-            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
-            "TOOLLEDGER_HOME": str(tmp_path / "home"),
-        }
-    )
+    settings = settings_of(fresh_db_url, tmp_path)
     published: list[str] = []
     monkeypatch.setattr(
         Submitter, "enqueue", lambda _s, _scope, key, *_a, **_k: published.append(key) or {}
@@ -91,15 +90,7 @@ def test_replay__a_call_flagged_for_review_is_not_published(
     every claim refuses (a cold review), as the sweep's re-publish never does."""
     from toolledger.ledger.transitions import Status
 
-    settings = Settings.from_env(
-        {
-            "TOOLLEDGER_DB": fresh_db_url,
-            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
-            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
-            "TOOLLEDGER_HOME": str(tmp_path / "home"),
-            "TOOLLEDGER_TOOLS": "tests.external_tools",
-        }
-    )
+    settings = settings_of(fresh_db_url, tmp_path, TOOLLEDGER_TOOLS="tests.external_tools")
     published: list[str] = []
     monkeypatch.setattr(
         Submitter, "enqueue", lambda _s, _scope, key, *_a, **_k: published.append(key) or {}
