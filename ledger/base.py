@@ -92,8 +92,20 @@ class LedgerBase(LedgerReads):
         self, conn: sa.Connection, op: OperationRecord, by: str, detail: dict[str, Any]
     ) -> OperationRecord | None:
         """unknown/failed -> approved with the next attempt, a compare-and-set on the status
-        and attempt the caller read; None if either changed meanwhile."""
-        attempt = op.authorized_attempts + 1
+        and attempt the caller read; None if either changed meanwhile.
+
+        The next attempt is numbered past every attempt ever claimed, not only past the
+        current one: a withdrawal makes an earlier, proven attempt current again while a later
+        one was claimed (``_proof_beats_permission``), and the number after the current one
+        was that claimed attempt's: every claim of it lost on the row already there, and the
+        call stayed approved for good, re-published every pass, with no way out (a cold
+        review)."""
+        claimed = conn.execute(
+            sa.select(sa.func.max(executions.c.attempt)).where(
+                executions.c.scope == op.scope, executions.c.idempotency_key == op.idempotency_key
+            )
+        ).scalar_one()
+        attempt = max(op.authorized_attempts, claimed or 0) + 1
         row = conn.execute(
             operations.update()
             .where(

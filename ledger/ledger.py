@@ -348,11 +348,14 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         by: str,
         accept_duplicate: bool = False,
         reason: str | None = None,
+        seen: OperationRecord | None = None,
     ) -> OperationRecord:
         """unknown/failed -> approved: a new attempt under the same key, authorised by ``by``.
 
         The caller (who knows the tool) decides whether a duplicate effect must be accepted
-        explicitly; the ledger records that it was.
+        explicitly; the ledger records that it was. ``seen``: the call as the caller read it
+        to decide that; refused if its status or attempt has changed since (another retry, an
+        attempt run meanwhile: the decision was about attempts that are no longer all).
         """
         check_text_id(by, "authoriser", inputs.MAX_ACTOR)
         inputs.check_text(reason, "reason")
@@ -364,6 +367,17 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
                     op.status,
                     Status.APPROVED,
                     f"a retry of {tool_call_id!r} (only unknown or failed)",
+                )
+            if seen is not None and (op.status, op.authorized_attempts) != (
+                seen.status,
+                seen.authorized_attempts,
+            ):
+                raise InvalidTransition(
+                    op.status,
+                    Status.APPROVED,
+                    f"a retry of {tool_call_id!r} decided on attempt {seen.authorized_attempts} "
+                    f"({seen.status}): it is attempt {op.authorized_attempts} ({op.status}) now; "
+                    "look again",
                 )
             detail = {"retry": True, "accept_duplicate": accept_duplicate, "reason": reason}
             retried = self._authorize_next(conn, op, by, detail)

@@ -364,25 +364,27 @@ class LedgerResolution(LedgerBase):
             )
         ).first()
         if later is not None:
-            other = ExecutionRecord.from_row(later)
-            if not flag_both_ran and other.status is Status.SUCCEEDED:
-                return  # an idempotent tool ran twice to the same end: nothing to tell
-            # else a human must know: a non-idempotent tool's two effects, or an idempotent
-            # one's call whose own status (the later attempt's failed, unknown, or running
-            # yet) would hide the effect this proof shows
-            both = {
-                "proven": {"execution_id": proven.execution_id, "attempt": proven.attempt},
-                "later": {
-                    "execution_id": other.execution_id,
-                    "attempt": other.attempt,
-                    "status": other.status.value,
-                },
-                "evidence": evidence,
-            }
-            self._flag(conn, proven, Review.BOTH_RAN, both, actor)
+            self._both_ran(conn, proven, later, evidence, actor, flag_both_ran)
             return
         if op.status is not Status.APPROVED:
             return
+        # The authorised attempt was not claimed, but one between the proven attempt and it
+        # may have been (attempts 1 and 2 unknown, 3 authorised, 1 proven): that one may have
+        # taken effect too. Only the authorised attempt was looked at, and the withdrawal made
+        # the call succeeded with nobody asked (a cold review).
+        between = conn.execute(
+            sa.select(executions)
+            .where(
+                executions.c.scope == op.scope,
+                executions.c.idempotency_key == op.idempotency_key,
+                executions.c.attempt > proven.attempt,
+            )
+            .order_by(executions.c.attempt.desc())
+            .limit(1)
+        ).first()
+        if between is not None:
+            self._both_ran(conn, proven, between, evidence, actor, flag_both_ran)
+        # and the unclaimed attempt is withdrawn all the same: proof beats permission
         check_transition(Status.APPROVED, Status.SUCCEEDED)
         withdrawn = conn.execute(
             operations.update()
@@ -407,6 +409,34 @@ class LedgerResolution(LedgerBase):
             EventKind.WITHDRAWN, op.scope, op.idempotency_key, actor, detail, proven.execution_id
         )
         self._append(conn, ev)
+
+    def _both_ran(
+        self,
+        conn: sa.Connection,
+        proven: ExecutionRecord,
+        claimed: sa.Row[Any],
+        evidence: dict[str, Any],
+        actor: str,
+        flag_both_ran: bool,
+    ) -> None:
+        """An attempt after the proven one was claimed: a human must know, but for an
+        idempotent tool's that ran to the same end (``flag_both_ran`` false)."""
+        other = ExecutionRecord.from_row(claimed)
+        if not flag_both_ran and other.status is Status.SUCCEEDED:
+            return  # an idempotent tool ran twice to the same end: nothing to tell
+        # else a human must know: a non-idempotent tool's two effects, or an idempotent
+        # one's call whose own status (the later attempt's failed, unknown, or running
+        # yet) would hide the effect this proof shows
+        both = {
+            "proven": {"execution_id": proven.execution_id, "attempt": proven.attempt},
+            "later": {
+                "execution_id": other.execution_id,
+                "attempt": other.attempt,
+                "status": other.status.value,
+            },
+            "evidence": evidence,
+        }
+        self._flag(conn, proven, Review.BOTH_RAN, both, actor)
 
     def resolve(
         self, execution_id: str, status: Status, *, by: str, evidence: str

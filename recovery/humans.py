@@ -67,8 +67,8 @@ def retry(
             "(--accept-duplicate; accept_duplicate in the API and the Python client)"
         )
     retried = ledger.authorize_retry(
-        scope, tool_call_id, by=by, accept_duplicate=accept_duplicate, reason=reason
-    )
+        scope, tool_call_id, by=by, accept_duplicate=accept_duplicate, reason=reason, seen=op
+    )  # refused if another attempt came meanwhile: the duplicate check was about these
     out: dict[str, Any] = {
         "scope": scope,
         "tool_call_id": tool_call_id,

@@ -78,6 +78,98 @@ def test_withdrawal__attempt_2_already_claimed_both_stay_and_a_human_is_asked(le
     assert report.ok and report.flagged >= 1
 
 
+def unknown_retry(ledger: Ledger, scope: str, attempt: int) -> str:
+    """The authorised ``attempt`` of c1, claimed, then declared unknown."""
+    claim = ledger.claim(scope, "notify:c1", attempt, worker_id="zombie")
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    return claim.execution_id
+
+
+def test_withdrawal__a_claimed_attempt_between_the_proven_and_the_withdrawn_one_is_flagged(
+    ledger, scope
+):
+    """Attempts 1 and 2 unknown, attempt 3 authorised, not claimed; attempt 1 proved: only
+    the authorised attempt was looked at, and the call ended succeeded with attempt 2's
+    possible second effect told to nobody (a cold review)."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    second = unknown_retry(ledger, scope, 2)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    ledger.reconcile(first, Status.SUCCEEDED, {"notified": 1}, evidence={"k": 1}, actor="sweep")
+    view = ledger.get(scope, "c1")
+    # attempt 3 withdrawn all the same (proof beats permission), and a human asked
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
+    assert view.operation.review == Review.BOTH_RAN
+    flag = next(e for e in ledger.events(scope, "c1") if e.kind == "flagged")
+    assert flag.detail["later"] == {
+        "execution_id": second,
+        "attempt": 2,
+        "status": "unknown",
+    }
+    assert ledger.events(scope, "c1")[-1].kind == "withdrawn"
+    assert ledger.claim(scope, "notify:c1", 3, worker_id="w") is None
+    assert [c.tool_call_id for c in ledger.list_calls(scope=scope, review=True)] == ["c1"]
+    assert ledger.verify().ok
+
+
+def test_retry__after_a_withdrawal_the_next_attempt_is_numbered_past_every_claimed_one(
+    ledger, scope
+):
+    """After the withdrawal above made attempt 1 current again, a retry (once a review made
+    the call failed) authorised attempt 2 again, whose row was there: every claim of it lost,
+    and the call stayed approved for good, re-published every pass (a cold review)."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    unknown_retry(ledger, scope, 2)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    ledger.resolve(first, Status.SUCCEEDED, by="dave", evidence="saw it in the ops channel")
+    late = {"late_result": {"error": "boom"}, "proves": "failed"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.FAILED)
+    ledger.resolve(first, Status.FAILED, by="erin", evidence="the late result shows it failed")
+    assert ledger.get(scope, "c1").operation.status is Status.FAILED
+    retried = ledger.authorize_retry(scope, "c1", by="erin", accept_duplicate=True)
+    assert retried.authorized_attempts == 3
+    claim = ledger.claim(scope, "notify:c1", 3, worker_id="w")
+    assert claim is not None
+    ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"notified": 3})
+    assert ledger.receipt(scope, "c1").content == {"notified": 3}
+    assert ledger.verify().ok
+
+
+def test_retry__a_persons_retry_decided_on_attempts_since_outnumbered_is_refused(ledger, scope):
+    """humans.retry decided "nothing landed, no duplicate to accept" on the call as it read
+    it, and the ledger authorised the next attempt of whatever it found then: another
+    person's retry and its attempt run meanwhile (failed part-way, an effect perhaps
+    applied) gave a second attempt with no duplicate accepted (a cold review)."""
+    from toolledger.ledger.errors import InvalidTransition
+    from toolledger.recovery import humans
+    from toolledger.recovery.reconcile import NOT_APPLIED
+
+    registry = load_registry("tests.external_tools")
+    ledger.submit(scope, "c1", "notify", NOTIFY, approved_by="al")
+    first = ledger.claim(scope, "notify:c1", 1, worker_id="w1")
+    ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+    proof = {"kind": "not_started"}
+    ledger.reconcile(first.execution_id, Status.FAILED, NOT_APPLIED, evidence=proof, actor="sweep")
+    real = ledger.authorize_retry
+
+    def meanwhile(*args: Any, **kwargs: Any) -> Any:
+        ledger.authorize_retry = real  # alice's retry, and its attempt runs and fails
+        humans.retry(ledger, registry, lambda *_: {}, scope, "c1", by="alice")
+        second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+        failed = {"error": "timeout after sending"}
+        ledger.finish(second.execution_id, second.lease_token, Status.FAILED, failed)
+        return real(*args, **kwargs)
+
+    ledger.authorize_retry = meanwhile
+    with pytest.raises(InvalidTransition, match="decided on attempt 1"):
+        humans.retry(ledger, registry, lambda *_: {}, scope, "c1", by="bob")
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.FAILED, 2)
+    with pytest.raises(humans.DuplicateNotAccepted):  # asked again, bob is told
+        humans.retry(ledger, registry, lambda *_: {}, scope, "c1", by="bob")
+
+
 @pytest.mark.parametrize("later", ["succeeded", "failed", "running"])
 def test_withdrawal__an_idempotent_tools_proof_after_its_retry_ran_is_hidden_by_nothing(
     ledger, scope, later
