@@ -107,3 +107,25 @@ def test_promtool__fails_on_a_rule_that_does_not_parse(tmp_path):
     bad = tmp_path / "bad.yml"
     bad.write_text("groups:\n  - name: x\n    rules:\n      - alert: A\n        expr: 'sum(('\n")
     assert run(tool, "check", "rules", str(bad)).returncode != 0
+
+
+def test_prometheus__scrapes_every_compose_service_that_serves_metrics():
+    """Each service of docker-compose.yml that runs a worker or the beat (the processes that
+    serve /metrics on their own port) is a scrape target. The sweeper was not, and it is the
+    only one that exports the last successful sweep: ToolledgerSweepStalled fired on a
+    healthy stack (a cold review)."""
+    compose = yaml.safe_load((DEPLOY.parents[1] / "docker-compose.yml").read_text())
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    scraped: set[str] = set()
+    for job in config["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            scraped.update(sd["names"])
+        for static in job.get("static_configs", []):
+            scraped.update(t.split(":")[0] for t in static["targets"])
+    serving = {
+        name
+        for name, service in compose["services"].items()
+        if (service.get("command") or [None])[0] in ("worker", "beat", "serve")
+    }
+    assert {"worker", "sweeper", "beat"} <= serving  # the stack's shape this test reads
+    assert serving <= scraped, f"not scraped: {sorted(serving - scraped)}"
