@@ -56,6 +56,13 @@ UNAVAILABLE_POLL = 0.05
 CHANNEL = "toolledger_receipts"
 #: The listener's application_name in pg_stat_activity.
 LISTENER_NAME = "toolledger-receipts"
+#: Seconds past a wait's timeout that a read sent before it may still take to answer. A read
+#: takes milliseconds; one that has not answered by then waits on a server that does not (a
+#: frozen one: SIGSTOP, a paused VM, whose kernel still acknowledges, so no TCP timeout fires).
+READ_GRACE = 0.25
+#: ``ReceiptTimeout.status`` when no read answered within the timeout: where the call
+#: stands is not known.
+UNANSWERED = "unanswered"
 
 
 def _start_wait(timeout: float | None) -> float:
@@ -65,14 +72,77 @@ def _start_wait(timeout: float | None) -> float:
 
 class ReceiptTimeout(TimeoutError):
     """No receipt within the timeout; ``status`` is where the call stands (for example
-    ``pending_approval``: it waits for a human)."""
+    ``pending_approval``: it waits for a human). ``unanswered``: the database did not answer
+    the wait's last read within the timeout, and ``status`` is what the last answer said
+    (:data:`UNANSWERED` if none did)."""
 
-    def __init__(self, scope: str, tool_call_id: str, status: str, waited: float) -> None:
-        super().__init__(
-            f"no receipt for {tool_call_id!r} in scope {scope!r} after {waited:.3g} s: "
-            f"it is {status}"
-        )
+    def __init__(
+        self,
+        scope: str,
+        tool_call_id: str,
+        status: str,
+        waited: float,
+        *,
+        unanswered: bool = False,
+    ) -> None:
+        head = f"no receipt for {tool_call_id!r} in scope {scope!r} after {waited:.3g} s: "
+        if not unanswered:
+            said = f"it is {status}"
+        elif status == UNANSWERED:
+            said = "the database did not answer"
+        else:
+            said = f"the database did not answer (it was {status} at its last answer)"
+        super().__init__(head + said)
         self.scope, self.tool_call_id, self.status = scope, tool_call_id, status
+        self.unanswered = unanswered
+
+
+class _Unanswered(Exception):
+    """A wait's read given up at its deadline (its thread goes on until the server answers)."""
+
+
+def _read_apart(read: Callable[[], Any], deliver: Callable[[bool, Any], None]) -> None:
+    """``read()`` in a daemon thread of its own, its value or exception given to ``deliver``.
+
+    The database's own timeouts cannot bound a wait: a statement timeout is the server's to
+    enforce, and a frozen server's kernel still acknowledges every packet, so no TCP timeout
+    fires (``wait --timeout 5`` exited 7 after 42 s behind a 40 s freeze). A wait's reads run
+    apart, and one that overruns the wait's deadline is left behind: it ends, and gives its
+    connection back to the pool, when the server answers or the connection breaks. Not in a
+    pool of threads, where left-behind reads would hold the threads other work waits for (an
+    event loop's default executor: 6 threads on 2 cores, and ``asyncio.run`` waits for them
+    at its end). On Postgres only: an embedded ledger's reads do not wait on a writer (WAL),
+    and an in-memory one is a connection per thread (another thread's is empty)."""
+
+    def run() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, read())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            outcome = (False, exc)
+        deliver(*outcome)
+
+    threading.Thread(target=run, name="toolledger-wait-read", daemon=True).start()
+
+
+def _within(deadline: float | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(...)``, given up at ``deadline`` (plus :data:`READ_GRACE`) with ``_Unanswered``
+    (see ``_read_apart``)."""
+    if deadline is None:
+        return fn(*args, **kwargs)
+    box: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def deliver(ok: bool, value: Any) -> None:
+        box.append((ok, value))
+        done.set()
+
+    _read_apart(lambda: fn(*args, **kwargs), deliver)
+    if not done.wait(max(0.0, deadline - time.monotonic()) + READ_GRACE):
+        raise _Unanswered
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def receipt_of(view: CallView) -> Receipt | None:
@@ -413,31 +483,40 @@ class Client:
         ``timeout`` seconds, carrying the call's status."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        view = self.ledger.get(scope, tool_call_id)  # NotFound before any waiting
-        key = (scope, view.operation.idempotency_key)
-        self.notifier.start(_start_wait(timeout))  # never past the timeout: it re-reads then
-        rung = threading.Event()
-        by_poll = False
-        with self.notifier.watch(key, rung.set):
-            # read again now that a ring would reach us: one between the first read and
-            # the watch is not lost
-            view = self.ledger.get(scope, tool_call_id)
-            while True:
-                found = receipt_of(view)
-                if found is not None:
-                    self.stats.add("found_by_poll" if by_poll else "woken")
-                    return found
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    self.stats.add("timeouts")
+        status = UNANSWERED  # what the last read said (every read given up at the deadline)
+        apart = deadline if self.notifier.postgres else None  # _reads_apart
+        try:
+            view = _within(apart, self.ledger.get, scope, tool_call_id)  # NotFound first
+            status = view.operation.status.value
+            key = (scope, view.operation.idempotency_key)
+            self.notifier.start(_start_wait(timeout))  # never past the timeout: it re-reads
+            rung = threading.Event()
+            by_poll = False
+            with self.notifier.watch(key, rung.set):
+                # read again now that a ring would reach us: one between the first read and
+                # the watch is not lost
+                view = _within(apart, self.ledger.get, scope, tool_call_id)
+                while True:
                     status = view.operation.status.value
-                    raise ReceiptTimeout(scope, tool_call_id, status, time.monotonic() - started)
-                wait = self._interval(left)
-                by_poll = not rung.wait(wait)
-                rung.clear()
-                if by_poll:
-                    self.stats.add("fallback_reads")
-                view = self._reread(view, scope, tool_call_id, deadline)
+                    found = receipt_of(view)
+                    if found is not None:
+                        self.stats.add("found_by_poll" if by_poll else "woken")
+                        return found
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        self.stats.add("timeouts")
+                        waited = time.monotonic() - started
+                        raise ReceiptTimeout(scope, tool_call_id, status, waited)
+                    wait = self._interval(left)
+                    by_poll = not rung.wait(wait)
+                    rung.clear()
+                    if by_poll:
+                        self.stats.add("fallback_reads")
+                    view = _within(apart, self._reread, view, scope, tool_call_id, deadline)
+        except _Unanswered:
+            self.stats.add("timeouts")
+            waited = time.monotonic() - started
+            raise ReceiptTimeout(scope, tool_call_id, status, waited, unanswered=True) from None
 
     def _interval(self, left: float | None) -> float:
         poll = UNAVAILABLE_POLL if self.notifier.unavailable else self.poll_interval
@@ -582,35 +661,65 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = None if timeout is None else started + timeout
-        view = await self._run(sync.ledger.get, scope, tool_call_id)
-        key = (scope, view.operation.idempotency_key)
-        await self._run(sync.notifier.start, _start_wait(timeout))
-        rung = asyncio.Event()
+        # (Client.wait's deadline is read on time.monotonic(), the clock loop.time() reads)
+        status = UNANSWERED
 
-        def wake() -> None:
-            loop.call_soon_threadsafe(rung.set)
+        async def read(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+            """A read given up at the deadline (see ``_read_apart``; its thread goes on)."""
+            if deadline is None or not sync.notifier.postgres:
+                return await self._run(fn, *args, **kwargs)
+            answer: asyncio.Future[T] = loop.create_future()
 
-        by_poll = False
-        with sync.notifier.watch(key, wake):
-            view = await self._run(sync.ledger.get, scope, tool_call_id)  # see Client.wait
-            while True:
-                found = receipt_of(view)
-                if found is not None:
-                    sync.stats.add("found_by_poll" if by_poll else "woken")
-                    return found
-                left = None if deadline is None else deadline - loop.time()
-                if left is not None and left <= 0:
-                    sync.stats.add("timeouts")
+            def settle(ok: bool, value: Any) -> None:
+                if not answer.done():  # given up meanwhile: nobody reads it
+                    (answer.set_result if ok else answer.set_exception)(value)
+
+            def deliver(ok: bool, value: Any) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(settle, ok, value)
+
+            _read_apart(lambda: fn(*args, **kwargs), deliver)
+            left = max(0.0, deadline - loop.time()) + READ_GRACE
+            try:
+                return await asyncio.wait_for(answer, left)
+            except TimeoutError:
+                raise _Unanswered from None
+
+        try:
+            view = await read(sync.ledger.get, scope, tool_call_id)
+            status = view.operation.status.value
+            key = (scope, view.operation.idempotency_key)
+            await self._run(sync.notifier.start, _start_wait(timeout))
+            rung = asyncio.Event()
+
+            def wake() -> None:
+                loop.call_soon_threadsafe(rung.set)
+
+            by_poll = False
+            with sync.notifier.watch(key, wake):
+                view = await read(sync.ledger.get, scope, tool_call_id)  # see Client.wait
+                while True:
                     status = view.operation.status.value
-                    raise ReceiptTimeout(scope, tool_call_id, status, loop.time() - started)
-                try:
-                    await asyncio.wait_for(rung.wait(), sync._interval(left))
-                    by_poll = False
-                except TimeoutError:
-                    by_poll = True
-                    sync.stats.add("fallback_reads")
-                rung.clear()
-                view = await self._run(sync._reread, view, scope, tool_call_id, deadline)
+                    found = receipt_of(view)
+                    if found is not None:
+                        sync.stats.add("found_by_poll" if by_poll else "woken")
+                        return found
+                    left = None if deadline is None else deadline - loop.time()
+                    if left is not None and left <= 0:
+                        sync.stats.add("timeouts")
+                        raise ReceiptTimeout(scope, tool_call_id, status, loop.time() - started)
+                    try:
+                        await asyncio.wait_for(rung.wait(), sync._interval(left))
+                        by_poll = False
+                    except TimeoutError:
+                        by_poll = True
+                        sync.stats.add("fallback_reads")
+                    rung.clear()
+                    view = await read(sync._reread, view, scope, tool_call_id, deadline)
+        except _Unanswered:
+            sync.stats.add("timeouts")
+            waited = loop.time() - started
+            raise ReceiptTimeout(scope, tool_call_id, status, waited, unanswered=True) from None
 
     async def run_turn(
         self,

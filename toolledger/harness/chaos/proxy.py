@@ -4,7 +4,9 @@
 Run inside a network namespace (``toolledger.harness.chaos.partition``), it is a worker's only
 way to Postgres: cutting the namespace's link then black-holes that worker's connections — packets
 vanish, no RST — while Postgres itself and everyone else are untouched. One thread per
-direction per connection; it prints ``proxy ready`` once it listens.
+direction per connection; it prints ``proxy ready HOST:PORT`` once it listens (``--listen
+HOST:0``: a free port). Stopped (SIGSTOP), it is a frozen server to its clients: its kernel
+still accepts and acknowledges, nothing answers.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind((host, int(port)))
     server.listen(128)
-    print("proxy ready", flush=True)
+    print(f"proxy ready {host}:{server.getsockname()[1]}", flush=True)  # PORT 0: one free
     while True:
         client, _ = server.accept()
         _serve(client, args.unix)

@@ -1,0 +1,169 @@
+"""A wait's timeout holds behind a database server that does not answer.
+
+A frozen server (SIGSTOP, a paused VM) still has its kernel acknowledge every packet, so no TCP
+timeout fires, and a statement timeout is the server's to enforce: a read sent to it waited
+until it woke, and the wait's timeout with it (``wait --timeout 5`` exited 7 after 42 s behind a
+40 s freeze). Here the server is a TCP proxy to Postgres (``harness.chaos.proxy``) stopped with
+SIGSTOP, which its clients cannot tell from a frozen server; it is continued before the test
+ends. Each wait runs where a test can give up on it (a thread, a child process): without the
+bound it would wait for the freeze to end, and the test fails instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from toolledger import AsyncClient, Client, ReceiptTimeout
+from toolledger.client import UNANSWERED
+from toolledger.config import Settings
+from toolledger.ledger.ledger import Ledger
+
+pytestmark = pytest.mark.postgres
+
+#: How long past its timeout a test lets a wait run before calling it unbounded: the freeze
+#: lasts until the test ends, so a wait that is not bounded never returns before this.
+SLACK = 15.0
+
+
+class Freezable:
+    """A TCP proxy to the Postgres of ``url``; ``freeze()`` stops it (SIGSTOP)."""
+
+    def __init__(self, url: str) -> None:
+        with Ledger(url).engine.connect() as conn:
+            sockets = conn.exec_driver_sql("SHOW unix_socket_directories").scalar_one()
+            port = conn.exec_driver_sql("SHOW port").scalar_one()
+        unix = f"{sockets.split(',')[0].strip()}/.s.PGSQL.{port}"
+        argv = [sys.executable, "-m", "toolledger.harness.chaos.proxy", "--listen", "127.0.0.1:0"]
+        self.proc = subprocess.Popen([*argv, "--unix", unix], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline().decode().split()
+        assert ready[:2] == ["proxy", "ready"], ready
+        host, listen_port = ready[2].rsplit(":", 1)
+        self.url = sa.make_url(url).set(host=host, port=int(listen_port)).render_as_string(False)
+
+    def freeze(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def frozen(pg_url: str) -> Iterator[Freezable]:
+    proxy = Freezable(pg_url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def settings(url: str, tmp_path: Path) -> Settings:
+    return Settings.from_env(
+        {"TOOLLEDGER_DB": url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox")}
+    )  # fmt: skip
+
+
+def in_thread(fn: Any) -> dict[str, Any]:
+    """``fn()`` in a thread, given ``timeout + SLACK``; what it returned or raised."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+        out["took"] = time.monotonic() - started
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(3.0 + SLACK)
+    assert not t.is_alive(), "the wait did not end: its timeout waited on the frozen server"
+    return out
+
+
+def test_wait__a_frozen_server_times_out_with_the_last_status_it_said(
+    frozen: Freezable, tmp_path: Path
+) -> None:
+    with Client(settings(frozen.url, tmp_path)) as client:
+        client.submit("fz", "c1", "write_file", {"path": "a.txt", "content": "x"})  # a person's
+        threading.Timer(1.0, frozen.freeze).start()  # once the wait has read and listens
+        out = in_thread(lambda: client.wait("fz", "c1", timeout=3.0))
+        exc = out["error"]
+        assert isinstance(exc, ReceiptTimeout), exc
+        assert exc.unanswered and exc.status == "pending_approval"
+        assert "the database did not answer (it was pending_approval at its last answer)" in str(
+            exc
+        )
+
+
+def test_wait__a_frozen_server_before_any_answer_is_unanswered(
+    frozen: Freezable, tmp_path: Path
+) -> None:
+    with Client(settings(frozen.url, tmp_path)) as client:
+        client.submit("fz", "c2", "write_file", {"path": "b.txt", "content": "x"})
+        frozen.freeze()  # the client's pooled connection is open: its first read is sent
+        out = in_thread(lambda: client.wait("fz", "c2", timeout=1.0))
+        exc = out["error"]
+        assert isinstance(exc, ReceiptTimeout), exc
+        assert exc.unanswered and exc.status == UNANSWERED
+        assert str(exc).endswith("the database did not answer")
+
+
+def test_async_wait__a_frozen_server_times_out(frozen: Freezable, tmp_path: Path) -> None:
+    async def scenario() -> ReceiptTimeout:
+        async with AsyncClient(settings(frozen.url, tmp_path)) as client:
+            await client.submit("fz", "c3", "write_file", {"path": "c.txt", "content": "x"})
+            asyncio.get_running_loop().call_later(1.0, frozen.freeze)  # see the test above
+            try:
+                await client.wait("fz", "c3", timeout=3.0)
+            except ReceiptTimeout as exc:
+                return exc
+            raise AssertionError("a receipt, from a frozen server")
+
+    out = in_thread(lambda: asyncio.run(asyncio.wait_for(scenario(), 3.0 + SLACK - 1)))
+    exc = out.get("error") or out["value"]
+    assert isinstance(exc, ReceiptTimeout), exc
+    assert exc.unanswered and exc.status == "pending_approval"
+
+
+def test_cli_wait__exits_7_behind_a_frozen_server(frozen: Freezable, tmp_path: Path) -> None:
+    env = {**os.environ, "TOOLLEDGER_DB": frozen.url, "TOOLLEDGER_HOME": str(tmp_path / "h"),
+           "TOOLLEDGER_SANDBOX": str(tmp_path / "sb")}  # fmt: skip
+    cli = [sys.executable, "-m", "toolledger"]
+    call = ["--scope", "fz", "--tool-call-id", "c4"]
+    args = ["--tool", "write_file", "--args", '{"path": "d.txt", "content": "x"}']
+    subprocess.run([*cli, "submit", *call, *args], env=env, check=True, capture_output=True)
+    wait = subprocess.Popen(
+        [*cli, "--json", "wait", *call, "--timeout", "3"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)  # it has connected, read, and listens: well inside its 3 s
+    frozen.freeze()
+    try:
+        _, err = wait.communicate(timeout=3 + SLACK)
+    except subprocess.TimeoutExpired:
+        wait.kill()
+        wait.communicate()
+        raise AssertionError(
+            "wait --timeout 3 did not exit: it waited on the frozen server"
+        ) from None
+    assert wait.returncode == 7, err
+    assert "the database did not answer" in err, err
