@@ -136,6 +136,7 @@ def check_worker_start(settings: Settings) -> None:
         while True:
             try:
                 ensure_schema(engine)
+                warn_if_not_durable(engine)
                 return
             except sa.exc.DBAPIError as exc:
                 wrong = misconfigured(exc)
@@ -148,6 +149,28 @@ def check_worker_start(settings: Settings) -> None:
                 pause = min(pause * 2, 5.0)
     finally:
         engine.dispose()  # no connection may cross the fork into pool children
+
+
+def warn_if_not_durable(engine: sa.Engine) -> str | None:
+    """A WARNING (returned, and logged) when the ledger's Postgres runs with ``fsync`` off:
+    a crash of its host may then lose commits it acknowledged, the executor's own terminal
+    commit among them, after its bytes landed; the sweep would revoke that execution and the
+    fence call it "not applied". ``synchronous_commit`` off is overridden in every ledger
+    session (``lightreads.pg_session_settings``); ``fsync`` is the server's alone. A warning,
+    not a refusal: a throwaway server for tests is often run so."""
+    if engine.dialect.name != "postgresql":
+        return None  # SQLite: synchronous=FULL on every connection (ledger.db)
+    with engine.connect() as conn:
+        fsync = str(conn.exec_driver_sql("SHOW fsync").scalar_one())
+    if fsync == "on":
+        return None
+    said = (
+        f"the ledger's Postgres runs with fsync {fsync}: a crash of its host can lose commits "
+        "it acknowledged, an execution's terminal commit among them after its effect landed, "
+        "and the sweep would then call that effect not applied; turn fsync on in production"
+    )
+    log.warning(said)
+    return said
 
 
 def check_sandbox_format(settings: Settings) -> None:
