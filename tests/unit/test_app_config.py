@@ -374,3 +374,18 @@ def test_settings__redis_urls_kombu_reads_are_taken():
     for url in ("redis://h:6379", "redis://h:6379/", "redis://h:6379/15", "rediss://:pw@h/3",
                 "redis://h1:6379/0;redis://h2:6379/0"):  # fmt: skip
         assert Settings.from_env({"TOOLLEDGER_HOME": "/tmp/h", "TOOLLEDGER_BROKER": url}).broker
+
+
+@pytest.mark.parametrize("option", ["db", "broker"])
+def test_cli__a_bad_url_is_named_as_it_was_given(option, capsys, monkeypatch):
+    """``--db foo://x`` was said as ``TOOLLEDGER_DB: …``, a variable the user never set (a
+    cold review); one read from the environment keeps the variable's name."""
+    from tests.helpers import run_cli
+
+    variable = f"TOOLLEDGER_{option.upper()}"
+    monkeypatch.delenv(variable, raising=False)
+    code, _, err = run_cli(capsys, f"--{option}", "foo://x", "list")
+    assert code == 2 and err.startswith(f"toolledger: error: --{option}: scheme 'foo'"), err
+    monkeypatch.setenv(variable, "foo://x")
+    code, _, err = run_cli(capsys, "list")
+    assert code == 2 and err.startswith(f"toolledger: error: {variable}: scheme 'foo'"), err

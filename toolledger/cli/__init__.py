@@ -162,10 +162,26 @@ def cli(
             db=db, broker=broker, sandbox=Path(sandbox) if sandbox else None
         )
     except ConfigError as exc:  # raised when a command needs settings, not for its --help
-        ctx.meta[SETTINGS_ERROR] = exc
+        ctx.meta[SETTINGS_ERROR] = _as_given(ctx, exc)
         return
     ctx.obj = Context(settings, json=as_json)
     ctx.call_on_close(ctx.obj.close)
+
+
+def _as_given(ctx: click.Context, exc: Exception) -> Exception:
+    """A setting's error named as the user gave it: ``--db: …`` for a URL typed on the command
+    line, which was said as ``TOOLLEDGER_DB: …`` (a cold review), the variable's name kept for
+    one read from the environment."""
+    from click.core import ParameterSource
+
+    text = str(exc)
+    for option in ("db", "broker", "sandbox"):
+        variable = f"TOOLLEDGER_{option.upper()}: "
+        if text.startswith(variable) and (
+            ctx.get_parameter_source(option) is ParameterSource.COMMANDLINE
+        ):
+            return type(exc)(f"--{option}: {text.removeprefix(variable)}")
+    return exc
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
