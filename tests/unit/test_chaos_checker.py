@@ -4,6 +4,7 @@ fail it — and only it — while the clean facts pass every one."""
 from __future__ import annotations
 
 import copy
+import hashlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -34,17 +35,31 @@ def job(cid: str, kind: str, **extra: Any) -> Job:
     return Job(cid, kind, tools[kind], args, group=group, line=line, **extra)
 
 
+def receipt_of(j: Job) -> dict[str, Any]:
+    """What the call's tool returns (the chaos tools' results)."""
+    if j.kind == "charge":
+        terms = {"account": j.args["account"], "cents": j.args["cents"]}
+        return {"charge_id": f"ch_{j.cid}", "key": j.key, **terms}
+    data = j.args["content"].encode()
+    if j.kind == "append":
+        return {"path": j.args["path"], "bytes_appended": len(data)}
+    return {"path": j.args["path"], "bytes_written": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+
+
 class World:
     """A small clean run: each call claimed once, committed, landed."""
 
     def __init__(self) -> None:
-        self.jobs = [
+        self.jobs = [  # two of the kinds a breaker takes a call of away: the run still did work
             job("w1", "write"),
+            job("w2", "write"),
             job("s1", "shared", path="shared/a.txt"),
             job("s2", "shared", path="shared/a.txt", after="s1"),
             job("a1", "append", path="logs/x.log"),
             job("a2", "append", path="logs/x.log"),
             job("c1", "charge"),
+            job("c2", "charge"),
         ]
         self.seq = 0
         self.ops: dict[str, dict[str, Any]] = {}
@@ -57,6 +72,7 @@ class World:
             self.run(j)
         self.files = {
             "own/w1.txt": "w1 r1",
+            "own/w2.txt": "w2 r1",
             "shared/a.txt": "s2 r1",
             "logs/x.log": "a1 r1\na2 r1\n",
         }
@@ -65,21 +81,23 @@ class World:
         self.seq += 1
         ev = {"seq": self.seq, "idempotency_key": key, "execution_id": eid, "kind": kind,
               "actor": "w", "detail": detail}  # fmt: skip
+        if kind == "unknown":
+            ev["at"] = WENT_UNKNOWN
         self.events.append(ev)
         return ev
 
     def run(self, j: Job, attempt: int = 1) -> str:
         eid = f"e-{j.cid}-{attempt}"
         self.ops[j.key] = {"status": "succeeded", "review": None}
+        result = receipt_of(j)
         self.execs.append({"execution_id": eid, "idempotency_key": j.key, "attempt": attempt,
-                           "status": "succeeded", "reconciled": False,
+                           "status": "succeeded", "reconciled": False, "result": result,
                            "worker_id": "chaos-w1@h:101", "started_at": BEGAN})  # fmt: skip
         self.event(j.key, eid, "running", attempt=attempt)
-        done = self.event(j.key, eid, "succeeded", reconciled=False, result={})
+        done = self.event(j.key, eid, "succeeded", reconciled=False, result=result)
         if j.kind == "charge":
-            terms = {"account": j.args["account"], "cents": j.args["cents"]}
             self.charges.append({"kind": "charge", "key": j.key, "execution_id": eid,
-                                 "receipt": {"charge_id": "ch_1", "key": j.key, **terms}})  # fmt: skip
+                                 "receipt": dict(result)})  # fmt: skip
         else:
             self.landings.append({"execution_id": eid, "seq": done["seq"], "path": j.group or
                                   j.args["path"], "kind": "append" if j.kind == "append" else
@@ -87,6 +105,8 @@ class World:
         return eid
 
     def facts(self) -> Facts:
+        for e in self.execs:  # every execution of this world was claimed then
+            e.setdefault("started_at", BEGAN)
         return Facts(
             jobs=self.jobs,
             ops=self.ops,
@@ -137,7 +157,7 @@ def _landing_without_own_commit(w: World) -> None:
     w.event(s1.key, "e-s1-z", "unknown", reason="lease expired")
     w.landings.append({"execution_id": "e-s1-z", "seq": 99, "path": "shared/a.txt",
                        "kind": "write", "redo": False})  # fmt: skip
-    w.firings.append({"ref": "e-s1-z", "point": "after_stage"})  # type: ignore[attr-defined]
+    w.firings.append({"ref": "e-s1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
 
 
 def _landing_under_another_commits_seq(w: World) -> None:
@@ -153,10 +173,11 @@ def _landing_of_a_reconciled_success(w: World) -> None:
     w.execs.append({"execution_id": "e-w1-z", "idempotency_key": w1.key, "attempt": 2,
                     "status": "succeeded", "reconciled": True, "worker_id": "chaos-w2@h:7"})  # fmt: skip
     w.event(w1.key, "e-w1-z", "unknown", reason="lease expired")
-    done = w.event(w1.key, "e-w1-z", "succeeded", reconciled=True, result={})
+    done = w.event(w1.key, "e-w1-z", "succeeded", reconciled=True, result=receipt_of(w1))
+    w.execs[-1]["result"] = receipt_of(w1)
     w.landings.append({"execution_id": "e-w1-z", "seq": done["seq"], "path": "own/w1.txt",
                        "kind": "write", "redo": False})  # fmt: skip
-    w.firings.append({"ref": "e-w1-z", "point": "after_stage"})  # type: ignore[attr-defined]
+    w.firings.append({"ref": "e-w1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
 
 
 def _stale_write_after_newer(w: World) -> None:
@@ -233,7 +254,7 @@ def _charge_with_other_terms(w: World) -> None:
 def _auto_retry(w: World, order: list[str]) -> None:
     """w1's attempt 1 revoked, proven absent, retried automatically: in ``order``."""
     w1 = next(j for j in w.jobs if j.cid == "w1")
-    w.firings.append({"ref": "e-w1-1", "point": "after_claim"})  # type: ignore[attr-defined]
+    w.firings.append({"ref": "e-w1-1", "point": "after_claim", "t": DURING})  # type: ignore[attr-defined]
     for step in order:
         if step == "revoked":
             w.event(w1.key, "e-w1-1", "unknown", reason="lease expired")
@@ -298,12 +319,12 @@ def _auto_retry_without_proof(w: World) -> None:
 
 def _call_never_ended(w: World) -> None:
     w.ops["chaos_charge:c1"]["status"] = "approved"  # lost: approved, never ran
-    w.charges.clear()
+    w.charges[:] = [c for c in w.charges if c["key"] != "chaos_charge:c1"]
 
 
 def _call_waiting_for_approval(w: World) -> None:
     w.ops["chaos_charge:c1"]["status"] = "pending_approval"
-    w.charges.clear()
+    w.charges[:] = [c for c in w.charges if c["key"] != "chaos_charge:c1"]
 
 
 def _staged_effect_never_settled(w: World) -> Facts:
@@ -329,7 +350,7 @@ def _stray_carriage_return(w: World) -> None:
 
 def _call_stuck_running(w: World) -> None:
     w.ops["chaos_charge:c1"]["status"] = "running"
-    w.charges.clear()
+    w.charges[:] = [c for c in w.charges if c["key"] != "chaos_charge:c1"]
 
 
 def _lease_expired_after_the_sweep(w: World) -> Facts:
@@ -340,7 +361,7 @@ def _lease_expired_after_the_sweep(w: World) -> Facts:
 
 def _call_never_recorded(w: World) -> None:
     del w.ops["chaos_charge:c1"]
-    w.charges.clear()
+    w.charges[:] = [c for c in w.charges if c["key"] != "chaos_charge:c1"]
 
 
 def _unknown_without_a_fault(w: World) -> None:
@@ -374,6 +395,91 @@ def _unknown_with_a_db_error_but_no_database_fault(w: World) -> None:
             error="OperationalError: server closed the connection")  # fmt: skip
 
 
+def _receipt_names_another_file(w: World) -> None:
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    ex["result"] = {**ex["result"], "path": "own/OTHER.txt"}
+
+
+def _receipt_of_other_bytes(w: World) -> None:
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-s2-1"]
+    ex["result"] = {**ex["result"], "sha256": "0" * 64}
+
+
+def _append_receipt_of_another_size(w: World) -> None:
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-a1-1"]
+    ex["result"] = {**ex["result"], "bytes_appended": 1}
+
+
+def _charge_receipt_not_the_services(w: World) -> None:
+    # the service charged ch_c1, 100 cents; the ledger's receipt says another charge
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    ex["result"] = {**ex["result"], "charge_id": "ch_999", "cents": 1}
+
+
+def _charge_by_an_execution_proven_not_applied(w: World) -> None:
+    # c1's attempt the ledger proved not applied is the one the service says charged
+    c1 = next(j for j in w.jobs if j.cid == "c1")
+    w.execs.append({"execution_id": "e-c1-0", "idempotency_key": c1.key, "attempt": 0,
+                    "status": "failed", "reconciled": True, "worker_id": "chaos-w2@h:7",
+                    "result": {"error": "not_applied"}})  # fmt: skip
+    w.charges[[c["key"] for c in w.charges].index(c1.key)]["execution_id"] = "e-c1-0"
+
+
+def _landing_of_an_execution_proven_not_applied(w: World) -> None:
+    w1 = next(j for j in w.jobs if j.cid == "w1")
+    w.execs.append({"execution_id": "e-w1-0", "idempotency_key": w1.key, "attempt": 0,
+                    "status": "failed", "reconciled": True, "worker_id": "chaos-w2@h:7",
+                    "result": {"error": "not_applied"}})  # fmt: skip
+    w.landings.insert(0, {"execution_id": "e-w1-0", "seq": 0, "path": "own/w1.txt",
+                          "kind": "write", "redo": False})  # fmt: skip
+
+
+def _nothing_succeeded(w: World) -> None:
+    # every call failed (a tool broken): nothing duplicated, nothing hidden, nothing done
+    for op in w.ops.values():
+        op["status"] = "failed"
+    for e in w.execs:
+        e["status"], e["result"] = "failed", {"error": "boom"}
+    w.events[:] = [e for e in w.events if e["kind"] != "succeeded"]
+    w.landings.clear()
+    w.charges.clear()
+    w.files = dict.fromkeys(w.files)
+
+
+def _every_charge_failed(w: World) -> None:
+    for key in ("chaos_charge:c1", "chaos_charge:c2"):
+        w.ops[key]["status"] = "failed"
+    w.charges.clear()
+
+
+def _landing_on_another_path(w: World) -> None:
+    (landing,) = [x for x in w.landings if x["execution_id"] == "e-w1-1"]
+    landing["path"] = "own/w2.txt"  # w1's bytes on w2's path, which w2 then overwrote
+
+
+def _append_landed_as_a_write(w: World) -> None:
+    (landing,) = [x for x in w.landings if x["execution_id"] == "e-a2-1"]
+    landing["kind"] = "write"
+
+
+def _a_write_landed_again_as_a_redo(w: World) -> None:
+    # a stale shared write landed again after a newer one, labelled as an append's redo
+    again = dict(next(x for x in w.landings if x["execution_id"] == "e-s1-1"), redo=True)
+    w.landings.append(again)
+
+
+def _unknown_explained_only_by_a_death_an_hour_later(w: World) -> Facts:
+    _unknown_without_a_fault(w)
+    f = w.facts()
+    f.deaths = {101: ("signal 9 (SIGKILL)", DURING + 3600)}
+    return f
+
+
+def _unknown_explained_only_by_a_firing_an_hour_later(w: World) -> None:
+    _unknown_without_a_fault(w)
+    w.firings.append({"ref": "e-w1-1", "point": "after_terminal", "t": DURING + 3600})  # type: ignore[attr-defined]
+
+
 def _verify_differs(w: World) -> Facts:
     f = w.facts()
     f.verify = ['{"table": "operations"}']
@@ -381,6 +487,8 @@ def _verify_differs(w: World) -> Facts:
 
 
 ONE_EFFECT = "at most one effect per call (lines, charges, landings)"
+RECEIPTS = "every receipt says what its call did"
+WORK = "the run did its work: a call of each kind succeeded"
 FOREIGN = "the world holds only the calls' own effects"
 BREAKS = {
     ONE_EFFECT: [
@@ -422,7 +530,21 @@ BREAKS = {
         _no_landing_logged,
         _write_landing_missing,
     ],
+    RECEIPTS: [
+        _receipt_names_another_file,
+        _receipt_of_other_bytes,
+        _append_receipt_of_another_size,
+        _charge_receipt_not_the_services,
+    ],
+    "nothing proven not applied took effect": [
+        _charge_by_an_execution_proven_not_applied,
+        _landing_of_an_execution_proven_not_applied,
+    ],
+    WORK: [_nothing_succeeded, _every_charge_failed],
     FOREIGN: [
+        _landing_on_another_path,
+        _append_landed_as_a_write,
+        _a_write_landed_again_as_a_redo,
         _torn_line,
         _glued_lines,
         _foreign_bytes,
@@ -445,6 +567,8 @@ BREAKS = {
         _unknown_after_a_partition_long_before,
         _unknown_after_a_zombie_on_its_pid_long_before,
         _unknown_with_a_db_error_but_no_database_fault,
+        _unknown_explained_only_by_a_death_an_hour_later,
+        _unknown_explained_only_by_a_firing_an_hour_later,
     ],
     "verify: events rebuild state exactly": [_verify_differs],
 }
@@ -452,6 +576,10 @@ BREAKS = {
 ALSO = {
     _landing_without_own_commit: set(),  # a zombie's landing also hides nothing: none
     _charged_again_under_another_key: {FOREIGN},  # a key no call has
+    _charge_with_other_terms: {RECEIPTS},  # the ledger's receipt is not the service's then
+    _shared_written_though_none_succeeded: {WORK},  # no shared call succeeded: no work done
+    # a landing without its own commit is one after its revocation, too
+    _landing_of_an_execution_proven_not_applied: {"no effect of a revoked execution lands"},
 }
 
 
@@ -488,7 +616,8 @@ def test_checker__every_invariant_has_a_breaker():
 def test_checker__an_unknown_with_its_own_cause_is_explained():
     before = DURING - 30  # a 14 s freeze or cut that began before the claim, overlapping it
     for cause in (
-        {"firings": [{"ref": "e-w1-1", "point": "after_claim"}]},
+        {"firings": [{"ref": "e-w1-1", "point": "after_claim", "t": DURING}]},
+        {"deaths": {101: ("signal 9 (SIGKILL)", DURING)}},
         {"faults": [{"kind": "kill_child", "pids": [101], "target": "chaos-w1", "t": DURING}]},
         {"faults": [{"kind": "partition", "pids": [], "target": "chaos-w1", "t": DURING}]},
         {
@@ -648,3 +777,87 @@ def test_checker__the_operators_retry_unlogged_is_its_own():
     w1 = next(j for j in w.jobs if j.cid == "w1")
     w.event(w1.key, None, "approved", attempt=2)["actor"] = "chaos-operator"
     assert check(w.facts())["ok"], [i for i in check(w.facts())["invariants"] if not i["ok"]]
+
+
+def test_gather__sees_strays_outside_the_scope_folder_and_links(tmp_path):
+    """Only the scope's folder was looked at, through links: a file at the sandbox's root or
+    in another scope's folder, a link to a directory, and a job's path made a link to a file
+    outside the sandbox all passed (a cold review)."""
+    from toolledger.harness.chaos.checker import sandbox_strays
+
+    sandbox = tmp_path / "sandbox"
+    root = sandbox / "s"
+    (root / "own").mkdir(parents=True)
+    (root / "own" / "w1.txt").write_bytes(b"w1 r1")
+    (sandbox / ".toolledger" / "pending").mkdir(parents=True)
+    (sandbox / ".toolledger" / "pending" / "e.1.ab.write").write_bytes(b"x")  # not a stray
+    assert sandbox_strays(sandbox, "s", {"own/w1.txt"}) == []
+    (sandbox / "root.txt").write_bytes(b"x")
+    (sandbox / "other").mkdir()
+    (sandbox / "other" / "f.txt").write_bytes(b"x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x")
+    (root / "linked").symlink_to(outside, target_is_directory=True)
+    (root / "own" / "w2.txt").symlink_to(outside / "secret")  # a job's path, a link
+    assert sandbox_strays(sandbox, "s", {"own/w1.txt", "own/w2.txt"}) == [
+        "other/f.txt (outside the scope's folder)",
+        "root.txt (outside the scope's folder)",
+        "s/linked (a symbolic link)",
+        "s/own/w2.txt (a symbolic link)",
+    ]
+
+
+def test_checker__a_reconciled_success_after_a_newer_commit_is_not_the_paths_truth():
+    """s1's attempt 1 went unknown; its retry committed and landed; s2 committed and landed;
+    then the sweep reconciled s1's attempt 1 succeeded (its bytes were there then): the path
+    rightly holds s2's bytes, and the checker said it should hold s1's (a cold review)."""
+    w = World()
+    s1 = next(j for j in w.jobs if j.cid == "s1")
+    w.execs.append({"execution_id": "e-s1-0", "idempotency_key": s1.key, "attempt": 0,
+                    "status": "succeeded", "reconciled": True, "worker_id": "chaos-w1@h:101",
+                    "result": receipt_of(s1)})  # fmt: skip
+    w.event(s1.key, "e-s1-0", "unknown", reason="lease expired")
+    w.event(s1.key, "e-s1-0", "succeeded", reconciled=True, result=receipt_of(s1))
+    f = w.facts()
+    f.firings = [{"ref": "e-s1-0", "point": "after_claim", "t": DURING}]
+    report = check(f)
+    assert report["ok"], [i for i in report["invariants"] if not i["ok"]]
+
+
+def test_checker__a_shared_path_whose_last_success_waits_for_a_human_is_theirs():
+    """s2 committed, its bytes could not land (flagged not_landed): the path holds s1's, and
+    the ledger already asked a human; the run failed on it all the same (a cold review)."""
+    w = World()
+    w.ops["chaos_write:s2"]["review"] = "not_landed"
+    w.landings[:] = [x for x in w.landings if x["execution_id"] != "e-s2-1"]
+    w.files["shared/a.txt"] = "s1 r1"
+    report = check(w.facts())
+    assert report["ok"], [i for i in report["invariants"] if not i["ok"]]
+
+
+def test_gather__a_childs_death_is_read_with_its_time(tmp_path):
+    from toolledger.harness.chaos.checker import child_deaths
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "w1.log").write_text(
+        "2026-12-02 04:00:05,250 ERROR celery.concurrency.asynpool: Process 'ForkPoolWorker-2' "
+        "pid:101 exited with 'signal 9 (SIGKILL)'\n"
+        "[2026-12-02 04:00:06,000: ERROR/MainProcess] Process 'ForkPoolWorker-3' pid:102 "
+        "exited with 'exitcode 1'\n"
+        '{"ts": "2026-12-02T04:00:07.000+00:00", "level": "ERROR", "message": "Process '
+        "'ForkPoolWorker-4' pid:103 exited with 'signal 9 (SIGKILL)'\"}\n"
+        "Process 'ForkPoolWorker-5' pid:104 exited with 'signal 15 (SIGTERM)'\n"
+    )
+    deaths = child_deaths(logs)
+    local = datetime(2026, 12, 2, 4, 0, 5, 250000).timestamp()  # as logging writes asctime
+    assert deaths[101] == ("signal 9 (SIGKILL)", local)
+    assert deaths[102][1] == datetime(2026, 12, 2, 4, 0, 6).timestamp()
+    assert deaths[103] == ("signal 9 (SIGKILL)", (BEGAN + timedelta(seconds=7)).timestamp())
+    assert deaths[104] == ("signal 15 (SIGTERM)", None)  # no time: it explains nothing
+    w = World()
+    _unknown_without_a_fault(w)
+    f = w.facts()
+    f.deaths = {101: deaths[104]}
+    assert "every unknown lines up with a fault on that execution" in broken(f)

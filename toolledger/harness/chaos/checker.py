@@ -11,12 +11,15 @@ carries is its commit's), never by comparing two machines' clocks.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import os
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +74,8 @@ class Facts:
     charges: list[dict[str, Any]]  # the downstream service's log
     faults: list[dict[str, Any]] = field(default_factory=list)
     firings: list[dict[str, Any]] = field(default_factory=list)
-    deaths: dict[int, str] = field(default_factory=dict)
+    #: pool children that died, as their workers logged it: pid -> (how, Unix time or None)
+    deaths: dict[int, tuple[str, float | None]] = field(default_factory=dict)
     stale_running: list[str] = field(default_factory=list)  # expired leases after the sweep
     verify: list[str] = field(default_factory=list)  # verify's differences
     #: files in the scope's folder at a path no job has (a stray write of anyone's)
@@ -157,6 +161,17 @@ def only_the_calls_effects(f: Facts) -> Invariant:
             bad.append(f"{path}: holds {found[:80]!r}, which no call on it wrote")
     bad += [f"{path}: a file no call writes" for path in f.stray_files]
     jobs, owner = f.job_of_key(), {e["execution_id"]: e["idempotency_key"] for e in f.execs}
+    for landing in f.landings or []:  # what the log says landed is what its call does
+        writer = jobs.get(owner.get(landing["execution_id"], ""))
+        if writer is None or writer.kind == "charge":
+            bad.append(f"{landing['execution_id']} landed on {landing['path']}: no call's write")
+            continue
+        kind = "append" if writer.kind == "append" else "write"
+        if (landing["path"], landing.get("kind")) != (writer.args["path"], kind):
+            bad.append(f"{writer.cid}: landed as {landing.get('kind')} on {landing['path']}, "
+                       f"its call is a {kind} on {writer.args['path']}")  # fmt: skip
+        if landing.get("redo") and kind != "append":
+            bad.append(f"{writer.cid}: a write landed again as an append finished again (redo)")
     for c in (c for c in f.charges if c["kind"] == "charge"):
         charged = jobs.get(c["key"])
         terms = c.get("receipt") or {}
@@ -239,18 +254,27 @@ def out_of_commit_order(landings: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def shared_paths_match_the_ledger(f: Facts) -> Invariant:
-    """Each shared path holds what the last call the ledger says succeeded on it wrote."""
+    """Each shared path holds what the last call the ledger says succeeded on it wrote: last
+    by its own commit where landings are logged (effects land in that order; a reconciler's
+    success writes nothing, and one recorded after a newer write's commit named that older
+    call the path's truth: a cold review), by any success where they are not (an older
+    version). A path whose last success waits for a human's review (its bytes could not
+    land: ``not_landed``) is the human's to judge."""
     by_key = f.job_of_key()
-    succeeded_at: dict[str, tuple[int, str]] = {}  # path -> (seq, content)
+    succeeded_at: dict[str, tuple[int, str, str]] = {}  # path -> (seq, content, key)
     for e in f.events:
         job = by_key.get(e["idempotency_key"])
         if job is None or job.kind != "shared" or e["kind"] != "succeeded":
             continue
-        if e["seq"] > succeeded_at.get(job.group, (0, ""))[0]:
-            succeeded_at[job.group] = (e["seq"], job.args["content"])
+        if f.landings is not None and e["detail"].get("reconciled"):
+            continue
+        if e["seq"] > succeeded_at.get(job.group, (0, "", ""))[0]:
+            succeeded_at[job.group] = (e["seq"], job.args["content"], job.key)
     bad = []
     for path in {j.group for j in f.jobs if j.kind == "shared"}:
-        expected = succeeded_at.get(path, (0, None))[1]
+        _, expected, key = succeeded_at.get(path, (0, None, ""))
+        if key and (f.ops.get(key) or {}).get("review"):
+            continue
         found = f.files.get(path)
         if expected is not None and found != expected:
             bad.append(f"{path}: holds {found!r}, the ledger's last success wrote {expected!r}")
@@ -328,8 +352,10 @@ def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
 
 def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     eid = ex["execution_id"]
-    for fp in f.firings:
-        if fp.get("ref") == eid:
+    for fp in f.firings:  # while it was held: one an hour later explained it (a cold review)
+        if fp.get("ref") == eid and _while_held(
+            fp.get("t"), ex.get("started_at"), unknown.get("at")
+        ):
             return f"failpoint {fp['point']}"
     pid, host = _pid(ex["worker_id"]), _host(ex["worker_id"])
     for fp in f.firings:  # one that ended the process ended every execution it held (threads)
@@ -357,8 +383,11 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     )
     if db_fault and any(word in own for word in DB_ERRORS):
         return "its own database connection failed"
-    if pid in f.deaths:  # e.g. killed by Celery's hard time limit after a stalled fsync
-        return f"worker process died ({f.deaths[pid]})"
+    how, died = f.deaths.get(pid, ("", None)) if pid is not None else ("", None)
+    if _while_held(died, ex.get("started_at"), unknown.get("at")):
+        # e.g. killed by Celery's hard time limit after a stalled fsync; at any time, every
+        # kill_child's logged death explained any unknown of that pid (a cold review)
+        return f"worker process died ({how})"
     return None
 
 
@@ -410,6 +439,90 @@ def automatic_retries_proven(f: Facts) -> Invariant:
     return _invariant("automatic retries only after revocation and proof of absence", bad)
 
 
+def receipts_match_the_world(f: Facts) -> Invariant:
+    """The receipt of every call the ledger says succeeded (no human asked to review it) says
+    what its call did: a write's path, size and SHA-256 are its content's, an append's path
+    and size its line's, a charge's receipt the one the service gave under the call's key.
+    A receipt naming another file, other bytes or another charge passed every other check (a
+    cold review). A person's resolution records their words, not a tool's result: not
+    judged here."""
+    bad = []
+    for job in f.jobs:
+        op = f.ops.get(job.key)
+        if op is None or op["status"] != "succeeded" or op.get("review"):
+            continue
+        ran = [e for e in f.execs if e["idempotency_key"] == job.key]
+        done = [e for e in ran if e["status"] == "succeeded"]
+        if not done:
+            bad.append(f"{job.cid}: succeeded, with no succeeded execution")
+            continue
+        result = max(done, key=lambda e: e["attempt"]).get("result")
+        if isinstance(result, dict) and "resolved_by" in result:
+            continue
+        wrong = _receipt_wrong(f, job, result)
+        if wrong:
+            bad.append(f"{job.cid}: its receipt {wrong}")
+    return _invariant("every receipt says what its call did", bad)
+
+
+def _receipt_wrong(f: Facts, job: Job, result: Any) -> str | None:
+    if not isinstance(result, dict):
+        return f"is {result!r}, no result"
+    if job.kind == "charge":
+        given = [c["receipt"] for c in f.charges if c["kind"] == "charge" and c["key"] == job.key]
+        if given and result != given[0]:
+            return f"is {result}, the service charged {given[0]}"
+        return None
+    data = job.args["content"].encode("utf-8")
+    if job.kind == "append":
+        expected: dict[str, Any] = {"path": job.args["path"], "bytes_appended": len(data)}
+    else:
+        digest = hashlib.sha256(data).hexdigest()
+        expected = {"path": job.args["path"], "bytes_written": len(data), "sha256": digest}
+    if {k: result.get(k) for k in expected} != expected:
+        return f"is {result}, its call's effect is {expected}"
+    return None
+
+
+def nothing_proven_absent_took_effect(f: Facts) -> Invariant:
+    """An execution the ledger records as not applied (its effect proven absent: the fence,
+    the reconciler's word, its executor's record that it never started) has no effect in the
+    world: no charge made by it, no landing of it. Such a proof allows a retry without a
+    duplicate accepted, and a charge by that very execution was judged by nothing (a cold
+    review)."""
+    absent = {
+        e["execution_id"]
+        for e in f.execs
+        if e["status"] == "failed"
+        and isinstance(e.get("result"), dict)
+        and e["result"].get("error") == "not_applied"
+    }
+    bad = [
+        f"{c['key']}: charged by {c['execution_id']}, which the ledger proved not applied"
+        for c in f.charges
+        if c["kind"] == "charge" and c.get("execution_id") in absent
+    ]
+    bad += [
+        f"{x['execution_id']} landed on {x['path']}, which the ledger proved not applied"
+        for x in f.landings or []
+        if x["execution_id"] in absent
+    ]
+    return _invariant("nothing proven not applied took effect", bad)
+
+
+def work_was_done(f: Facts) -> Invariant:
+    """The run did its work: some call of each kind in the workload succeeded. A run in which
+    every call failed (a tool broken, every claim lost) passed every other invariant — nothing
+    duplicated, nothing hidden — and the chaos run exited 0 (a cold review)."""
+    done = {j.kind for j in f.jobs if (f.ops.get(j.key) or {}).get("status") == "succeeded"}
+    bad = [
+        f"no {kind} call succeeded (of {n})"
+        for kind, n in sorted(Counter(j.kind for j in f.jobs).items())
+        if kind not in done
+    ]
+    return _invariant("the run did its work: a call of each kind succeeded", bad)
+
+
 def every_call_ended(f: Facts) -> tuple[Invariant, int, int]:
     missing = [j.key for j in f.jobs if j.key not in f.ops]
     lost = [k for k, op in f.ops.items() if op["status"] in ("approved", "pending_approval")]
@@ -429,15 +542,21 @@ INVARIANTS: list[Callable[[Facts], Invariant]] = [
     automatic_retries_proven,
     succeeded_effects_present,
     only_the_calls_effects,
+    receipts_match_the_world,
+    nothing_proven_absent_took_effect,
+    work_was_done,
 ]
 
 
 def check(f: Facts) -> dict[str, Any]:
-    dup, after, shared, hidden, auto, absent, foreign = (fn(f) for fn in INVARIANTS)
+    dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work = (
+        fn(f) for fn in INVARIANTS
+    )
     ended, lost, stuck = every_call_ended(f)
     explained, reasons = unknowns_explained(f)
     verified = _invariant("verify: events rebuild state exactly", f.verify)
-    invariants = [dup, after, shared, hidden, auto, absent, foreign, ended, explained, verified]
+    invariants = [dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work,
+                  ended, explained, verified]  # fmt: skip
     statuses = Counter(op["status"] for op in f.ops.values())
     inbox = [k for k, op in f.ops.items() if op["status"] in INBOX or op.get("review")]
     return {
@@ -448,6 +567,8 @@ def check(f: Facts) -> dict[str, Any]:
         "hidden_effects": hidden.count,
         "absent_effects": absent.count,
         "foreign_effects": foreign.count,
+        "wrong_receipts": receipts.count,
+        "proven_absent_effects": proven.count,
         # a second request of a charged call, answered by the service's own deduplication
         "charge_replays": sum(1 for c in f.charges if c["kind"] == "replay"),
         "lost": lost,
@@ -509,15 +630,31 @@ read_lines = jsonlines.read
 
 
 _DEATH = re.compile(r"Process '[^']+' pid:(\d+) exited with '([^']+)'")
+#: A log line's time: toolledger's text format and Celery's own (``2026-12-06 13:36:46,123``,
+#: local), or the JSON format's ``ts`` (ISO, with its offset).
+_WHEN = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)?(?:[+-]\d\d:\d\d|Z)?)")
 
 
-def child_deaths(logs: Path) -> dict[int, str]:
-    """Pool children that died, as the workers themselves logged it: pid -> how."""
-    deaths: dict[int, str] = {}
+def child_deaths(logs: Path) -> dict[int, tuple[str, float | None]]:
+    """Pool children that died, as the workers themselves logged it: pid -> (how, when: the
+    Unix time of its log line, None if the line has none)."""
+    deaths: dict[int, tuple[str, float | None]] = {}
     for log in logs.glob("*.log") if logs.exists() else []:
-        for match in _DEATH.finditer(log.read_text(errors="replace")):
-            deaths[int(match[1])] = match[2]
+        for line in log.read_text(errors="replace").splitlines():
+            match = _DEATH.search(line)
+            if match:
+                deaths[int(match[1])] = (match[2], _when(line[: match.start()]))
     return deaths
+
+
+def _when(text: str) -> float | None:
+    found = _WHEN.search(text)
+    if found is None:
+        return None
+    try:  # naive: the machine's local time, as logging writes asctime
+        return datetime.fromisoformat(found[1].replace(",", ".").replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _pid(worker_id: str | None) -> int | None:
@@ -570,12 +707,8 @@ def gather(
     ]
     root = out / "sandbox" / scope
     paths = {j.args["path"] for j in workload.jobs if "path" in j.args}
-    files = {p: _read(root / p) for p in paths}
-    stray = sorted(
-        str(p.relative_to(root))
-        for p in (root.rglob("*") if root.is_dir() else [])
-        if not p.is_dir() and str(p.relative_to(root)) not in paths
-    )
+    files = {p: None if (root / p).is_symlink() else _read(root / p) for p in paths}
+    stray = sandbox_strays(out / "sandbox", scope, paths)
     pending = out / "sandbox" / ".toolledger" / "pending"
     unsettled = sorted(
         p.name for p in (pending.iterdir() if pending.is_dir() else []) if not _aside(p.name)
@@ -600,6 +733,30 @@ def gather(
         unsettled=unsettled,
         operator=read_lines(out / "operator.log"),
     )
+
+
+def sandbox_strays(sandbox: Path, scope: str, paths: set[str]) -> list[str]:
+    """What the sandbox holds that no job writes: a file in the scope's folder at a path no
+    job has (named inside the folder), any file or link outside it (the pending area
+    aside), and any symbolic link, wherever it is, never followed. Only the scope's folder
+    was looked at, through links: a file at the sandbox's root or in another scope's folder,
+    a link to a directory, or a job's path made a link to a file outside, all passed (a cold
+    review)."""
+    found: list[str] = []
+    for at, dirs, names in os.walk(sandbox):  # never into a link
+        here = Path(at).relative_to(sandbox)
+        if here.parts[:1] == (".toolledger",):
+            dirs[:] = []
+            continue
+        for name in [*names, *(d for d in dirs if (Path(at) / d).is_symlink())]:
+            rel = here / name
+            if (sandbox / rel).is_symlink():
+                found.append(f"{rel} (a symbolic link)")
+            elif len(rel.parts) < 2 or rel.parts[0] != scope:
+                found.append(f"{rel} (outside the scope's folder)")
+            elif str(Path(*rel.parts[1:])) not in paths:
+                found.append(str(Path(*rel.parts[1:])))
+    return sorted(found)
 
 
 def _read(path: Path) -> str | None:
