@@ -382,7 +382,9 @@ class LedgerResolution(LedgerBase):
             .order_by(executions.c.attempt.desc())
             .limit(1)
         ).first()
-        if between is not None:
+        if between is not None and flag_both_ran:
+            # an idempotent tool's: the withdrawal below makes the call succeeded, which
+            # hides nothing (its flag asked a human about nothing: a cold review)
             self._both_ran(conn, proven, between, evidence, actor, flag_both_ran)
         # and the unclaimed attempt is withdrawn all the same: proof beats permission
         check_transition(Status.APPROVED, Status.SUCCEEDED)

@@ -56,10 +56,6 @@ UNAVAILABLE_POLL = 0.05
 CHANNEL = "toolledger_receipts"
 #: The listener's application_name in pg_stat_activity.
 LISTENER_NAME = "toolledger-receipts"
-#: Seconds past a wait's timeout that a read sent before it may still take to answer. A read
-#: takes milliseconds; one that has not answered by then waits on a server that does not (a
-#: frozen one: SIGSTOP, a paused VM, whose kernel still acknowledges, so no TCP timeout fires).
-READ_GRACE = 0.25
 #: ``ReceiptTimeout.status`` when no read answered within the timeout: where the call
 #: stands is not known.
 UNANSWERED = "unanswered"
@@ -124,9 +120,15 @@ def _read_apart(read: Callable[[], Any], deliver: Callable[[bool, Any], None]) -
     threading.Thread(target=run, name="toolledger-wait-read", daemon=True).start()
 
 
-def _within(deadline: float | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn(...)``, given up at ``deadline`` (plus :data:`READ_GRACE`) with ``_Unanswered``
-    (see ``_read_apart``)."""
+def _within(
+    deadline: float | None, grace: float, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``fn(...)``, given up with ``_Unanswered`` ``grace`` seconds past ``deadline`` (see
+    ``_read_apart``). The grace is the settings' ``db_timeout``, what any statement of the
+    ledger may take: a read sent near the deadline, or after it (``wait(timeout=0)``, the MCP
+    server's look at a call after a cut), is not a frozen server's for taking longer than a
+    fixed quarter second did (a healthy database 50 ms away answered "did not answer" for a
+    call that had its receipt: a cold review)."""
     if deadline is None:
         return fn(*args, **kwargs)
     box: list[tuple[bool, Any]] = []
@@ -137,7 +139,7 @@ def _within(deadline: float | None, fn: Callable[P, T], *args: P.args, **kwargs:
         done.set()
 
     _read_apart(lambda: fn(*args, **kwargs), deliver)
-    if not done.wait(max(0.0, deadline - time.monotonic()) + READ_GRACE):
+    if not done.wait(max(0.0, deadline - time.monotonic()) + grace):
         raise _Unanswered
     ok, value = box[0]
     if not ok:
@@ -484,9 +486,10 @@ class Client:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         status = UNANSWERED  # what the last read said (every read given up at the deadline)
-        apart = deadline if self.notifier.postgres else None  # _reads_apart
+        apart = deadline if self.notifier.postgres else None  # _read_apart
+        grace = self.settings.db_timeout
         try:
-            view = _within(apart, self.ledger.get, scope, tool_call_id)  # NotFound first
+            view = _within(apart, grace, self.ledger.get, scope, tool_call_id)  # NotFound first
             status = view.operation.status.value
             key = (scope, view.operation.idempotency_key)
             self.notifier.start(_start_wait(timeout))  # never past the timeout: it re-reads
@@ -495,7 +498,7 @@ class Client:
             with self.notifier.watch(key, rung.set):
                 # read again now that a ring would reach us: one between the first read and
                 # the watch is not lost
-                view = _within(apart, self.ledger.get, scope, tool_call_id)
+                view = _within(apart, grace, self.ledger.get, scope, tool_call_id)
                 while True:
                     status = view.operation.status.value
                     found = receipt_of(view)
@@ -512,7 +515,7 @@ class Client:
                     rung.clear()
                     if by_poll:
                         self.stats.add("fallback_reads")
-                    view = _within(apart, self._reread, view, scope, tool_call_id, deadline)
+                    view = _within(apart, grace, self._reread, view, scope, tool_call_id, deadline)
         except _Unanswered:
             self.stats.add("timeouts")
             waited = time.monotonic() - started
@@ -679,7 +682,7 @@ class AsyncClient:
                     loop.call_soon_threadsafe(settle, ok, value)
 
             _read_apart(lambda: fn(*args, **kwargs), deliver)
-            left = max(0.0, deadline - loop.time()) + READ_GRACE
+            left = max(0.0, deadline - loop.time()) + sync.settings.db_timeout  # see _within
             try:
                 return await asyncio.wait_for(answer, left)
             except TimeoutError:

@@ -112,6 +112,23 @@ def test_withdrawal__a_claimed_attempt_between_the_proven_and_the_withdrawn_one_
     assert ledger.verify().ok
 
 
+def test_withdrawal__an_idempotent_tools_attempt_between_flags_nothing(ledger, scope):
+    """The withdrawal makes the call succeeded, which hides nothing for an idempotent tool
+    (twice is once): its flag asked a human about nothing (a cold review)."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    unknown_retry(ledger, scope, 2)
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    proven = {"notified": 1}
+    ledger.reconcile(
+        first, Status.SUCCEEDED, proven, evidence={"k": 1}, actor="sweep", flag_both_ran=False
+    )
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    assert ledger.events(scope, "c1")[-1].kind == "withdrawn"
+    assert ledger.verify().ok
+
+
 def test_retry__after_a_withdrawal_the_next_attempt_is_numbered_past_every_claimed_one(
     ledger, scope
 ):
