@@ -81,7 +81,7 @@ class World:
         self.seq += 1
         ev = {"seq": self.seq, "idempotency_key": key, "execution_id": eid, "kind": kind,
               "actor": "w", "detail": detail}  # fmt: skip
-        if kind == "unknown":
+        if kind in ("unknown", "failed"):
             ev["at"] = WENT_UNKNOWN
         self.events.append(ev)
         return ev
@@ -416,6 +416,13 @@ def _charge_receipt_not_the_services(w: World) -> None:
     ex["result"] = {**ex["result"], "charge_id": "ch_999", "cents": 1}
 
 
+def revoked(w: World, key: str, eid: str) -> None:
+    """``eid`` killed at its claim, revoked, then proven not applied (as the sweep does)."""
+    w.firings.append({"ref": eid, "point": "after_claim", "t": DURING})  # type: ignore[attr-defined]
+    w.event(key, eid, "unknown", reason="lease expired")
+    w.event(key, eid, "failed", reconciled=True, result={"error": "not_applied"})
+
+
 def _charge_by_an_execution_proven_not_applied(w: World) -> None:
     # c1's attempt the ledger proved not applied is the one the service says charged
     c1 = next(j for j in w.jobs if j.cid == "c1")
@@ -423,6 +430,7 @@ def _charge_by_an_execution_proven_not_applied(w: World) -> None:
                     "status": "failed", "reconciled": True, "worker_id": "chaos-w2@h:7",
                     "result": {"error": "not_applied"}})  # fmt: skip
     w.charges[[c["key"] for c in w.charges].index(c1.key)]["execution_id"] = "e-c1-0"
+    revoked(w, c1.key, "e-c1-0")
 
 
 def _landing_of_an_execution_proven_not_applied(w: World) -> None:
@@ -432,6 +440,7 @@ def _landing_of_an_execution_proven_not_applied(w: World) -> None:
                     "result": {"error": "not_applied"}})  # fmt: skip
     w.landings.insert(0, {"execution_id": "e-w1-0", "seq": 0, "path": "own/w1.txt",
                           "kind": "write", "redo": False})  # fmt: skip
+    revoked(w, w1.key, "e-w1-0")
 
 
 def _nothing_succeeded(w: World) -> None:
@@ -446,10 +455,21 @@ def _nothing_succeeded(w: World) -> None:
     w.files = dict.fromkeys(w.files)
 
 
-def _every_charge_failed(w: World) -> None:
-    for key in ("chaos_charge:c1", "chaos_charge:c2"):
-        w.ops[key]["status"] = "failed"
-    w.charges.clear()
+def _a_charge_failed_without_a_fault(w: World) -> None:
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    ex["status"], ex["result"] = "failed", {"error": "tool_error"}
+    w.ops["chaos_charge:c1"]["status"] = "failed"
+    w.events[:] = [e for e in w.events if not (e["execution_id"] == "e-c1-1" and e["kind"] ==
+                                               "succeeded")]  # fmt: skip
+    w.event("chaos_charge:c1", "e-c1-1", "failed", result=ex["result"])
+    w.charges[:] = [c for c in w.charges if c["key"] != "chaos_charge:c1"]
+
+
+def _a_retry_superseded_that_no_fault_authorised(w: World) -> None:
+    # "superseded" explains a failure only for an automatic retry (its predecessor judged)
+    _a_charge_failed_without_a_fault(w)
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    ex["result"] = {"error": "superseded"}
 
 
 def _landing_on_another_path(w: World) -> None:
@@ -471,13 +491,53 @@ def _a_write_landed_again_as_a_redo(w: World) -> None:
 def _unknown_explained_only_by_a_death_an_hour_later(w: World) -> Facts:
     _unknown_without_a_fault(w)
     f = w.facts()
-    f.deaths = {101: ("signal 9 (SIGKILL)", DURING + 3600)}
+    f.deaths = {101: [("signal 9 (SIGKILL)", DURING + 3600)]}
     return f
 
 
 def _unknown_explained_only_by_a_firing_an_hour_later(w: World) -> None:
     _unknown_without_a_fault(w)
     w.firings.append({"ref": "e-w1-1", "point": "after_terminal", "t": DURING + 3600})  # type: ignore[attr-defined]
+
+
+def _unknown_explained_only_by_a_crash(w: World) -> Facts:
+    # a pool child that exited with an error (no fault, no time limit) explains nothing
+    _unknown_without_a_fault(w)
+    f = w.facts()
+    f.deaths = {101: [("exitcode 1", DURING)]}
+    return f
+
+
+def _receipt_of_the_authorised_attempt_wrong(w: World) -> None:
+    # withdrawn back to attempt 1 while attempt 2 succeeded too: the receipt is attempt 1's
+    w1 = next(j for j in w.jobs if j.cid == "w1")
+    w.ops[w1.key]["authorized_attempts"] = 1
+    (first,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    first["result"] = {**first["result"], "path": "own/OTHER.txt"}
+    w.execs.append({**first, "execution_id": "e-w1-2", "attempt": 2, "result": receipt_of(w1),
+                    "reconciled": True})  # fmt: skip
+    w.event(w1.key, "e-w1-2", "succeeded", reconciled=True, result=receipt_of(w1))
+
+
+def _receipt_that_calls_itself_a_persons(w: World) -> None:
+    # resolved_by in an executor's own result is not a person's decision
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-w2-1"]
+    ex["result"] = {"resolved_by": "x", "path": "own/OTHER.txt"}
+
+
+def _shared_path_older_while_the_last_is_contradicted(w: World) -> None:
+    w.files["shared/a.txt"] = "s1 r1"
+    w.ops["chaos_write:s2"]["review"] = "contradicted"  # not "its bytes could not land"
+
+
+def _landed_bytes_not_the_calls(w: World) -> None:
+    (landing,) = [x for x in w.landings if x["execution_id"] == "e-s1-1"]
+    landing["sha256"] = "0" * 64  # foreign bytes on a shared path, overwritten since
+
+
+def _one_write_landed_two_effects(w: World) -> None:
+    first = next(x for x in w.landings if x["execution_id"] == "e-w1-1")
+    w.landings.append({**first, "n": 1})
 
 
 def _verify_differs(w: World) -> Facts:
@@ -488,7 +548,7 @@ def _verify_differs(w: World) -> Facts:
 
 ONE_EFFECT = "at most one effect per call (lines, charges, landings)"
 RECEIPTS = "every receipt says what its call did"
-WORK = "the run did its work: a call of each kind succeeded"
+FAILURES = "every failure lines up with a fault on that execution"
 FOREIGN = "the world holds only the calls' own effects"
 BREAKS = {
     ONE_EFFECT: [
@@ -505,6 +565,7 @@ BREAKS = {
         _append_before_an_older_one,
     ],
     "every shared path holds its last succeeded write": [
+        _shared_path_older_while_the_last_is_contradicted,
         _shared_path_wrong,
         _shared_written_though_none_succeeded,
     ],
@@ -535,13 +596,21 @@ BREAKS = {
         _receipt_of_other_bytes,
         _append_receipt_of_another_size,
         _charge_receipt_not_the_services,
+        _receipt_of_the_authorised_attempt_wrong,
+        _receipt_that_calls_itself_a_persons,
     ],
     "nothing proven not applied took effect": [
         _charge_by_an_execution_proven_not_applied,
         _landing_of_an_execution_proven_not_applied,
     ],
-    WORK: [_nothing_succeeded, _every_charge_failed],
+    FAILURES: [
+        _nothing_succeeded,
+        _a_charge_failed_without_a_fault,
+        _a_retry_superseded_that_no_fault_authorised,
+    ],
     FOREIGN: [
+        _landed_bytes_not_the_calls,
+        _one_write_landed_two_effects,
         _landing_on_another_path,
         _append_landed_as_a_write,
         _a_write_landed_again_as_a_redo,
@@ -569,6 +638,7 @@ BREAKS = {
         _unknown_with_a_db_error_but_no_database_fault,
         _unknown_explained_only_by_a_death_an_hour_later,
         _unknown_explained_only_by_a_firing_an_hour_later,
+        _unknown_explained_only_by_a_crash,
     ],
     "verify: events rebuild state exactly": [_verify_differs],
 }
@@ -577,7 +647,6 @@ ALSO = {
     _landing_without_own_commit: set(),  # a zombie's landing also hides nothing: none
     _charged_again_under_another_key: {FOREIGN},  # a key no call has
     _charge_with_other_terms: {RECEIPTS},  # the ledger's receipt is not the service's then
-    _shared_written_though_none_succeeded: {WORK},  # no shared call succeeded: no work done
     # a landing without its own commit is one after its revocation, too
     _landing_of_an_execution_proven_not_applied: {"no effect of a revoked execution lands"},
 }
@@ -617,7 +686,9 @@ def test_checker__an_unknown_with_its_own_cause_is_explained():
     before = DURING - 30  # a 14 s freeze or cut that began before the claim, overlapping it
     for cause in (
         {"firings": [{"ref": "e-w1-1", "point": "after_claim", "t": DURING}]},
-        {"deaths": {101: ("signal 9 (SIGKILL)", DURING)}},
+        {"deaths": {101: [("signal 9 (SIGKILL)", DURING)]}},
+        # a pid reused: the death that fell while it was held is kept beside a later one
+        {"deaths": {101: [("signal 9 (SIGKILL)", DURING), ("signal 15 (SIGTERM)", DURING + 60)]}},
         {"faults": [{"kind": "kill_child", "pids": [101], "target": "chaos-w1", "t": DURING}]},
         {"faults": [{"kind": "partition", "pids": [], "target": "chaos-w1", "t": DURING}]},
         {
@@ -852,10 +923,10 @@ def test_gather__a_childs_death_is_read_with_its_time(tmp_path):
     )
     deaths = child_deaths(logs)
     local = datetime(2026, 12, 2, 4, 0, 5, 250000).timestamp()  # as logging writes asctime
-    assert deaths[101] == ("signal 9 (SIGKILL)", local)
-    assert deaths[102][1] == datetime(2026, 12, 2, 4, 0, 6).timestamp()
-    assert deaths[103] == ("signal 9 (SIGKILL)", (BEGAN + timedelta(seconds=7)).timestamp())
-    assert deaths[104] == ("signal 15 (SIGTERM)", None)  # no time: it explains nothing
+    assert deaths[101] == [("signal 9 (SIGKILL)", local)]
+    assert deaths[102][0][1] == datetime(2026, 12, 2, 4, 0, 6).timestamp()
+    assert deaths[103] == [("signal 9 (SIGKILL)", (BEGAN + timedelta(seconds=7)).timestamp())]
+    assert deaths[104] == [("signal 15 (SIGTERM)", None)]  # no time: it explains nothing
     w = World()
     _unknown_without_a_fault(w)
     f = w.facts()

@@ -74,8 +74,9 @@ class Facts:
     charges: list[dict[str, Any]]  # the downstream service's log
     faults: list[dict[str, Any]] = field(default_factory=list)
     firings: list[dict[str, Any]] = field(default_factory=list)
-    #: pool children that died, as their workers logged it: pid -> (how, Unix time or None)
-    deaths: dict[int, tuple[str, float | None]] = field(default_factory=dict)
+    #: pool children that died, as their workers logged it: pid -> each (how, Unix time or
+    #: None) it died (a pid is reused: only its last death was kept, a cold review)
+    deaths: dict[int, list[tuple[str, float | None]]] = field(default_factory=dict)
     stale_running: list[str] = field(default_factory=list)  # expired leases after the sweep
     verify: list[str] = field(default_factory=list)  # verify's differences
     #: files in the scope's folder at a path no job has (a stray write of anyone's)
@@ -172,6 +173,14 @@ def only_the_calls_effects(f: Facts) -> Invariant:
                        f"its call is a {kind} on {writer.args['path']}")  # fmt: skip
         if landing.get("redo") and kind != "append":
             bad.append(f"{writer.cid}: a write landed again as an append finished again (redo)")
+        digest = hashlib.sha256(writer.args["content"].encode("utf-8")).hexdigest()
+        if landing.get("sha256", digest) != digest:
+            bad.append(f"{writer.cid}: landed bytes ({landing['sha256'][:12]}) not its call's")
+    made = defaultdict(set)  # each chaos tool makes one effect: its stage's n is 0
+    for landing in f.landings or []:
+        made[landing["execution_id"]].add(landing.get("n", 0))
+    bad += [f"{eid} landed {len(ns)} effects; its call makes one" for eid, ns in made.items()
+            if len(ns) > 1]  # fmt: skip
     for c in (c for c in f.charges if c["kind"] == "charge"):
         charged = jobs.get(c["key"])
         terms = c.get("receipt") or {}
@@ -273,7 +282,7 @@ def shared_paths_match_the_ledger(f: Facts) -> Invariant:
     bad = []
     for path in {j.group for j in f.jobs if j.kind == "shared"}:
         _, expected, key = succeeded_at.get(path, (0, None, ""))
-        if key and (f.ops.get(key) or {}).get("review"):
+        if key and (f.ops.get(key) or {}).get("review") == "not_landed":
             continue
         found = f.files.get(path)
         if expected is not None and found != expected:
@@ -383,11 +392,12 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     )
     if db_fault and any(word in own for word in DB_ERRORS):
         return "its own database connection failed"
-    how, died = f.deaths.get(pid, ("", None)) if pid is not None else ("", None)
-    if _while_held(died, ex.get("started_at"), unknown.get("at")):
+    for how, died in f.deaths.get(pid, []) if pid is not None else []:
         # e.g. killed by Celery's hard time limit after a stalled fsync; at any time, every
-        # kill_child's logged death explained any unknown of that pid (a cold review)
-        return f"worker process died ({how})"
+        # kill_child's logged death explained any unknown of that pid, and a crash (exitcode
+        # 1: no fault, no time limit) explained itself (a cold review)
+        if how.startswith("signal") and _while_held(died, ex.get("started_at"), unknown.get("at")):
+            return f"worker process died ({how})"
     return None
 
 
@@ -453,13 +463,17 @@ def receipts_match_the_world(f: Facts) -> Invariant:
             continue
         ran = [e for e in f.execs if e["idempotency_key"] == job.key]
         done = [e for e in ran if e["status"] == "succeeded"]
+        # the receipt is the authorised attempt's (a withdrawal may leave a later attempt
+        # succeeded too: judging the highest let a wrong receipt pass, a cold review)
+        current = [e for e in done if e["attempt"] == op.get("authorized_attempts")]
         if not done:
             bad.append(f"{job.cid}: succeeded, with no succeeded execution")
             continue
-        result = max(done, key=lambda e: e["attempt"]).get("result")
-        if isinstance(result, dict) and "resolved_by" in result:
-            continue
-        wrong = _receipt_wrong(f, job, result)
+        receipt = (current or [max(done, key=lambda e: e["attempt"])])[0]
+        decided = [e for e in f.events_of(receipt["execution_id"]) if e["kind"] == "succeeded"]
+        if decided and (decided[-1]["detail"].get("evidence") or {}).get("kind") == "human":
+            continue  # a person's words, not a tool's result (as the ledger tells it)
+        wrong = _receipt_wrong(f, job, receipt.get("result"))
         if wrong:
             bad.append(f"{job.cid}: its receipt {wrong}")
     return _invariant("every receipt says what its call did", bad)
@@ -510,17 +524,34 @@ def nothing_proven_absent_took_effect(f: Facts) -> Invariant:
     return _invariant("nothing proven not applied took effect", bad)
 
 
-def work_was_done(f: Facts) -> Invariant:
-    """The run did its work: some call of each kind in the workload succeeded. A run in which
-    every call failed (a tool broken, every claim lost) passed every other invariant — nothing
-    duplicated, nothing hidden — and the chaos run exited 0 (a cold review)."""
-    done = {j.kind for j in f.jobs if (f.ops.get(j.key) or {}).get("status") == "succeeded"}
-    bad = [
-        f"no {kind} call succeeded (of {n})"
-        for kind, n in sorted(Counter(j.kind for j in f.jobs).items())
-        if kind not in done
-    ]
-    return _invariant("the run did its work: a call of each kind succeeded", bad)
+def failures_explained(f: Facts) -> Invariant:
+    """Every execution that failed by its own record lines up with a fault on it, as every
+    unknown must: a run in which every call failed (a tool broken) passed every other
+    invariant, nothing duplicated, nothing hidden, and the chaos run exited 0 (a cold review).
+    Judged elsewhere or explained by what came before: one revoked first (its unknown is
+    judged), and an automatic retry that found the world moved on (``superseded``: its
+    predecessor's unknown is judged)."""
+    automatic = {
+        (e["idempotency_key"], e["detail"].get("attempt"))
+        for e in f.events
+        if e["kind"] == "approved" and e["detail"].get("automatic")
+    }
+    bad = []
+    for ex in f.execs:
+        history = f.events_of(ex["execution_id"])
+        if ex["status"] != "failed" or any(e["kind"] == "unknown" for e in history):
+            continue
+        result: dict[str, Any] = ex["result"] if isinstance(ex.get("result"), dict) else {}
+        if (
+            result.get("error") == "superseded"
+            and (ex["idempotency_key"], ex["attempt"]) in automatic
+        ):
+            continue
+        failed = next((e for e in history if e["kind"] == "failed"), {})
+        if _cause(f, ex, failed) is None:
+            bad.append(f"{ex['execution_id']} ({ex['idempotency_key']}) failed: "
+                       f"{str(result.get('error'))[:60]}")  # fmt: skip
+    return _invariant("every failure lines up with a fault on that execution", bad)
 
 
 def every_call_ended(f: Facts) -> tuple[Invariant, int, int]:
@@ -544,7 +575,7 @@ INVARIANTS: list[Callable[[Facts], Invariant]] = [
     only_the_calls_effects,
     receipts_match_the_world,
     nothing_proven_absent_took_effect,
-    work_was_done,
+    failures_explained,
 ]
 
 
@@ -635,16 +666,16 @@ _DEATH = re.compile(r"Process '[^']+' pid:(\d+) exited with '([^']+)'")
 _WHEN = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)?(?:[+-]\d\d:\d\d|Z)?)")
 
 
-def child_deaths(logs: Path) -> dict[int, tuple[str, float | None]]:
-    """Pool children that died, as the workers themselves logged it: pid -> (how, when: the
-    Unix time of its log line, None if the line has none)."""
-    deaths: dict[int, tuple[str, float | None]] = {}
+def child_deaths(logs: Path) -> dict[int, list[tuple[str, float | None]]]:
+    """Pool children that died, as the workers themselves logged it: pid -> each (how, when:
+    the Unix time of its log line, None if the line has none)."""
+    deaths: dict[int, list[tuple[str, float | None]]] = defaultdict(list)
     for log in logs.glob("*.log") if logs.exists() else []:
         for line in log.read_text(errors="replace").splitlines():
             match = _DEATH.search(line)
             if match:
-                deaths[int(match[1])] = (match[2], _when(line[: match.start()]))
-    return deaths
+                deaths[int(match[1])].append((match[2], _when(line[: match.start()])))
+    return dict(deaths)
 
 
 def _when(text: str) -> float | None:

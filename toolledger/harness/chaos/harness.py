@@ -301,6 +301,8 @@ class ChaosRun:
 
     def setup(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
+        # an earlier run's world in a reused --out: the checker judges the whole sandbox
+        shutil.rmtree(self.out / "sandbox", ignore_errors=True)
         for name in ("effects.log", "failpoints.log", "faults.log", "charges.log",
                      "operator.log", "submitted.log", "finish", "operator.done"):  # fmt: skip
             (self.out / name).unlink(missing_ok=True)
