@@ -328,6 +328,11 @@ class CallHandle:
     def status(self) -> str:
         return str(self.submitted["status"])
 
+    @property
+    def receipt_in_hand(self) -> Receipt | None:
+        """A read-only call's receipt, which its submit ran and answered (no wait needed)."""
+        return self._immediate
+
     def result(self, timeout: float | None = None) -> Receipt:
         if self._immediate is not None:
             return self._immediate
@@ -491,6 +496,9 @@ class Client:
         try:
             view = _within(apart, grace, self.ledger.get, scope, tool_call_id)  # NotFound first
             status = view.operation.status.value
+            if (found := receipt_of(view)) is not None:  # in hand: no second read to lose it
+                self.stats.add("woken")
+                return found
             key = (scope, view.operation.idempotency_key)
             self.notifier.start(_start_wait(timeout))  # never past the timeout: it re-reads
             rung = threading.Event()
@@ -691,6 +699,9 @@ class AsyncClient:
         try:
             view = await read(sync.ledger.get, scope, tool_call_id)
             status = view.operation.status.value
+            if (found := receipt_of(view)) is not None:  # see Client.wait
+                sync.stats.add("woken")
+                return found
             key = (scope, view.operation.idempotency_key)
             await self._run(sync.notifier.start, _start_wait(timeout))
             rung = asyncio.Event()

@@ -161,12 +161,20 @@ def run_turn(
     for call, handle in handles:
         _said(scope, call, handle.submitted)
     outcomes: list[tuple[Call, Receipt | str]] = []
+    unanswered = False
     for call, handle in handles:
+        if unanswered and handle.receipt_in_hand is None:
+            # the database did not answer this turn's last wait, which took the reads' whole
+            # grace past the turn's timeout; each later call's wait took it again (a cold
+            # review: 4 calls, timeout 1 s, 9 s): where it stood at its submit is all we know
+            outcomes.append((call, handle.status))
+            continue
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             outcomes.append((call, handle.result(timeout=left)))
         except TimeoutError as exc:  # ReceiptTimeout: it says where the call stands
             outcomes.append((call, _status_of(exc)))
+            unanswered = bool(getattr(exc, "unanswered", False))
     return answered(scope, fmt, outcomes)
 
 

@@ -196,3 +196,81 @@ def test_wait__a_slow_healthy_database_is_waited_for_past_the_timeout(pg_url, tm
                 return (await aclient.wait("slow", "c5", timeout=0)).status.value
 
         assert asyncio.run(scenario()) == "rejected"
+
+
+def test_wait__a_receipt_read_before_the_freeze_is_returned(frozen: Freezable, tmp_path: Path):
+    """The first read's receipt was not looked at: the wait went on to start its listener
+    and read again, and the server freezing between the two made a rejected call "did not
+    answer (it was rejected …)" (a cold review)."""
+    with Client(settings(frozen.url, tmp_path)) as client:
+        client.submit("fz", "c6", "write_file", {"path": "f.txt", "content": "x"})
+        client.reject("fz", "c6", by="al")
+        start = client.notifier.start
+
+        def freeze_then_start(wait: float = 5.0) -> bool:
+            frozen.freeze()  # after the first read, before the second
+            return start(wait)
+
+        client.notifier.start = freeze_then_start  # type: ignore[method-assign]
+        out = in_thread(lambda: client.wait("fz", "c6", timeout=1.0))
+        assert out.get("value") is not None, out.get("error")
+        assert out["value"].status.value == "rejected"
+
+
+def test_run_turn__a_frozen_server_costs_one_grace_not_one_a_call(
+    frozen: Freezable, tmp_path: Path
+) -> None:
+    """Once the turn's timeout has passed, each later call waited with timeout 0, each read
+    given the whole grace again: 4 calls, timeout 1 s, 9 s (a cold review). After one wait
+    the database did not answer, the later calls are not read again: their status is their
+    submit's."""
+    import json
+
+    from toolledger.turns import CallsWaiting
+
+    calls = [
+        {"id": f"t{i}", "type": "function",
+         "function": {"name": "write_file",
+                      "arguments": json.dumps({"path": f"t{i}.txt", "content": "x"})}}
+        for i in range(4)
+    ]  # fmt: skip
+    message = {"role": "assistant", "content": None, "tool_calls": calls}
+    with Client(settings(frozen.url, tmp_path)) as client:
+        waited: list[str] = []
+        wait = client.wait
+
+        def spy(scope: str, tool_call_id: str, **kwargs: Any) -> Any:
+            if not waited:
+                frozen.freeze()  # every call submitted, pending a person: the freeze begins
+            waited.append(tool_call_id)
+            return wait(scope, tool_call_id, **kwargs)
+
+        client.wait = spy  # type: ignore[method-assign]
+        out = in_thread(lambda: client.run_turn("fz-turn", message, timeout=1.0))
+        exc = out["error"]
+        assert isinstance(exc, CallsWaiting), exc
+        assert exc.waiting == {
+            "t0": "unanswered",
+            **{f"t{i}": "pending_approval" for i in (1, 2, 3)},
+        }
+        assert waited == ["t0"]
+
+
+def test_async_wait__a_receipt_read_before_the_freeze_is_returned(
+    frozen: Freezable, tmp_path: Path
+) -> None:
+    async def scenario() -> str:
+        async with AsyncClient(settings(frozen.url, tmp_path)) as client:
+            await client.submit("fz", "c7", "write_file", {"path": "g.txt", "content": "x"})
+            await client.reject("fz", "c7", by="al")
+            start = client.sync.notifier.start
+
+            def freeze_then_start(wait: float = 5.0) -> bool:
+                frozen.freeze()  # after the first read, before the second
+                return start(wait)
+
+            client.sync.notifier.start = freeze_then_start  # type: ignore[method-assign]
+            return (await client.wait("fz", "c7", timeout=1.0)).status.value
+
+    out = in_thread(lambda: asyncio.run(asyncio.wait_for(scenario(), 3.0 + SLACK - 1)))
+    assert out.get("value") == "rejected", out.get("error")
