@@ -24,6 +24,7 @@ EXPECTED = {
     "ToolledgerLeaseExpirationsRising",
     "ToolledgerSweepStalled",
     "ToolledgerLedgerUnreadable",
+    "ToolledgerNoWorkerClaims",
 }
 
 
@@ -89,7 +90,7 @@ def test_promtool__check_rules_and_config():
     tool = promtool()
     checked = run(tool, "check", "rules", "alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 5 rules found" in checked.stdout
+    assert "SUCCESS: 6 rules found" in checked.stdout
     config = run(tool, "check", "config", "prometheus.yml")
     assert config.returncode == 0, config.stdout + config.stderr
 
