@@ -509,15 +509,10 @@ class Client:
                 view = _within(apart, grace, self.ledger.get, scope, tool_call_id)
                 while True:
                     status = view.operation.status.value
-                    found = receipt_of(view)
-                    if found is not None:
-                        self.stats.add("found_by_poll" if by_poll else "woken")
-                        return found
                     left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        self.stats.add("timeouts")
-                        waited = time.monotonic() - started
-                        raise ReceiptTimeout(scope, tool_call_id, status, waited)
+                    waited = time.monotonic() - started
+                    if (found := self._ended(view, by_poll, left, waited)) is not None:
+                        return found
                     wait = self._interval(left)
                     by_poll = not rung.wait(wait)
                     rung.clear()
@@ -528,6 +523,21 @@ class Client:
             self.stats.add("timeouts")
             waited = time.monotonic() - started
             raise ReceiptTimeout(scope, tool_call_id, status, waited, unanswered=True) from None
+
+    def _ended(
+        self, view: CallView, by_poll: bool, left: float | None, waited: float
+    ) -> Receipt | None:
+        """A wait's look at what it read: the call's receipt if it has one (counted as found
+        by a poll or a wake-up), ``ReceiptTimeout`` if no time is ``left``, else None."""
+        found = receipt_of(view)
+        if found is not None:
+            self.stats.add("found_by_poll" if by_poll else "woken")
+            return found
+        if left is not None and left <= 0:
+            self.stats.add("timeouts")
+            status = view.operation.status.value
+            raise ReceiptTimeout(view.scope, view.tool_call_id, status, waited)
+        return None
 
     def _interval(self, left: float | None) -> float:
         poll = UNAVAILABLE_POLL if self.notifier.unavailable else self.poll_interval
@@ -714,14 +724,10 @@ class AsyncClient:
                 view = await read(sync.ledger.get, scope, tool_call_id)  # see Client.wait
                 while True:
                     status = view.operation.status.value
-                    found = receipt_of(view)
-                    if found is not None:
-                        sync.stats.add("found_by_poll" if by_poll else "woken")
-                        return found
                     left = None if deadline is None else deadline - loop.time()
-                    if left is not None and left <= 0:
-                        sync.stats.add("timeouts")
-                        raise ReceiptTimeout(scope, tool_call_id, status, loop.time() - started)
+                    waited = loop.time() - started
+                    if (found := sync._ended(view, by_poll, left, waited)) is not None:
+                        return found
                     try:
                         await asyncio.wait_for(rung.wait(), sync._interval(left))
                         by_poll = False
