@@ -513,6 +513,15 @@ def login(client: TestClient, who: str) -> None:
     assert r.status_code == 303 and "toolledger_session" in r.cookies
 
 
+def post_login_form(client: TestClient, html: str) -> tuple[str, Any]:
+    """Ann logs in through the form ``html`` shows, its ``next`` as the page wrote it: that
+    ``next``, and the answer (not followed)."""
+    nonce = re.search(r'name="nonce" value="([^"]+)"', html).group(1)  # type: ignore[union-attr]
+    target = re.search(r'name="next" value="([^"]+)"', html).group(1)  # type: ignore[union-attr]
+    data = {"nonce": nonce, "token": SECRETS["ann"], "next": target}
+    return target, client.post("/login", data=data, follow_redirects=False)
+
+
 def csrf_of(html: str) -> str:
     return re.search(r'name="csrf" value="([^"]+)"', html).group(1)  # type: ignore[union-attr]
 
@@ -528,14 +537,7 @@ def test_console__login_leads_back_to_a_call_whose_id_is_escaped(server: Any, sc
         client.cookies.clear()
         r = client.get(path, follow_redirects=False)
         assert r.status_code == 303
-        page = client.get(r.headers["location"])
-        nonce = re.search(r'name="nonce" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
-        target = re.search(r'name="next" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
-        r = client.post(
-            "/login",
-            data={"nonce": nonce, "token": SECRETS["ann"], "next": target},
-            follow_redirects=False,
-        )
+        target, r = post_login_form(client, client.get(r.headers["location"]).text)
         assert r.status_code == 303 and r.headers["location"] == path, (call, target)
         assert client.get(path).status_code == 200
 
@@ -549,13 +551,7 @@ def test_console__a_login_link_made_by_hand_leads_to_its_call(server: Any, scope
     path = f"/calls/{scope}/" + quote("zw\u200bhand", safe="")
     client.cookies.clear()
     page = client.get(f"/login?next={path}")  # escaped once: the form gets it decoded
-    target = re.search(r'name="next" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
-    nonce = re.search(r'name="nonce" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
-    r = client.post(
-        "/login",
-        data={"nonce": nonce, "token": SECRETS["ann"], "next": target},
-        follow_redirects=False,
-    )
+    target, r = post_login_form(client, page.text)
     assert r.status_code == 303 and r.headers["location"] == path, target
 
 
