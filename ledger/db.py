@@ -268,6 +268,27 @@ def upgrade(engine: sa.Engine, revision: str = "head") -> None:
     command.upgrade(alembic_config(engine), revision)
 
 
+def behind(engine: sa.Engine, revision: str) -> str | None:
+    """The ledger's revision if ``revision`` names one older than it (an upgrade to it would
+    do nothing and say so in no way: Alembic's ``upgrade`` only goes up), else None. A
+    revision Alembic cannot name this way (relative, a range, unknown) is left to it."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    current = current_revision(engine)
+    if current is None:
+        return None
+    script = ScriptDirectory.from_config(alembic_config())
+    try:
+        target = script.get_revision(revision)
+    except CommandError:
+        return None
+    if target is None or target.revision == current:
+        return None
+    older = {r.revision for r in script.iterate_revisions(current, "base")} - {current}
+    return current if target.revision in older else None
+
+
 def downgrade(engine: sa.Engine, revision: str = "base") -> None:
     from alembic import command
 

@@ -386,6 +386,18 @@ def test_cli__db_a_revision_that_is_not_ours_is_a_usage_error(run):
     assert json.loads(run("--json", "db", "upgrade")[1])["revision"] == head  # unchanged
 
 
+def test_cli__db_upgrade_to_an_older_revision_is_refused_not_ignored(run):
+    """Alembic's upgrade only goes up: ``db upgrade --revision 0003`` on a ledger at head did
+    nothing and printed the head's revision, exit 0 (a deployment review)."""
+    head = json.loads(run("--json", "db", "upgrade")[1])["revision"]
+    code, _, err = run("db", "upgrade", "--revision", "0003")
+    assert code == 2 and f"older than the schema (at {head})" in err
+    assert "db downgrade --revision 0003" in err and len(err.strip().splitlines()) == 1
+    assert json.loads(run("--json", "db", "upgrade", "--revision", head)[1])["revision"] == head
+    assert run("db", "downgrade", "--revision", "0004")[0] == 0
+    assert json.loads(run("--json", "db", "upgrade", "--revision", "0005")[1])["revision"] == "0005"
+
+
 def test_cli__a_postgres_database_with_other_session_defaults(pg_server, pg_template, tmp_path):
     """A database a DBA set to another DateStyle, time zone and IntervalStyle: psycopg parses
     ``timestamptz`` only in ISO, so every read of a row failed — a submit after its commit,

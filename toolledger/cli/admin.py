@@ -37,6 +37,14 @@ def db_upgrade(c: Context, revision: str) -> None:
 
     ledger_db.refuse_newer(c.unchecked_ledger.engine)  # exit 1: no revision here is ahead
     with _known_revision(revision):
+        at = ledger_db.behind(c.unchecked_ledger.engine, revision)
+    if at is not None:  # Alembic did nothing and said nothing (a deployment review)
+        raise CliError(
+            f"--revision {revision!r} is older than the schema (at {at}): upgrade never goes "
+            f"back; `toolledger db downgrade --revision {revision}` does",
+            EXIT_USAGE,
+        )
+    with _known_revision(revision):
         ledger_db.upgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
     c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
