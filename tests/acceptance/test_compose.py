@@ -63,6 +63,28 @@ def test_compose__images_pinned_and_health_checked(compose):
     assert "--appendonly yes" in redis_cmd and "--maxmemory-policy noeviction" in redis_cmd
 
 
+@pytest.mark.parametrize(
+    ("answer", "healthy"),
+    [
+        ("PONG", True),
+        ("LOADING Redis is loading the dataset in memory", False),
+        ("NOAUTH Authentication required.", False),
+    ],
+)
+def test_compose__redis_healthy_only_when_it_answers_pong(compose, tmp_path, answer, healthy):
+    """redis-cli exits 0 on an error reply (seen: NOAUTH, exit 0): a healthcheck on its exit
+    status called a Redis loading its append-only file, or wanting a password, healthy."""
+    check = compose["services"]["redis"]["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL", check
+    fake = tmp_path / "redis-cli"  # what redis-cli prints and exits with, as seen
+    fake.write_text(f"#!/bin/sh\necho '{answer}'\nexit 0\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    command = check[1].replace("$$", "$")  # compose's escape, kept by `config`, undone at run
+    proc = subprocess.run(["sh", "-c", command], env=env, capture_output=True, timeout=10)
+    assert (proc.returncode == 0) is healthy, (answer, proc)
+
+
 def test_compose__migration_first_workers_scalable_one_beat(compose):
     services = compose["services"]
     assert services["migrate"]["command"] == ["db", "upgrade"]
