@@ -28,7 +28,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.effects import effects_of
+from toolledger.effects import FormatTooNew, effects_of
 from toolledger.ledger import metrics
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import operations
@@ -163,6 +163,8 @@ def _sweep(
     max_auto_retries: int,
     reconcile_budget: float | None,
 ) -> SweepSummary:
+    # a later version's sandbox: its own sweep settles and reconciles there (FormatTooNew,
+    # before anything is changed)
     summary = SweepSummary()
     while marked := ledger.mark_expired(grace_seconds=grace_seconds, limit=batch, actor=actor):
         summary.marked_unknown += len(marked)
@@ -174,6 +176,7 @@ def _sweep(
             break
     try:
         effects = effects_of(sandbox)
+        effects.check_format()  # a later version's sandbox: its own sweep lands there
         landing = effects.settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
@@ -189,7 +192,7 @@ def _sweep(
             log.info("removed %d path lock files no lander held", removed)
         if removed := effects.sweep_refused(ledger):  # reviewed by a human: not kept any more
             log.info("removed the kept bytes of %d effects a human reviewed", removed)
-    except (OSError, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass still runs
+    except (OSError, FormatTooNew, sa.exc.SQLAlchemyError) as exc:  # the rest of the pass runs
         summary.errors.append(f"settling the sandbox failed: {exc}")
         log.warning("settling the sandbox failed: %s", exc)
     on_retry: Publish | None = None

@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from toolledger import failpoints, jsonlines
+from toolledger.config import ConfigError
 from toolledger.ledger.records import EffectState
 from toolledger.ledger.transitions import Status
 from toolledger.sandbox import PathRefused, Sandbox, kind_of, refuse_alias, refuse_hard_link
@@ -118,6 +119,11 @@ _LOCK = re.compile(r"^[0-9a-f]{32}\.lock$")
 FORMAT = 2
 #: Lock files a sweep pass looks at, at most (whole shards: a pass may go a shard past it).
 SWEEP_LOCKS_LIMIT = 10_000
+
+
+class FormatTooNew(ConfigError):
+    """The sandbox's state is at a format a later toolledger wrote: its landers may rely on
+    what this version's do not do (``FORMAT``), so this one lands nothing there."""
 
 
 class BadSpool(ValueError):
@@ -434,6 +440,7 @@ class Effects:
         self.pending_dir = self.state / "pending"
         self.paths_dir = self.state / "paths"
         self._next_shard = secrets.randbelow(256)  # of paths_dir: where sweep_locks goes on
+        self._format_known = False
 
     def staging(self, scope: str, execution_id: str, lease: LeaseWatch | None) -> StagingSandbox:
         return StagingSandbox(self, scope, execution_id, lease)
@@ -573,6 +580,22 @@ class Effects:
             return 1
         except (ValueError, IndexError) as exc:
             raise OSError(f"{self.state / 'format'}: not a format number") from exc
+
+    def check_format(self) -> None:
+        """FormatTooNew if a later toolledger marked this state: read once per process (a
+        sandbox is marked only once every lander of the earlier version has stopped). Every
+        part that lands checks it before it claims or settles anything: the workers and the
+        beat at start, each Executor (``execute``, the clients', ``serve``'s and MCP's
+        read-only calls), a sweep pass."""
+        if self._format_known:
+            return
+        found = self.state_format()
+        if found > FORMAT:
+            raise FormatTooNew(
+                f"the sandbox {self.sandbox.root} is at format {found}, of a later toolledger "
+                f"(this one knows {FORMAT}): run that version"
+            )
+        self._format_known = True
 
     def upgrade(self) -> None:
         """Mark the state as this version's format. Only once no process of an older version

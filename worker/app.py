@@ -176,15 +176,10 @@ def warn_if_not_durable(engine: sa.Engine) -> str | None:
 def check_sandbox_format(settings: Settings) -> None:
     """Refuse a sandbox a later version has marked: its landers may rely on what this one
     does not do (``effects.FORMAT``)."""
-    from toolledger.effects import FORMAT, effects_of
+    from toolledger.effects import effects_of
     from toolledger.sandbox import Sandbox
 
-    found = effects_of(Sandbox.configured(settings)).state_format()
-    if found > FORMAT:
-        raise ConfigError(
-            f"the sandbox {settings.sandbox} is at format {found}, of a later toolledger "
-            f"(this one knows {FORMAT}): run that version"
-        )
+    effects_of(Sandbox.configured(settings)).check_format()
 
 
 def create_app(settings: Settings | None = None) -> Celery:

@@ -227,6 +227,7 @@ class Executor:
         self.ledger, self.registry, self.sandbox = ledger, registry, sandbox
         self.worker_id, self.lease_seconds = worker_id, lease_seconds
         self.leases = leases or LeaseKeeper(ledger, lease_seconds)
+        effects_of(sandbox).check_format()  # before any claim: a later version's sandbox
 
     def execute(
         self,

@@ -157,6 +157,33 @@ def test_execute__runs_an_approved_call_in_process(run, scope, tmp_path):
     assert code == 5 and "succeeded" in err
 
 
+def test_execute__a_sandbox_of_a_later_format_is_refused_before_anything(
+    run, ledger, scope, tmp_path
+):
+    """Only workers and the beat looked at the sandbox's format: ``execute`` (and a client's
+    read-only call, which lands what is pending on its path) landed in a sandbox a later
+    version had marked (a deployment review). Refused now, exit 2, nothing claimed or read."""
+    state = tmp_path / "sandbox" / ".toolledger"
+    state.mkdir(parents=True)
+    (state / "format").write_text("3\n")
+    (tmp_path / "sandbox" / scope).mkdir()
+    (tmp_path / "sandbox" / scope / "notes.txt").write_text("hello")
+    args = {"path": "report.txt", "content": "done"}
+    assert submit(run, scope, "c1", "write_file", args, "--approved-by", "al")[0] == 0
+    before = row_counts(ledger.engine)
+    code, out, err = run("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 2 and out == "" and "is at format 3, of a later toolledger" in err, err
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = submit(run, scope, "r1", "read_file", {"path": "notes.txt"})
+    assert code == 2 and out == "" and "is at format 3, of a later toolledger" in err, err
+    assert row_counts(ledger.engine) == before
+    assert (
+        json.loads(run("show", "--scope", scope, "--tool-call-id", "c1", "--json")[1])["status"]
+        == "approved"
+    )
+    assert not (tmp_path / "sandbox" / scope / "report.txt").exists()
+
+
 @pytest.mark.parametrize("state", ["unrecorded", "unsure"])
 def test_execute__a_call_whose_end_is_not_on_record_exits_1(run, scope, monkeypatch, state):
     """``execute`` of a call whose outcome the ledger could not take (spooled for the sweep)

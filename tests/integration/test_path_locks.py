@@ -292,7 +292,10 @@ def test_locks__a_later_format_is_refused_by_the_sweep_the_worker_and_the_comman
 ):
     (sandbox.root / ".toolledger" / "format").write_text("3\n")
     summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
-    assert any("format 3, of a later version" in e for e in summary.errors)
+    # before it settles anything (it checked only where it removes lock files, after landing)
+    assert any("format 3, of a later toolledger" in e for e in summary.errors), summary.errors
+    with pytest.raises(ConfigError, match="at format 3, of a later toolledger"):
+        Executor(ledger, REGISTRY, sandbox, worker_id="w", lease_seconds=30)
     settings = Settings.from_env({"TOOLLEDGER_SANDBOX": str(sandbox.root)})
     with pytest.raises(ConfigError, match="at format 3, of a later toolledger"):
         check_sandbox_format(settings)
