@@ -56,12 +56,15 @@ def write_file(args: ContentArgs, ctx: ToolContext) -> dict[str, Any]:
 
 
 def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
-    """The file's bytes equal the request's (SHA-256): succeeded. The file is missing and
-    no bytes for it wait to land: the effect is absent, and writing it now overwrites
-    nothing. Missing but bytes for it staged or committed, not landed yet (a newer call's
-    write, say): cannot tell yet (a cold review: an automatic retry authorised then landed
-    after that newer write, over it). Different bytes: cannot tell what is right (someone
-    may have written them since): a human decides. Reads only."""
+    """Bytes for the path staged or committed, not landed yet (a newer call's write, say):
+    cannot tell yet, whatever the file holds now — it does not say what the path will hold (a
+    cold review: an automatic retry authorised on a missing file then landed after that newer
+    write, over it; helper-88: a file still holding the request's bytes read "succeeded" while
+    a newer call's committed write waited behind a frozen lander, which then landed over it,
+    the receipt untrue for good, where the fence would have proved it not applied). Else: the
+    file's bytes equal the request's (SHA-256): succeeded; the file is missing: the effect is
+    absent, and writing it now overwrites nothing; different bytes: cannot tell what is right
+    (someone may have written them since): a human decides. Reads only."""
     from toolledger.effects import effects_of  # not at import: the CLI's start
 
     data = args.content.encode("utf-8")
@@ -81,9 +84,9 @@ def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
             waiting = effects.pending_on(ctx.scope, args.path)
     except (OSError, SandboxError):  # e.g. a hard link now: not what a write leaves; or the
         return None  # pending area cannot be looked at: cannot tell
+    if waiting:
+        return None
     if found is None:
-        if waiting:
-            return None
         return Absent({"method": "target file is missing", "path": args.path})
     if found != wanted:
         return None

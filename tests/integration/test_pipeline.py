@@ -1623,6 +1623,43 @@ def test_auto_retry__a_newer_write_landing_while_it_is_reconciled_is_not_written
         ledger.close()
 
 
+def test_reconcile__a_file_holding_the_bytes_while_a_newer_write_waits_proves_nothing(
+    fresh_db_url, scope, tmp_path, monkeypatch
+):
+    """helper-88: a.txt held X; w2 (Y) committed, its lander frozen holding the path's lock;
+    w1 (X), asked after w2, died after its claim. The sweep's reconciler found X and recorded
+    w1 succeeded; w2's Y then landed, and the receipt stayed untrue, ``verify`` ok. Bytes that
+    wait on the path make the file say nothing: the fence proves w1 not applied."""
+    ledger = Ledger(fresh_db_url)
+    try:
+        executor = _builtin_executor(ledger, tmp_path, lock_wait=0.2)
+        ledger.submit(scope, "w0", "write_file", {"path": "a.txt", "content": "X"},
+                      approved_by="al")  # fmt: skip
+        executor.execute(scope, "write_file:w0", 1)
+        _committed_not_landed(executor, scope, "w2", "a.txt", "Y", monkeypatch)
+        ledger.submit(scope, "w1", "write_file", {"path": "a.txt", "content": "X"},
+                      approved_by="al")  # fmt: skip
+        ledger.claim(scope, "write_file:w1", 1, worker_id="dead", lease_seconds=0.05)
+        time.sleep(0.1)
+        with effects_of(executor.sandbox)._path_lock(path_hash(scope, "a.txt")):  # w2's lander
+            summary = sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0,
+                            requeue_after=60, publish=None)  # fmt: skip
+        assert summary.marked_unknown == 1 and summary.from_reconciler == 0, summary
+        first = ledger.get(scope, "w1").executions[0]
+        assert first.status is Status.FAILED and first.result["error"] == "not_applied"
+        # and once w2's bytes land, nothing of w1 is written over them
+        sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0, requeue_after=60,
+              publish=None)  # fmt: skip
+        assert (tmp_path / scope / "a.txt").read_text() == "Y"
+        w1 = ledger.get(scope, "w1")
+        for attempt in range(2, w1.operation.authorized_attempts + 1):
+            executor.execute(scope, "write_file:w1", attempt)
+        assert (tmp_path / scope / "a.txt").read_text() == "Y"
+        assert ledger.get(scope, "w1").operation.status is Status.FAILED
+    finally:
+        ledger.close()
+
+
 def test_auto_retry__a_write_staged_while_it_is_reconciled_stops_it(
     fresh_db_url, scope, tmp_path, monkeypatch
 ):
