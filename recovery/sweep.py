@@ -69,6 +69,11 @@ class SweepSummary:
     #: landed nor removed by it (the sandbox shared with another ledger, or this process
     #: pointed at the wrong one: an unset TOOLLEDGER_DB makes the embedded ledger).
     strangers: int = 0
+    #: Paths whose committed bytes could not land: their lock held past the sandbox's
+    #: ``lock_wait`` by another lander (frozen, or stuck in a slow fsync). Left for the next
+    #: pass; reads of them fail ``not_settled`` and reconcilers say nothing about them
+    #: meanwhile. One pass after another with some: look for that lander.
+    busy: int = 0
     #: Tools' reconcilers that raised or outlasted the soft time limit (each also in
     #: ``errors``): their calls stay unknown for a person. Not the pass's own failure: it
     #: counts as a success.
@@ -181,6 +186,13 @@ def _sweep(
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence
         summary.strangers = landing.strangers
+        summary.busy = landing.busy
+        if landing.busy:
+            log.warning(
+                "%d paths' committed bytes could not land: another lander holds their lock "
+                "(frozen or slow?); left for the next pass",
+                landing.busy,
+            )
         if landing.strangers:
             log.warning(
                 "%d staged effects in the sandbox belong to executions this ledger does not "

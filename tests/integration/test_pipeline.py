@@ -1645,6 +1645,7 @@ def test_reconcile__a_file_holding_the_bytes_while_a_newer_write_waits_proves_no
             summary = sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0,
                             requeue_after=60, publish=None)  # fmt: skip
         assert summary.marked_unknown == 1 and summary.from_reconciler == 0, summary
+        assert summary.busy == 1  # said, not passed over in silence
         first = ledger.get(scope, "w1").executions[0]
         assert first.status is Status.FAILED and first.result["error"] == "not_applied"
         # and once w2's bytes land, nothing of w1 is written over them

@@ -89,6 +89,12 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
                 if d["strangers"]
                 else ""
             )
+            + (
+                f"\nwarning: {d['busy']} paths' committed bytes could not land: another "
+                "lander holds their lock (frozen or slow?); left for the next pass"
+                if d["busy"]
+                else ""
+            )
         ),
     )
     return EXIT_FAILURE if summary.errors else EXIT_OK
