@@ -254,6 +254,10 @@ _BROKER_REFUSED = {
 }
 #: Settings whose value is never echoed in an error (a URL may carry a password).
 _SECRET = {"db", "broker"}
+#: Those may come from a file instead, the variable holding its path (``TOOLLEDGER_DB_FILE``):
+#: Docker's, compose's and Kubernetes' secrets are files, and an environment variable is seen
+#: by ``docker inspect``, ``/proc/PID/environ`` and every child process.
+FROM_FILE = {name: f"{name.upper()}_FILE" for name in sorted(_SECRET)}
 
 
 def _from_environ(env: Mapping[str, str]) -> dict[str, str]:
@@ -267,7 +271,27 @@ def _from_environ(env: Mapping[str, str]) -> dict[str, str]:
         upper = variable.upper()
         if value and upper.startswith(PREFIX) and (upper not in found or variable == upper):
             found[upper] = value
-    return {name: found[PREFIX + name.upper()] for name in FIELDS if PREFIX + name.upper() in found}
+    out = {name: found[PREFIX + name.upper()] for name in FIELDS if PREFIX + name.upper() in found}
+    for name, rest in FROM_FILE.items():
+        if (path := found.get(PREFIX + rest)) is not None:
+            out[name] = _secret_file(name, PREFIX + rest, path, given=name in out)
+    return out
+
+
+def _secret_file(name: str, variable: str, path: str, *, given: bool) -> str:
+    """The setting ``name`` read from the file ``path`` names (``variable``), its ends'
+    whitespace stripped (an editor's last newline); never echoed."""
+    if given:
+        raise ConfigError(f"{PREFIX}{name.upper()} and {variable} are both set: set one")
+    try:
+        value = Path(path).read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{variable}: {path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"{variable}: cannot read {path}: {exc.strerror or exc}") from None
+    if not value:
+        raise ConfigError(f"{variable}: {path} is empty")
+    return value
 
 
 #: TOOLLEDGER_* variables that are not settings but are read elsewhere (the API, the logs, the
@@ -371,6 +395,7 @@ def _warn_misspelt(env: Mapping[str, str]) -> None:
             rest == upper
             or rest.lower() in FIELDS
             or rest in OTHER_VARIABLES
+            or rest in FROM_FILE.values()
             or rest.startswith(("TEST_", "CHAOS_"))
             or variable in _warned
         ):

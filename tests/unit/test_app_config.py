@@ -349,6 +349,36 @@ def test_settings__a_misspelt_variable_is_named_once_other_variables_are_not(cap
     )
 
 
+def test_settings__the_database_and_broker_urls_from_secret_files(tmp_path, capsys):
+    """A URL with a password sat in the environment (``docker inspect``, /proc/PID/environ,
+    every child): ``TOOLLEDGER_DB_FILE`` / ``TOOLLEDGER_BROKER_FILE`` name a file holding it,
+    as Docker's and Kubernetes' secrets are mounted."""
+    db = "postgresql://app:s3cret-pw@db:5432/ledger"
+    (tmp_path / "db").write_text(db + "\n")  # an editor's last newline
+    (tmp_path / "broker").write_text("redis://:s3cret-pw@redis:6379/0")
+    env = {
+        "TOOLLEDGER_HOME": str(tmp_path / "h"),
+        "TOOLLEDGER_DB_FILE": str(tmp_path / "db"),
+        "TOOLLEDGER_BROKER_FILE": str(tmp_path / "broker"),
+    }
+    made = Settings.from_env(env)
+    assert made.db == db and made.broker == "redis://:s3cret-pw@redis:6379/0"
+    assert capsys.readouterr().err == ""  # not taken for a misspelt TOOLLEDGER_DB
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "bad").write_text("mysql://root:s3cret-pw@db/x")
+    (tmp_path / "latin").write_bytes(b"postgresql://u:\xe9@db/x")
+    for change, says in [
+        ({"TOOLLEDGER_DB": db}, "TOOLLEDGER_DB and TOOLLEDGER_DB_FILE are both set"),
+        ({"TOOLLEDGER_DB_FILE": str(tmp_path / "none")}, "TOOLLEDGER_DB_FILE: cannot read"),
+        ({"TOOLLEDGER_DB_FILE": str(tmp_path / "empty")}, "is empty"),
+        ({"TOOLLEDGER_DB_FILE": str(tmp_path / "latin")}, "is not UTF-8 text"),
+        ({"TOOLLEDGER_DB_FILE": str(tmp_path / "bad")}, "TOOLLEDGER_DB"),
+    ]:
+        with pytest.raises(ConfigError, match=says) as refused:
+            Settings.from_env({**env, **change})
+        assert "s3cret" not in str(refused.value)  # never echoed
+
+
 def test_misconfigured__libpqs_word_on_the_urls_options_and_nothing_else():
     """``sslmode=bogus`` was "database unavailable", exit 1, and a worker waited on it for
     ever: libpq's refusals of the URL's own options are settings to mend (exit 2); a server's
