@@ -95,8 +95,16 @@ class Submitter:
     @property
     def ledger(self) -> Ledger:
         if self._ledger is None:
+            # every wait bounded by db_timeout, as a worker's and the CLI's: unbounded, a write
+            # behind a lock on Postgres waited for ever, each one a thread of `serve` (helper-91:
+            # 45 approvals behind one row lock left no thread to answer even a read) or a
+            # client's submit held as long as the lock
             factory = self._ledger_factory or (
-                lambda: Ledger(self.settings.db, max_args_bytes=self.settings.max_args_bytes)
+                lambda: Ledger(
+                    self.settings.db,
+                    max_args_bytes=self.settings.max_args_bytes,
+                    timeout=self.settings.db_timeout,
+                )
             )
             self._ledger = factory()
         return self._ledger

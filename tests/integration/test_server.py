@@ -710,6 +710,56 @@ def test_api__a_path_whose_escapes_are_not_utf8_is_refused(server: Any, scope: s
     assert r.status_code == 200 and r.json()["tool_call_id"] == "bad\ufffd"
 
 
+def test_api__a_decision_behind_a_lock_is_503_after_the_timeout_not_a_thread_held_for_ever(
+    fresh_db_url: str, backend: str, scope: str, tmp_path: Path
+) -> None:
+    """helper-91: the server's writes went through a ledger without a timeout: on Postgres an
+    approval behind a row lock waited as long as the lock, holding one of the 40 threads that
+    reads answer on too (45 of them: no answer to anything). Bounded now by
+    TOOLLEDGER_DB_TIMEOUT: 503, nothing changed; the same approval goes through after."""
+    import threading
+
+    import sqlalchemy as sa
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_TOOLS": "tests.external_tools",
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+            "TOOLLEDGER_DB_TIMEOUT": "1",
+        }
+    )
+    app = create_app(settings, parse_tokens(TOKENS, "test"), metrics=False)
+    ledger = Ledger(fresh_db_url)
+    pending(ledger, scope, "c1")
+    holder = sa.create_engine(fresh_db_url.replace("postgresql://", "postgresql+psycopg://"))
+    answers: list[int] = []
+    try:
+        with TestClient(app) as client, holder.connect() as conn:
+            if backend == "postgres":  # another transaction holds the call's row
+                conn.execute(sa.text("SELECT 1 FROM operations FOR UPDATE"))
+            else:  # another process writes
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+            def approve() -> None:
+                r = client.post(f"/api/calls/{scope}/c1/approve", json={}, headers=bearer("ann"))
+                answers.append(r.status_code)
+
+            asking = threading.Thread(target=approve, daemon=True)
+            asking.start()
+            asking.join(timeout=20)  # far past the 1 s timeout: not a speed limit
+            conn.rollback()
+            assert answers == [503]
+            assert ledger.get(scope, "c1").operation.status is Status.PENDING_APPROVAL
+            r = client.post(f"/api/calls/{scope}/c1/approve", json={}, headers=bearer("ann"))
+            assert r.status_code == 200, r.text
+    finally:
+        holder.dispose()
+        ledger.close()
+
+
 def test_api__an_unavailable_database_is_said_in_the_apis_shape(
     server: Any, scope: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
