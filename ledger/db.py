@@ -289,6 +289,60 @@ def behind(engine: sa.Engine, revision: str) -> str | None:
     return current if target.revision in older else None
 
 
+def refuse_grant(engine: sa.Engine, role: str) -> None:
+    """ValueError if ``grant(engine, role)`` cannot be done: asked before the upgrade, so that
+    a refused ``db upgrade --grant`` changes nothing."""
+    if engine.dialect.name != "postgresql":
+        raise ValueError("roles are Postgres's: the embedded ledger is a file")
+    with engine.connect() as conn:
+        known = conn.execute(
+            sa.text("SELECT 1 FROM pg_roles WHERE rolname = :role"), {"role": role}
+        ).first()
+    if known is None:
+        raise ValueError(f"role {role!r} does not exist (CREATE ROLE it first)")
+
+
+def grant(engine: sa.Engine, role: str) -> list[str]:
+    """Let ``role`` read and write the ledger's rows, and nothing else: every other part
+    (workers, beat, ``serve``, the CLI, agents' clients) runs under such a role, and only
+    ``db upgrade`` needs to own the tables. SELECT, INSERT, UPDATE, DELETE on the ledger's
+    tables at this revision, USAGE on their sequences, SELECT on Alembic's version (the
+    schema check); USAGE on the schema if it lacks it. Postgres only; one transaction.
+    Returns the tables granted."""
+    from toolledger.ledger.models import metadata
+
+    refuse_grant(engine, role)
+    with engine.begin() as conn:
+        quote = conn.dialect.identifier_preparer.quote
+        schema = conn.exec_driver_sql("SELECT current_schema()").scalar_one()
+        present = set(sa.inspect(conn).get_table_names())
+        tables = sorted(t.name for t in metadata.sorted_tables if t.name in present)
+        who = quote(role)
+        if not conn.execute(
+            sa.text("SELECT has_schema_privilege(:role, :schema, 'USAGE')"),
+            {"role": role, "schema": schema},
+        ).scalar_one():
+            conn.exec_driver_sql(f"GRANT USAGE ON SCHEMA {quote(schema)} TO {who}")
+        names = ", ".join(quote(t) for t in tables)
+        conn.exec_driver_sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {names} TO {who}")
+        conn.exec_driver_sql(f"GRANT SELECT ON {quote(VERSION_TABLE)} TO {who}")
+        sequences = (
+            conn.execute(
+                sa.text(
+                    "SELECT DISTINCT s.oid::regclass::text FROM pg_class s"
+                    " JOIN pg_depend d ON d.objid = s.oid AND d.deptype IN ('a', 'i')"
+                    " WHERE s.relkind = 'S' AND d.refobjid = ANY(CAST(:tables AS regclass[]))"
+                ),
+                {"tables": [f"{quote(schema)}.{quote(t)}" for t in tables]},
+            )
+            .scalars()
+            .all()
+        )
+        if sequences:
+            conn.exec_driver_sql(f"GRANT USAGE ON SEQUENCE {', '.join(sequences)} TO {who}")
+    return tables
+
+
 def downgrade(engine: sa.Engine, revision: str = "base") -> None:
     from alembic import command
 

@@ -398,6 +398,69 @@ def test_cli__db_upgrade_to_an_older_revision_is_refused_not_ignored(run):
     assert json.loads(run("--json", "db", "upgrade", "--revision", "0005")[1])["revision"] == "0005"
 
 
+def test_cli__db_upgrade_grant_lets_a_role_read_and_write_rows_and_nothing_more(
+    pg_server, pg_template, tmp_path, capsys, monkeypatch
+):
+    """README: every part but ``db upgrade`` runs under a role that may only read and write
+    rows, granted by hand after each upgrade; ``--grant ROLE`` does it (the deployment review:
+    the compose stack ran everything as the owner). The role submits, executes, sweeps, lists
+    and verifies; it creates and drops nothing."""
+    import uuid
+
+    import psycopg
+
+    from tests.conftest import fresh_pg_database
+
+    role = f"tl_app_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("TOOLLEDGER_SANDBOX", str(tmp_path / "sandbox"))
+    admin = psycopg.connect(sa.make_url(pg_server).set(drivername="postgresql").render_as_string(
+        hide_password=False), autocommit=True)  # fmt: skip
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+    try:
+        with fresh_pg_database(pg_server, pg_template) as url:
+            owner = ("--db", url)
+            code, out, err = run_cli(capsys, *owner, "--json", "db", "upgrade", "--grant", role)
+            assert code == 0, err
+            granted = json.loads(out)["granted"]
+            assert granted["role"] == role and "operations" in granted["tables"]
+            app = sa.make_url(url).set(username=role, password="pw")
+            as_app = ("--db", app.render_as_string(hide_password=False))
+            args = json.dumps({"path": "a.txt", "content": "x"})
+            for argv in (
+                ("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+                 "--args", args, "--approved-by", "al"),
+                ("execute", "--scope", "s", "--tool-call-id", "c1"),
+                ("sweep",),
+                ("list",),
+                ("verify",),
+            ):  # fmt: skip
+                code, _, err = run_cli(capsys, *as_app, *argv)
+                assert code == 0, (argv, err)
+            assert (tmp_path / "sandbox" / "s" / "a.txt").read_text() == "x"
+            dsn = app.set(drivername="postgresql").render_as_string(hide_password=False)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for ddl in ("CREATE TABLE stray (i int)", "DROP TABLE operations",
+                            "TRUNCATE execution_events", "DELETE FROM alembic_version"):  # fmt: skip
+                    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                        conn.execute(ddl)
+            code, _, err = run_cli(capsys, *owner, "db", "upgrade", "--grant", "no_such_role_x")
+            assert code == 2 and "role 'no_such_role_x' does not exist" in err
+    finally:
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.close()
+
+
+def test_cli__db_upgrade_grant_is_refused_on_the_embedded_ledger(tmp_path, capsys):
+    code, out, err = run_cli(
+        capsys, "--db", f"sqlite:///{tmp_path / 'l.db'}", "db", "upgrade", "--grant", "app"
+    )
+    assert code == 2 and out == "" and "--grant: roles are Postgres's" in err
+    assert (
+        not (tmp_path / "l.db").exists()
+        or sa.inspect(sa.create_engine(f"sqlite:///{tmp_path / 'l.db'}")).get_table_names() == []
+    )  # refused before the upgrade: nothing made
+
+
 def test_cli__a_postgres_database_with_other_session_defaults(pg_server, pg_template, tmp_path):
     """A database a DBA set to another DateStyle, time zone and IntervalStyle: psycopg parses
     ``timestamptz`` only in ISO, so every read of a row failed — a submit after its commit,

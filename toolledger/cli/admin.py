@@ -29,13 +29,25 @@ def db() -> None:
 
 @db.command("upgrade")
 @click.option("--revision", default="head", show_default=True)
+@click.option(
+    "--grant",
+    "grant_to",
+    metavar="ROLE",
+    help="then let ROLE (Postgres) read and write the ledger's rows, and nothing more: the role "
+    "every other part runs under (run again after each upgrade)",
+)
 @json_option
 @pass_ctx
-def db_upgrade(c: Context, revision: str) -> None:
+def db_upgrade(c: Context, revision: str, grant_to: str | None) -> None:
     """Create or migrate the schema (Alembic)."""
     from toolledger.ledger import db as ledger_db
 
     ledger_db.refuse_newer(c.unchecked_ledger.engine)  # exit 1: no revision here is ahead
+    if grant_to is not None:
+        try:
+            ledger_db.refuse_grant(c.unchecked_ledger.engine, grant_to)
+        except ValueError as exc:
+            raise CliError(f"--grant: {exc}", EXIT_USAGE) from None
     with _known_revision(revision):
         at = ledger_db.behind(c.unchecked_ledger.engine, revision)
     if at is not None:  # Alembic did nothing and said nothing (a deployment review)
@@ -47,7 +59,31 @@ def db_upgrade(c: Context, revision: str) -> None:
     with _known_revision(revision):
         ledger_db.upgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
-    c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+    if grant_to is None:
+        c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+        return
+    tables = _grant(c, grant_to)
+    c.emit(
+        {"revision": current, "granted": {"role": grant_to, "tables": tables}},
+        lambda d: (
+            f"schema at revision {d['revision']}; {grant_to} may read and write the rows "
+            f"of {', '.join(tables)}"
+        ),
+    )
+
+
+def _grant(c: Context, role: str) -> list[str]:
+    import sqlalchemy as sa
+
+    from toolledger.ledger import db as ledger_db
+
+    try:
+        return ledger_db.grant(c.unchecked_ledger.engine, role)
+    except ValueError as exc:
+        raise CliError(f"--grant: {exc}", EXIT_USAGE) from None
+    except sa.exc.ProgrammingError as exc:  # no such role; not allowed to grant
+        said = str(exc.orig).splitlines()[0] if exc.orig is not None else str(exc)
+        raise CliError(f"--grant {role!r}: {said}", EXIT_USAGE) from None
 
 
 @db.command("downgrade")
