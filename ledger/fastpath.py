@@ -296,6 +296,12 @@ class PostgresStore(HeldConnectionStore):
             raise sa.exc.DBAPIError.instance(
                 sql, params, exc, psycopg.Error, hide_parameters=True
             ) from exc
+        except BaseException:
+            # cut while the server had the statement (Celery's soft time limit raised in the
+            # wait, a KeyboardInterrupt): the connection is mid-command, and its next user
+            # failed "another command is already in progress" (helper-89). Never reused.
+            self._drop(pooled)
+            raise
         if row is None:
             return None
         return dict(zip(self._columns[id(statement)], row, strict=True))

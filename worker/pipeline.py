@@ -286,18 +286,33 @@ class Executor:
             return claimed
         claim, sent_at = claimed
         eid = claim.execution_id
-        self._observe_claim(claim, span, tool_call_id, published_at)
-        # running is durable now: a crash from here on leaves evidence the effect may have begun.
-        failpoints.hit("after_claim", eid)
-        watch = self.leases.track(claim, sent_at)
-        staging = effects_of(self.sandbox).staging(claim.scope, eid, watch)
+        # Up to the tool's start, the soft time limit (raised anywhere, a claim that waited
+        # out a partition) means the tool never started: put on record as a lost lease is
+        # (helper-89: it escaped the task, and a call that never ran read "possibly applied")
+        watch: LeaseWatch | None = None
         try:
+            self._observe_claim(claim, span, tool_call_id, published_at)
+            # running is durable now: a crash from here on leaves evidence the effect may
+            # have begun.
+            failpoints.hit("after_claim", eid)
+            watch = self.leases.track(claim, sent_at)
+            staging = effects_of(self.sandbox).staging(claim.scope, eid, watch)
             ctx = ToolContext(claim.scope, staging, eid, key, attempt, watch.lost, watch)
             if not watch.valid():  # frozen (or cut off) since the claim: never start the tool
-                return self._not_started(claim, watch)
+                try:
+                    return self._not_started(claim, watch)
+                finally:
+                    self.leases.untrack(claim)
             # (a freeze from here on is the fence's: the tool runs, its writes are refused,
             # and ctx.lease_lost reads set once the deadline has passed)
             failpoints.hit("before_effect", eid)
+        except BaseException as exc:
+            if watch is not None:
+                self.leases.untrack(claim)
+            if isinstance(exc, SoftTimeLimitExceeded):
+                return self._cut_before_start(claim)
+            raise
+        try:
             status, result, error = self._run_tool(claim, ctx)
             if status is not Status.UNKNOWN and watch.timed_out:
                 # Returned after its claim was given up at the time limit (a threads pool:
@@ -340,6 +355,19 @@ class Executor:
         after a database error the claim is only called lost once the database said so —
         a claim committed by an earlier try is found by its (execution_id, token)."""
         eid, token = new_execution_id(), new_lease_token()
+        try:
+            return self._claim_tries(scope, key, attempt, eid, token)
+        except SoftTimeLimitExceeded:
+            # cut inside a try (its statement may have reached the server and committed), or
+            # between tries: the tool has not run; what the ledger holds is learned by the
+            # sweep (helper-89: a claim waiting out a partition met the soft limit first, the
+            # exception left the task, and the call read "possibly applied")
+            log.warning("claim %s of %s/%s#%s: soft time limit", eid, scope, key, attempt)
+        return self._claim_unsure(scope, key, attempt, eid, token)
+
+    def _claim_tries(
+        self, scope: str, key: str, attempt: int, eid: str, token: str
+    ) -> tuple[Claim, float] | Outcome:
         sent_at, ambiguous, pause = time.monotonic(), False, TERMINAL_BACKOFF_SECONDS
         for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
             try:
@@ -366,6 +394,9 @@ class Executor:
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 if (mine := self.ledger.claimed(eid, token)) is not None:
                     return mine, sent_at
+        return self._claim_unsure(scope, key, attempt, eid, token)
+
+    def _claim_unsure(self, scope: str, key: str, attempt: int, eid: str, token: str) -> Outcome:
         log.error(
             "claim %s of %s/%s#%s: cannot learn whether it committed; the tool did not run. "
             "If it committed, the sweep declares it unknown and this is on record.",
@@ -379,6 +410,18 @@ class Executor:
         return Outcome("unsure", eid)
 
     # ------------------------------------------------------------------ the tool
+
+    def _cut_before_start(self, claim: Claim) -> Outcome:
+        """The soft time limit passed between the claim and the tool's start: the tool is not
+        started, and that is spooled (not written: the hard limit may come before a database
+        answers) for the sweep, which records it under this lease, then proves the execution
+        ``not_applied`` from it."""
+        eid = claim.execution_id
+        reason = "SoftTimeLimitExceeded: the time limit passed before the tool started"
+        late = {"not_started": True, "absent": True, "worker_id": self.worker_id, "reason": reason}
+        self._spool(eid, claim.lease_token, {"status": "not_started", "reason": reason}, late)
+        log.warning("%s: %s; it was not started", eid, reason)
+        return Outcome("stale", eid)
 
     def _not_started(self, claim: Claim, watch: LeaseWatch) -> Outcome:
         """The lease was lost between the claim and the tool (a freeze, a partition): the

@@ -794,6 +794,95 @@ def test_pipeline__claim_commit_that_cannot_be_learned_is_spooled_not_lost(
     assert pending_files(Sandbox(tmp_path)) == []
 
 
+class ClaimCutBySoftLimit(Ledger):
+    """Celery's soft time limit raised while the claim's statement was at the server, which
+    committed it."""
+
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        super().claim(*args, **kwargs)
+        raise SoftTimeLimitExceeded()
+
+
+class TrackCutBySoftLimit(LeaseKeeper):
+    """The soft time limit raised after the claim, before the tool started."""
+
+    def track(self, *args: Any, **kwargs: Any) -> Any:
+        raise SoftTimeLimitExceeded()
+
+
+@pytest.mark.parametrize("where", ["in the claim", "before the tool"])
+def test_pipeline__the_soft_time_limit_before_the_tool_started_is_proved_not_applied(
+    ledger, db_url, scope, tmp_path, where
+):
+    """helper-89: a claim waiting out a partition met the soft time limit (20 s against a
+    retry budget of about 50 s): the exception left the task, and the call, whose tool never
+    ran, read "possibly applied, ask a human". Now spooled as never started, as a claim whose
+    commit could not be learned is: the sweep proves it not applied."""
+    executor_ledger = ClaimCutBySoftLimit(db_url) if where == "in the claim" else ledger
+    keeper = (TrackCutBySoftLimit if where == "before the tool" else LeaseKeeper)(
+        executor_ledger, 0.3
+    )
+    executor = Executor(executor_ledger, REGISTRY, Sandbox(tmp_path), worker_id="w",
+                        lease_seconds=0.3, leases=keeper)  # fmt: skip
+    ledger.submit(scope, "c1", "ok", {}, approved_by="al")
+    try:
+        outcome = executor.execute(scope, "ok:c1", 1)
+    finally:
+        if executor_ledger is not ledger:
+            executor_ledger.close()
+    assert outcome.state == ("unsure" if where == "in the claim" else "stale")
+    (ex,) = ledger.get(scope, "c1").executions
+    assert (ex.status, ex.execution_id) == (Status.RUNNING, outcome.execution_id)
+    assert pending_files(Sandbox(tmp_path)) == [f"{ex.execution_id}.spool"]
+    time.sleep(0.35)
+    summary = sweep(
+        ledger, REGISTRY, Sandbox(tmp_path), grace_seconds=0, requeue_after=60, publish=None
+    )
+    assert summary.not_applied == 1, summary
+    done = ledger.get(scope, "c1").current
+    assert (done.status, done.result["error"]) == (Status.FAILED, "not_applied")
+
+
+def test_pipeline__a_claim_cut_at_the_server_never_leaves_its_connection_mid_command(
+    backend, db_url, scope, tmp_path
+):
+    """helper-89: the soft time limit (a signal's exception) raised while the claim waited
+    on a row lock left the fast path's connection mid-command: the next claim on it failed
+    "another command is already in progress". The connection is dropped now."""
+    import signal
+
+    if backend != "postgres":
+        pytest.skip("the fast path's own connection is Postgres's")
+    led = Ledger(db_url)
+    holder = sa.create_engine(db_url)
+    try:
+        led.submit(scope, "c1", "ok", {}, approved_by="al")
+        led.submit(scope, "c2", "ok", {}, approved_by="al")
+        previous = signal.getsignal(signal.SIGALRM)
+
+        def cut(*_: Any) -> None:
+            raise SoftTimeLimitExceeded()
+
+        signal.signal(signal.SIGALRM, cut)
+        try:
+            with holder.connect() as conn:  # another transaction holds c1's row
+                conn.execute(
+                    sa.text("SELECT 1 FROM operations WHERE scope = :s AND idempotency_key = :k"
+                            " FOR UPDATE"), {"s": scope, "k": "ok:c1"},
+                )  # fmt: skip
+                signal.setitimer(signal.ITIMER_REAL, 0.5)
+                with pytest.raises(SoftTimeLimitExceeded):
+                    led.claim(scope, "ok:c1", 1, worker_id="w")
+                conn.rollback()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert led.claim(scope, "ok:c2", 1, worker_id="w") is not None  # same thread
+    finally:
+        holder.dispose()
+        led.close()
+
+
 class FinishUnreachable(Ledger):
     """The database is unreachable for terminal writes (and their re-reads)."""
 
