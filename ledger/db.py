@@ -22,6 +22,7 @@ from toolledger.ledger.lightreads import (
     ENCODINGS,
     pg_connect_args,
     pg_session_settings,
+    refuse_hard_linked,
     set_session_statement,
 )
 from toolledger.ledger.revision import (
@@ -143,6 +144,8 @@ def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.E
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        if on_file:
+            refuse_hard_linked(str(url.database))
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
         cursor = dbapi_conn.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")

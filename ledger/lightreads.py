@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
@@ -154,6 +155,26 @@ def set_session_statement(settings: Mapping[str, str]) -> tuple[str, list[str]]:
     return "SELECT " + ", ".join(calls), params
 
 
+def refuse_hard_linked(path: str) -> None:
+    """ConfigError if the ledger's file has another name (a hard link): SQLite keeps the
+    write-ahead log and the lock of each name apart (``NAME-wal``), and so does the writers'
+    queue, so two names are two ledgers over one file, each losing the other's commits
+    (helper-90: both claimed one attempt, a charge ran twice, ``verify`` ok). A symlink is
+    one name (SQLite resolves it)."""
+    from toolledger.config import ConfigError
+
+    try:
+        links = os.stat(path).st_nlink
+    except FileNotFoundError:
+        return  # not made yet: SQLite makes it with this name alone
+    if links > 1:
+        raise ConfigError(
+            f"the ledger file {path} has {links} hard links: SQLite keeps a log per name, so "
+            "two names are two ledgers that lose each other's commits; keep one name (a "
+            "symlink is fine)"
+        )
+
+
 class LightReads:
     """``get`` and ``events`` of ``LedgerReads``, on one driver connection (the receipt
     follows from ``get`` by ``receipts.receipt_for``, as the ledger's does)."""
@@ -196,6 +217,7 @@ class LightReads:
                 return None  # a ledger the ledger creates (or an unusual spelling)
             import sqlite3
 
+            refuse_hard_linked(path)
             busy = 30.0 if timeout is None else timeout
             conn = sqlite3.connect(path, timeout=busy, isolation_level=None)
             conn.row_factory = sqlite3.Row

@@ -450,6 +450,35 @@ def test_cli__db_upgrade_grant_lets_a_role_read_and_write_rows_and_nothing_more(
         admin.close()
 
 
+def test_cli__a_ledger_file_with_a_second_hard_link_is_refused_by_every_command(tmp_path, capsys):
+    """helper-90: two names of one SQLite file are two write-ahead logs and two writers'
+    queues: a shell's ``execute`` under one and a worker's under the other both claimed one
+    attempt, a charge ran twice, and ``verify`` was ok. A second hard link is refused, by
+    the reads on SQLite's own module too (``show``); a symlink is one name, and works."""
+    import os
+
+    first = tmp_path / "a" / "ledger.db"
+    assert run_cli(capsys, "--db", f"sqlite:///{first}", "db", "upgrade")[0] == 0
+    (tmp_path / "b").mkdir()
+    os.link(first, tmp_path / "b" / "ledger.db")
+    args = json.dumps({"path": "x.txt", "content": "x"})
+    for db in (first, tmp_path / "b" / "ledger.db"):
+        for argv in (
+            ("show", "--scope", "s", "--tool-call-id", "c1"),
+            ("list",),
+            ("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+             "--args", args),
+            ("verify",),
+        ):  # fmt: skip
+            code, out, err = run_cli(capsys, "--db", f"sqlite:///{db}", *argv)
+            assert code == 2 and out == "" and "has 2 hard links" in err, (argv, err)
+            assert len(err.strip().splitlines()) == 1
+    os.unlink(tmp_path / "b" / "ledger.db")
+    os.symlink(first, tmp_path / "b" / "ledger.db")
+    code, _, err = run_cli(capsys, "--db", f"sqlite:///{tmp_path / 'b' / 'ledger.db'}", "list")
+    assert code == 0, err
+
+
 def test_cli__db_upgrade_grant_is_refused_on_the_embedded_ledger(tmp_path, capsys):
     code, out, err = run_cli(
         capsys, "--db", f"sqlite:///{tmp_path / 'l.db'}", "db", "upgrade", "--grant", "app"
