@@ -88,7 +88,7 @@ def create_engine(
     # good), so leave room for the rest: with 4 + 8 a thirteenth thread waited 30 s and
     # failed (a cold review). Overflow connections close when given back: none idle.
     kwargs.setdefault("pool_size", 4)
-    kwargs.setdefault("max_overflow", 40)  # a caller's own choice stands (the API's reader)
+    kwargs.setdefault("max_overflow", _overflow)  # a caller's own choice stands (the API's reader)
     if timeout is not None:
         # A worker: a checkout waits at most ``timeout``, never SQLAlchemy's 30 s default,
         # so no renewal waits past the lease for a connection.
@@ -124,6 +124,20 @@ def create_engine(
     return engine
 
 
+#: Connections a ledger's pool may open past its size: each thread of a worker's threads pool
+#: keeps one for its life, so a worker raises it to its thread count (``reserve_threads``).
+_overflow = 40
+
+
+def reserve_threads(threads: int) -> None:
+    """Let every ledger this process makes from now on hold a connection for each of
+    ``threads`` threads, and a few for its lease keeper and landings: past 44, the threads
+    beyond found no connection, their claims failed after the timeout and their calls waited
+    for the sweep to re-publish them (helper-90: 15 of 60)."""
+    global _overflow
+    _overflow = max(_overflow, threads + 4)
+
+
 def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.Engine:
     busy_ms = SQLITE_BUSY_TIMEOUT_MS if timeout is None else max(1, int(timeout * 1000))
     on_file = url.database not in (None, "", ":memory:") and url.query.get("mode") != "memory"
@@ -132,7 +146,7 @@ def _sqlite_engine(url: sa.URL, *, timeout: float | None, **kwargs: Any) -> sa.E
         # thread's life, so a threads pool of 15 took the default pool's 5 + 10 and the lease
         # keeper waited SQLAlchemy's 30 s for one, its leases expiring (a cold review).
         kwargs.setdefault("pool_size", 5)
-        kwargs["max_overflow"] = max(kwargs.get("max_overflow", 10), 40)
+        kwargs["max_overflow"] = max(kwargs.get("max_overflow", 10), _overflow)
         kwargs.setdefault("pool_timeout", timeout)
     engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
 

@@ -6,7 +6,10 @@
 - prefetch 1: a worker holds no message it is not about to run.
 - one visibility timeout, set in every place Redis reads it (celery#7651, kombu#337), and
   checked at start against lease and time limits: soft < hard < lease < visibility timeout.
-- long-running tasks are cancelled when the broker connection is lost.
+- running tasks are NOT cancelled when the broker connection is lost (DESIGN §7 asks for it;
+  its one purpose is to keep a redelivered message from running twice, which the claim does):
+  cancelled, every tool running on a prefork worker died at each broker blip, its call left
+  unknown or not applied (helper-89). They run on; their messages come back, the claim refuses.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_soft_time_limit": settings.soft_time_limit,
         "task_time_limit": settings.time_limit,
         "task_ignore_result": True,
@@ -199,8 +202,10 @@ def create_app(settings: Settings | None = None) -> Celery:
     def _check(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
             return
-        from toolledger.ledger import writers
+        from toolledger.ledger import db, writers
 
+        if not forks_children(sender):  # a connection each thread, for its life (fastpath)
+            db.reserve_threads(int(getattr(sender, "concurrency", 0) or 0))
         # On SQLite, a worker's writers wait for their turn as long as it takes: an order,
         # not an error, behind a writer frozen in its turn (ledger.writers)
         writers.set_blocking()
@@ -209,12 +214,6 @@ def create_app(settings: Settings | None = None) -> Celery:
         except Exception as exc:
             log.critical("toolledger worker cannot start: %s", exc)
             raise SystemExit(2) from exc
-
-        if not forks_children(sender):
-            # a pool that cannot cancel a job (threads, solo) logged a NotImplementedError
-            # traceback per running task at each broker reconnection (the jobs run on; their
-            # messages come back, and the claim refuses them)
-            conf.worker_cancel_long_running_tasks_on_connection_loss = False
 
     @signals.worker_ready.connect(weak=False)  # type: ignore[untyped-decorator]
     def _settle(sender: Any = None, **_: Any) -> None:
