@@ -196,7 +196,6 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.toolledger_settings = settings
     app.toolledger_publish = functools.partial(publish, app, settings)
     register_tasks(app, settings)
-    conf = app.conf
 
     @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _check(sender: Any = None, **_: Any) -> None:

@@ -47,10 +47,8 @@ def test_worker__every_thread_of_a_wide_threads_pool_claims(
                  "--timeout", "90"],
                 env=service_env(**settings), capture_output=True, text=True, timeout=120,
             )  # fmt: skip
-            assert json.loads(done.stdout)["status"] == "succeeded", (
-                done.stdout,
-                worker.log_text()[-2000:],
-            )
+            assert done.returncode == 0, (done.stderr, worker.log_text()[-2000:])
+            assert json.loads(done.stdout)["status"] == "succeeded", done.stdout
         said = worker.log_text()
         assert "QueuePool limit" not in said and "cannot learn whether it committed" not in said
     finally:
