@@ -31,15 +31,25 @@ def retry(
     by: str,
     accept_duplicate: bool = False,
     reason: str | None = None,
+    attempt: int | None = None,
 ) -> dict[str, Any]:
     """A new attempt under the same key, authorised by ``by``, then enqueued.
 
     The first attempt may have taken effect (unknown) or partly taken effect (failed): for a
     tool that is not idempotent, a retry can apply the effect twice, and the person must say
-    that they accept it.
+    that they accept it. ``attempt``: the last attempt the person saw when they decided (the
+    console's page, ``show``); refused if there is a later one now (helper-91: a page showing
+    attempt 1 authorised attempt 3, accepting a duplicate of an attempt 2 nobody had seen).
     """
     view = ledger.get(scope, tool_call_id)
     op = view.operation
+    if attempt is not None and attempt != op.authorized_attempts:
+        raise InvalidTransition(
+            op.status,
+            Status.APPROVED,
+            f"a retry of {tool_call_id!r} decided on attempt {attempt}: it is attempt "
+            f"{op.authorized_attempts} ({op.status}) now; look again",
+        )
     if op.tool.startswith(PROXIED_PREFIX):
         raise UnknownTool(
             f"unknown tool {op.tool!r}: an upstream tool the MCP proxy forwards, which no "

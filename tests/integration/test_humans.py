@@ -101,6 +101,22 @@ def test_retry__not_idempotent_needs_explicit_acceptance(cli, ledger, scope):
     assert ledger.get(scope, "c1").operation.status is Status.APPROVED
 
 
+def test_retry__decided_on_an_attempt_no_longer_the_last_is_refused(cli, ledger, scope):
+    """helper-91: the check that no attempt came meanwhile compared against the command's own
+    fresh read, not what the person saw: ``--attempt`` says what they saw."""
+    unknown_call(ledger, scope, "notify")
+    before = row_counts(ledger.engine)
+    argv = ["retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol",
+            "--accept-duplicate"]  # fmt: skip
+    code, _, err = cli(*argv, "--attempt", "2")
+    assert code == 5 and "decided on attempt 2: it is attempt 1 (unknown) now" in err, err
+    assert row_counts(ledger.engine) == before
+    code, _, err = cli(*argv, "--attempt", "0")
+    assert code == 2 and row_counts(ledger.engine) == before
+    code, out, err = cli(*argv, "--attempt", "1", "--json")
+    assert code == 0 and json.loads(out)["attempt"] == 2, err
+
+
 def test_retry__sandboxed_tool_whose_attempts_left_nothing_needs_no_acceptance(cli, ledger, scope):
     # append_file is not idempotent, but its revoked attempt provably left nothing (the fence)
     unknown_call(ledger, scope, "append_file")

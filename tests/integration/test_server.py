@@ -585,6 +585,49 @@ def test_console__login_then_approve_with_csrf(server: Any, scope: str) -> None:
     assert (op.status, op.decided_by, op.reason) == (Status.APPROVED, "ann", "fine")
 
 
+def test_console__a_retry_from_a_page_that_showed_an_earlier_attempt_is_refused(
+    server: Any, scope: str
+) -> None:
+    """helper-91: Alice's page showed attempt 1; Bob retried and attempt 2 ended unknown;
+    Alice's form (a duplicate accepted) authorised attempt 3, a duplicate of an attempt she
+    never saw. The form carries the attempt its page showed; the API may (``attempt``)."""
+    client, ledger = server
+    unknown(ledger, scope, "r1")
+    login(client, "otto")
+    page = client.get(f"/calls/{scope}/r1").text
+    assert 'name="attempt" value="1"' in page
+    token = csrf_of(page)
+    r = client.post(
+        f"/api/calls/{scope}/r1/retry",
+        json={"reason": "again", "attempt": 1},
+        headers=bearer("otto"),
+    )
+    assert r.status_code == 200 and r.json()["attempt"] == 2, r.text
+    claim = ledger.claim(scope, "write_file:r1", 2, worker_id="w")
+    assert claim is not None
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    url = f"/calls/{scope}/r1/retry"
+    stale = {"reason": "resend once", "csrf": token, "attempt": "1", "accept_duplicate": "yes"}
+    r = client.post(url, data=stale, follow_redirects=False)
+    assert r.status_code == 409 and "decided on attempt 1" in r.text, r.text
+    assert ledger.get(scope, "r1").operation.authorized_attempts == 2
+    r = client.post(url, data={"reason": "resend", "csrf": token}, follow_redirects=False)
+    assert r.status_code == 422  # a page from before the field: reload
+    page = client.get(f"/calls/{scope}/r1").text
+    assert 'name="attempt" value="2"' in page
+    r = client.post(url, data={**stale, "attempt": "2"}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    assert ledger.get(scope, "r1").operation.authorized_attempts == 3
+    unknown(ledger, scope, "r2")
+    api = f"/api/calls/{scope}/r2/retry"
+    for bad in ("1", True, 0, 1.0):
+        r = client.post(api, json={"attempt": bad}, headers=bearer("otto"))
+        assert r.status_code == 422, (bad, r.text)
+    r = client.post(api, json={"attempt": 2}, headers=bearer("otto"))
+    assert r.status_code == 409 and "decided on attempt 2" in r.json()["error"]
+    assert ledger.get(scope, "r2").operation.authorized_attempts == 1
+
+
 def test_console__a_reason_of_several_lines_as_a_browser_sends_it(server: Any, scope: str) -> None:
     """A textarea's line breaks arrive as CRLF: every two-line reason or evidence was refused
     for its U+000D (a cold review, with Chromium). They are lines; a lone CR is refused."""

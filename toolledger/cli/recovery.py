@@ -132,10 +132,22 @@ def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str) -> 
     help="For a tool that is not idempotent: accept that its effect may happen twice.",
 )
 @click.option("--reason", help="Why.")
+@click.option(
+    "--attempt",
+    type=click.IntRange(1, 2**31),
+    help="The call's last attempt as you saw it (show's authorized_attempts): refused, exit 5, "
+    "if there is a later one now.",
+)
 @json_option
 @pass_ctx
 def retry(
-    c: Context, scope: str, tool_call_id: str, by: str, accept_duplicate: bool, reason: str | None
+    c: Context,
+    scope: str,
+    tool_call_id: str,
+    by: str,
+    accept_duplicate: bool,
+    reason: str | None,
+    attempt: int | None,
 ) -> None:
     """A new attempt under the same key (unknown or failed calls), authorised by a person."""
     c.require_ledger()
@@ -149,6 +161,7 @@ def retry(
         by=by,
         accept_duplicate=accept_duplicate,
         reason=reason,
+        attempt=attempt,
     )
 
     def human(d: dict[str, Any]) -> str:

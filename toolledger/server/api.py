@@ -138,18 +138,22 @@ async def reject(request: Request, who: Who, scope: str, tool_call_id: str) -> A
 @router.post("/calls/{scope}/{tool_call_id:path}/retry", openapi_extra=_body(RetryBody))
 async def retry(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
     """A new attempt under the same key; ``accept_duplicate`` for a tool that is not
-    idempotent."""
+    idempotent; ``attempt``, the call's ``authorized_attempts`` as the decision saw it
+    (409 if there is a later attempt now)."""
     require_suffix(request, "retry")
     body = await read_body(request, empty_ok=True)
-    _fields(body, {"accept_duplicate", "reason"})
+    _fields(body, {"accept_duplicate", "reason", "attempt"})
     accept = body.get("accept_duplicate", False)
     if not isinstance(accept, bool):
         raise InvalidArguments("accept_duplicate must be true or false")
     reason = _opt_str(body, "reason")
+    attempt = body.get("attempt")
+    if attempt is not None and (type(attempt) is not int or not 1 <= attempt <= 2**31):
+        raise InvalidArguments("attempt must be a positive integer")
     return await _threaded(
         request,
         lambda: desk_of(request).retry(
-            who, scope, tool_call_id, accept_duplicate=accept, reason=reason
+            who, scope, tool_call_id, accept_duplicate=accept, reason=reason, attempt=attempt
         ),
     )
 

@@ -398,9 +398,16 @@ async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> 
             done = "approved" if approve else "rejected"
         elif action == "retry":
             accept = form.get("accept_duplicate") == "yes"
+            seen = form.get("attempt", "")  # the attempt the page showed
+            if not seen.isdecimal() or not 1 <= int(seen) <= 2**31:
+                raise InvalidArguments("the page's attempt is missing: reload it")
+            attempt = int(seen)
 
             def work() -> Any:
-                return desk.retry(who, scope, tool_call_id, accept_duplicate=accept, reason=reason)
+                return desk.retry(
+                    who, scope, tool_call_id, accept_duplicate=accept, reason=reason,
+                    attempt=attempt,
+                )  # fmt: skip
 
             done = "retried"
         else:  # pragma: no cover - the routes name the actions

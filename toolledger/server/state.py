@@ -310,6 +310,7 @@ class Desk:
         *,
         accept_duplicate: bool,
         reason: str | None,
+        attempt: int | None = None,
     ) -> dict[str, Any]:
         who.require(Action.RETRY)
         self.check_visible(who, scope, tool_call_id)
@@ -323,6 +324,7 @@ class Desk:
             by=who.name,
             accept_duplicate=accept_duplicate,
             reason=reason,
+            attempt=attempt,
         )
 
     def resolve(self, who: Token, execution_id: str, as_: str, evidence: str) -> dict[str, Any]:
