@@ -455,7 +455,10 @@ class Client:
         by: str,
         accept_duplicate: bool = False,
         reason: str | None = None,
+        attempt: int | None = None,
     ) -> dict[str, Any]:
+        """``attempt``: the call's ``authorized_attempts`` as the decision saw it (refused,
+        InvalidTransition, if there is a later attempt now)."""
         from toolledger.recovery import humans
 
         return humans.retry(
@@ -467,6 +470,7 @@ class Client:
             by=by,
             accept_duplicate=accept_duplicate,
             reason=reason,
+            attempt=attempt,
         )
 
     def resolve(
@@ -656,6 +660,7 @@ class AsyncClient:
         by: str,
         accept_duplicate: bool = False,
         reason: str | None = None,
+        attempt: int | None = None,
     ) -> dict[str, Any]:
         return await self._run(
             self.sync.retry,
@@ -664,6 +669,7 @@ class AsyncClient:
             by=by,
             accept_duplicate=accept_duplicate,
             reason=reason,
+            attempt=attempt,
         )
 
     async def resolve(
