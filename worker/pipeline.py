@@ -81,7 +81,8 @@ class Outcome:
     learned; the tool did not run (spooled, the sweep settles it) · finished: the terminal
     write is recorded · unknown: the executor declared it unknown · stale: revoked before
     its commit, the late result is evidence and nothing of it landed · unrecorded: the
-    terminal write could not be made; the result is spooled on disk for the next settle.
+    terminal write could not be made; the result is spooled on disk for the next settle
+    (``kept`` False: nor could the disk take it, and the sweep will find it unknown).
     """
 
     state: State
@@ -90,6 +91,7 @@ class Outcome:
     result: dict[str, Any] | None = None
     seq: int = 0
     landing: Landing | None = None
+    kept: bool = True
 
 
 def _brief(exc: BaseException) -> str:
@@ -656,16 +658,25 @@ class Executor:
             "proves": (p.value if (p := self._proves(status, staged)) else None),
         }
         late = self._late_detail(claim, status, result, error, staged)
-        self._spool(claim.execution_id, claim.lease_token, record, late)
+        if self._spool(claim.execution_id, claim.lease_token, record, late):
+            log.error(
+                "could not record %s of %s: spooled; the worker's next start or the next sweep "
+                "records it (under its lease if still running, else as evidence)",
+                status.value,
+                claim.execution_id,
+            )
+            return Outcome("unrecorded", claim.execution_id, status, result)
+        # Said as it is (helper-90: a full disk took neither, and this said "spooled"): the
+        # sweep will find the execution unknown, its effect possibly applied, for a person.
         log.error(
-            "could not record %s of %s: spooled; the worker's next start or the next sweep "
-            "records it (under its lease if still running, else as evidence)",
+            "could not record %s of %s, nor keep it on disk: lost; the sweep will find it "
+            "unknown (its effect may have happened)",
             status.value,
             claim.execution_id,
         )
-        return Outcome("unrecorded", claim.execution_id, status, result)
+        return Outcome("unrecorded", claim.execution_id, status, result, kept=False)
 
-    def _spool(self, eid: str, token: str, record: dict[str, Any], late: dict[str, Any]) -> None:
+    def _spool(self, eid: str, token: str, record: dict[str, Any], late: dict[str, Any]) -> bool:
         marker = f"{eid}:{time.time_ns()}"
         full = {
             "execution_id": eid,
@@ -677,6 +688,8 @@ class Executor:
             effects_of(self.sandbox).spool(eid, full)
         except OSError as exc:
             log.error("could not spool the outcome of %s either: %s", eid, exc)
+            return False
+        return True
 
     # ------------------------------------------------------------------ landing
 

@@ -204,6 +204,21 @@ def test_execute__a_call_whose_end_is_not_on_record_exits_1(run, scope, monkeypa
     assert json.loads(line)["exit_code"] == 1 and "sweep" in json.loads(line)["error"]
 
 
+def test_execute__an_outcome_kept_nowhere_is_not_said_kept_on_disk(run, scope, monkeypatch):
+    """helper-90: ``execute`` said "kept on disk" of an outcome a full disk did not take."""
+    from toolledger.worker.pipeline import Outcome
+    from toolledger.worker.runtime import Runtime
+
+    class Unkept:
+        def execute(self, *_: Any) -> Outcome:
+            return Outcome("unrecorded", "e-1", kept=False)
+
+    monkeypatch.setattr(Runtime, "executor", lambda self, worker_id: Unkept())
+    submit(run, scope, "c1", "write_file", {"path": "x", "content": "x"}, "--approved-by", "al")
+    code, _, err = run("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 1 and "kept on disk" not in err and "it is lost" in err, err
+
+
 def test_execute__pending_call_is_refused(run, scope):
     submit(run, scope, "c1", "write_file", {"path": "a", "content": "x"})
     code, _, err = run("execute", "--scope", scope, "--tool-call-id", "c1")

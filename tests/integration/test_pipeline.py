@@ -477,6 +477,32 @@ def test_pipeline__a_failed_stage_that_cannot_be_removed_is_set_aside_and_its_ca
     assert [n.rsplit(".", 1)[1] for n in pending_files(sandbox)] == ["refused"]
 
 
+def test_pipeline__an_outcome_neither_the_ledger_nor_the_disk_took_is_not_said_spooled(
+    run, db_url, monkeypatch, caplog
+):
+    """helper-90: on a full disk the terminal write failed, the spool failed, and the worker
+    logged "spooled; the next sweep records it" (``execute`` said "kept on disk"). The
+    outcome says it was not kept, and the log that it is lost."""
+    import errno
+
+    from toolledger.effects import Effects
+
+    def full(*_: Any, **__: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Effects, "spool", full)
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    caplog.set_level("ERROR", logger="toolledger")
+    broken = FinishUnreachable(db_url)
+    try:
+        outcome, _ = run("ok", executor_ledger=broken)
+    finally:
+        broken.close()
+    assert (outcome.state, outcome.kept) == ("unrecorded", False)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "nor keep it on disk: lost" in said and "spooled;" not in said
+
+
 def test_pipeline__a_path_no_ledger_can_record_is_refused_before_it_is_staged(run, tmp_path):
     # Before: a tool writing a name with an undecodable byte (as os.listdir gives it) staged
     # it, and the terminal write raised UnicodeEncodeError out of execute: the call stayed

@@ -65,8 +65,9 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
         ),
     )
     if outcome.state in ("unrecorded", "unsure"):  # it did not end on record: exit 0 said so
+        said = outcome.state if outcome.kept else "unkept"
         fail(
-            _NOT_ON_RECORD[outcome.state].format(call=f"{scope}/{tool_call_id}"),
+            _NOT_ON_RECORD[said].format(call=f"{scope}/{tool_call_id}"),
             EXIT_FAILURE,
             c.json,
         )
@@ -77,6 +78,10 @@ _NOT_ON_RECORD = {
     "unrecorded": (
         "{call} ran, but the ledger could not take its outcome: it is kept on disk and the "
         "next sweep records it (toolledger wait)"
+    ),
+    "unkept": (
+        "{call} ran, but neither the ledger nor the disk could take its outcome (full?): it "
+        "is lost, and the sweep will find the call unknown, its effect possibly applied"
     ),
     "unsure": (
         "{call}: whether its claim was recorded could not be learned (the ledger out of "
