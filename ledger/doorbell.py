@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import secrets
 import select
@@ -31,9 +32,13 @@ _SUFFIX = ".bell"
 MAX_PAYLOAD = 16 * 1024
 
 
+@functools.lru_cache(maxsize=64)  # a ring a commit: the path resolved once a process
 def bell_dir(database_file: str | os.PathLike[str]) -> Path:
-    """The bell directory of a database file: beside it, ``NAME.bells``."""
-    return Path(f"{os.fspath(database_file)}.bells")
+    """The bell directory of a database file: beside it, ``NAME.bells``, of the file's real
+    name (symlinks resolved, as SQLite and the writers' queue resolve them): a waiter reaching
+    the ledger through a symlinked home listened beside the link, every committer rang beside
+    the file, and waits fell back to polling (helper-90)."""
+    return Path(f"{os.path.realpath(os.fspath(database_file))}.bells")
 
 
 def _socket_dir() -> Path:

@@ -49,3 +49,16 @@ def test_ring__a_full_queue_still_counts_and_never_blocks(tmp_path: Path) -> Non
         for _ in range(5000):  # far more than the socket's buffer holds
             doorbell.ring(bells, b"x" * 1000)
         assert len(bell.drain()) > 0
+
+
+def test_ring__reaches_a_waiter_that_named_the_ledger_through_a_symlink(tmp_path: Path) -> None:
+    """helper-90: a home whose ledger.db is a symlink listened beside the link, committers
+    rang beside the file, and its waits fell back to polling."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "ledger.db").touch()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "ledger.db").symlink_to(tmp_path / "real" / "ledger.db")
+    waiter = doorbell.bell_dir(tmp_path / "home" / "ledger.db")
+    with doorbell.Doorbell(waiter) as bell:
+        assert doorbell.ring(doorbell.bell_dir(tmp_path / "real" / "ledger.db"), b"x") == 1
+        assert bell.wait(5) == [b"x"]
