@@ -138,11 +138,13 @@ def secure_headers() -> dict[str, str]:
     }
 
 
-def _login_redirect(request: Request) -> RedirectResponse:
+def _login_redirect(request: Request, back: str | None = None) -> RedirectResponse:
+    """To the login form, then back to this page, or to ``back`` (a form posted with an
+    ended session: its action's path is no page, and a GET of it was a 404, helper-91)."""
     # the path as it was sent (escaped): decoded, an id's "%2F" became a "/", another path
     raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
     path = raw.decode("latin-1")
-    target = path + (f"?{request.url.query}" if request.url.query else "")
+    target = back or path + (f"?{request.url.query}" if request.url.query else "")
     return RedirectResponse("/login?" + urlencode({"next": target}), status_code=303)
 
 
@@ -363,8 +365,21 @@ async def _call_page(
         data = await run_in_threadpool(lambda: desk_of(request).page(who, scope, tool_call_id))
     except LedgerError as exc:
         return render(request, "error.html", _status_of(exc), who=who, error=str(exc))
-    done = DONE.get(request.query_params.get("done", ""))
+    said = request.query_params.get("done", "")
+    done = DONE.get(said) if _did(data.get("events") or [], who.name, said) else None
     return render(request, "call.html", status, who=who, error=error, done=done, **data)
+
+
+#: The event kinds each notice follows (a resolution's: any of the person's).
+_DONE_KINDS = {"approved": {"approved"}, "retried": {"approved"}, "rejected": {"rejected"}}
+
+
+def _did(events: list[dict[str, Any]], name: str, said: str) -> bool:
+    """Whether this person's own act is on the call's record for the notice ``?done=``
+    names: a link anyone can write showed "Approved and enqueued." on a call still pending
+    (helper-91)."""
+    kinds = _DONE_KINDS.get(said)
+    return any(e.get("actor") == name and (kinds is None or e.get("kind") in kinds) for e in events)
 
 
 @router.get("/calls/{scope}/{tool_call_id:path}")
@@ -381,8 +396,8 @@ async def call(request: Request, scope: str, tool_call_id: str) -> Response:
 async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> Response:
     require_suffix(request, action)  # an escaped "x%2Fapprove" is the call x/approve's path
     who = await _who(request)
-    if who is None:
-        return _login_redirect(request)
+    if who is None:  # back to the call's page, not to the action's path (a GET of it: 404)
+        return _login_redirect(request, back=call_url(scope, tool_call_id))
     desk = desk_of(request)
     try:
         form = await _form(request, who)
@@ -441,7 +456,7 @@ async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
     require_suffix(request, "resolve")
     who = await _who(request)
     if who is None:
-        return _login_redirect(request)
+        return _login_redirect(request, back=call_url(scope, tool_call_id))
     desk = desk_of(request)
     try:
         form = await _form(request, who)
