@@ -628,6 +628,53 @@ def test_console__a_retry_from_a_page_that_showed_an_earlier_attempt_is_refused(
     assert ledger.get(scope, "r2").operation.authorized_attempts == 1
 
 
+def test_api__a_role_that_may_not_is_403_whatever_the_body(server: Any, scope: str) -> None:
+    """helper-91: the body was read before the role: a viewer's approval with an unknown field
+    was 422, a large one 413, where the README promises 403."""
+    client, _ = server
+    h = bearer("vera")
+    for path, body in (
+        (f"/api/calls/{scope}/c/approve", b'{"foo": 1}'),
+        (f"/api/calls/{scope}/c/retry", b"not json"),
+        ("/api/executions/e/resolve", b'{"as": 5}'),
+        ("/api/calls", b"[]"),
+    ):
+        r = client.post(path, content=body, headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 403, (path, r.text)
+
+
+def test_console__a_notice_in_a_link_is_shown_only_after_the_persons_own_act(
+    server: Any, scope: str
+) -> None:
+    """helper-91: ``?done=approved`` showed "Approved and enqueued." beside a call still
+    pending, to anyone sent the link. Shown only when this person's act is on record."""
+    client, ledger = server
+    pending(ledger, scope, "n1")
+    login(client, "ann")
+    page = client.get(f"/calls/{scope}/n1?done=approved").text
+    assert "Approved and enqueued." not in page
+    token = csrf_of(page)
+    r = client.post(f"/calls/{scope}/n1/approve", data={"reason": "ok", "csrf": token})
+    assert r.status_code == 200 and "Approved and enqueued." in r.text
+    assert "Rejected." not in client.get(f"/calls/{scope}/n1?done=rejected").text
+
+
+def test_console__a_form_posted_after_the_session_ended_leads_back_to_its_call(
+    server: Any, scope: str
+) -> None:
+    """helper-91: a decision posted with an ended session went to the login, then to the
+    action's path, a GET of which is the call "n2/approve": 404. Back to the call now."""
+    client, ledger = server
+    pending(ledger, scope, "n2")
+    client.cookies.clear()
+    r = client.post(f"/calls/{scope}/n2/approve", data={"reason": "ok"}, follow_redirects=False)
+    assert r.status_code == 303
+    target, r = post_login_form(client, client.get(r.headers["location"]).text)
+    assert r.status_code == 303 and r.headers["location"] == f"/calls/{scope}/n2", target
+    assert client.get(r.headers["location"]).status_code == 200
+    assert ledger.get(scope, "n2").operation.status is Status.PENDING_APPROVAL  # not done
+
+
 def test_console__a_reason_of_several_lines_as_a_browser_sends_it(server: Any, scope: str) -> None:
     """A textarea's line breaks arrive as CRLF: every two-line reason or evidence was refused
     for its U+000D (a cold review, with Chromium). They are lines; a lone CR is refused."""

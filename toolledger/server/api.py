@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InvalidArguments
-from toolledger.server.auth import Token
+from toolledger.server.auth import Action, Token
 from toolledger.server.deps import api_token, desk_of, read_body, require_suffix, suffixed
 
 router = APIRouter(prefix="/api")
@@ -94,6 +94,7 @@ def inbox(request: Request, who: Who) -> dict[str, int]:
 @router.post("/calls", openapi_extra=_body(SubmitBody))
 async def submit(request: Request, who: Who) -> Any:
     """Record a call (the CLI's ``submit``); runs it at once if the tool is read-only."""
+    who.require(Action.SUBMIT)  # a role that may not: 403, whatever the body (helper-91)
     body = await read_body(request)
     return await _threaded(request, lambda: desk_of(request).submit(who, body))
 
@@ -101,6 +102,7 @@ async def submit(request: Request, who: Who) -> Any:
 @router.post("/executions/{execution_id}/resolve", openapi_extra=_body(ResolveBody))
 async def resolve(request: Request, who: Who, execution_id: str) -> Any:
     """A person's resolution of an unknown execution, with the evidence."""
+    who.require(Action.RESOLVE)
     body = await read_body(request)
     _fields(body, {"as", "evidence"})
     as_, evidence = body.get("as"), body.get("evidence")
@@ -141,6 +143,7 @@ async def retry(request: Request, who: Who, scope: str, tool_call_id: str) -> An
     idempotent; ``attempt``, the call's ``authorized_attempts`` as the decision saw it
     (409 if there is a later attempt now)."""
     require_suffix(request, "retry")
+    who.require(Action.RETRY)
     body = await read_body(request, empty_ok=True)
     _fields(body, {"accept_duplicate", "reason", "attempt"})
     accept = body.get("accept_duplicate", False)
@@ -167,6 +170,7 @@ def show(request: Request, who: Who, scope: str, tool_call_id: str) -> dict[str,
 async def _decide(
     request: Request, who: Token, scope: str, tool_call_id: str, *, approve: bool
 ) -> Any:
+    who.require(Action.DECIDE)
     body = await read_body(request, empty_ok=True)
     _fields(body, {"reason"})
     reason = _opt_str(body, "reason")
