@@ -33,6 +33,7 @@ def test_compose__validates_with_the_services_of_the_stack(compose):
     assert set(compose["services"]) == {
         "postgres",
         "redis",
+        "db-roles",
         "migrate",
         "sandbox-init",
         "worker",
@@ -87,8 +88,12 @@ def test_compose__redis_healthy_only_when_it_answers_pong(compose, tmp_path, ans
 
 def test_compose__migration_first_workers_scalable_one_beat(compose):
     services = compose["services"]
-    assert services["migrate"]["command"] == ["db", "upgrade"]
+    assert services["migrate"]["command"] == ["db", "upgrade", "--grant", "toolledger_app"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert (
+        services["migrate"]["depends_on"]["db-roles"]["condition"]
+        == "service_completed_successfully"
+    )
     # a new sandbox volume is marked at this version's format (the sweep removes free lock
     # files), a used one left as it is: `--new` only, never the upgrade under running workers
     assert services["sandbox-init"]["command"] == ["sandbox", "upgrade", "--new"]
@@ -107,6 +112,24 @@ def test_compose__configured_only_through_toolledger_variables(compose):
         assert env and all(k.startswith("TOOLLEDGER_") for k in env), env
         assert env["TOOLLEDGER_DB"].startswith("postgresql://")
         assert env["TOOLLEDGER_BROKER"].startswith("redis://")
+
+
+def test_compose__only_the_migration_connects_as_the_databases_owner(compose):
+    """The deployment review: every service connected as the owner (a superuser in the
+    image). The migration owns the schema and grants the app role the ledger's rows; every
+    other service connects as that role, which db-roles makes."""
+    import sqlalchemy as sa
+
+    services = compose["services"]
+    owner = services["postgres"]["environment"]["POSTGRES_USER"]
+    assert sa.make_url(services["migrate"]["environment"]["TOOLLEDGER_DB"]).username == owner
+    for name in ("sandbox-init", "worker", "sweeper", "beat", "serve"):
+        url = sa.make_url(services[name]["environment"]["TOOLLEDGER_DB"])
+        assert url.username == "toolledger_app" != owner, name
+    roles = services["db-roles"]
+    assert roles["depends_on"]["postgres"]["condition"] == "service_healthy"
+    script = (ROOT / "deploy" / "postgres" / "roles.sql").read_text()
+    assert "CREATE ROLE toolledger_app LOGIN" in script and "SUPERUSER" not in script
 
 
 def _option(command: list[str], *names: str) -> str | None:
