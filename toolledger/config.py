@@ -307,6 +307,7 @@ OTHER_VARIABLES = frozenset(
         "METRICS_ADDR",
         "SERVE_PORT",
         "SERVE_INSECURE_LOCAL",
+        "SERVE_SECURE_COOKIES",
         "DEBUG",
         "SCOPE",
         "FOLDER_WATCH",

@@ -643,6 +643,33 @@ def test_api__a_role_that_may_not_is_403_whatever_the_body(server: Any, scope: s
         assert r.status_code == 403, (path, r.text)
 
 
+def test_console__cookies_marked_secure_behind_a_tls_proxy(
+    fresh_db_url: str, tmp_path: Path
+) -> None:
+    """helper-91: uvicorn runs without proxy headers, so behind a TLS-terminating proxy the
+    scheme is always http and the session cookie was never Secure: ``--secure-cookies``."""
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": fresh_db_url, "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+         "TOOLLEDGER_HOME": str(tmp_path / "home"), "TOOLLEDGER_TOOLS": "tests.external_tools"}
+    )  # fmt: skip
+    for secure in (False, True):
+        app = create_app(settings, parse_tokens(TOKENS, "t"), metrics=False, secure_cookies=secure)
+        with TestClient(app) as client:
+            page = client.get("/login")
+            assert ("secure" in page.headers["set-cookie"].lower()) is secure
+            nonce = re.search(r'name="nonce" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
+            # (the client keeps no Secure cookie over http: given back by hand, as a browser
+            # behind the proxy would)
+            client.cookies.set("toolledger_login", page.cookies.get("toolledger_login") or "")
+            r = client.post(
+                "/login",
+                data={"nonce": nonce, "token": SECRETS["ann"], "next": "/"},
+                follow_redirects=False,
+            )
+            session = [c for c in r.headers.get_list("set-cookie") if "toolledger_session" in c]
+            assert session and ("secure" in session[0].lower()) is secure, r.headers
+
+
 def test_console__a_notice_in_a_link_is_shown_only_after_the_persons_own_act(
     server: Any, scope: str
 ) -> None:

@@ -23,6 +23,12 @@ from toolledger.cli.common import Context, json_option, pass_ctx
     help="Server processes (uvicorn's --workers): sessions are good in every one.",
 )
 @click.option(
+    "--secure-cookies",
+    is_flag=True,
+    help="Mark the console's cookies Secure (behind a TLS-terminating proxy, where this server "
+    "sees only http).",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     default=None,
@@ -31,7 +37,13 @@ from toolledger.cli.common import Context, json_option, pass_ctx
 @json_option
 @pass_ctx
 def serve(
-    c: Context, host: str, port: int, insecure_local: bool, workers: int, log_format: str | None
+    c: Context,
+    host: str,
+    port: int,
+    insecure_local: bool,
+    workers: int,
+    secure_cookies: bool,
+    log_format: str | None,
 ) -> None:
     """Serve the JSON API, the console and /metrics (tokens: TOOLLEDGER_API_TOKENS)."""
     from toolledger.server.run import run
@@ -42,5 +54,6 @@ def serve(
         port=port,
         insecure_local=insecure_local,
         workers=workers,
+        secure_cookies=secure_cookies,
         log_format=log_format,
     )

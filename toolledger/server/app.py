@@ -42,6 +42,7 @@ def create_app(
     tokens: list[Token],
     *,
     insecure_local: bool = False,
+    secure_cookies: bool = False,
     session_key: bytes | None = None,
     submitter: Submitter | None = None,
     metrics: bool = True,
@@ -77,6 +78,7 @@ def create_app(
     ensure_schema(sub.ledger.engine)
     app.state.desk = Desk(settings, Authenticator(tokens, session_key), submitter=sub)
     app.state.local = LOCAL if insecure_local and not tokens else None
+    app.state.secure_cookies = secure_cookies
     app.include_router(api.router)
     app.include_router(console.router)
     app.add_middleware(BodyLimit, api_limit=max_body_for(settings))

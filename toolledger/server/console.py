@@ -213,9 +213,19 @@ def login_page(request: Request, next: str = "/") -> Response:
         request, "login.html", who=None, nonce=nonce, next=_local_path(next)
     )
     response.set_cookie(
-        LOGIN_COOKIE, nonce, max_age=600, httponly=True, samesite="strict", path="/login"
-    )
+        LOGIN_COOKIE, nonce, max_age=600, httponly=True, samesite="strict", path="/login",
+        secure=_secure(request),
+    )  # fmt: skip
     return response
+
+
+def _secure(request: Request) -> bool:
+    """Whether the console's cookies are marked Secure: ``serve --secure-cookies`` (behind a
+    TLS-terminating proxy, where this server sees only http: its cookies were never Secure,
+    helper-91), or a request that came over https."""
+    return bool(getattr(request.app.state, "secure_cookies", False)) or (
+        request.url.scheme == "https"
+    )
 
 
 def _local_path(target: str) -> str:
@@ -259,8 +269,9 @@ async def login(request: Request) -> Response:
             error="That token is not valid.",
         )
         refused.set_cookie(
-            LOGIN_COOKIE, fresh, max_age=600, httponly=True, samesite="strict", path="/login"
-        )
+            LOGIN_COOKIE, fresh, max_age=600, httponly=True, samesite="strict", path="/login",
+            secure=_secure(request),
+        )  # fmt: skip
         return refused
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
@@ -269,7 +280,7 @@ async def login(request: Request) -> Response:
         max_age=SESSION_SECONDS,
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=_secure(request),
         path="/",
     )
     response.delete_cookie(LOGIN_COOKIE, path="/login")

@@ -34,6 +34,7 @@ def run(
     port: int,
     insecure_local: bool,
     workers: int = 1,
+    secure_cookies: bool = False,
     log_format: str | None = None,
 ) -> None:
     import uvicorn
@@ -76,6 +77,7 @@ def run(
                 "TOOLLEDGER_SANDBOX": str(settings.sandbox),
                 "TOOLLEDGER_API_SESSION_KEY": key or secrets.token_hex(32),
                 "TOOLLEDGER_SERVE_INSECURE_LOCAL": "1" if insecure_local else "",
+                "TOOLLEDGER_SERVE_SECURE_COOKIES": "1" if secure_cookies else "",
             }
         )
         uvicorn.run(
@@ -90,7 +92,11 @@ def run(
         )
         return
     app = create_app(
-        settings, tokens, insecure_local=insecure_local, session_key=key.encode() or None
+        settings,
+        tokens,
+        insecure_local=insecure_local,
+        secure_cookies=secure_cookies,
+        session_key=key.encode() or None,
     )
     uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, proxy_headers=False)
 
@@ -105,5 +111,6 @@ def app_from_env() -> Any:
         Settings.from_env(),
         load_tokens(),
         insecure_local=os.environ.get("TOOLLEDGER_SERVE_INSECURE_LOCAL") == "1",
+        secure_cookies=os.environ.get("TOOLLEDGER_SERVE_SECURE_COOKIES") == "1",
         session_key=os.environ["TOOLLEDGER_API_SESSION_KEY"].encode(),
     )
