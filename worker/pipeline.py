@@ -308,6 +308,9 @@ class Executor:
             # (a freeze from here on is the fence's: the tool runs, its writes are refused,
             # and ctx.lease_lost reads set once the deadline has passed)
             failpoints.hit("before_effect", eid)
+            # an automatic retry asks its reconciler again first: still before the tool
+            # (helper-92: the soft limit there left the task, or read "superseded")
+            tool, early = self._before_tool(claim, ctx)
         except BaseException as exc:
             if watch is not None:
                 self.leases.untrack(claim)
@@ -315,7 +318,11 @@ class Executor:
                 return self._cut_before_start(claim)
             raise
         try:
-            status, result, error = self._run_tool(claim, ctx)
+            if early is not None:
+                status, result, error = early
+            else:
+                assert tool is not None  # None comes with an outcome
+                status, result, error = run_tool(tool, claim.args, ctx)
             if status is not Status.UNKNOWN and watch.timed_out:
                 # Returned after its claim was given up at the time limit (a threads pool:
                 # nothing killed it): recorded as a prefork child killed at the hard limit
@@ -442,19 +449,21 @@ class Executor:
         log.warning("%s: %s; it was not started", eid, reason)
         return Outcome("stale", eid)
 
-    def _run_tool(
+    def _before_tool(
         self, claim: Claim, ctx: ToolContext
-    ) -> tuple[Status, dict[str, Any] | None, str | None]:
-        """3+4. Run the tool outside any transaction; classify what it reported."""
+    ) -> tuple[Tool | None, tuple[Status, dict[str, Any] | None, str | None] | None]:
+        """The tool to run (3+4, outside any transaction: ``run_tool`` classifies what it
+        reported), or the outcome that ends the execution without it: a tool no longer
+        registered; an automatic retry whose target moved on (``_still_absent``)."""
         try:
             tool = self.registry.get(claim.tool)
         except UnknownTool as exc:
-            return Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc)
+            return None, (Status.FAILED, {"error": "refused", "message": str(exc)}, str(exc))
         if claim.attempt > 1 and tool.auto_retry and self.ledger.retried_automatically(claim):
             stale = self._still_absent(tool, claim, ctx)
             if stale is not None:
-                return stale
-        return run_tool(tool, claim.args, ctx)
+                return tool, stale
+        return tool, None
 
     def _still_absent(
         self, tool: Tool, claim: Claim, ctx: ToolContext
@@ -465,6 +474,8 @@ class Executor:
         assert tool.reconcile is not None
         try:
             found = tool.reconcile(tool.parse(claim.args), ctx)
+        except SoftTimeLimitExceeded:
+            raise  # out of time, not "the target changed": never started (the caller)
         except Exception as exc:  # noqa: BLE001 - cannot tell: do not apply it late
             found = None  # its class above DEBUG: a tool's text may quote the arguments
             log.warning(

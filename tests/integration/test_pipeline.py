@@ -1776,6 +1776,44 @@ def test_reconcile__a_file_holding_the_bytes_while_a_newer_write_waits_proves_no
         ledger.close()
 
 
+class AutoRetryCheckCut(Ledger):
+    def retried_automatically(self, claim: Any) -> bool:
+        raise SoftTimeLimitExceeded()
+
+
+@pytest.mark.parametrize("where", ["its ledger read", "its reconciler"])
+def test_auto_retry__the_soft_time_limit_before_it_runs_is_never_started_not_superseded(
+    fresh_db_url, scope, tmp_path, monkeypatch, where
+):
+    """helper-92: an automatic retry asks the ledger, then its reconciler, before its tool
+    runs; the soft time limit in the first left the task (attempt 2 left running, nothing on
+    record), and in the second read "superseded: the target changed" for good, the target
+    unchanged. Both are "never started" now, as before any tool: the sweep decides."""
+    ledger = Ledger(fresh_db_url)
+    cut = AutoRetryCheckCut(fresh_db_url) if where == "its ledger read" else ledger
+    try:
+        executor = _builtin_executor(ledger, tmp_path)
+        _retried_by_the_sweep(executor, scope, "c1", "a.txt")
+        if where == "its reconciler":
+
+            def out_of_time(self: Sandbox, at: str, path: str) -> str | None:
+                raise SoftTimeLimitExceeded()
+
+            monkeypatch.setattr(Sandbox, "sha256", out_of_time)
+        retry = Executor(cut, executor.registry, executor.sandbox, worker_id="w",
+                         lease_seconds=30, leases=LeaseKeeper(cut, 30, 0.0))  # fmt: skip
+        outcome = retry.execute(scope, "write_file:c1", 2)
+        assert outcome.state == "stale", outcome
+        second = ledger.get(scope, "c1").executions[-1]
+        assert (second.attempt, second.status) == (2, Status.RUNNING)  # not "superseded"
+        assert pending_files(executor.sandbox) == [f"{second.execution_id}.spool"]
+        assert not (tmp_path / scope / "a.txt").exists()
+    finally:
+        if cut is not ledger:
+            cut.close()
+        ledger.close()
+
+
 def test_auto_retry__a_write_staged_while_it_is_reconciled_stops_it(
     fresh_db_url, scope, tmp_path, monkeypatch
 ):
