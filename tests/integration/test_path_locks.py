@@ -26,6 +26,7 @@ from toolledger.builtin_tools import BUILTINS
 from toolledger.config import ConfigError, Settings
 from toolledger.effects import PathBusy, effects_of, path_hash
 from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.transitions import Status
 from toolledger.recovery.sweep import sweep
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry
@@ -288,12 +289,19 @@ def test_locks__sandbox_upgrade_new_leaves_a_used_folder_as_it_is(capsys, sandbo
 
 
 def test_locks__a_later_format_is_refused_by_the_sweep_the_worker_and_the_command(
-    capsys, ledger, sandbox
+    capsys, ledger, sandbox, scope
 ):
     (sandbox.root / ".toolledger" / "format").write_text("3\n")
-    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
-    # before it settles anything (it checked only where it removes lock files, after landing)
+    ledger.submit(scope, "c1", "write_file", {"path": "a", "content": "x"}, approved_by="al")
+    claim = ledger.claim(scope, "write_file:c1", 1, worker_id="dead", lease_seconds=0.05)
+    assert claim is not None
+    time.sleep(0.1)  # its lease expired: a pass would mark it unknown and reconcile it
+    summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=0, requeue_after=60, publish=None)
+    # before it changes anything (it checked where it removes lock files, after landing; then
+    # before settling, but after marking, and reconciled after: helper-92)
     assert any("format 3, of a later toolledger" in e for e in summary.errors), summary.errors
+    assert summary.marked_unknown == summary.reconciled == summary.landed == 0
+    assert ledger.execution(claim.execution_id).status is Status.RUNNING
     with pytest.raises(ConfigError, match="at format 3, of a later toolledger"):
         Executor(ledger, REGISTRY, sandbox, worker_id="w", lease_seconds=30)
     settings = Settings.from_env({"TOOLLEDGER_SANDBOX": str(sandbox.root)})
