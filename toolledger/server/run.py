@@ -8,7 +8,7 @@ import os
 import secrets
 from typing import Any
 
-from toolledger.config import ConfigError, Settings
+from toolledger.config import FROM_FILE, ConfigError, Settings
 from toolledger.server.auth import load_tokens
 
 log = logging.getLogger("toolledger.serve")
@@ -72,8 +72,7 @@ def run(
         # that a session cookie from one process is good in every other.
         os.environ.update(
             {
-                "TOOLLEDGER_DB": settings.db,
-                "TOOLLEDGER_BROKER": settings.broker,
+                **_urls_for_workers(settings),
                 "TOOLLEDGER_SANDBOX": str(settings.sandbox),
                 "TOOLLEDGER_API_SESSION_KEY": key or secrets.token_hex(32),
                 "TOOLLEDGER_SERVE_INSECURE_LOCAL": "1" if insecure_local else "",
@@ -99,6 +98,23 @@ def run(
         session_key=key.encode() or None,
     )
     uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, proxy_headers=False)
+
+
+def _urls_for_workers(settings: Settings) -> dict[str, str]:
+    """TOOLLEDGER_DB and _BROKER for ``--workers``' processes, unless a secret file gives the
+    same URL: its variable is left to them, and the URL (a password in it) kept out of their
+    environment. With both set, each process refused to start (helper-92: no answer at all)."""
+    out: dict[str, str] = {}
+    filed = any(os.environ.get(f"TOOLLEDGER_{rest}") for rest in FROM_FILE.values())
+    from_files = Settings.from_env() if filed else None
+    for name, rest in FROM_FILE.items():
+        value = getattr(settings, name)
+        if from_files is not None and os.environ.get(f"TOOLLEDGER_{rest}"):
+            if getattr(from_files, name) == value:
+                continue  # the processes read the same file
+            os.environ.pop(f"TOOLLEDGER_{rest}")  # --db/--broker given: theirs wins, as here
+        out[f"TOOLLEDGER_{name.upper()}"] = value
+    return out
 
 
 def app_from_env() -> Any:

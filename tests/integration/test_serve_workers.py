@@ -1,0 +1,66 @@
+"""``serve --workers N`` with the database URL in a secret file (helper-92).
+
+Each of uvicorn's worker processes builds its app from the environment; ``serve`` wrote the
+resolved URL there as TOOLLEDGER_DB beside TOOLLEDGER_DB_FILE, every process refused "both
+set", and nothing answered. The file's variable is left to them now, the URL (and its
+password) kept out of their environment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from toolledger.harness.processes import service_env, toolledger_argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve__workers_read_the_database_url_from_its_secret_file(tmp_path: Path) -> None:
+    secret = tmp_path / "db-url"
+    secret.write_text(f"sqlite:///{tmp_path / 'ledger.db'}\n")
+    env = service_env(
+        home=str(tmp_path / "home"), sandbox=str(tmp_path / "sandbox"), metrics="off",
+        db_file=str(secret),
+    )  # fmt: skip
+    port = _free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [*toolledger_argv(), "serve", "--insecure-local", "--port", str(port), "--workers", "2"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline, answer = time.monotonic() + 60, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/api/inbox", timeout=2)
+                if answer.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        said = (tmp_path / "serve.log").read_text(errors="replace")
+        assert answer is not None and answer.status_code == 200, said[-3000:]
+        assert "both set" not in said
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children
+        for child in children:
+            environ = child.environ()
+            assert "TOOLLEDGER_DB" not in environ and environ["TOOLLEDGER_DB_FILE"] == str(secret)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
