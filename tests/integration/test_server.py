@@ -25,6 +25,7 @@ from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Status
 from toolledger.server.app import create_app
 from toolledger.server.auth import Authenticator, Token, parse_tokens
+from toolledger.server.console import DONE
 
 SECRETS = {
     "vera": "viewer-secret-0123456789",
@@ -684,6 +685,8 @@ def test_console__a_notice_in_a_link_is_shown_only_after_the_persons_own_act(
     r = client.post(f"/calls/{scope}/n1/approve", data={"reason": "ok", "csrf": token})
     assert r.status_code == 200 and "Approved and enqueued." in r.text
     assert "Rejected." not in client.get(f"/calls/{scope}/n1?done=rejected").text
+    for other in ("retried", "resolved"):  # ann's approval is not a retry nor a resolution
+        assert DONE[other] not in client.get(f"/calls/{scope}/n1?done={other}").text
 
 
 def test_console__a_form_posted_after_the_session_ended_leads_back_to_its_call(

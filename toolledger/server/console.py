@@ -381,16 +381,22 @@ async def _call_page(
     return render(request, "call.html", status, who=who, error=error, done=done, **data)
 
 
-#: The event kinds each notice follows (a resolution's: any of the person's).
-_DONE_KINDS = {"approved": {"approved"}, "retried": {"approved"}, "rejected": {"rejected"}}
+def _act_of(event: dict[str, Any]) -> str | None:
+    """The notice a person's event stands for: an approval, a retry (an approval of a new
+    attempt), a rejection, a resolution (the status they gave, or a review)."""
+    kind = event.get("kind")
+    if kind == "approved":
+        return "retried" if (event.get("detail") or {}).get("retry") else "approved"
+    if kind == "rejected":
+        return "rejected"
+    return "resolved" if kind in ("succeeded", "failed", "reviewed") else None
 
 
 def _did(events: list[dict[str, Any]], name: str, said: str) -> bool:
-    """Whether this person's own act is on the call's record for the notice ``?done=``
-    names: a link anyone can write showed "Approved and enqueued." on a call still pending
-    (helper-91)."""
-    kinds = _DONE_KINDS.get(said)
-    return any(e.get("actor") == name and (kinds is None or e.get("kind") in kinds) for e in events)
+    """Whether this person's own act of the kind the notice ``?done=`` names is on the call's
+    record: a link anyone can write showed "Approved and enqueued." on a call still pending
+    (helper-91), and "retried" or "resolved" after any act of theirs (helper-92)."""
+    return any(e.get("actor") == name and _act_of(e) == said for e in events)
 
 
 @router.get("/calls/{scope}/{tool_call_id:path}")
