@@ -447,6 +447,33 @@ def test_fastpath__plans_cannot_flip_to_a_partial_index(pg_url):
 PRAGMAS = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
 
 
+def test_fastpath__sqlite_cut_just_after_begin_leaves_no_write_lock_held(sqlite_url, monkeypatch):
+    """helper-92 (suspected): an exception between BEGIN IMMEDIATE and the transaction's
+    first step (Celery's soft time limit is raised wherever the thread is) left the thread's
+    kept connection holding SQLite's write lock: every other writer waited on it."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    ledger, other = Ledger(sqlite_url), Ledger(sqlite_url, timeout=1)
+    try:
+        assert isinstance(ledger.store, SqliteStore)
+        ledger.submit("cut", "c1", "t", {}, approved_by="al")
+
+        @contextmanager
+        def cut_after_begin(waited: float, connection: Any) -> Iterator[None]:
+            yield
+            raise SoftTimeLimitExceeded()
+
+        monkeypatch.setattr(fastpath_sqlite.writers, "within_budget", cut_after_begin)
+        with pytest.raises(SoftTimeLimitExceeded):
+            ledger.claim("cut", "t:c1", 1, worker_id="w")
+        monkeypatch.undo()
+        assert not ledger.store.connection().dbapi_connection.in_transaction
+        other.submit("cut", "c2", "t", {}, approved_by="al")  # "database is locked" before
+    finally:
+        other.close()
+        ledger.close()
+
+
 def test_fastpath__sqlite_store_and_bench_baseline_run_with_the_ledgers_pragmas(sqlite_url):
     """Durability is not traded for speed: the fast store's connections are the engine's
     (WAL, synchronous=FULL), and the benchmark's hand-written sqlite3 loop runs with the same."""
