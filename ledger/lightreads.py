@@ -35,7 +35,7 @@ from toolledger.ledger.records import (
     _field_names,
     as_utc,
 )
-from toolledger.ledger.revision import VERSION_TABLE, files_head
+from toolledger.ledger.revision import VERSION_TABLE, UnsupportedDatabase, files_head
 
 #: Columns whose SQLAlchemy type converts what the driver returns (the models' types; a test
 #: holds these sets to ``models``).
@@ -156,19 +156,18 @@ def set_session_statement(settings: Mapping[str, str]) -> tuple[str, list[str]]:
 
 
 def refuse_hard_linked(path: str) -> None:
-    """ConfigError if the ledger's file has another name (a hard link): SQLite keeps the
-    write-ahead log and the lock of each name apart (``NAME-wal``), and so does the writers'
-    queue, so two names are two ledgers over one file, each losing the other's commits
+    """UnsupportedDatabase (exit 2) if the ledger's file has another name (a hard link):
+    SQLite keeps the write-ahead log and the lock of each name apart (``NAME-wal``), and so
+    does the writers' queue, so two names are two ledgers over one file, each losing the
+    other's commits
     (helper-90: both claimed one attempt, a charge ran twice, ``verify`` ok). A symlink is
     one name (SQLite resolves it)."""
-    from toolledger.config import ConfigError
-
     try:
         links = os.stat(path).st_nlink
     except FileNotFoundError:
         return  # not made yet: SQLite makes it with this name alone
     if links > 1:
-        raise ConfigError(
+        raise UnsupportedDatabase(
             f"the ledger file {path} has {links} hard links: SQLite keeps a log per name, so "
             "two names are two ledgers that lose each other's commits; keep one name (a "
             "symlink is fine)"

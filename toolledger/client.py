@@ -143,8 +143,22 @@ def _within(
         raise _Unanswered
     ok, value = box[0]
     if not ok:
+        if _connect_timed_out(value):
+            raise _Unanswered  # bounded by its connect timeout now, the same silence
         raise value
     return value  # type: ignore[no-any-return]
+
+
+def _connect_timed_out(exc: BaseException) -> bool:
+    """A read whose connection was not answered within its connect timeout (libpq's): a
+    frozen server's, as a read given up on is (since the clients' ledger is bounded by
+    ``db_timeout``, its connect times out near the grace's end: the wait said "database
+    unavailable" instead of "did not answer" about as often as not)."""
+    try:
+        from psycopg.errors import ConnectionTimeout
+    except ImportError:  # pragma: no cover - the SQLite-only install
+        return False
+    return isinstance(getattr(exc, "orig", None), ConnectionTimeout)
 
 
 def receipt_of(view: CallView) -> Receipt | None:
