@@ -131,6 +131,31 @@ def test_forward__stopped_between_claim_and_send_is_recorded_failed_not_sent(
     assert ex.result is not None and "not sent upstream" in ex.result["content"][0]["text"]
 
 
+def test_forward__a_lease_the_database_cannot_confirm_is_recorded_not_sent(
+    ledger: Ledger, scope: str
+) -> None:
+    """helper-93: the database failed the lease's confirmation just before the send: nothing
+    was sent, nothing recorded, and the sweep made the call unknown ("possibly applied", for
+    a person). Recorded failed, not sent, as when the proxy is stopped there."""
+    upstream = Upstream()
+    claim = claimed(ledger, scope, "c4")
+    proxy = proxy_for(ledger, upstream)
+    real, failed = proxy._db, []
+
+    async def busy_once(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn == ledger.renew_lease and not failed:
+            failed.append(1)
+            raise sa.exc.OperationalError("UPDATE", {}, Exception("database is locked"))
+        return await real(fn, *args, **kwargs)
+
+    proxy._db = busy_once  # type: ignore[method-assign]
+    anyio.run(proxy._forward, claim)
+    assert failed and upstream.sent == []
+    (ex,) = ledger.get(scope, "c4").executions
+    assert ex.status is Status.FAILED
+    assert ex.result is not None and "not sent upstream" in ex.result["content"][0]["text"]
+
+
 def test_forward__its_own_commit_unanswered_then_unreadable_is_not_called_late(
     ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -126,6 +126,10 @@ STOPPED_MID_FORWARD = (
 )
 STOPPED_BEFORE_SEND = "not sent upstream: the proxy was stopped between its claim and its send"
 NOT_SENT = {"content": [{"type": "text", "text": STOPPED_BEFORE_SEND}], "isError": True}
+UNCONFIRMED_BEFORE_SEND = (
+    "not sent upstream: its lease could not be confirmed before the send (the database did "
+    "not answer)"
+)
 
 
 class UpstreamError(Exception):
@@ -496,6 +500,12 @@ class Proxy:
                 "%s not sent: the lease could not be confirmed (%s)",
                 claim.execution_id,
                 _db_error(exc),
+            )
+            # and on record as never sent, as when stopped before the send: left running, the
+            # sweep made it unknown, "possibly applied", for a person (helper-93)
+            not_sent = {"content": [{"type": "text", "text": UNCONFIRMED_BEFORE_SEND}]}
+            await self._record(
+                claim, Status.FAILED, {**not_sent, "isError": True}, UNCONFIRMED_BEFORE_SEND
             )
             return False
         log.warning("%s not sent: revoked before its forward", claim.execution_id)
