@@ -503,10 +503,8 @@ class Proxy:
             )
             # and on record as never sent, as when stopped before the send: left running, the
             # sweep made it unknown, "possibly applied", for a person (helper-93)
-            not_sent = {"content": [{"type": "text", "text": UNCONFIRMED_BEFORE_SEND}]}
-            await self._record(
-                claim, Status.FAILED, {**not_sent, "isError": True}, UNCONFIRMED_BEFORE_SEND
-            )
+            said = {"content": [{"type": "text", "text": UNCONFIRMED_BEFORE_SEND}], "isError": True}
+            await self._record(claim, Status.FAILED, said, UNCONFIRMED_BEFORE_SEND)
             return False
         log.warning("%s not sent: revoked before its forward", claim.execution_id)
         not_sent = {"not_started": True, "absent": True, "worker_id": self.worker_id}
