@@ -7,6 +7,10 @@ parent's pid (the proxy). Tools:
 - ``charge`` (amount): answers ``charged N`` and structured content;
 - ``slow_charge`` (amount): the same, but first waits until the file named by
   ``MCP_UPSTREAM_RELEASE`` exists (a forward the test can cut off);
+- ``wait_charge`` (amount), when ``MCP_UPSTREAM_CANCELS`` names a file: waits
+  (asynchronously) until released; every ``notifications/cancelled`` the server receives is
+  appended to that file as ``{"cancel_received": id}`` (received, not inferred: a closed
+  stdin cancels a handler too);
 - ``refuse``: answers with ``isError``;
 - ``crash``: exits the server at once, without an answer;
 - ``bad name`` too, when ``MCP_UPSTREAM_BAD_NAME`` is set (not a toolledger tool name);
@@ -53,6 +57,9 @@ def tools() -> list[types.Tool]:
         types.Tool(name="refuse", description="Always fails.", input_schema={"type": "object"}),
         types.Tool(name="crash", description="Exits mid-call.", input_schema={"type": "object"}),
     ]
+    if os.environ.get("MCP_UPSTREAM_CANCELS"):
+        listed.append(types.Tool(name="wait_charge", description="Charge, when released.",
+                                 input_schema=AMOUNT))  # fmt: skip
     if os.environ.get("MCP_UPSTREAM_BAD_NAME"):
         listed.append(types.Tool(name="bad name", input_schema={"type": "object"}))
     if os.environ.get("MCP_UPSTREAM_SPEC_NAMES"):  # SEP-986: its examples, its 128 characters
@@ -99,6 +106,10 @@ async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.Cal
         release = Path(os.environ["MCP_UPSTREAM_RELEASE"])
         while not release.exists():
             time.sleep(0.05)
+    if params.name == "wait_charge":
+        release = Path(os.environ["MCP_UPSTREAM_RELEASE"])
+        while not release.exists():
+            await anyio.sleep(0.05)
     amount = arguments.get("amount")
     return types.CallToolResult(
         content=[types.TextContent(text=f"charged {amount}")],
@@ -112,10 +123,28 @@ async def call_tool(_ctx: Any, params: types.CallToolRequestParams) -> types.Cal
     )
 
 
+async def _tap(source: Any, sink: Any) -> None:
+    """Pass the host's messages on, logging each ``notifications/cancelled`` as received."""
+    async with sink:
+        async for item in source:
+            message = getattr(item, "message", None)
+            message = getattr(message, "root", message)  # a RootModel in older SDKs
+            if getattr(message, "method", None) == "notifications/cancelled":
+                with open(os.environ["MCP_UPSTREAM_CANCELS"], "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"cancel_received": message.params.get("requestId")}))
+                    f.write("\n")
+            await sink.send(item)
+
+
 async def main() -> None:
     server = Server("upstream", on_list_tools=list_tools, on_call_tool=call_tool)
-    async with stdio_server() as (read, write):
+    async with stdio_server() as (read, write), anyio.create_task_group() as tg:
+        if os.environ.get("MCP_UPSTREAM_CANCELS"):
+            sink, tapped = anyio.create_memory_object_stream[Any](0)
+            tg.start_soon(_tap, read, sink)
+            read = tapped
         await server.run(read, write, server.create_initialization_options())
+        tg.cancel_scope.cancel()
 
 
 if __name__ == "__main__":

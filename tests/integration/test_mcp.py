@@ -983,6 +983,50 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_proxy__sigterm_cancels_the_forward_upstream_as_its_record_says(
+    world: Stack, tmp_path: Path
+) -> None:
+    """helper-93: at SIGTERM the call was recorded "cancelled upstream", but the upstream
+    never got a ``notifications/cancelled``: the whole run was cancelled at once, the SDK's
+    writer with it. The forwards are cancelled first now, the rest a moment later."""
+    log, release, cancels = tmp_path / "upstream.log", tmp_path / "release", tmp_path / "cancels"
+    scope = scope_of("termc")
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release),
+           "MCP_UPSTREAM_CANCELS": str(cancels)}  # fmt: skip
+    pids: dict[str, int] = {}
+
+    async def go() -> None:
+        async with mcp_server(world, *proxy_argv(), **env) as s:
+
+            async def call() -> None:
+                with contextlib.suppress(Exception):  # the proxy goes away
+                    await s.call_tool("wait_charge", {"amount": 3}, meta={ID: "t1", SCOPE: scope})
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while not invocations(log):
+                        await anyio.sleep(0.05)
+                    (line,) = invocations(log)
+                    pids.update(upstream=line["pid"], proxy=line["ppid"])
+                    os.kill(line["ppid"], signal.SIGTERM)
+                    deadline = time.monotonic() + 20
+                    while alive(pids["proxy"]) and time.monotonic() < deadline:
+                        await anyio.sleep(0.05)
+                    tg.cancel_scope.cancel()
+
+    try:
+        run_async(go)
+        assert invocations(cancels), "no notifications/cancelled reached the upstream"
+        _, marked = unknown_event(world, scope, "t1")
+        assert "cancelled upstream" in marked.detail["reason"]
+    finally:
+        release.touch()
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_proxy__tool_names_with_the_dot_and_slash_mcp_allows(world: Stack, tmp_path: Path) -> None:
     """SEP-986 allows '.' and '/' in a tool name (its examples: admin.tools.list,
     user-profile/update) and 1 to 128 characters; the proxy refused to start on such an

@@ -847,7 +847,8 @@ async def proxy(
     stopped_by: list[str] = []
     try:
         async with anyio.create_task_group() as stopping:
-            stopping.start_soon(_stop_on_signal, stopping.cancel_scope, stopped_by)
+            forwards_scopes: list[anyio.CancelScope] = []
+            stopping.start_soon(_stop_on_signal, stopping.cancel_scope, stopped_by, forwards_scopes)
             async with (
                 stdio_client(params) as (up_read, up_write),
                 anyio.create_task_group() as pipe,
@@ -871,6 +872,7 @@ async def proxy(
                     problem = refusal(tools, set(idempotent))
                     if problem is None:
                         async with anyio.create_task_group() as forwards:
+                            forwards_scopes.append(forwards.cancel_scope)
                             handlers = Proxy(
                                 client,
                                 ledger,
@@ -907,10 +909,20 @@ async def proxy(
         raise UpstreamError(f"the upstream server {command[0]!r} exited; the proxy stops with it")
 
 
-async def _stop_on_signal(scope: anyio.CancelScope, stopped_by: list[str]) -> None:
-    """Cancel ``scope`` (the proxy's whole run) at SIGTERM or SIGHUP: the forwards record
-    themselves unknown, then ``stdio_client`` stops the upstream as it unwinds. (SIGINT needs
-    nothing: asyncio cancels the main task itself.)"""
+#: Seconds the forwards have, once cancelled at a stop, before the whole run is: the SDK's
+#: ``notifications/cancelled`` for each must reach the upstream while its writer still runs.
+FORWARDS_STOP_GRACE = 1.0
+
+
+async def _stop_on_signal(
+    scope: anyio.CancelScope, stopped_by: list[str], first: list[anyio.CancelScope]
+) -> None:
+    """Cancel ``scope`` (the proxy's whole run) at SIGTERM or SIGHUP: the forwards first
+    (``first``), each recording itself unknown and its request cancelled upstream; then the
+    rest, ``stdio_client`` stopping the upstream as it unwinds. Cancelled at once together,
+    the upstream's writer stopped before the SDK could write the cancellations, and the
+    record's "cancelled upstream" was untrue (helper-93). (SIGINT needs nothing: asyncio
+    cancels the main task itself.)"""
     with contextlib.ExitStack() as stack:
         try:
             signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP))
@@ -918,6 +930,10 @@ async def _stop_on_signal(scope: anyio.CancelScope, stopped_by: list[str]) -> No
             return
         async for signum in signals:
             stopped_by.append(signal.Signals(signum).name)
+            if first:
+                for forwards in first:
+                    forwards.cancel()
+                await anyio.sleep(FORWARDS_STOP_GRACE)
             scope.cancel()
             return
 
