@@ -20,3 +20,19 @@ class NotifyArgs(BaseModel):
 def notify(args: NotifyArgs, ctx: ToolContext) -> dict[str, Any]:
     """Send a notification: an effect outside the sandbox, not idempotent, not reconcilable."""
     return {"notified": args.to, "key": ctx.idempotency_key}
+
+
+class SlowReadArgs(BaseModel):
+    seconds: float
+    done_file: str
+
+
+@tool(read_only=True)
+def slow_read(args: SlowReadArgs, ctx: ToolContext) -> dict[str, Any]:
+    """A read that takes its time, then says so in ``done_file`` (MCP serve's --timeout)."""
+    import time
+    from pathlib import Path
+
+    time.sleep(args.seconds)
+    Path(args.done_file).write_text("done")
+    return {"slept": args.seconds}

@@ -983,6 +983,28 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_serve__a_read_only_tool_is_bounded_by_the_timeout(world: Stack, tmp_path: Path) -> None:
+    """helper-93: a read-only tool ran inline in the submit, past ``--timeout`` (an 8 s read
+    answered after 8 s with --timeout 2), and held serve's exit after stdin closed. It runs
+    apart now, given up at the timeout with an answer that says so."""
+    done = tmp_path / "read-done"
+
+    async def go() -> Any:
+        async with mcp_server(
+            world, "serve", "--timeout", "2", TOOLLEDGER_TOOLS="tests.external_tools"
+        ) as s:
+            with anyio.fail_after(30):
+                result = await s.call_tool(
+                    "slow_read", {"seconds": 8, "done_file": str(done)},
+                    meta={ID: "r1", SCOPE: scope_of("ro")},
+                )  # fmt: skip
+            return result, done.exists()
+
+    result, finished = run_async(go)
+    assert not finished  # answered before the read ended
+    assert result.is_error and "did not finish within 2 s" in result.content[0].text, result
+
+
 def test_proxy__sigterm_cancels_the_forward_upstream_as_its_record_says(
     world: Stack, tmp_path: Path
 ) -> None:

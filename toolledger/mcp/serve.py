@@ -12,10 +12,15 @@ error and not an invented result; it goes on, and asking again gets its receipt.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
+from collections.abc import Callable
 from importlib.metadata import version
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import anyio
 import mcp.types as types
 import sqlalchemy as sa
 from mcp.server.context import ServerRequestContext
@@ -23,7 +28,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
-from toolledger.client import AsyncClient, ReceiptTimeout
+from toolledger.client import AsyncCallHandle, AsyncClient, ReceiptTimeout
 from toolledger.config import Settings
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import LedgerError
@@ -48,6 +53,7 @@ from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool, UnknownTool
 
 log = logging.getLogger("toolledger.mcp")
+T = TypeVar("T")
 
 INSTRUCTIONS = (
     "Every tool call runs at most once through the toolledger ledger. Send "
@@ -81,6 +87,46 @@ def mcp_tool(tool: Tool) -> types.Tool:
     )
 
 
+def _read_only(registry: Registry, name: str) -> bool:
+    try:
+        return registry.get(name).read_only
+    except UnknownTool:
+        return False  # the submit says so (or answers a call the ledger holds)
+
+
+async def _read_apart(
+    timeout: float, in_flight: InFlight, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> T | None:
+    """``fn(...)`` (a read-only tool's run, in the submit) in a daemon thread of its own,
+    given up (None) after ``timeout`` or when the input ends and the drain's time is up. A
+    read-only tool ran inline, past ``--timeout``, and kept the server from exiting after
+    stdin closed for as long as it ran (helper-93: 40 s); a thread of a pool would hold the
+    exit too (asyncio's and anyio's are joined). Given up, it runs on unseen: a read changes
+    nothing and is not recorded."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+
+    def deliver(outcome: tuple[bool, Any]) -> None:
+        if not done.done():
+            done.set_result(outcome)
+
+    def run() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(deliver, outcome)
+
+    threading.Thread(target=run, name="toolledger-mcp-read", daemon=True).start()
+    with anyio.move_on_after(timeout), in_flight.waiting():
+        ok, value = await asyncio.shield(done)
+        if not ok:
+            raise value
+        return cast("T", value)
+    return None
+
+
 def build_server(
     client: AsyncClient,
     registry: Registry,
@@ -112,9 +158,21 @@ def build_server(
         try:
             ident = call_identity(params.meta, ctx.request_id, scope=scope, session=session)
             args = inputs.check_value(params.arguments or {}, "arguments")
-            handle = await client.submit(
-                ident.scope, ident.tool_call_id, params.name, args, approved_by=approved_by
-            )
+            if _read_only(registry, params.name):  # it runs here, now: bounded here
+                submitted = await _read_apart(
+                    timeout, in_flight, client.sync.submit,
+                    ident.scope, ident.tool_call_id, params.name, args, approved_by=approved_by,
+                )  # fmt: skip
+                if submitted is None:
+                    return error_result(
+                        f"the read-only tool {params.name!r} did not finish within "
+                        f"{timeout:g} s (--timeout); a read is not recorded: ask again"
+                    )
+                handle = AsyncCallHandle(client, submitted)
+            else:
+                handle = await client.submit(
+                    ident.scope, ident.tool_call_id, params.name, args, approved_by=approved_by
+                )
         except UnknownTool:  # neither registered here nor a call the ledger holds (a tool
             # gone from the registry since its call ran is answered with its receipt)
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}") from None
