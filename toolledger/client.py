@@ -131,22 +131,31 @@ def _within(
     call that had its receipt: a cold review)."""
     if deadline is None:
         return fn(*args, **kwargs)
-    box: list[tuple[bool, Any]] = []
-    done = threading.Event()
+    while True:
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
 
-    def deliver(ok: bool, value: Any) -> None:
-        box.append((ok, value))
-        done.set()
+        def deliver(
+            ok: bool,
+            value: Any,
+            box: list[tuple[bool, Any]] = box,
+            done: threading.Event = done,
+        ) -> None:
+            box.append((ok, value))
+            done.set()
 
-    _read_apart(lambda: fn(*args, **kwargs), deliver)
-    if not done.wait(max(0.0, deadline - time.monotonic()) + grace):
-        raise _Unanswered
-    ok, value = box[0]
-    if not ok:
-        if _connect_timed_out(value):
-            raise _Unanswered  # bounded by its connect timeout now, the same silence
-        raise value
-    return value  # type: ignore[no-any-return]
+        _read_apart(lambda: fn(*args, **kwargs), deliver)
+        if not done.wait(max(0.0, deadline - time.monotonic()) + grace):
+            raise _Unanswered
+        ok, value = box[0]
+        if ok:
+            return value  # type: ignore[no-any-return]
+        if not _connect_timed_out(value):
+            raise value
+        if time.monotonic() >= deadline:
+            raise _Unanswered  # bounded by its connect timeout now: the same silence
+        # time is left: connect again, as a read still waiting would have (helper-94: the
+        # wait ended at the first connect's timeout, 2 s into a 30 s wait)
 
 
 def _connect_timed_out(exc: BaseException) -> bool:
@@ -725,6 +734,12 @@ class AsyncClient:
                 return await asyncio.wait_for(answer, left)
             except TimeoutError:
                 raise _Unanswered from None
+            except Exception as exc:
+                if not _connect_timed_out(exc):
+                    raise
+                if loop.time() >= deadline:  # as Client.wait's (see _within; helper-94)
+                    raise _Unanswered from None
+                return await read(fn, *args, **kwargs)
 
         try:
             view = await read(sync.ledger.get, scope, tool_call_id)

@@ -128,6 +128,48 @@ def test_wait__a_frozen_server_before_any_answer_is_unanswered(
         assert str(exc).endswith("the database did not answer")
 
 
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_wait__a_connect_timed_out_early_does_not_end_the_wait_before_its_timeout(
+    frozen: Freezable, tmp_path: Path, side: str
+) -> None:
+    """helper-94: a fresh connection to a frozen server timed out (libpq's connect timeout,
+    TOOLLEDGER_DB_TIMEOUT = 2 s) and the wait ended "unanswered" 2 s into a 6 s wait; the
+    async wait raised the driver's OperationalError. Both wait their time out now."""
+    timeout = 6.0
+
+    def scenario() -> tuple[BaseException | None, float]:
+        if side == "sync":
+            with Client(settings(frozen.url, tmp_path)) as client:
+                client.submit("fz", f"e{side}", "write_file", {"path": "e.txt", "content": "x"})
+                client.ledger.engine.dispose()  # the next read connects anew
+                frozen.freeze()
+                began = time.monotonic()
+                try:
+                    client.wait("fz", f"e{side}", timeout=timeout)
+                except BaseException as exc:  # noqa: BLE001 - returned
+                    return exc, time.monotonic() - began
+                return None, time.monotonic() - began
+
+        async def run() -> tuple[BaseException | None, float]:
+            async with AsyncClient(settings(frozen.url, tmp_path)) as client:
+                await client.submit("fz", f"e{side}", "write_file",
+                                    {"path": "e.txt", "content": "x"})  # fmt: skip
+                client.sync.ledger.engine.dispose()
+                frozen.freeze()
+                began = time.monotonic()
+                try:
+                    await client.wait("fz", f"e{side}", timeout=timeout)
+                except BaseException as exc:  # noqa: BLE001 - returned
+                    return exc, time.monotonic() - began
+                return None, time.monotonic() - began
+
+        return asyncio.run(run())
+
+    exc, took = in_thread(scenario)["value"]
+    assert isinstance(exc, ReceiptTimeout) and exc.unanswered, exc
+    assert took >= timeout  # not before its own timeout (no upper bound asserted)
+
+
 def test_async_wait__a_frozen_server_times_out(frozen: Freezable, tmp_path: Path) -> None:
     async def scenario() -> ReceiptTimeout:
         async with AsyncClient(settings(frozen.url, tmp_path)) as client:
