@@ -192,6 +192,7 @@ def _sweep(
             break
     try:
         effects = effects_of(sandbox)
+        effects.check_format()  # unreadable (OSError): nothing settled, said in the errors
         landing = effects.settle(ledger, actor=actor)
         summary.landed, summary.dropped = landing.landed, landing.discarded
         summary.spooled_results = landing.recorded + landing.evidence

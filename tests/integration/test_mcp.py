@@ -1004,6 +1004,19 @@ def test_serve__a_read_only_tool_is_bounded_by_the_timeout(world: Stack, tmp_pat
     assert not finished  # answered before the read ended
     assert result.is_error and "did not finish within 2 s" in result.content[0].text, result
 
+    async def at_once() -> Any:  # --timeout 0: a read's result in hand, not bounded by it
+        async with mcp_server(
+            world, "serve", "--timeout", "0", TOOLLEDGER_TOOLS="tests.external_tools"
+        ) as s:
+            with anyio.fail_after(30):
+                return await s.call_tool(
+                    "slow_read", {"seconds": 0.2, "done_file": str(done) + "0"},
+                    meta={ID: "r0", SCOPE: scope_of("ro")},
+                )  # fmt: skip
+
+    result = run_async(at_once)
+    assert not result.is_error and result.structured_content["slept"] == 0.2, result
+
 
 def test_proxy__sigterm_cancels_the_forward_upstream_as_its_record_says(
     world: Stack, tmp_path: Path

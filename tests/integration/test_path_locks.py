@@ -190,10 +190,17 @@ def test_locks__upgrade_never_takes_a_later_format_back(sandbox):
     assert (sandbox.root / ".toolledger" / "format").read_text() == later
 
 
-def test_locks__a_format_file_that_is_not_a_number_is_an_error_of_the_pass(ledger, sandbox):
+def test_locks__a_format_file_that_is_not_a_number_is_an_error_of_the_pass(
+    ledger, sandbox, monkeypatch
+):
+    """Nothing is settled where the format cannot be read (helper-94: the pass settled
+    first, and said so after)."""
     (sandbox.root / ".toolledger" / "format").write_text("two\n")
+    settled: list[Any] = []
+    monkeypatch.setattr(effects_module.Effects, "settle", lambda *a, **k: settled.append(a))
     summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=60, requeue_after=60, publish=None)
     assert any("not a format number" in e for e in summary.errors)
+    assert settled == []
 
 
 # ---------------------------------------------------------------------------- the command

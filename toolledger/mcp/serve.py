@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Callable
 from importlib.metadata import version
@@ -96,9 +97,11 @@ def _read_only(registry: Registry, name: str) -> bool:
 
 async def _read_apart(
     timeout: float, in_flight: InFlight, fn: Callable[..., T], *args: Any, **kwargs: Any
-) -> T | None:
+) -> tuple[T | None, str]:
     """``fn(...)`` (a read-only tool's run, in the submit) in a daemon thread of its own,
-    given up (None) after ``timeout`` or when the input ends and the drain's time is up. A
+    given up (None, and why) after ``timeout`` (0: not bounded by it, a read's result being
+    in hand or nowhere: helper-94, every read answered "did not finish within 0 s") or when
+    the input ends and the drain's time is up. A
     read-only tool ran inline, past ``--timeout``, and kept the server from exiting after
     stdin closed for as long as it ran (helper-93: 40 s); a thread of a pool would hold the
     exit too (asyncio's and anyio's are joined). Given up, it runs on unseen: a read changes
@@ -119,12 +122,15 @@ async def _read_apart(
             loop.call_soon_threadsafe(deliver, outcome)
 
     threading.Thread(target=run, name="toolledger-mcp-read", daemon=True).start()
-    with anyio.move_on_after(timeout), in_flight.waiting():
-        ok, value = await asyncio.shield(done)
-        if not ok:
-            raise value
-        return cast("T", value)
-    return None
+    with anyio.move_on_after(timeout if timeout > 0 else math.inf) as bound:
+        with in_flight.waiting():
+            ok, value = await asyncio.shield(done)
+            if not ok:
+                raise value
+            return cast("T", value), ""
+    if bound.cancelled_caught:
+        return None, f"within {timeout:g} s (--timeout)"
+    return None, "before the input ended"
 
 
 def build_server(
@@ -159,14 +165,14 @@ def build_server(
             ident = call_identity(params.meta, ctx.request_id, scope=scope, session=session)
             args = inputs.check_value(params.arguments or {}, "arguments")
             if _read_only(registry, params.name):  # it runs here, now: bounded here
-                submitted = await _read_apart(
+                submitted, cut = await _read_apart(
                     timeout, in_flight, client.sync.submit,
                     ident.scope, ident.tool_call_id, params.name, args, approved_by=approved_by,
                 )  # fmt: skip
                 if submitted is None:
                     return error_result(
-                        f"the read-only tool {params.name!r} did not finish within "
-                        f"{timeout:g} s (--timeout); a read is not recorded: ask again"
+                        f"the read-only tool {params.name!r} did not finish {cut}; a read is "
+                        "not recorded: ask again"
                     )
                 handle = AsyncCallHandle(client, submitted)
             else:
