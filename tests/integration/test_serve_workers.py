@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -64,3 +65,30 @@ def test_serve__workers_read_the_database_url_from_its_secret_file(tmp_path: Pat
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def test_serve__the_workers_environment_in_the_cases_a_review_found(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """helper-94: a lower-case ``toolledger_db_file`` (the settings read names in any case)
+    had the URL written beside it, and every process refused again; ``--db`` over a file
+    holding no good URL refused ``--workers`` where one process served."""
+    from toolledger.config import Settings
+    from toolledger.server.run import _urls_for_workers
+
+    for name in [k for k in os.environ if k.upper().startswith("TOOLLEDGER_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "home"))
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text(f"sqlite:///{tmp_path / 'a.db'}\n")
+    bad.write_text("not a url\n")
+    monkeypatch.setenv("toolledger_db_file", str(good))
+    out = _urls_for_workers(Settings.from_env())
+    lower = "toolledger_db_file"  # as a user may spell it
+    assert "TOOLLEDGER_DB" not in out and os.environ[lower] == str(good)
+    monkeypatch.setenv("toolledger_db_file", str(bad))
+    given = f"sqlite:///{tmp_path / 'b.db'}"
+    out = _urls_for_workers(Settings.from_env(db=given))
+    assert out["TOOLLEDGER_DB"] == given and "toolledger_db_file" not in os.environ
+    monkeypatch.setenv("TOOLLEDGER_DB", given)  # what a worker process then reads
+    assert Settings.from_env().db == given

@@ -105,14 +105,25 @@ def _urls_for_workers(settings: Settings) -> dict[str, str]:
     same URL: its variable is left to them, and the URL (a password in it) kept out of their
     environment. With both set, each process refused to start (helper-92: no answer at all)."""
     out: dict[str, str] = {}
-    filed = any(os.environ.get(f"TOOLLEDGER_{rest}") for rest in FROM_FILE.values())
-    from_files = Settings.from_env() if filed else None
-    for name, rest in FROM_FILE.items():
+    # the variables as set, in any case (the settings read them so: helper-94)
+    named = {k.upper(): k for k in os.environ if os.environ[k]}
+    files = {
+        n: named[f"TOOLLEDGER_{rest}"]
+        for n, rest in FROM_FILE.items()
+        if f"TOOLLEDGER_{rest}" in named
+    }
+    from_files: Settings | None = None
+    if files:
+        try:
+            from_files = Settings.from_env()
+        except ConfigError:  # --db over a file that holds no good URL: the command line's
+            from_files = None
+    for name in FROM_FILE:
         value = getattr(settings, name)
-        if from_files is not None and os.environ.get(f"TOOLLEDGER_{rest}"):
-            if getattr(from_files, name) == value:
+        if name in files:
+            if from_files is not None and getattr(from_files, name) == value:
                 continue  # the processes read the same file
-            os.environ.pop(f"TOOLLEDGER_{rest}")  # --db/--broker given: theirs wins, as here
+            os.environ.pop(files[name])  # --db/--broker given: theirs wins, as here
         out[f"TOOLLEDGER_{name.upper()}"] = value
     return out
 
