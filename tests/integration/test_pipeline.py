@@ -869,18 +869,17 @@ def test_pipeline__the_soft_time_limit_before_the_tool_started_is_proved_not_app
     assert (done.status, done.result["error"]) == (Status.FAILED, "not_applied")
 
 
+@pytest.mark.postgres
 def test_pipeline__a_claim_cut_at_the_server_never_leaves_its_connection_mid_command(
-    backend, db_url, scope, tmp_path
+    pg_url, scope, tmp_path
 ):
     """helper-89: the soft time limit (a signal's exception) raised while the claim waited
     on a row lock left the fast path's connection mid-command: the next claim on it failed
     "another command is already in progress". The connection is dropped now."""
     import signal
 
-    if backend != "postgres":
-        pytest.skip("the fast path's own connection is Postgres's")
-    led = Ledger(db_url)
-    holder = sa.create_engine(db_url)
+    led = Ledger(pg_url)  # the fast path's own connection is Postgres's
+    holder = sa.create_engine(pg_url)
     try:
         led.submit(scope, "c1", "ok", {}, approved_by="al")
         led.submit(scope, "c2", "ok", {}, approved_by="al")
