@@ -95,6 +95,12 @@ def _read_only(registry: Registry, name: str) -> bool:
         return False  # the submit says so (or answers a call the ledger holds)
 
 
+#: Read-only runs a server keeps at once, given-up ones included (each a thread and, in the
+#: read, a pooled connection): past it a call is answered "busy, ask again", never queued.
+READS_AT_ONCE = 16
+_reads = threading.BoundedSemaphore(READS_AT_ONCE)
+
+
 async def _read_apart(
     timeout: float, in_flight: InFlight, fn: Callable[..., T], *args: Any, **kwargs: Any
 ) -> tuple[T | None, str]:
@@ -105,7 +111,10 @@ async def _read_apart(
     read-only tool ran inline, past ``--timeout``, and kept the server from exiting after
     stdin closed for as long as it ran (helper-93: 40 s); a thread of a pool would hold the
     exit too (asyncio's and anyio's are joined). Given up, it runs on unseen: a read changes
-    nothing and is not recorded."""
+    nothing and is not recorded. At most ``READS_AT_ONCE`` run: given-up reads asked again
+    and again started a thread each, a connection each, without end (helper-94, suspected)."""
+    if not _reads.acquire(blocking=False):
+        return None, f"was not started: {READS_AT_ONCE} reads still run on this server"
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
 
@@ -118,10 +127,16 @@ async def _read_apart(
             outcome: tuple[bool, Any] = (True, fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             outcome = (False, exc)
+        finally:
+            _reads.release()
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(deliver, outcome)
 
-    threading.Thread(target=run, name="toolledger-mcp-read", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="toolledger-mcp-read", daemon=True).start()
+    except BaseException:
+        _reads.release()  # no thread: nothing holds it
+        raise
     with anyio.move_on_after(timeout if timeout > 0 else math.inf) as bound:
         with in_flight.waiting():
             ok, value = await asyncio.shield(done)
@@ -129,8 +144,8 @@ async def _read_apart(
                 raise value
             return cast("T", value), ""
     if bound.cancelled_caught:
-        return None, f"within {timeout:g} s (--timeout)"
-    return None, "before the input ended"
+        return None, f"did not finish within {timeout:g} s (--timeout)"
+    return None, "did not finish before the input ended"
 
 
 def build_server(
@@ -171,8 +186,8 @@ def build_server(
                 )  # fmt: skip
                 if submitted is None:
                     return error_result(
-                        f"the read-only tool {params.name!r} did not finish {cut}; a read is "
-                        "not recorded: ask again"
+                        f"the read-only tool {params.name!r} {cut}; a read is not recorded: "
+                        "ask again"
                     )
                 handle = AsyncCallHandle(client, submitted)
             else:
