@@ -925,16 +925,13 @@ def test_proxy__an_upstream_that_never_answers_is_cancelled_at_the_time_limit_an
     assert marked.actor.startswith("mcp-proxy@")  # the proxy said so, no sweep
 
 
-def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstream(
-    world: Stack, tmp_path: Path
-) -> None:
-    """SIGTERM used to end the proxy at once: the call stayed running until a sweep, and an
-    upstream that does not read its stdin ran on, orphaned. Now the proxy records the call
-    unknown itself and takes its upstream down with it."""
-    log, release = tmp_path / "upstream.log", tmp_path / "release"
-    scope = scope_of("term")
-    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release)}
-    pids: dict[str, int] = {}
+def sigterm_mid_forward(
+    world: Stack, env: dict[str, str], log: Path, tool: str, scope: str, pids: dict[str, int]
+) -> dict[str, Any]:
+    """``tool`` called as ``t1`` through a proxy, which gets SIGTERM once the upstream has the
+    call; then until the proxy and the upstream are gone (20 s at most). What the call got
+    (``result`` or ``error``) and whether each process is still alive; ``pids`` filled in for
+    the caller's cleanup."""
 
     async def go() -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -943,7 +940,7 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
             async def call() -> None:
                 try:
                     out["result"] = await s.call_tool(
-                        "slow_charge", {"amount": 9}, meta={ID: "t1", SCOPE: scope}
+                        tool, {"amount": 9}, meta={ID: "t1", SCOPE: scope}
                     )
                 except Exception as exc:  # noqa: BLE001 - the proxy went away
                     out["error"] = exc
@@ -966,8 +963,21 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
                     tg.cancel_scope.cancel()
         return out
 
+    return run_async(go)
+
+
+def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstream(
+    world: Stack, tmp_path: Path
+) -> None:
+    """SIGTERM used to end the proxy at once: the call stayed running until a sweep, and an
+    upstream that does not read its stdin ran on, orphaned. Now the proxy records the call
+    unknown itself and takes its upstream down with it."""
+    log, release = tmp_path / "upstream.log", tmp_path / "release"
+    scope = scope_of("term")
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release)}
+    pids: dict[str, int] = {}
     try:
-        out = run_async(go)
+        out = sigterm_mid_forward(world, env, log, "slow_charge", scope, pids)
         assert "result" not in out or out["result"].meta["toolledger/status"] == "unknown"
         assert not out["proxy_alive"]
         assert not out["upstream_alive"]  # stopped with its proxy, though it reads nothing
@@ -1029,29 +1039,8 @@ def test_proxy__sigterm_cancels_the_forward_upstream_as_its_record_says(
     env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release),
            "MCP_UPSTREAM_CANCELS": str(cancels)}  # fmt: skip
     pids: dict[str, int] = {}
-
-    async def go() -> None:
-        async with mcp_server(world, *proxy_argv(), **env) as s:
-
-            async def call() -> None:
-                with contextlib.suppress(Exception):  # the proxy goes away
-                    await s.call_tool("wait_charge", {"amount": 3}, meta={ID: "t1", SCOPE: scope})
-
-            with anyio.fail_after(60):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(call)
-                    while not invocations(log):
-                        await anyio.sleep(0.05)
-                    (line,) = invocations(log)
-                    pids.update(upstream=line["pid"], proxy=line["ppid"])
-                    os.kill(line["ppid"], signal.SIGTERM)
-                    deadline = time.monotonic() + 20
-                    while alive(pids["proxy"]) and time.monotonic() < deadline:
-                        await anyio.sleep(0.05)
-                    tg.cancel_scope.cancel()
-
     try:
-        run_async(go)
+        sigterm_mid_forward(world, env, log, "wait_charge", scope, pids)
         assert invocations(cancels), "no notifications/cancelled reached the upstream"
         _, marked = unknown_event(world, scope, "t1")
         assert "cancelled upstream" in marked.detail["reason"]
