@@ -132,22 +132,10 @@ def _within(
     if deadline is None:
         return fn(*args, **kwargs)
     while True:
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def deliver(
-            ok: bool,
-            value: Any,
-            box: list[tuple[bool, Any]] = box,
-            done: threading.Event = done,
-        ) -> None:
-            box.append((ok, value))
-            done.set()
-
-        _read_apart(lambda: fn(*args, **kwargs), deliver)
-        if not done.wait(max(0.0, deadline - time.monotonic()) + grace):
+        answer = _one_read(lambda: fn(*args, **kwargs), deadline - time.monotonic() + grace)
+        if answer is None:
             raise _Unanswered
-        ok, value = box[0]
+        ok, value = answer
         if ok:
             return value  # type: ignore[no-any-return]
         if not _connect_timed_out(value):
@@ -156,6 +144,20 @@ def _within(
             raise _Unanswered  # bounded by its connect timeout now: the same silence
         # time is left: connect again, as a read still waiting would have (helper-94: the
         # wait ended at the first connect's timeout, 2 s into a 30 s wait)
+
+
+def _one_read(read: Callable[[], Any], wait: float) -> tuple[bool, Any] | None:
+    """``read()`` apart (``_read_apart``): (True, its value) or (False, its exception), or
+    None if it has not answered within ``wait`` seconds."""
+    box: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def deliver(ok: bool, value: Any) -> None:
+        box.append((ok, value))
+        done.set()
+
+    _read_apart(read, deliver)
+    return box[0] if done.wait(max(0.0, wait)) else None
 
 
 def _connect_timed_out(exc: BaseException) -> bool:
