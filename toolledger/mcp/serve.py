@@ -113,7 +113,8 @@ async def _read_apart(
     exit too (asyncio's and anyio's are joined). Given up, it runs on unseen: a read changes
     nothing and is not recorded. At most ``READS_AT_ONCE`` run: given-up reads asked again
     and again started a thread each, a connection each, without end (helper-94, suspected)."""
-    if not _reads.acquire(blocking=False):
+    reads = _reads  # the one acquired is the one released, whatever the name holds by then
+    if not reads.acquire(blocking=False):
         return None, f"was not started: {READS_AT_ONCE} reads still run on this server"
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
@@ -128,14 +129,14 @@ async def _read_apart(
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             outcome = (False, exc)
         finally:
-            _reads.release()
+            reads.release()
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(deliver, outcome)
 
     try:
         threading.Thread(target=run, name="toolledger-mcp-read", daemon=True).start()
     except BaseException:
-        _reads.release()  # no thread: nothing holds it
+        reads.release()  # no thread: nothing holds it
         raise
     with anyio.move_on_after(timeout if timeout > 0 else math.inf) as bound:
         with in_flight.waiting():
