@@ -620,6 +620,23 @@ def test_sweep__reconcilers_get_a_budget_and_the_next_pass_goes_on_after_them(
     ledger.close()
 
 
+def test_sweep__a_budget_spent_before_the_first_row_still_reconciles_one(
+    fresh_db_url, sandbox, scope
+):
+    """A budget spent before the pass reached its first row (a slow first page on a loaded
+    machine) reconciled nothing and said nothing was deferred, every pass alike. One row a
+    pass at least: each pass makes progress, and says it stopped."""
+    ledger = Ledger(fresh_db_url)
+    ids = _lost_and_slow(ledger, sandbox, scope, 3)
+    asked: list[str] = []
+    registry = _slow_registry(asked, 0.0)
+    for n in range(1, 4):
+        summary = run_sweep(ledger, sandbox, registry, reconcile_budget=0)
+        assert len(asked) == n and summary.reconcile_deferred, (asked, summary)
+    assert asked == ids  # in turn, once each
+    ledger.close()
+
+
 def test_sweep__a_flagged_call_is_not_requeued_until_its_review(fresh_db_url, sandbox, scope):
     """A flagged call's next attempt waits for a human (the claim refuses it): the sweep
     published it every requeue_after all the same, each message refused (a cold review).
