@@ -29,6 +29,14 @@ from toolledger.cli.common import Context, json_option, pass_ctx
     "sees only http).",
 )
 @click.option(
+    "--forwarded-allow-ips",
+    default=None,
+    metavar="IPS",
+    help="Trust X-Forwarded-For and -Proto from these proxy addresses (comma-separated, as "
+    "uvicorn's option): each client's own address is then the one its wrong tokens are "
+    "throttled by.",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     default=None,
@@ -43,6 +51,7 @@ def serve(
     insecure_local: bool,
     workers: int,
     secure_cookies: bool,
+    forwarded_allow_ips: str | None,
     log_format: str | None,
 ) -> None:
     """Serve the JSON API, the console and /metrics (tokens: TOOLLEDGER_API_TOKENS)."""
@@ -55,5 +64,6 @@ def serve(
         insecure_local=insecure_local,
         workers=workers,
         secure_cookies=secure_cookies,
+        forwarded_allow_ips=forwarded_allow_ips,
         log_format=log_format,
     )

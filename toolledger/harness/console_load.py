@@ -233,10 +233,15 @@ def free_port() -> int:
 
 
 def start_server(
-    db_url: str, home: Path, token: str, workers: int = 1, role: str = "viewer"
+    db_url: str,
+    home: Path,
+    token: str,
+    workers: int = 1,
+    role: str = "viewer",
+    options: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A real ``toolledger serve`` on a free port with one token of ``role``, once it answers;
-    its log is ``home/serve.log``."""
+    """A real ``toolledger serve`` on a free port with one token of ``role`` (and ``serve``'s
+    ``options``), once it answers; its log is ``home/serve.log``."""
     import httpx
 
     port = free_port()
@@ -250,7 +255,7 @@ def start_server(
     )
     log = (home / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [*toolledger_argv(), "serve", "--port", str(port), "--workers", str(workers)],
+        [*toolledger_argv(), "serve", "--port", str(port), "--workers", str(workers), *options],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -17,12 +17,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
+import logging
+import math
 import os
 import re
 import secrets
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +34,8 @@ from pathlib import Path
 from toolledger.config import ConfigError
 from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.identity import check_scope, check_text_id
+
+log = logging.getLogger("toolledger.serve")
 
 
 class Role(StrEnum):
@@ -66,6 +72,98 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{22}")
 
 class Forbidden(LedgerError):
     """This token's role may not do that."""
+
+
+class Throttled(LedgerError):
+    """Too many wrong secrets from one address: it may try again in ``retry_after`` s."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = max(1, math.ceil(retry_after))
+        super().__init__(
+            f"too many wrong tokens from this address: try again in {self.retry_after} s"
+        )
+
+
+#: Wrong secrets an address may send at once, and the seconds that give it one more: 10 at
+#: once, 10 a minute after that. A person who mistypes waits seconds; a guesser gets 14,400
+#: guesses a day an address (a process: ``serve --workers N`` multiplies it by N).
+FAILURE_BURST = 10
+FAILURE_REFILL_SECONDS = 6.0
+#: Addresses a throttle remembers at most (about 100 bytes each).
+FAILURE_ADDRESSES = 10_000
+
+
+class FailureThrottle:
+    """Wrong secrets per client address, as a bucket: ``burst`` of them at once, one more
+    every ``refill_seconds``. An address whose bucket is empty is refused *before* its secret
+    is compared (``Throttled``: 429), so its guesses stop, whatever they are; a right secret
+    from an address that is not throttled costs nothing. IPv6 addresses count by their /64
+    (one host holds all of one). At most ``max_addresses`` are remembered: past them, those
+    whose bucket is full again are forgotten first, then the longest remembered."""
+
+    def __init__(
+        self,
+        burst: int = FAILURE_BURST,
+        refill_seconds: float = FAILURE_REFILL_SECONDS,
+        max_addresses: int = FAILURE_ADDRESSES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.burst, self.refill, self.max_addresses = burst, refill_seconds, max_addresses
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (failures, at)
+
+    @staticmethod
+    def key(address: str) -> str:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return address
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip.ipv4_mapped is not None:  # ::ffff:1.2.3.4 is 1.2.3.4
+                return str(ip.ipv4_mapped)
+            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        return str(ip)
+
+    def _owed(self, key: str, now: float) -> float:
+        """The failures the address still carries at ``now`` (0 when it is forgiven)."""
+        failures, at = self._buckets.get(key, (0.0, now))
+        return max(0.0, failures - (now - at) / self.refill)
+
+    def wait(self, address: str) -> float:
+        """Seconds before ``address`` may try a secret again; 0: now."""
+        key, now = self.key(address), self._clock()
+        with self._lock:
+            owed = self._owed(key, now)
+        return max(0.0, (owed - self.burst + 1) * self.refill)
+
+    def check(self, address: str) -> None:
+        waited = self.wait(address)
+        if waited > 0:
+            raise Throttled(waited)
+
+    def failed(self, address: str) -> None:
+        """One wrong secret from ``address``; logged once, when it becomes throttled."""
+        key, now = self.key(address), self._clock()
+        with self._lock:
+            owed = self._owed(key, now) + 1
+            self._buckets.pop(key, None)  # re-inserted last: the most recently seen
+            self._buckets[key] = (owed, now)
+            if len(self._buckets) > self.max_addresses:
+                self._forget(now)
+        if owed > self.burst - 1 >= owed - 1:  # this one made it wait
+            log.warning(
+                "%d wrong tokens from %s: its secrets are refused for %.0f s",
+                self.burst,
+                key,
+                self.refill,
+            )
+
+    def _forget(self, now: float) -> None:
+        for key in [k for k in self._buckets if self._owed(k, now) == 0]:
+            del self._buckets[key]
+        while len(self._buckets) > self.max_addresses:
+            del self._buckets[next(iter(self._buckets))]
 
 
 @dataclass(frozen=True)
@@ -177,12 +275,27 @@ class Session:
 class Authenticator:
     """Finds the token behind a request: a bearer secret, or a session cookie."""
 
-    def __init__(self, tokens: list[Token], session_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        tokens: list[Token],
+        session_key: bytes | None = None,
+        throttle: FailureThrottle | None = None,
+    ) -> None:
         self.tokens = tokens
+        self.throttle = throttle or FailureThrottle()
         self._by_name = {t.name: t for t in tokens}
         # Sessions last as long as the key: a restart logs everyone out unless it is given.
         self._key = session_key or secrets.token_bytes(32)
         self._digests = [(hashlib.sha256(t.secret.encode()).digest(), t) for t in tokens]
+
+    def by_secret_from(self, secret: str, address: str) -> Token | None:
+        """``by_secret``, throttled by the client's address (``Throttled`` before any
+        comparison when it sent too many wrong ones)."""
+        self.throttle.check(address)
+        token = self.by_secret(secret)
+        if token is None:
+            self.throttle.failed(address)
+        return token
 
     def by_secret(self, secret: str) -> Token | None:
         """Constant-time in the secret: every token is compared, equal-length digests."""

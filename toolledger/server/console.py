@@ -27,12 +27,14 @@ from toolledger.server.auth import (
     SESSION_COOKIE,
     SESSION_SECONDS,
     Action,
+    Throttled,
     Token,
     same_text,
 )
 from toolledger.server.deps import (
     ERRORS,
     BodyTooLarge,
+    client_address,
     desk_of,
     require_suffix,
     session_of,
@@ -200,6 +202,8 @@ def _status_of(exc: BaseException) -> int:
         return 403
     if isinstance(exc, BodyTooLarge):  # a chunked body found over the bound mid-stream
         return 413
+    if isinstance(exc, Throttled):  # a bearer secret on a console page
+        return 429
     return next((status for cls, status, _, _ in ERRORS if isinstance(exc, cls)), 500)
 
 
@@ -256,7 +260,24 @@ async def login(request: Request) -> Response:
             error="The login form expired or was not ours; reload and try again.",
         )
     auth = desk_of(request).auth
-    token = auth.by_secret(secret) if isinstance(secret, str) and secret else None
+    try:
+        token = (
+            auth.by_secret_from(secret, client_address(request))
+            if isinstance(secret, str) and secret
+            else None
+        )
+    except Throttled as exc:  # the form stays good: its nonce is the one the cookie holds
+        slowed = render(
+            request,
+            "login.html",
+            429,
+            who=None,
+            nonce=nonce,
+            next=target,
+            error=f"Too many wrong tokens from your address: try again in {exc.retry_after} s.",
+        )
+        slowed.headers["Retry-After"] = str(exc.retry_after)
+        return slowed
     if token is None:
         fresh = secrets.token_urlsafe(24)
         refused = render(

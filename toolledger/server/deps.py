@@ -18,7 +18,7 @@ from toolledger.ledger.errors import (
     NotFound,
     StateError,
 )
-from toolledger.server.auth import SESSION_COOKIE, Forbidden, Session, Token
+from toolledger.server.auth import SESSION_COOKIE, Forbidden, Session, Throttled, Token
 from toolledger.server.state import Desk
 
 #: The ledger's errors as HTTP statuses, with the CLI's kind and exit code; first match wins.
@@ -56,7 +56,15 @@ def token_of(request: Request) -> Token | None:
     if state.local is not None:
         return state.local  # type: ignore[no-any-return]
     secret = _bearer(request)
-    return None if secret is None else desk_of(request).auth.by_secret(secret)
+    if secret is None:
+        return None
+    return desk_of(request).auth.by_secret_from(secret, client_address(request))
+
+
+def client_address(request: Request) -> str:
+    """Who sent the request, as far as this server can tell: the peer's address, or the
+    client's as a trusted proxy says (``serve --forwarded-allow-ips``)."""
+    return request.client.host if request.client is not None else ""
 
 
 def session_of(request: Request) -> Session | None:
@@ -256,6 +264,12 @@ def error_response(exc: BaseException) -> JSONResponse:
         )
     if isinstance(exc, BodyTooLarge):
         return JSONResponse({"error": str(exc), "kind": "input", "exit_code": 6}, 413)
+    if isinstance(exc, Throttled):
+        return JSONResponse(
+            {"error": str(exc), "kind": "throttled", "exit_code": 2},
+            status_code=429,
+            headers={"Retry-After": str(exc.retry_after)},
+        )
     for cls, status, kind, code in ERRORS:
         if isinstance(exc, cls):
             message = " ".join(str(exc).split())

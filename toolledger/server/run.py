@@ -35,6 +35,7 @@ def run(
     insecure_local: bool,
     workers: int = 1,
     secure_cookies: bool = False,
+    forwarded_allow_ips: str | None = None,
     log_format: str | None = None,
 ) -> None:
     import uvicorn
@@ -66,6 +67,11 @@ def run(
             f"TOOLLEDGER_API_SESSION_KEY is {len(key)} characters, fewer than "
             f"{MIN_SESSION_KEY}: use a random one (openssl rand -hex 32)"
         )
+    # Behind a proxy every client has the proxy's address, one bucket of wrong tokens for all
+    # (auth.FailureThrottle): trusted proxies name the client (and its scheme) for it.
+    proxy: dict[str, Any] = {"proxy_headers": False}
+    if forwarded_allow_ips:
+        proxy = {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
     if workers > 1:
         # Each worker process builds its app from the environment: the settings as resolved
         # here (the command line's --db/--broker/--sandbox included) and one session key, so
@@ -87,7 +93,7 @@ def run(
             port=port,
             log_level="info",
             log_config=None,
-            proxy_headers=False,
+            **proxy,
         )
         return
     app = create_app(
@@ -97,7 +103,7 @@ def run(
         secure_cookies=secure_cookies,
         session_key=key.encode() or None,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, proxy_headers=False)
+    uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, **proxy)
 
 
 def _urls_for_workers(settings: Settings) -> dict[str, str]:
