@@ -61,6 +61,24 @@ LISTENER_NAME = "toolledger-receipts"
 UNANSWERED = "unanswered"
 
 
+#: A timeout longer than this is no bound: waited as ``None`` (threading's own limit is some
+#: 9.2e9 s, and ``inf`` or ``1e10`` raised OverflowError from every wait on Postgres and left
+#: ``run_turn`` unable to answer a turn at all: a cold review).
+FOREVER = 1e9
+
+
+def wait_seconds(timeout: float | None) -> float | None:
+    """A wait's ``timeout`` as the waits read it: ``None`` (or longer than ``FOREVER``, ``inf``
+    too) waits without one; ``nan`` is refused (``ValueError``: it made the async waits read
+    the database as fast as it answered, for ever, and sync ``run_turn`` time out at once)."""
+    if timeout is None:
+        return None
+    seconds = float(timeout)
+    if seconds != seconds:
+        raise ValueError("timeout is nan: give seconds, or None to wait without one")
+    return None if seconds > FOREVER else seconds
+
+
 def _start_wait(timeout: float | None) -> float:
     """How long a wait may wait for the listener to start: 5 s, or less if its timeout is."""
     return 5.0 if timeout is None else max(0.0, min(5.0, timeout))
@@ -517,6 +535,7 @@ class Client:
     def wait(self, scope: str, tool_call_id: str, *, timeout: float | None = None) -> Receipt:
         """Block until the call has a receipt; ReceiptTimeout (a TimeoutError) after
         ``timeout`` seconds, carrying the call's status."""
+        timeout = wait_seconds(timeout)
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         status = UNANSWERED  # what the last read said (every read given up at the deadline)
@@ -709,6 +728,7 @@ class AsyncClient:
         return await self._run(self.sync.status, scope, tool_call_id)
 
     async def wait(self, scope: str, tool_call_id: str, *, timeout: float | None = None) -> Receipt:
+        timeout = wait_seconds(timeout)
         sync = self.sync
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -27,6 +27,7 @@ sends the same ToolCall ids: the receipts come back, and nothing runs twice.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Annotated, Any, cast
@@ -158,7 +159,10 @@ class LedgerTool(BaseTool):
             if isinstance(model_args, dict)
             else validated
         )
-        approver = self.approve(spec.name, call_id, args)
+        # the policy's own copy, as run_turn gives it: what it does to it is not recorded
+        # and run (a cold review: a policy that stamped the arguments made the call's
+        # replay a conflict, told to the model as a refusal, and repair refuse the transcript)
+        approver = self.approve(spec.name, call_id, copy.deepcopy(args))
         try:
             try:
                 handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)

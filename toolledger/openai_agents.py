@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -55,6 +57,9 @@ Approve = Callable[[str, str, dict[str, Any]], str | None]
 
 #: Who a call the SDK's approval let through is recorded as approved by.
 SDK_APPROVER = "openai-agents"
+#: Policy answers a tool keeps for calls asked about and not run yet (a run the SDK paused
+#: for a person, and that nobody resumed, leaves one): at most this many, the oldest forgotten.
+POLICY_ANSWERS = 1024
 
 
 def strict_schema_ok(schema: dict[str, Any]) -> bool:
@@ -162,15 +167,28 @@ def _function_tool(
     def scope_of(ctx: RunContextWrapper[Any]) -> str:
         return scope if isinstance(scope, str) else scope(ctx)
 
+    # The policy's answer for a call, given when the SDK asked whether it needs approval and
+    # taken when it runs: the policy is asked once a call (it was asked again at the run, and
+    # that second answer decided who the ledger said approved it: a policy that approved once
+    # and then said None recorded the SDK's approval, which nobody gave; a cold review).
+    answers: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+
     def policy(call_id: str, args: dict[str, Any]) -> str | None:
-        if tool.read_only:
-            return None  # runs at once, never recorded: nothing to approve
-        return approve(tool.name, call_id, args) if approve is not None else None
+        if tool.read_only or approve is None:
+            return None  # read-only: runs at once, never recorded, nothing to approve
+        # its own copy: the arguments recorded and run are the model's, whatever it does
+        return approve(tool.name, call_id, copy.deepcopy(args))
+
+    def asked(key: tuple[str, str], answer: str | None) -> str | None:
+        answers[key] = answer
+        while len(answers) > POLICY_ANSWERS:  # calls the SDK paused and never ran
+            answers.popitem(last=False)
+        return answer
 
     async def needs_approval(
         ctx: RunContextWrapper[Any], args: dict[str, Any], call_id: str
     ) -> bool:
-        if tool.read_only or policy(call_id, args) is not None:
+        if tool.read_only or asked((scope_of(ctx), call_id), policy(call_id, args)) is not None:
             return False
         status = await ledger.status(scope_of(ctx), call_id)
         # new, or recorded earlier and still waiting for a person: the SDK's pause decides;
@@ -186,8 +204,10 @@ def _function_tool(
         except InputError as exc:
             return f"error: {exc}"
         call_id = ctx.tool_call_id
+        key = (scope_of(ctx), call_id)
+        answer = answers.pop(key) if key in answers else policy(call_id, args)
         # reached without a policy approver: the SDK's approval let it through (or a replay)
-        by = None if tool.read_only else (policy(call_id, args) or sdk_approver)
+        by = None if tool.read_only else (answer or sdk_approver)
         return await ledger.call(
             scope_of(ctx), call_id, tool.name, args, approved_by=by, timeout=timeout
         )

@@ -272,3 +272,27 @@ def test_arguments__read_by_the_input_rules_as_run_turn_and_repair_read_them(
         assert ledger.list_calls(scope="dup") == []  # nothing recorded
     finally:
         ledger.close()
+
+
+def test_policy__asked_once_a_call_on_its_own_copy_of_the_arguments(world: Stack) -> None:
+    """The policy was asked when the SDK asked whether the call needs approval and again when
+    it ran, and the second answer decided: a policy that approves one call a run recorded the
+    SDK's approval, which nobody gave; and it was handed the dict recorded and run, so a
+    policy that stamped it changed the call the model made (a cold review)."""
+    asked: list[str] = []
+
+    def budget(_tool: str, call_id: str, args: dict[str, Any]) -> str | None:
+        asked.append(call_id)
+        args["content"] = "stamped by the policy\n"
+        return "policy:budget" if len(asked) == 1 else None
+
+    result, _model = asyncio.run(one_turn(world, "conv-policy", approve=budget))
+    assert not result.interruptions and asked == ["call_a1"]
+    ledger = world.ledger()
+    try:
+        view = ledger.get("conv-policy", "call_a1")
+    finally:
+        ledger.close()
+    assert view.operation.decided_by == "policy:budget"
+    assert view.operation.args == APPEND[2]  # the model's arguments, recorded and run
+    assert landed(world.sandbox / "conv-policy" / "notes" / "log.txt") == "once\n"

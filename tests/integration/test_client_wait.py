@@ -94,3 +94,78 @@ def test_wait__a_wake_up_naming_a_call_outside_ascii_on_a_sql_ascii_database(pg_
             assert "receipt listener" not in caplog.text  # woken by the payload, not a reconnect
         finally:
             notifier.close()
+
+
+@pytest.fixture
+def any_client(db_url: str, tmp_path: Path) -> Any:
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": db_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+         "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}  # nothing is enqueued: all pending
+    )  # fmt: skip
+    with Client(settings) as c:
+        yield c
+
+
+@pytest.mark.parametrize("forever", [float("inf"), 1e10])
+def test_wait__a_timeout_past_any_clock_waits_without_one(
+    any_client: Any, scope: str, forever: float
+) -> None:
+    """``inf`` and ``1e10`` raised OverflowError from every wait on Postgres (threading's
+    limit), at once, and ``run_turn`` could never answer its turn (a cold review): they wait
+    as ``None`` now, sync and async, a receipt in hand or one that comes later."""
+    import asyncio
+    import threading
+
+    from toolledger import AsyncClient
+
+    client = any_client
+    client.submit(scope, "done", "write_file", {"path": "d.txt", "content": "x"})
+    client.ledger.reject(scope, "done", by="ann", reason="no")
+    assert client.wait(scope, "done", timeout=forever).status == "rejected"
+
+    async def in_async() -> str:
+        async with AsyncClient(client.settings) as ac:
+            return (await ac.wait(scope, "done", timeout=forever)).status
+
+    assert asyncio.run(in_async()) == "rejected"
+    client.submit(scope, "later", "write_file", {"path": "l.txt", "content": "x"})
+    decide = threading.Timer(
+        0.5, client.ledger.reject, (scope, "later"), {"by": "a", "reason": "n"}
+    )
+    decide.start()
+    try:
+        assert client.wait(scope, "later", timeout=forever).status == "rejected"
+    finally:
+        decide.join()
+
+
+def test_wait__nan_is_refused_before_anything_is_read_or_recorded(
+    any_client: Any, scope: str
+) -> None:
+    """``nan``: the async waits read the database as fast as it answered, for ever (8,333
+    reads in 5 s), and sync ``run_turn`` timed out at once (a cold review)."""
+    import asyncio
+
+    from toolledger import AsyncClient
+
+    client = any_client
+    client.submit(scope, "p", "write_file", {"path": "p.txt", "content": "x"})
+    with pytest.raises(ValueError, match="nan"):
+        client.wait(scope, "p", timeout=float("nan"))
+    turn = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "t1", "type": "function",
+        "function": {"name": "write_file", "arguments": '{"path": "t.txt", "content": "x"}'},
+    }]}  # fmt: skip
+    with pytest.raises(ValueError, match="nan"):
+        client.run_turn(scope, turn, timeout=float("nan"))
+
+    async def in_async() -> None:
+        async with AsyncClient(client.settings) as ac:
+            with pytest.raises(ValueError, match="nan"):
+                await ac.wait(scope, "p", timeout=float("nan"))
+            with pytest.raises(ValueError, match="nan"):
+                await ac.run_turn(scope, turn, timeout=float("nan"))
+
+    asyncio.run(in_async())
+    assert [v.tool_call_id for v in client.ledger.list_calls(scope=scope)] == ["p"]

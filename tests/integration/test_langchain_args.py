@@ -92,3 +92,27 @@ def test_langchain__a_call_recorded_with_validated_arguments_is_still_replayed(
         {**call, "args": {"amount": 6}}, {"configurable": {"thread_id": scope}}
     )  # other arguments under the id: refused as a conflict, a tool error the model reads
     assert message.status == "error" and "conflict" in message.content
+
+
+def test_langchain__the_policy_gets_its_own_copy_of_the_arguments(
+    client: Client, scope: str
+) -> None:
+    """The adapter handed the approval policy the dict it then recorded: a policy that wrote
+    into it (a stamp) changed the call the model made, and the same call asked again after a
+    crash was a conflict, told to the model as a refusal (a cold review). run_turn gave it a
+    copy already."""
+
+    def stamping(_tool: str, _call_id: str, args: dict[str, Any]) -> None:
+        args["amount"] = 999  # a policy's own bookkeeping, or a bug: never the call's
+        return None
+
+    (tool,) = ledger_tools(
+        client, registry=load_registry("tests.payment_tools"), approve=stamping,
+        tools=["charge"],
+    )  # fmt: skip
+    call = {"type": "tool_call", "id": "lc-stamp", "name": "charge", "args": {"amount": 5}}
+    config = {"configurable": {"thread_id": scope}}
+    for _ in range(2):  # asked again after a crash: the same call, still pending
+        with pytest.raises(CallsWaiting):
+            tool.invoke(call, config)
+    assert client.ledger.get(scope, "lc-stamp").operation.args == {"amount": 5}
