@@ -167,6 +167,18 @@ class LedgerResolution(LedgerBase):
         retry: bool,
         flag_both_ran: bool,
     ) -> ExecutionRecord | None:
+        call = conn.execute(
+            sa.select(executions.c.scope, executions.c.idempotency_key).where(
+                executions.c.execution_id == execution_id
+            )
+        ).first()
+        if call is None:
+            return None
+        # The call's row first, before the event draws its seq: a retry authorised while this
+        # waited for it drew a later seq than this reconciliation it came before, and verify's
+        # replay of the call then failed (helper-97). Held, every change to the call's state
+        # is before this one or after it, in seq order as in fact.
+        op = self._locked_operation(conn, call.scope, call.idempotency_key)
         row = conn.execute(
             executions.update()
             .where(executions.c.execution_id == execution_id, executions.c.status == Status.UNKNOWN)
@@ -180,7 +192,6 @@ class LedgerResolution(LedgerBase):
         self._append(
             conn, event(status, done.scope, done.idempotency_key, actor, detail, execution_id)
         )
-        op = self._locked_operation(conn, done.scope, done.idempotency_key)
         if op.authorized_attempts == done.attempt:
             self._move_operation(
                 conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
@@ -230,6 +241,12 @@ class LedgerResolution(LedgerBase):
         not_started = bool(detail.get("not_started")) and bool(detail.get("absent"))
         with self._write() as conn:
             seq = self._evidence(conn, execution_id, detail, actor)
+            ex = self._require_execution(conn, execution_id)
+            # read again once the call's row is ours: a person's resolution committed between
+            # a first read (unknown) and the reconciliation below made it lose its
+            # compare-and-set, and the late result that contradicts the person was kept as
+            # evidence only, never flagged (helper-97); every decision takes this lock first
+            self._locked_operation(conn, ex.scope, ex.idempotency_key)
             ex = self._require_execution(conn, execution_id)
             human = self._human_decider(conn, ex)
             if (refused or not_started) and human and ex.status is Status.SUCCEEDED:

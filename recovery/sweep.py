@@ -206,8 +206,9 @@ def _sweep(
             )
         if landing.strangers:
             log.warning(
-                "%d staged effects in the sandbox belong to executions this ledger does not "
-                "know: kept (is this process pointed at another ledger than the workers?)",
+                "%d staged effects or spooled results in the sandbox belong to executions "
+                "this ledger does not know: kept (is this process pointed at another ledger "
+                "than the workers?)",
                 landing.strangers,
             )
         summary.errors.extend(landing.problems)

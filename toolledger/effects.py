@@ -1159,7 +1159,14 @@ class Effects:
         if record is None:
             return
         state = ledger.effect_states([eid]).get(eid)
-        if state is not None and state.status is Status.RUNNING:
+        if state is None:
+            # Not this ledger's execution (a spool is written after its claim's commit), as a
+            # stage may be another's: a settle through the wrong ledger (an unset
+            # TOOLLEDGER_DB made the embedded one) deleted the right one's spooled result, the
+            # proof a call succeeded, and the call ended unknown (helper-97). Kept.
+            summary.strangers += 1
+            return
+        if state.status is Status.RUNNING:
             if state.lease_token != record["lease_token"]:
                 return  # not ours to judge (cannot happen: tokens are per execution)
             try:
@@ -1177,16 +1184,17 @@ class Effects:
                 state = ledger.effect_states([eid]).get(eid)
                 if _is_running(state) and state is not None and state.lease_token == token:
                     raise
-        if (
-            state is not None
-            and record["status"] in ("succeeded", "failed")
-            and state.holds_own_write(Status(record["status"]))
+        if state is None:  # (cannot happen, its rows are kept: a stranger's if it did)
+            summary.strangers += 1
+            return
+        if record["status"] in ("succeeded", "failed") and state.holds_own_write(
+            Status(record["status"])
         ):
             # recorded meanwhile by another settle, or before the spool by its executor's own
             # commit whose answer was lost: the spool is that commit, not a late result
             self._drop_spool(eid)
             return
-        if state is not None and record.get("late") is not None:
+        if record.get("late") is not None:
             marker = record["late"]["spool"]
             if not any(e.detail.get("spool") == marker for e in ledger.evidence_of(eid)):
                 ledger.record_late_result(

@@ -1941,3 +1941,24 @@ def test_settle__through_another_ledger_keeps_the_bytes_it_does_not_know(
     assert pending_files(executor.sandbox) == waiting
     assert effects_of(executor.sandbox).settle(ledger).landed == 1
     assert (tmp_path / scope / "w.txt").read_text() == "kept"
+
+
+def test_settle__through_another_ledger_keeps_a_spooled_result_it_does_not_know(
+    spooled, ledger, fresh_db_url, tmp_path
+):
+    """helper-97: a settle through the wrong ledger kept another's stages but deleted its
+    spooled results (``state is None`` fell through to the removal): the right ledger never
+    learned the call had succeeded, and it ended unknown for a person while the world held
+    its effect. Kept and said now; the right ledger's settle records it."""
+    _outcome, view, spool_file = spooled()
+    other = Ledger(fresh_db_url)
+    try:
+        landing = effects_of(Sandbox(tmp_path)).settle(other)
+    finally:
+        other.close()
+    assert landing.strangers >= 1 and spool_file.exists()
+    landing = effects_of(Sandbox(tmp_path)).settle(ledger)
+    assert landing.recorded == 1 and not spool_file.exists()
+    current = ledger.get(view.scope, view.tool_call_id).current
+    assert current.status is Status.SUCCEEDED and not current.reconciled
+    assert (tmp_path / view.scope / "r.txt").read_text() == "v"

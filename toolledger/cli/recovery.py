@@ -84,8 +84,8 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
             )
             + "".join(f"\nwarning: {e}" for e in d["errors"])
             + (
-                f"\nwarning: {d['strangers']} staged effects belong to executions this ledger "
-                "does not know: kept (is this the workers' ledger?)"
+                f"\nwarning: {d['strangers']} staged effects or spooled results belong to "
+                "executions this ledger does not know: kept (is this the workers' ledger?)"
                 if d["strangers"]
                 else ""
             )
