@@ -440,7 +440,13 @@ class Executor:
         anyway, told only through ``ctx.lease_lost`` if the keeper's thread had run."""
         eid = claim.execution_id
         reason = f"{type(watch.error()).__name__}: the lease was lost before the tool started"
-        late = {"not_started": True, "absent": True, "worker_id": self.worker_id, "reason": reason}
+        late = {
+            "not_started": True,
+            "absent": True,
+            "worker_id": self.worker_id,
+            "reason": reason,
+            "lease_lost": True,  # the fence stopped it (the chaos checker counts these)
+        }
         try:
             self.ledger.record_late_result(eid, late, actor=self.worker_id, outcome=None)
         except sa.exc.SQLAlchemyError as exc:

@@ -193,6 +193,43 @@ def _append_before_an_older_one(w: World) -> None:
     w.landings[i], w.landings[j] = w.landings[j], w.landings[i]
 
 
+def _own_commit_after_revocation(w: World) -> None:
+    # helper-96: w1's attempt 2 was revoked, then its executor's own commit went through all
+    # the same (the fence's compare-and-set failed to hold): nothing landed, nothing said
+    w1 = next(j for j in w.jobs if j.cid == "w1")
+    w.execs.append({"execution_id": "e-w1-z", "idempotency_key": w1.key, "attempt": 2,
+                    "status": "succeeded", "reconciled": False, "worker_id": "chaos-w2@h:7",
+                    "result": receipt_of(w1)})  # fmt: skip
+    w.event(w1.key, "e-w1-z", "unknown", reason="lease expired")
+    w.event(w1.key, "e-w1-z", "succeeded", reconciled=False, result=receipt_of(w1))
+    w.firings.append({"ref": "e-w1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
+
+
+def _one_write_landed_through_two_executions(w: World) -> None:
+    # w1's attempt 2 committed and landed the same bytes again: one file, one text, two
+    # effects of one call, which only the landing log tells (helper-96)
+    w1 = next(j for j in w.jobs if j.cid == "w1")
+    w.execs.append({"execution_id": "e-w1-2", "idempotency_key": w1.key, "attempt": 2,
+                    "status": "succeeded", "reconciled": False, "worker_id": "chaos-w2@h:7",
+                    "result": receipt_of(w1)})  # fmt: skip
+    done = w.event(w1.key, "e-w1-2", "succeeded", reconciled=False, result=receipt_of(w1))
+    w.landings.append({"execution_id": "e-w1-2", "seq": done["seq"], "path": "own/w1.txt",
+                       "kind": "write", "redo": False})  # fmt: skip
+
+
+def _appends_out_of_order_in_the_file(w: World) -> None:
+    # the log says a1 then a2; the file holds a2's line first (helper-96: only the log was read)
+    w.files["logs/x.log"] = "a2 r1\na1 r1\n"
+
+
+def _an_append_first_logged_as_redo_out_of_order(w: World) -> None:
+    # a1's only logged landing is a redo (its first line never written), after a2's: it is
+    # a1's landing, out of commit order (redo lines were all skipped: helper-96)
+    older = next(x for x in w.landings if x["execution_id"] == "e-a1-1")
+    w.landings.remove(older)
+    w.landings.append(dict(older, redo=True))
+
+
 def _shared_path_wrong(w: World) -> None:
     w.files["shared/a.txt"] = "s1 r1"
 
@@ -260,7 +297,7 @@ def _auto_retry(w: World, order: list[str]) -> None:
             w.event(w1.key, "e-w1-1", "unknown", reason="lease expired")
         elif step == "proven":
             w.event(w1.key, "e-w1-1", "failed", result={"error": "not_applied"},
-                    evidence={"reconciler": "absent"})  # fmt: skip
+                    evidence={"reconciler": "absent"}, reconciled=True)  # fmt: skip
         else:
             w.event(w1.key, None, "approved", attempt=2, automatic=True, after="e-w1-1")
 
@@ -555,6 +592,7 @@ BREAKS = {
         _duplicate_line,
         _duplicate_charge,
         _charged_again_under_another_key,
+        _one_write_landed_through_two_executions,
         _landed_twice,
     ],
     "no effect of a revoked execution lands": [
@@ -563,6 +601,9 @@ BREAKS = {
         _landing_of_a_reconciled_success,
         _stale_write_after_newer,
         _append_before_an_older_one,
+        _own_commit_after_revocation,
+        _appends_out_of_order_in_the_file,
+        _an_append_first_logged_as_redo_out_of_order,
     ],
     "every shared path holds its last succeeded write": [
         _shared_path_older_while_the_last_is_contradicted,
@@ -780,7 +821,16 @@ def test_checker__fenced_counts_what_revoked_executions_put_on_record():
     w.event("chaos_write:w1", "e-w1-1", "evidence", worker_id=mine, late_result=None,
             staged=[{"path": "own/w1.txt"}])  # fmt: skip
     w.event("chaos_write:w1", "e-w1-1", "evidence", worker_id="someone-else", late_result=None)
+    w.event("chaos_write:w1", "e-w1-1", "evidence", worker_id=mine, not_started=True,
+            lease_lost=True)  # fmt: skip
+    # not the fence's (helper-96: they met the figure with no revocation at all): a claim
+    # whose commit could not be learned, never revoked; the time limit before the tool
     w.event("chaos_append:a1", "e-a1-1", "evidence", worker_id=mine, not_started=True)
+    w.event("chaos_write:w1", "e-w1-1", "evidence", worker_id=mine, not_started=True,
+            reason="SoftTimeLimitExceeded")  # fmt: skip
+    w.event(
+        "chaos_append:a1", "e-a1-1", "evidence", worker_id=mine, not_started=True, lease_lost=True
+    )  # fmt: skip  (its lease lost, but the sweep never revoked it)
     w.event(
         "chaos_append:a2", "e-a2-1", "evidence", worker_id=mine, late_result=None
     )  # never revoked

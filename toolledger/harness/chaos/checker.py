@@ -105,12 +105,42 @@ class Facts:
     def exec_by_id(self) -> dict[str, dict[str, Any]]:
         return {e["execution_id"]: e for e in self.execs}
 
+    def revoked_at(self, execution_id: str) -> int | None:
+        """The seq of the event that revoked the execution (the sweep's ``unknown``): every
+        later decision about it (a person's, a reconciler's, a late result's) is reconciled."""
+        return next(
+            (e["seq"] for e in self.events_of(execution_id) if e["kind"] == "unknown"), None
+        )
+
     def own_commit(self, execution_id: str) -> dict[str, Any] | None:
-        """The event of an execution's own succeeded commit (not a reconciler's)."""
+        """The event of an execution's own succeeded commit (not a reconciler's), made while
+        it held its claim: one after its revocation is no commit the fence allows, and makes
+        nothing official (``commits_after_revocation`` names it; it was the path's truth and
+        its landing legitimate here: helper-96)."""
+        revoked = self.revoked_at(execution_id)
         for e in self.events_of(execution_id):
             if e["kind"] == "succeeded" and not e["detail"].get("reconciled"):
-                return e
+                return e if revoked is None or e["seq"] < revoked else None
         return None
+
+    def commits_after_revocation(self) -> list[str]:
+        """Executions whose own terminal write (not a reconciliation) came after the ledger
+        revoked them: the compare-and-set on the claim's fence forbids it."""
+        bad = []
+        for ex in self.execs:
+            eid = ex["execution_id"]
+            revoked = self.revoked_at(eid)
+            if revoked is None:
+                continue
+            bad += [
+                f"{eid} committed its own {e['kind']} at seq {e['seq']}, after it was revoked "
+                f"at seq {revoked}"
+                for e in self.events_of(eid)
+                if e["kind"] in ("succeeded", "failed")
+                and not e["detail"].get("reconciled")
+                and e["seq"] > revoked
+            ]
+        return bad
 
 
 # ---------------------------------------------------------------------------- invariants
@@ -137,6 +167,18 @@ def one_effect_per_call(f: Facts) -> Invariant:
     appends = (x for x in f.landings or [] if x.get("kind") == "append" and not x.get("redo"))
     landed = Counter((x["execution_id"], x["path"]) for x in appends)
     bad += [f"{eid} landed on {path} {n} times" for (eid, path), n in landed.items() if n > 1]
+    # a call's effect through two of its executions: the same bytes twice leave one file,
+    # which cannot tell; the landing log can (helper-96: a revoked attempt landing after its
+    # retry's was one write, twice, unseen)
+    through: dict[str, set[str]] = defaultdict(set)
+    for x in f.landings or []:  # (a landing without its own commit is judged apart)
+        if f.own_commit(x["execution_id"]) is not None:
+            through[owner.get(x["execution_id"], x["execution_id"])].add(x["execution_id"])
+    bad += [
+        f"{key}: its effect landed through {len(eids)} executions ({', '.join(sorted(eids))})"
+        for key, eids in through.items()
+        if len(eids) > 1
+    ]
     return _invariant("at most one effect per call (lines, charges, landings)", bad)
 
 
@@ -227,18 +269,17 @@ def no_effect_after_revocation(f: Facts) -> Invariant:
     a newer one; an append finished again after a crash, ``redo``, is the same landing)."""
     if f.landings is None:  # an older version: nothing to judge by (reported as not measured)
         return Invariant("no effect of a revoked execution lands", True, 0, ["not measured"])
-    bad = []
+    bad = f.commits_after_revocation()
     for landing in f.landings:
         commit = f.own_commit(landing["execution_id"])
         if commit is None or commit["seq"] != landing["seq"]:
-            revoked = [
-                e["seq"] for e in f.events_of(landing["execution_id"]) if e["kind"] == "unknown"
-            ]
+            revoked = f.revoked_at(landing["execution_id"])
             bad.append(
                 f"{landing['execution_id']} landed on {landing['path']} with seq {landing['seq']}"
                 f" but its own commit is {commit and commit['seq']} (revoked at {revoked})"
             )
     bad += out_of_commit_order(f.landings)
+    bad += appends_out_of_commit_order_in_files(f)
     return _invariant("no effect of a revoked execution lands", bad)
 
 
@@ -250,16 +291,45 @@ def inversions(seqs: Sequence[int]) -> list[tuple[int, int]]:
 
 def out_of_commit_order(landings: Iterable[dict[str, Any]]) -> list[str]:
     """On each path (of its scope), every effect that landed after one committed later; an
-    append finished again after a crash (``redo``) is the same landing, not another."""
+    append finished again after a crash (``redo``) is the same landing, not another, but the
+    only one logged of it (a crash before its first line) is its landing (it was skipped, and
+    a landing out of order with it: helper-96)."""
     per_path: dict[tuple[str, str], list[int]] = defaultdict(list)
+    seen: set[tuple[str, str, str | None]] = set()
     for landing in landings:  # in the order they landed (each logged under its path's lock)
-        if not landing.get("redo"):
-            per_path[(landing.get("scope", ""), landing["path"])].append(landing["seq"])
+        where = (landing.get("scope", ""), landing["path"])
+        eid = landing.get("execution_id")
+        if landing.get("redo") and (*where, eid) in seen:
+            continue
+        seen.add((*where, eid))
+        per_path[where].append(landing["seq"])
     return [
         f"{path}: seq {b} landed after seq {a}"
         for (_, path), seqs in per_path.items()
         for a, b in inversions(seqs)
     ]
+
+
+def appends_out_of_commit_order_in_files(f: Facts) -> list[str]:
+    """Each append log's lines, as they stand in the file, in the order of their calls'
+    commits: the landing log says in what order the lander wrote, the file what the world
+    holds (lines of calls without an own commit are judged elsewhere)."""
+    ran_by: dict[str, list[str]] = defaultdict(list)
+    for ex in f.execs:
+        ran_by[ex["idempotency_key"]].append(ex["execution_id"])
+    by_line: dict[tuple[str, str], int] = {}
+    for job in (j for j in f.jobs if j.kind == "append"):
+        for eid in ran_by[job.key]:
+            commit = f.own_commit(eid)
+            if commit is not None:
+                by_line[(job.group, job.line)] = commit["seq"]
+    bad = []
+    for path in sorted({j.group for j in f.jobs if j.kind == "append"}):
+        # each line at its first place (a second copy is a duplicate, judged as one)
+        lines = dict.fromkeys((f.files.get(path) or "").splitlines(keepends=True))
+        seqs = [by_line[(path, line)] for line in lines if (path, line) in by_line]
+        bad += [f"{path}: the line of seq {b} stands after seq {a}" for a, b in inversions(seqs)]
+    return bad
 
 
 def shared_paths_match_the_ledger(f: Facts) -> Invariant:
@@ -277,6 +347,8 @@ def shared_paths_match_the_ledger(f: Facts) -> Invariant:
             continue
         if f.landings is not None and e["detail"].get("reconciled"):
             continue
+        if f.landings is not None and f.own_commit(e["execution_id"]) is not e:
+            continue  # a commit after its revocation makes nothing official (judged apart)
         if e["seq"] > succeeded_at.get(job.group, (0, "", ""))[0]:
             succeeded_at[job.group] = (e["seq"], job.args["content"], job.key)
     bad = []
@@ -640,7 +712,10 @@ def fenced(f: Facts) -> dict[str, int]:
             if not own:
                 continue
             if e["detail"].get("not_started"):
-                out["not_started"] += 1
+                # the fence's: its lease lost, the execution revoked; not a claim cut by the
+                # time limit, nor one whose commit it could not learn (both counted before,
+                # and a run could meet its "fence met" figure with no revocation: helper-96)
+                out["not_started"] += bool(revoked is not None and e["detail"].get("lease_lost"))
             elif revoked is not None and e["seq"] > revoked and "late_result" in e["detail"]:
                 out["refused_at_commit"] += 1
                 out["staged_refused"] += bool(e["detail"].get("staged"))

@@ -656,10 +656,13 @@ class ChaosRun:
             return None
         t = time.time()
         pid = self.cluster.crash()
+        if pid is None:  # no postmaster to kill (down already): a fault that did nothing is
+            self.cluster.start()  # none, and would explain unknowns it did not cause
+            return None
         down = self.rng.uniform(1.0, 3.0)
         time.sleep(down)
         self.cluster.start()
-        return Fault(t, "pg_crash", "postgres", [pid] if pid else [], {"down_s": round(down, 2)})
+        return Fault(t, "pg_crash", "postgres", [pid], {"down_s": round(down, 2)})
 
     def _fault_redis_flush(self) -> Fault | None:
         import redis
@@ -672,6 +675,8 @@ class ChaosRun:
         ]
         deleted = client.delete(*keys) if keys else 0
         client.close()
+        if not deleted:  # an idle queue has no key: a flush of nothing did nothing (the
+            return None  # fault log counts only faults that did something: helper-96)
         return Fault(0, "redis_flush", "redis", [], {"keys_deleted": deleted})
 
     def _fault_pg_terminate(self) -> Fault | None:
