@@ -104,6 +104,13 @@ class World:
                                   "write", "redo": False})  # fmt: skip
         return eid
 
+    def attempt(self, j: Job, eid: str, attempt: int, status: str, reconciled: bool,
+                worker: str = "chaos-w2@h:7", result: bool = True) -> None:  # fmt: skip
+        """Another execution of ``j``'s call, as its row stands at the end."""
+        row = {"execution_id": eid, "idempotency_key": j.key, "attempt": attempt,
+               "status": status, "reconciled": reconciled, "worker_id": worker}  # fmt: skip
+        self.execs.append({**row, "result": receipt_of(j)} if result else row)
+
     def facts(self) -> Facts:
         for e in self.execs:  # every execution of this world was claimed then
             e.setdefault("started_at", BEGAN)
@@ -152,8 +159,7 @@ def _landed_twice(w: World) -> None:
 def _landing_without_own_commit(w: World) -> None:
     # a zombie of s1's revoked attempt 2 landed: its execution never committed
     s1 = next(j for j in w.jobs if j.cid == "s1")
-    w.execs.append({"execution_id": "e-s1-z", "idempotency_key": s1.key, "attempt": 2,
-                    "status": "unknown", "reconciled": False, "worker_id": "chaos-w2@h:7"})  # fmt: skip
+    w.attempt(s1, "e-s1-z", 2, "unknown", False, result=False)
     w.event(s1.key, "e-s1-z", "unknown", reason="lease expired")
     w.landings.append({"execution_id": "e-s1-z", "seq": 99, "path": "shared/a.txt",
                        "kind": "write", "redo": False})  # fmt: skip
@@ -170,11 +176,9 @@ def _landing_of_a_reconciled_success(w: World) -> None:
     # w1 attempt 2 was revoked; a reconciler (not its own commit) said succeeded; its bytes
     # landed: only an execution's own commit makes its bytes official
     w1 = next(j for j in w.jobs if j.cid == "w1")
-    w.execs.append({"execution_id": "e-w1-z", "idempotency_key": w1.key, "attempt": 2,
-                    "status": "succeeded", "reconciled": True, "worker_id": "chaos-w2@h:7"})  # fmt: skip
+    w.attempt(w1, "e-w1-z", 2, "succeeded", True)
     w.event(w1.key, "e-w1-z", "unknown", reason="lease expired")
     done = w.event(w1.key, "e-w1-z", "succeeded", reconciled=True, result=receipt_of(w1))
-    w.execs[-1]["result"] = receipt_of(w1)
     w.landings.append({"execution_id": "e-w1-z", "seq": done["seq"], "path": "own/w1.txt",
                        "kind": "write", "redo": False})  # fmt: skip
     w.firings.append({"ref": "e-w1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
@@ -197,9 +201,7 @@ def _own_commit_after_revocation(w: World) -> None:
     # helper-96: w1's attempt 2 was revoked, then its executor's own commit went through all
     # the same (the fence's compare-and-set failed to hold): nothing landed, nothing said
     w1 = next(j for j in w.jobs if j.cid == "w1")
-    w.execs.append({"execution_id": "e-w1-z", "idempotency_key": w1.key, "attempt": 2,
-                    "status": "succeeded", "reconciled": False, "worker_id": "chaos-w2@h:7",
-                    "result": receipt_of(w1)})  # fmt: skip
+    w.attempt(w1, "e-w1-z", 2, "succeeded", False)
     w.event(w1.key, "e-w1-z", "unknown", reason="lease expired")
     w.event(w1.key, "e-w1-z", "succeeded", reconciled=False, result=receipt_of(w1))
     w.firings.append({"ref": "e-w1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
@@ -209,9 +211,7 @@ def _one_write_landed_through_two_executions(w: World) -> None:
     # w1's attempt 2 committed and landed the same bytes again: one file, one text, two
     # effects of one call, which only the landing log tells (helper-96)
     w1 = next(j for j in w.jobs if j.cid == "w1")
-    w.execs.append({"execution_id": "e-w1-2", "idempotency_key": w1.key, "attempt": 2,
-                    "status": "succeeded", "reconciled": False, "worker_id": "chaos-w2@h:7",
-                    "result": receipt_of(w1)})  # fmt: skip
+    w.attempt(w1, "e-w1-2", 2, "succeeded", False)
     done = w.event(w1.key, "e-w1-2", "succeeded", reconciled=False, result=receipt_of(w1))
     w.landings.append({"execution_id": "e-w1-2", "seq": done["seq"], "path": "own/w1.txt",
                        "kind": "write", "redo": False})  # fmt: skip
@@ -935,9 +935,7 @@ def test_checker__a_reconciled_success_after_a_newer_commit_is_not_the_paths_tru
     rightly holds s2's bytes, and the checker said it should hold s1's (a cold review)."""
     w = World()
     s1 = next(j for j in w.jobs if j.cid == "s1")
-    w.execs.append({"execution_id": "e-s1-0", "idempotency_key": s1.key, "attempt": 0,
-                    "status": "succeeded", "reconciled": True, "worker_id": "chaos-w1@h:101",
-                    "result": receipt_of(s1)})  # fmt: skip
+    w.attempt(s1, "e-s1-0", 0, "succeeded", True, worker="chaos-w1@h:101")
     w.event(s1.key, "e-s1-0", "unknown", reason="lease expired")
     w.event(s1.key, "e-s1-0", "succeeded", reconciled=True, result=receipt_of(s1))
     f = w.facts()
