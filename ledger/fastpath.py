@@ -78,6 +78,10 @@ SELECT claimed.lease_expires_at, op.tool, op.args FROM claimed, op
 _EXECUTION_COLUMNS = ", ".join(c.name for c in executions.c)
 _OPERATION_COLUMNS = ", ".join(c.name for c in operations.c)
 
+#: The terminal write. Its event draws its seq only after the path locks (``locks``) and the
+#: call's row (``moved``) are held: Postgres runs a data-modifying CTE nobody reads after the
+#: main query, so the seq was drawn first, and a reconciliation of an earlier attempt that
+#: committed before this write (holding the call's row) was listed after it (helper-98).
 _FINISH = sa.text(
     f"""
 WITH done AS (
@@ -95,11 +99,12 @@ WITH done AS (
     FROM done
     WHERE o.scope = done.scope AND o.idempotency_key = done.idempotency_key
       AND o.status = :running AND o.authorized_attempts = done.attempt
+    RETURNING 1
 ), logged AS (
     INSERT INTO execution_events (scope, idempotency_key, execution_id, kind, actor, at, detail)
     SELECT scope, idempotency_key, execution_id, :status,
            coalesce(nullif(worker_id, ''), 'worker'), now(), CAST(:detail AS json)
-    FROM done, (SELECT count(*) FROM locks) AS held
+    FROM done, (SELECT count(*) FROM locks) AS held, (SELECT count(*) FROM moved) AS taken
     RETURNING seq
 )
 SELECT {", ".join(f"done.{c.name}" for c in executions.c)}, logged.seq FROM done, logged

@@ -240,14 +240,13 @@ class LedgerResolution(LedgerBase):
         # its executor never started the tool (the lease was lost first): nothing applied
         not_started = bool(detail.get("not_started")) and bool(detail.get("absent"))
         with self._write() as conn:
+            # the call's row first, then what to judge by, read once it is ours: a person's
+            # resolution committed between a first read (unknown) and the reconciliation below
+            # made it lose its compare-and-set, and the late result that contradicts the person
+            # was kept as evidence only, never flagged (helper-97); and the evidence, numbered
+            # under it, was listed before a decision that never saw it (helper-98)
+            ex = self._lock_call_of(conn, execution_id)
             seq = self._evidence(conn, execution_id, detail, actor)
-            ex = self._require_execution(conn, execution_id)
-            # read again once the call's row is ours: a person's resolution committed between
-            # a first read (unknown) and the reconciliation below made it lose its
-            # compare-and-set, and the late result that contradicts the person was kept as
-            # evidence only, never flagged (helper-97); every decision takes this lock first
-            self._locked_operation(conn, ex.scope, ex.idempotency_key)
-            ex = self._require_execution(conn, execution_id)
             human = self._human_decider(conn, ex)
             if (refused or not_started) and human and ex.status is Status.SUCCEEDED:
                 # a human said it happened; its executor proves it did not (what it staged
@@ -289,13 +288,15 @@ class LedgerResolution(LedgerBase):
         the decision agrees, or was not a human's (another sweep's, a late result's): one
         answer each. True if the call was flagged."""
         with self._write() as conn:
-            ex = self._require_execution(conn, execution_id)
+            # judged against the decision as it stands once the call's row is ours: a review
+            # that corrected it meanwhile was flagged "contradicted" against the decision it
+            # had replaced (helper-98)
+            ex = self._lock_call_of(conn, execution_id)
             human = self._human_decider(conn, ex)
             if not human or ex.status not in TERMINAL or ex.status is status:
                 return False
             finding = {"status": status.value, "result": result, "evidence": evidence}
             seq = self._evidence(conn, execution_id, {"finding": finding}, actor)
-            self._locked_operation(conn, ex.scope, ex.idempotency_key)
             waiting, _ = fold_flags(self._flag_events(conn, ex.scope, ex.idempotency_key))
             if any(
                 f.execution_id == execution_id and f.reason == Review.CONTRADICTED for f in waiting
@@ -349,15 +350,24 @@ class LedgerResolution(LedgerBase):
         refused them anew) names bytes a flag already names, waiting or reviewed, and records
         nothing more."""
         with self._write() as conn:
-            ex = self._require_execution(conn, execution_id)
-            if "kept" in detail:  # the call's row locked: two settles refusing it tell it once
-                self._locked_operation(conn, ex.scope, ex.idempotency_key)
+            # the call's row locked: two settles refusing it tell it once; and a flag raised
+            # while a review of the call's other flag was on its way was numbered before the
+            # review, which then settled it in the history (the review never saw it)
+            ex = self._lock_call_of(conn, execution_id)
+            if "kept" in detail:
                 flags = fold_flags(self._flag_events(conn, ex.scope, ex.idempotency_key))
                 if Flag(execution_id, Review.NOT_LANDED.value, detail["kept"]) in chain(*flags):
                     return
             seq = self._evidence(conn, execution_id, {"not_landed": detail}, "sandbox")
             flagged = {"effect": detail, "evidence_seq": seq}
             self._flag(conn, ex, Review.NOT_LANDED, flagged, "sandbox")
+
+    def _lock_call_of(self, conn: sa.Connection, execution_id: str) -> ExecutionRecord:
+        """The execution, read once its call's row is locked (every decision about a call
+        takes that lock before it reads or numbers anything: its events follow the facts)."""
+        ex = self._require_execution(conn, execution_id)
+        self._locked_operation(conn, ex.scope, ex.idempotency_key)
+        return self._require_execution(conn, execution_id)
 
     def _locked_operation(self, conn: sa.Connection, scope: str, key: str) -> OperationRecord:
         """The operation, its row locked until commit (a concurrent claim waits for us)."""

@@ -38,15 +38,21 @@ def waiting_on_locks(conn: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-def in_turn(pg_url: str, scope: str, *writers: Callable[[], Any]) -> list[Any]:
-    """Run ``writers`` each in a thread, the call's row held until every one of them waits
-    on a lock (the first queued first), then released; their results or errors."""
+def in_turn(
+    pg_url: str, scope: str, *writers: Callable[[], Any], held: str | None = None
+) -> list[Any]:
+    """Run ``writers`` each in a thread, the call's row held (or the execution ``held``)
+    until every one of them waits on a lock (the first queued first), then released; their
+    results or errors."""
     watch = psycopg.connect(plain_url(pg_url), autocommit=True)
     holder = psycopg.connect(plain_url(pg_url))
     out: list[Any] = [None] * len(writers)
     threads = []
     try:
-        holder.execute("SELECT 1 FROM operations WHERE scope = %s FOR UPDATE", (scope,))
+        if held is None:
+            holder.execute("SELECT 1 FROM operations WHERE scope = %s FOR UPDATE", (scope,))
+        else:
+            holder.execute("SELECT 1 FROM executions WHERE execution_id = %s FOR UPDATE", (held,))
         for n, writer in enumerate(writers):
 
             def run(n: int = n, writer: Callable[[], Any] = writer) -> None:
@@ -114,4 +120,146 @@ def test_a_late_result_against_a_resolution_committed_a_moment_before_is_flagged
     assert view.operation.review == Review.CONTRADICTED
     flag = ledger.events(scope, "c1")[-1]
     assert flag.kind == "flagged" and flag.detail["late"]["status"] == "succeeded"
+    assert ledger.verify().ok
+
+
+def test_an_executors_commit_waiting_behind_a_proof_comes_after_it_in_the_history(
+    pg_url: str, scope: str
+) -> None:
+    """helper-98: the fast path's terminal write drew its event's seq before it took the
+    call's row (Postgres runs a CTE nobody reads last): attempt 2's own success was listed
+    before attempt 1's proof, which committed first and flagged attempt 2 as still running."""
+    ledger = Ledger(pg_url, fast_path=True)
+    try:
+        ledger.submit(scope, "c1", "notify", {"to": "ops"}, approved_by="al")
+        first = ledger.claim(scope, "notify:c1", 1, worker_id="w1")
+        assert first is not None
+        ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+        ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+        second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+        assert second is not None
+        late = {"late_result": {"notified": "ops"}}
+        proof, done = in_turn(
+            pg_url,
+            scope,
+            lambda: ledger.record_late_result(
+                first.execution_id, late, actor="w1", outcome=Status.SUCCEEDED
+            ),
+            lambda: ledger.finish(
+                second.execution_id, second.lease_token, Status.SUCCEEDED, {"notified": "ops"}
+            ),
+        )
+        assert not isinstance(proof, Exception) and not isinstance(done, Exception), (proof, done)
+        history = [(e.kind, e.execution_id) for e in ledger.events(scope, "c1")]
+        assert history[-4:] == [
+            ("evidence", first.execution_id),
+            ("succeeded", first.execution_id),
+            ("flagged", first.execution_id),  # both ran: attempt 2 was running then
+            ("succeeded", second.execution_id),
+        ], history
+        assert ledger.verify().ok
+    finally:
+        ledger.close()
+
+
+def test_a_finding_waiting_behind_a_review_is_judged_against_the_corrected_decision(
+    pg_ledger: Ledger, pg_url: str, scope: str
+) -> None:
+    """helper-98: the sweep's finding read the execution and who decided it before it took
+    the call's row: a review that corrected the decision meanwhile (to what the finding
+    says) got a new "contradicted" flag against the decision it had replaced."""
+    ledger = pg_ledger
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, Status.SUCCEEDED, by="hank", evidence="I think it went out")
+    late = {"late_result": {"error": "smtp 550"}}
+    ledger.record_late_result(eid, late, actor="zombie", outcome=Status.FAILED)
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    reviewed, flagged = in_turn(
+        pg_url,
+        scope,
+        lambda: ledger.review(eid, Status.FAILED, by="rita", evidence="the outbox says no"),
+        lambda: ledger.record_finding_after_decision(
+            eid, Status.FAILED, {"error": "smtp 550"}, evidence={"reconciler": "outbox"},
+            actor="sweep",
+        ),
+        held=eid,
+    )  # fmt: skip
+    assert not isinstance(reviewed, Exception), reviewed
+    assert flagged is False  # the decision it finds is the finding's own now
+    view = ledger.get(scope, "c1")
+    assert view.operation.review is None and view.current.status is Status.FAILED
+    assert ledger.events(scope, "c1")[-1].kind == "reviewed"
+
+
+def test_a_late_results_evidence_comes_after_the_decision_it_waited_behind(
+    pg_ledger: Ledger, pg_url: str, scope: str
+) -> None:
+    """helper-98: a late result numbered its evidence before it took the call's row, and was
+    listed before Hank's resolution, which held the row and never saw it."""
+    ledger = pg_ledger
+    eid = unknown_attempt(ledger, scope)
+    late = {"late_result": {"error": "smtp 550"}}
+    hank, zombie = in_turn(
+        pg_url,
+        scope,
+        lambda: ledger.resolve(eid, Status.SUCCEEDED, by="hank", evidence="looks sent"),
+        lambda: ledger.record_late_result(eid, late, actor="zombie", outcome=Status.FAILED),
+        held=eid,
+    )
+    assert not isinstance(hank, Exception) and not isinstance(zombie, Exception), (hank, zombie)
+    kinds = [e.kind for e in ledger.events(scope, "c1")]
+    assert kinds[-3:] == ["succeeded", "evidence", "flagged"], kinds
+
+
+def test_a_flag_raised_while_a_review_of_another_is_on_its_way_is_not_lost(
+    pg_ledger: Ledger, pg_url: str, scope: str
+) -> None:
+    """Attempt 1 proven succeeded while attempt 2 ran (flagged both_ran); Rita's review of it
+    read the call's flags, then waited on attempt 1's row; meanwhile attempt 2's bytes were
+    refused at landing: its not_landed flag, raised without the call's row (already flagged),
+    committed first, and her review, which never saw it, cleared the call: bytes that never
+    landed, and nobody asked."""
+    ledger = pg_ledger
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    assert second is not None
+    ledger.reconcile(first, Status.SUCCEEDED, {"notified": "ops"}, evidence={"r": 1}, actor="s")
+    ledger.finish(second.execution_id, second.lease_token, Status.SUCCEEDED, {"notified": "ops"})
+    assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
+    watch = psycopg.connect(plain_url(pg_url), autocommit=True)
+    holder = psycopg.connect(plain_url(pg_url))
+    out: dict[str, Any] = {}
+
+    def run(name: str, fn: Callable[[], Any]) -> threading.Thread:
+        def go() -> None:
+            try:
+                out[name] = fn()
+            except Exception as exc:  # noqa: BLE001 - said by the test
+                out[name] = exc
+
+        thread = threading.Thread(target=go)
+        thread.start()
+        return thread
+
+    try:
+        holder.execute("SELECT 1 FROM executions WHERE execution_id = %s FOR UPDATE", (first,))
+        rita = run("rita", lambda: ledger.review(first, Status.FAILED, by="rita", evidence="no"))
+        deadline = time.monotonic() + 20
+        while waiting_on_locks(watch) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = {"path": "a.txt", "why": "a directory stands at its path"}
+        sandbox = run("sandbox", lambda: ledger.record_not_landed(second.execution_id, refused))
+        while waiting_on_locks(watch) < 2 and sandbox.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        holder.rollback()
+        holder.close()
+        watch.close()
+    rita.join(30)
+    sandbox.join(30)
+    assert not isinstance(out["rita"], Exception) and out["sandbox"] is None, out
+    assert ledger.get(scope, "c1").operation.review == Review.NOT_LANDED
     assert ledger.verify().ok
