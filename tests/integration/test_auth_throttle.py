@@ -4,8 +4,11 @@ mistypes waits seconds and everyone else is untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.integration.test_server import SECRETS, TOKENS
-from toolledger.config import Settings
+from toolledger.config import ConfigError, Settings
 from toolledger.harness.console_load import start_server
 from toolledger.server.app import create_app
 from toolledger.server.auth import (
@@ -71,7 +74,20 @@ def test_throttle__logged_once_when_an_address_starts_to_wait(
         clock.now += 20
         throttle.failed("10.0.0.1")  # a try after its wait: it does not wait again, nothing said
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["3 wrong tokens from 10.0.0.1: its secrets are refused for 10 s"], said
+    assert said == [
+        "3 wrong tokens from 10.0.0.1: its secrets are refused for 9 s, then one more every 10 s"
+    ], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="toolledger.serve"):
+        for _ in range(4):  # helper-99: a line each guess after the burst, each saying "3"
+            clock.now += 5  # (not forgiven in full since it was said: said once)
+            throttle.failed("10.0.0.1")
+            assert throttle.wait("10.0.0.1") > 0
+        assert not caplog.records
+        clock.now += 60  # forgiven in full: its next wait is said again
+        for _ in range(3):
+            throttle.failed("10.0.0.1")
+    assert len(caplog.records) == 1
 
 
 def test_throttle__ipv6_counts_by_its_64_and_a_mapped_ipv4_as_itself() -> None:
@@ -87,7 +103,10 @@ def test_throttle__ipv6_counts_by_its_64_and_a_mapped_ipv4_as_itself() -> None:
         throttle.check("192.0.2.7")
 
 
-def test_throttle__remembers_a_bounded_number_of_addresses_forgiven_ones_first() -> None:
+def test_throttle__a_full_table_forgets_the_forgiven_never_the_throttled() -> None:
+    """helper-99: past the table's size the longest remembered address was forgotten,
+    throttled or not, so a pool of addresses reset its own buckets (30 guesses where 10
+    were promised), and each insertion scanned the table under the lock."""
     clock = Clock()
     throttle = FailureThrottle(burst=2, refill_seconds=10, max_addresses=3, clock=clock)
     for _ in range(5):
@@ -96,12 +115,67 @@ def test_throttle__remembers_a_bounded_number_of_addresses_forgiven_ones_first()
     clock.now += 15  # 10.0.0.1 is forgiven, nothing worth remembering; 10.0.0.2 is not
     throttle.failed("10.0.0.3")
     throttle.failed("10.0.0.3")
-    throttle.failed("10.0.0.4")
+    throttle.failed("10.0.0.4")  # full: the forgiven one goes
     assert set(throttle._buckets) == {"10.0.0.2", "10.0.0.3", "10.0.0.4"}
-    with pytest.raises(Throttled):  # still throttled: the forgiven one went
+    for n in range(5, 40):  # none forgiven: new addresses share one bucket, nobody goes
+        with contextlib.suppress(Throttled):
+            throttle.take(f"10.0.1.{n}")
+    assert set(throttle._buckets) == {"10.0.0.2", "10.0.0.3", "10.0.0.4", throttle.OVERFLOW}
+    with pytest.raises(Throttled):
         throttle.check("10.0.0.2")
-    throttle.failed("10.0.0.5")  # none forgiven: the longest remembered goes
-    assert set(throttle._buckets) == {"10.0.0.3", "10.0.0.4", "10.0.0.5"}
+    with pytest.raises(Throttled):  # the overflow's burst is spent: new addresses wait
+        throttle.take("10.0.2.1")
+    clock.now += 60  # all forgiven: a new address has its own bucket again
+    throttle.take("10.0.2.1")
+    assert "10.0.2.1" in throttle._buckets
+
+
+def test_throttle__whatever_is_no_address_counts_as_one() -> None:
+    """helper-99: a name that is no IP address (a forged X-Forwarded-For behind a trusting
+    proxy) had a bucket of its own each: a guess each, and memory without bound."""
+    throttle = FailureThrottle(burst=2, clock=Clock())
+    throttle.failed("not-an-ip-1")
+    throttle.failed("not-an-ip-2")
+    with pytest.raises(Throttled):
+        throttle.check("fe80::1%eth0/bad")
+    assert set(throttle._buckets) == {throttle.UNNAMED}
+
+
+def test_authenticator__concurrent_guesses_pass_the_burst_no_more() -> None:
+    """helper-99: the check and the count were apart, and 120 concurrent wrong bearers of
+    200 KB (their hashing lets other threads run) got 12 and 13 compared, not 10."""
+    import threading
+
+    auth = Authenticator(parse_tokens(TOKENS, "t"), throttle=FailureThrottle(burst=10))
+    compared = []
+    slow = auth.by_secret
+
+    def hashing(secret: str) -> Any:
+        compared.append(secret)
+        time.sleep(0.02)  # a long secret's hash, the GIL released
+        return slow(secret)
+
+    auth.by_secret = hashing  # type: ignore[method-assign]
+    start = threading.Barrier(60)
+
+    def guess() -> None:
+        start.wait(10)
+        with contextlib.suppress(Throttled):
+            auth.by_secret_from(WRONG, "10.0.0.9")
+
+    threads = [threading.Thread(target=guess) for _ in range(60)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(compared) == 10
+
+
+def test_tokens__a_secret_longer_than_any_token_is_refused_unhashed() -> None:
+    with pytest.raises(ConfigError, match="longer than 4096"):
+        parse_tokens("ops:operator:" + "x" * 4097, "t")
+    auth = Authenticator(parse_tokens(TOKENS, "t"))
+    assert auth.by_secret("y" * 4_000_000) is None
 
 
 def test_authenticator__a_throttled_address_is_refused_even_the_right_secret() -> None:
@@ -206,3 +280,38 @@ def test_serve__behind_a_proxy_each_client_is_throttled_by_its_own_address(
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_console__a_bearer_throttled_on_a_page_is_told_when_to_come_back(app: Any) -> None:
+    """helper-99: the login form's 429 said Retry-After, a console page's did not."""
+    asgi, _clock = app
+    with TestClient(asgi, client=("203.0.113.9", 5000)) as client:
+        wrong = {"Authorization": f"Bearer {WRONG}"}
+        for _ in range(10):
+            client.get("/", headers=wrong, follow_redirects=False)
+        r = client.get("/", headers=wrong, follow_redirects=False)
+        assert r.status_code == 429 and r.headers["retry-after"] == "6", r.headers
+
+
+@pytest.mark.parametrize("value", ["*", "10.0.0.1,*", " "])
+def test_serve__trusting_every_address_is_refused(tmp_path: Path, value: str) -> None:
+    """helper-99: with uvicorn's ``*`` every client named the address it is counted by:
+    300 guesses from one client, and any other address made to wait."""
+    import subprocess
+
+    from toolledger.harness.processes import toolledger_argv
+
+    env = {
+        **os.environ,
+        "TOOLLEDGER_HOME": str(tmp_path),
+        "TOOLLEDGER_API_TOKENS": f"ops:operator:{OPERATOR}",
+    }
+    done = subprocess.run(
+        [*toolledger_argv(), "serve", "--port", "0", "--forwarded-allow-ips", value],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert "name the proxy's own addresses" in done.stderr and "Traceback" not in done.stderr

@@ -19,7 +19,7 @@ from toolledger.config import ConfigError, Settings
 from toolledger.ledger.db import busy, ensure_schema, unreachable
 from toolledger.ledger.errors import LedgerError
 from toolledger.server import api, console
-from toolledger.server.auth import LOCAL, Authenticator, Token
+from toolledger.server.auth import LOCAL, Authenticator, Throttled, Token
 from toolledger.server.deps import (
     BodyLimit,
     LoopbackOnly,
@@ -89,9 +89,12 @@ def create_app(
     @app.exception_handler(LedgerError)
     async def ledger_error(request: Request, exc: LedgerError) -> Response:
         if not request.url.path.startswith("/api/"):
-            return console.render(
+            page = console.render(
                 request, "error.html", console._status_of(exc), who=None, error=str(exc)
             )
+            if isinstance(exc, Throttled):  # a bearer secret on a console page
+                page.headers["Retry-After"] = str(exc.retry_after)
+            return page
         return error_response(exc)
 
     @app.exception_handler(sa.exc.OperationalError)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from toolledger.config import ConfigError
 from toolledger.ledger.errors import LedgerError
@@ -63,6 +64,8 @@ ALLOWED: Mapping[Role, frozenset[Action]] = {
 
 #: Shortest secret accepted: a token is a password nobody types, so it can be long.
 MIN_SECRET = 16
+#: Longest secret accepted (a bearer longer than any token's is wrong without a hash).
+MAX_SECRET = 4096
 SESSION_SECONDS = 8 * 3600
 SESSION_COOKIE = "toolledger_session"
 LOGIN_COOKIE = "toolledger_login"
@@ -89,7 +92,7 @@ class Throttled(LedgerError):
 #: guesses a day an address (a process: ``serve --workers N`` multiplies it by N).
 FAILURE_BURST = 10
 FAILURE_REFILL_SECONDS = 6.0
-#: Addresses a throttle remembers at most (about 100 bytes each).
+#: Addresses a throttle remembers at most (a few hundred bytes each: some 3 MB in all).
 FAILURE_ADDRESSES = 10_000
 
 
@@ -97,9 +100,18 @@ class FailureThrottle:
     """Wrong secrets per client address, as a bucket: ``burst`` of them at once, one more
     every ``refill_seconds``. An address whose bucket is empty is refused *before* its secret
     is compared (``Throttled``: 429), so its guesses stop, whatever they are; a right secret
-    from an address that is not throttled costs nothing. IPv6 addresses count by their /64
-    (one host holds all of one). At most ``max_addresses`` are remembered: past them, those
-    whose bucket is full again are forgotten first, then the longest remembered."""
+    from an address that is not throttled costs nothing. A try is counted as it starts and
+    given back if its secret was right, so concurrent tries from one address cannot pass the
+    burst together (hashing a long secret lets other threads run). IPv6 addresses count by
+    their /64 (one host holds all of one); whatever is no address counts as one. At most
+    ``max_addresses`` are remembered: past them, those forgiven are forgotten (at most once
+    a second), and new addresses share one more bucket until there is room: an address still
+    throttled is never forgotten (forgetting the oldest let a pool of addresses reset its own,
+    and each insertion scanned the table under the lock: helper-99)."""
+
+    #: The bucket of whatever is no IP address, and of new addresses when the table is full.
+    UNNAMED = "(not an address)"
+    OVERFLOW = "(addresses past the table's size)"
 
     def __init__(
         self,
@@ -111,59 +123,106 @@ class FailureThrottle:
         self.burst, self.refill, self.max_addresses = burst, refill_seconds, max_addresses
         self._clock = clock
         self._lock = threading.Lock()
-        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (failures, at)
+        # address -> [failures owed at ``at``, at, warned since it was last forgiven]
+        self._buckets: dict[str, list[Any]] = {}
+        self._purged_at = -math.inf
 
-    @staticmethod
-    def key(address: str) -> str:
+    @classmethod
+    def key(cls, address: str) -> str:
         try:
             ip = ipaddress.ip_address(address)
         except ValueError:
-            return address
+            return cls.UNNAMED
         if isinstance(ip, ipaddress.IPv6Address):
             if ip.ipv4_mapped is not None:  # ::ffff:1.2.3.4 is 1.2.3.4
                 return str(ip.ipv4_mapped)
-            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+            return str(ipaddress.ip_network(f"{ip.exploded}/64", strict=False))
         return str(ip)
 
     def _owed(self, key: str, now: float) -> float:
         """The failures the address still carries at ``now`` (0 when it is forgiven)."""
-        failures, at = self._buckets.get(key, (0.0, now))
-        return max(0.0, failures - (now - at) / self.refill)
+        bucket = self._buckets.get(key)
+        return 0.0 if bucket is None else max(0.0, bucket[0] - (now - bucket[1]) / self.refill)
+
+    def _wait_for(self, owed: float) -> float:
+        return max(0.0, (owed - self.burst + 1) * self.refill)
+
+    def _bucket(self, key: str, now: float) -> tuple[str, list[Any]]:
+        """The bucket of ``key`` (made if new: in the overflow's when the table is full)."""
+        if key not in self._buckets and len(self._buckets) >= self.max_addresses:
+            if now - self._purged_at >= 1.0:
+                self._purged_at = now
+                for k in [k for k in self._buckets if self._owed(k, now) == 0]:
+                    del self._buckets[k]
+            if len(self._buckets) >= self.max_addresses:
+                key = self.OVERFLOW
+        bucket = self._buckets.setdefault(key, [0.0, now, False])
+        owed = self._owed(key, now)
+        if owed == 0:
+            bucket[2] = False  # forgiven: its next wait is said again
+        bucket[0], bucket[1] = owed, now
+        return key, bucket
 
     def wait(self, address: str) -> float:
         """Seconds before ``address`` may try a secret again; 0: now."""
         key, now = self.key(address), self._clock()
         with self._lock:
-            owed = self._owed(key, now)
-        return max(0.0, (owed - self.burst + 1) * self.refill)
+            if key not in self._buckets and len(self._buckets) >= self.max_addresses:
+                key = self.OVERFLOW
+            return self._wait_for(self._owed(key, now))
 
     def check(self, address: str) -> None:
         waited = self.wait(address)
         if waited > 0:
             raise Throttled(waited)
 
-    def failed(self, address: str) -> None:
-        """One wrong secret from ``address``; logged once, when it becomes throttled."""
-        key, now = self.key(address), self._clock()
+    def take(self, address: str) -> str:
+        """A try from ``address``, counted as wrong until ``refund``: ``Throttled`` if it may
+        not try now. Its bucket's key, for ``refund`` or ``confirm``."""
+        now = self._clock()
         with self._lock:
-            owed = self._owed(key, now) + 1
-            self._buckets.pop(key, None)  # re-inserted last: the most recently seen
-            self._buckets[key] = (owed, now)
-            if len(self._buckets) > self.max_addresses:
-                self._forget(now)
-        if owed > self.burst - 1 >= owed - 1:  # this one made it wait
-            log.warning(
-                "%d wrong tokens from %s: its secrets are refused for %.0f s",
-                self.burst,
-                key,
-                self.refill,
-            )
+            key, bucket = self._bucket(self.key(address), now)
+            waited = self._wait_for(bucket[0])
+            if waited > 0:
+                raise Throttled(waited)
+            bucket[0] += 1
+            return key
 
-    def _forget(self, now: float) -> None:
-        for key in [k for k in self._buckets if self._owed(k, now) == 0]:
-            del self._buckets[key]
-        while len(self._buckets) > self.max_addresses:
-            del self._buckets[next(iter(self._buckets))]
+    def refund(self, key: str) -> None:
+        """The try counted by ``take`` was a right secret: it costs nothing."""
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is not None:
+                bucket[0] = max(0.0, bucket[0] - 1)
+
+    def confirm(self, key: str) -> None:
+        """The try counted by ``take`` was wrong: said once, when the address starts to wait
+        (once again only after it was forgiven in full)."""
+        now = self._clock()
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is None or bucket[2]:
+                return
+            waited = self._wait_for(self._owed(key, now))
+            if waited <= 0:
+                return
+            bucket[2] = True
+        log.warning(
+            "%d wrong tokens from %s: its secrets are refused for %.0f s, then one more every "
+            "%.0f s",
+            self.burst,
+            key,
+            math.ceil(waited),
+            self.refill,
+        )
+
+    def failed(self, address: str) -> None:
+        """One wrong secret from ``address``, whether or not it may try now."""
+        now = self._clock()
+        with self._lock:
+            key, bucket = self._bucket(self.key(address), now)
+            bucket[0] += 1
+        self.confirm(key)
 
 
 @dataclass(frozen=True)
@@ -219,6 +278,8 @@ def parse_tokens(text: str, source: str) -> list[Token]:
             raise ConfigError(f"{where}: the second field is not a role ({', '.join(Role)})")
         if len(secret) < MIN_SECRET:
             raise ConfigError(f"{where}: the third field, the secret, is shorter than {MIN_SECRET}")
+        if len(secret) > MAX_SECRET:
+            raise ConfigError(f"{where}: the third field, the secret, is longer than {MAX_SECRET}")
         if scopes is not None and not scopes:
             raise ConfigError(f"{where}: empty scope list for {name!r}")
         tokens.append(Token(name, Role(role), secret, scopes))
@@ -291,14 +352,18 @@ class Authenticator:
     def by_secret_from(self, secret: str, address: str) -> Token | None:
         """``by_secret``, throttled by the client's address (``Throttled`` before any
         comparison when it sent too many wrong ones)."""
-        self.throttle.check(address)
+        key = self.throttle.take(address)
         token = self.by_secret(secret)
         if token is None:
-            self.throttle.failed(address)
+            self.throttle.confirm(key)
+        else:
+            self.throttle.refund(key)
         return token
 
     def by_secret(self, secret: str) -> Token | None:
         """Constant-time in the secret: every token is compared, equal-length digests."""
+        if len(secret) > MAX_SECRET:  # no token's: not worth hashing (4 MB headers were)
+            return None
         digest = hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
         found = None
         for known, token in self._digests:

@@ -70,6 +70,16 @@ def run(
     # Behind a proxy every client has the proxy's address, one bucket of wrong tokens for all
     # (auth.FailureThrottle): trusted proxies name the client (and its scheme) for it.
     proxy: dict[str, Any] = {"proxy_headers": False}
+    if forwarded_allow_ips is not None and (
+        "*" in forwarded_allow_ips or not forwarded_allow_ips.strip()
+    ):
+        # uvicorn's "trust everyone": each client would name the address it is counted by,
+        # guess without end and make any other address wait (helper-99)
+        raise ConfigError(
+            "--forwarded-allow-ips: name the proxy's own addresses (comma-separated), not "
+            f"{forwarded_allow_ips!r}: a client it trusts names the address its wrong tokens "
+            "are counted by"
+        )
     if forwarded_allow_ips:
         proxy = {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
     if workers > 1:
