@@ -35,6 +35,7 @@ from toolledger.config import Settings
 from toolledger.ledger import doorbell
 from toolledger.ledger.db import ensure_schema
 from toolledger.ledger.errors import InputError, NoReceipt
+from toolledger.ledger.inputs import wait_seconds
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import CallView, Receipt
@@ -59,24 +60,6 @@ LISTENER_NAME = "toolledger-receipts"
 #: ``ReceiptTimeout.status`` when no read answered within the timeout: where the call
 #: stands is not known.
 UNANSWERED = "unanswered"
-
-
-#: A timeout longer than this is no bound: waited as ``None`` (threading's own limit is some
-#: 9.2e9 s, and ``inf`` or ``1e10`` raised OverflowError from every wait on Postgres and left
-#: ``run_turn`` unable to answer a turn at all: a cold review).
-FOREVER = 1e9
-
-
-def wait_seconds(timeout: float | None) -> float | None:
-    """A wait's ``timeout`` as the waits read it: ``None`` (or longer than ``FOREVER``, ``inf``
-    too) waits without one; ``nan`` is refused (``ValueError``: it made the async waits read
-    the database as fast as it answered, for ever, and sync ``run_turn`` time out at once)."""
-    if timeout is None:
-        return None
-    seconds = float(timeout)
-    if seconds != seconds:
-        raise ValueError("timeout is nan: give seconds, or None to wait without one")
-    return None if seconds > FOREVER else seconds
 
 
 def _start_wait(timeout: float | None) -> float:

@@ -107,6 +107,9 @@ _STAGE = re.compile(
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
 #: A spool's temporary file (``_replace_durably``), left by a process killed writing it.
 _SPOOL_TMP = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool\.tmp\d+$")
+#: The reason a spool gives for a claim whose commit its executor could not learn (the only
+#: spool whose execution may not exist: ``worker.pipeline``'s ``_claim_unsure``).
+CLAIM_UNKNOWN = "claim commit unknown"
 #: How old such a file must be before a settle removes it (its execution no longer running):
 #: a writer frozen mid-write and woken later loses the late result it was keeping; an hour
 #: makes that a process stopped that long, never one merely slow.
@@ -1159,11 +1162,16 @@ class Effects:
         if record is None:
             return
         state = ledger.effect_states([eid]).get(eid)
+        if state is None and record.get("reason") == CLAIM_UNKNOWN:
+            # a claim whose commit its executor could not learn, and that never committed:
+            # nothing ran (or another ledger's such claim, which loses its "not started")
+            self._drop_spool(eid)
+            return
         if state is None:
-            # Not this ledger's execution (a spool is written after its claim's commit), as a
-            # stage may be another's: a settle through the wrong ledger (an unset
-            # TOOLLEDGER_DB made the embedded one) deleted the right one's spooled result, the
-            # proof a call succeeded, and the call ended unknown (helper-97). Kept.
+            # Not this ledger's execution (every other spool is written after its claim's
+            # commit), as a stage may be another's: a settle through the wrong ledger (an
+            # unset TOOLLEDGER_DB made the embedded one) deleted the right one's spooled
+            # result, the proof a call succeeded, and the call ended unknown (helper-97). Kept.
             summary.strangers += 1
             return
         if state.status is Status.RUNNING:

@@ -147,9 +147,7 @@ def run_turn(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    from toolledger.client import wait_seconds
-
-    timeout = wait_seconds(timeout)  # before anything is submitted
+    timeout = inputs.wait_seconds(timeout)  # before anything is submitted
     fmt, calls, checked = checked_calls(client, scope, message)
     asked = zip(calls, checked, strict=True)  # each policy gets its own copy: what it does
     approvers = [
@@ -189,9 +187,7 @@ async def run_turn_async(
     approve: Approve | None = None,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    from toolledger.client import wait_seconds
-
-    timeout = wait_seconds(timeout)  # before anything is submitted
+    timeout = inputs.wait_seconds(timeout)  # before anything is submitted
     fmt, calls, checked = checked_calls(client.sync, scope, message)
     approvers = []
     for call, prepared in zip(calls, checked, strict=True):

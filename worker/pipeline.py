@@ -27,6 +27,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 
 from toolledger import failpoints
 from toolledger.effects import (
+    CLAIM_UNKNOWN,
     Commit,
     Effects,
     Landing,
@@ -415,7 +416,7 @@ class Executor:
             attempt,
         )
         late = {"not_started": True, "absent": True, "worker_id": self.worker_id}
-        self._spool(eid, token, {"status": "not_started", "reason": "claim commit unknown"}, late)
+        self._spool(eid, token, {"status": "not_started", "reason": CLAIM_UNKNOWN}, late)
         return Outcome("unsure", eid)
 
     # ------------------------------------------------------------------ the tool

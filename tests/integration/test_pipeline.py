@@ -1962,3 +1962,25 @@ def test_settle__through_another_ledger_keeps_a_spooled_result_it_does_not_know(
     current = ledger.get(view.scope, view.tool_call_id).current
     assert current.status is Status.SUCCEEDED and not current.reconciled
     assert (tmp_path / view.scope / "r.txt").read_text() == "v"
+
+
+def test_settle__a_spooled_claim_that_never_committed_is_removed_a_strangers_result_kept(
+    ledger, tmp_path
+):
+    """A claim whose commit its executor could not learn spools "not started" before anyone
+    knows whether the execution exists: where the ledger has no such execution, the claim
+    never committed and nothing ran, and the spool goes (the mend that kept a stranger's
+    spooled result kept these too, and CI's chaos run found six never settled). Any other
+    spool of an execution the ledger does not know is another ledger's: kept."""
+    from toolledger.effects import CLAIM_UNKNOWN
+
+    effects = effects_of(Sandbox(tmp_path))
+    never, stranger = "01a24d00-0000-7000-8000-000000000001", "01a24d00-0000-7000-8000-000000000002"
+    late = {"not_started": True, "absent": True, "worker_id": "w", "spool": f"{never}:1"}
+    effects.spool(never, {"execution_id": never, "lease_token": "t", "status": "not_started",
+                          "reason": CLAIM_UNKNOWN, "late": late})  # fmt: skip
+    effects.spool(stranger, {"execution_id": stranger, "lease_token": "t", "status": "failed",
+                             "result": {"error": "boom"}, "error": "boom"})  # fmt: skip
+    landing = effects.settle(ledger)
+    assert pending_files(Sandbox(tmp_path)) == [f"{stranger}.spool"]
+    assert landing.strangers == 1
