@@ -107,6 +107,8 @@ _STAGE = re.compile(
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
 #: A spool's temporary file (``_replace_durably``), left by a process killed writing it.
 _SPOOL_TMP = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool\.tmp\d+$")
+#: The largest spool a settle reads: a spooled result larger than this is set aside.
+MAX_SPOOL_BYTES = 64 * 1024 * 1024
 #: The reason a spool gives for a claim whose commit its executor could not learn (the only
 #: spool whose execution may not exist: ``worker.pipeline``'s ``_claim_unsure``).
 CLAIM_UNKNOWN = "claim commit unknown"
@@ -577,8 +579,9 @@ class Effects:
 
     def state_format(self) -> int:
         """The format of this sandbox's state (``FORMAT``): 1 until ``upgrade`` wrote 2."""
-        try:
-            return int((self.state / "format").read_text().split()[0])
+        try:  # (a FIFO there hung every process that lands: helper-101)
+            text = _read_regular(self.state / "format", 4096, "the format file")
+            return int(text.decode("ascii").split()[0])
         except FileNotFoundError:
             return 1
         except (ValueError, IndexError) as exc:
@@ -1013,9 +1016,17 @@ class Effects:
 
     def _read_spool(self, execution_id: str) -> dict[str, Any] | None:
         try:
-            raw = (self.pending_dir / f"{execution_id}.spool").read_bytes()
+            raw = _read_regular(
+                self.pending_dir / f"{execution_id}.spool", MAX_SPOOL_BYTES, "a spool"
+            )
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if not _not_a_file(exc):
+                raise
+            # a FIFO at a spool's name blocked every settle for ever (the sweep, read-only
+            # calls, a worker's start), a link was followed, a huge file read whole (helper-101)
+            raise BadSpool(f"not a spooled result: {exc.strerror}") from None
         try:
             data = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
@@ -1363,10 +1374,38 @@ def _exists(pfd: int, name: str) -> bool:
     return True
 
 
+def _read_regular(path: Path, limit: int, what: str) -> bytes:
+    """A state file's bytes: a regular file's, at most ``limit`` of them (a link, a FIFO or a
+    device in its place is refused, never followed or waited on: ``NotAFile`` or ELOOP)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFile(errno.EINVAL, f"{what} is {kind_of(st.st_mode)}", str(path))
+        if st.st_size > limit:
+            raise NotAFile(errno.EFBIG, f"{what} is over {limit} bytes", str(path))
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:  # it grew while read
+            raise NotAFile(errno.EFBIG, f"{what} is over {limit} bytes", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write a small file by temp + fsync + rename + directory fsync."""
+    """Write a small file by temp + fsync + rename + directory fsync. The temporary name is
+    made anew, never followed: a link planted at it sent the write (and a truncation)
+    wherever it pointed (helper-101, suspected)."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, mode)
+    except FileExistsError:  # a killed writer's of this pid (or a planted name): not ours
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, mode)
     try:
         try:
             view = memoryview(data)

@@ -651,3 +651,80 @@ def test_helpers_still_land_with_no_ledger(world):
         effects_of(sb).publish(*stage(sb, "me", "fresh.txt", b"f", "write"), NO_LEDGER).landed == 1
     )
     assert (mine / "fresh.txt").read_bytes() == b"f"
+
+
+def _within(seconds: float, fn: Any) -> Any:
+    """``fn()`` in a daemon thread, its result, or a failure if it has not returned by then
+    (a call blocked on a FIFO would otherwise hang the suite)."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out["value"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s"
+    return out["value"]
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink", "huge"])
+def test_settle__a_spool_that_is_no_regular_file_is_set_aside_never_waited_on(
+    ledger, tmp_path, planted, monkeypatch
+):
+    """helper-101: a FIFO at a spool's name blocked every settle for ever (the sweep, every
+    read-only call, a worker's start); a link was followed, a huge file read whole."""
+    import toolledger.effects as effects_module
+
+    sandbox = Sandbox(tmp_path / "sb")
+    effects = effects_of(sandbox)
+    effects.pending_dir.mkdir(parents=True, exist_ok=True)
+    spool = effects.pending_dir / f"{new_execution_id()}.spool"
+    secret = tmp_path / "outside.txt"
+    secret.write_text('{"lease_token": "t", "status": "failed", "result": {}}')
+    if planted == "fifo":
+        os.mkfifo(spool)
+    elif planted == "symlink":
+        spool.symlink_to(secret)
+    else:
+        monkeypatch.setattr(effects_module, "MAX_SPOOL_BYTES", 4096)
+        spool.write_bytes(b" " * 4097)
+    landing = _within(20, lambda: effects.settle(ledger))
+    assert not isinstance(landing, Exception), landing
+    assert not spool.exists() and not spool.is_symlink()
+    assert (spool.parent / f"{spool.name}.refused").exists() or (
+        spool.parent / f"{spool.name}.refused"
+    ).is_symlink()
+    assert any("set aside" in problem for problem in landing.problems), landing.problems
+    assert secret.read_text().startswith('{"lease_token"')  # followed by nothing
+
+
+def test_format__a_fifo_at_the_format_file_is_an_error_not_a_hang(tmp_path):
+    """helper-101: a FIFO at ``.toolledger/format`` hung every process that lands at start."""
+    effects = effects_of(Sandbox(tmp_path / "sb"))
+    effects.state.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(effects.state / "format")
+    raised = _within(20, effects.check_format)
+    assert isinstance(raised, OSError), raised
+
+
+def test_replace_durably__a_link_planted_at_its_temporary_name_is_not_followed(tmp_path):
+    """helper-101 (suspected): the temporary file was opened O_CREAT|O_TRUNC, following a
+    link planted at its name: the write, and a truncation, went where it pointed."""
+    from toolledger.effects import _replace_durably
+
+    target = tmp_path / "state" / "a.spool"
+    target.parent.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (target.parent / f"a.spool.tmp{os.getpid()}").symlink_to(victim)
+    _replace_durably(target, b"new")
+    assert victim.read_text() == "keep me"
+    assert (
+        target.read_bytes() == b"new" and not (target.parent / f"a.spool.tmp{os.getpid()}").exists()
+    )
