@@ -91,6 +91,14 @@ class Settings:
     def _derive(self) -> None:
         """Defaults that follow from others, derived once (the object is frozen after)."""
         derived: dict[str, Any] = {}
+        if (not self.db or not self.broker) and (odd := set("%?#") & set(str(self.home))):
+            # a URL reads them as an escape, a query, a fragment: "h%41" put the ledger in
+            # "hA", "q?x=1" made the file "q" beside the home (a cold review)
+            raise ConfigError(
+                f"TOOLLEDGER_HOME {str(self.home)!r} holds {''.join(sorted(odd))!r}, which a "
+                "ledger URL cannot carry: use another directory, or give TOOLLEDGER_DB and "
+                "TOOLLEDGER_BROKER"
+            )
         if not self.db:
             derived["db"] = f"sqlite:///{self.home / 'ledger.db'}"
         if not self.broker:
@@ -574,6 +582,23 @@ def _lease(value: Any) -> float:
 
 _positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_integer, zero=True)
 
+#: The longest any other time setting may be: past it a value is a mistake, and the sweep's
+#: grace or requeue age at 1e12 s overflowed the database's timestamps, failing every pass on
+#: Postgres: recovery off, said only as "timestamp out of range" (a cold review).
+MAX_SETTING_SECONDS = 365 * 86_400.0
+
+
+def _year_at_most(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``read`` (a bounded number), then refused past ``MAX_SETTING_SECONDS``."""
+
+    def check(value: Any) -> Any:
+        number = read(value)
+        if number > MAX_SETTING_SECONDS:
+            raise ValueError(f"Input should be at most {MAX_SETTING_SECONDS:g} seconds (a year)")
+        return number
+
+    return check
+
 
 def _within(read: Callable[[Any], Any], low: float, high: float, unit: str) -> Callable[[Any], Any]:
     """``read``, then refused outside [low, high]: past these a value is a mistake (1e30
@@ -598,22 +623,22 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "broker_prefix": (_text, ""),
     "sandbox": (_path, Path()),
     "lease_seconds": (_lease, 30.0),
-    "soft_time_limit": (_non_negative, 0.0),
-    "time_limit": (_non_negative, 0.0),
-    "visibility_timeout": (_positive, 3600.0),
+    "soft_time_limit": (_year_at_most(_non_negative), 0.0),
+    "time_limit": (_year_at_most(_non_negative), 0.0),
+    "visibility_timeout": (_year_at_most(_positive), 3600.0),
     # arguments live in a JSON column; file content is held in memory while it is staged
     "max_args_bytes": (_within(_integer, 1, 64 * 1024 * 1024, "bytes (64 MiB)"), MAX_ARGS_BYTES),
     "max_content_bytes": (_within(_integer, 1, 1024**3, "bytes (1 GiB)"), 512 * 1024),
     # as beat --interval: at least 0.1 s
     "sweep_interval": (_within(_number, 0.1, MAX_LEASE_SECONDS, "seconds"), 10.0),
-    "sweep_grace": (_non_negative, 5.0),
-    "requeue_after": (_positive, 120.0),
+    "sweep_grace": (_year_at_most(_non_negative), 5.0),
+    "requeue_after": (_year_at_most(_positive), 120.0),
     "tools": (_text, ""),
     "queue": (_text, "toolledger"),
     "failpoints": (_failpoints, ""),
     "failpoint_log": (_text, ""),
-    "db_timeout": (_non_negative, 0.0),
-    "lock_wait": (_positive, 2.0),
+    "db_timeout": (_year_at_most(_non_negative), 0.0),
+    "lock_wait": (_year_at_most(_positive), 2.0),
     "effects_log": (_text, ""),
     "max_auto_retries": (_non_negative_int, 3),
 }

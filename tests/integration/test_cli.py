@@ -856,3 +856,75 @@ def test_cli__a_postgres_url_whose_options_libpq_refuses_is_a_setting_to_mend(
     with pytest.raises(ConfigError, match="TOOLLEDGER_DB: "):
         check_worker_start(settings)
     assert time.monotonic() - began < 5  # refused, not waited on
+
+
+def test_cli__an_empty_global_option_is_refused_not_taken_for_the_default(
+    capsys, tmp_path, monkeypatch
+):
+    """``--db ''`` was taken for "not given": with TOOLLEDGER_DB set, ``--db "$URL"`` and URL
+    unset wrote the call to the default home's ledger instead (a cold review)."""
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TOOLLEDGER_DB", f"sqlite:///{tmp_path / 'other.db'}")
+    for option in ("--db", "--broker", "--sandbox"):
+        code, _out, err = run_cli(capsys, option, "", "submit", "--scope", "s", "--tool-call-id",
+                                 "c", "--tool", "write_file", "--args", ARGS)  # fmt: skip
+        assert code == 2 and f"'{option}': must not be empty" in err, (option, err)
+    assert not (tmp_path / "home").exists() and not (tmp_path / "other.db").exists()
+    monkeypatch.setenv("TOOLLEDGER_DB", "")  # an empty variable is unset, as ever
+    assert run_cli(capsys, "list")[0] == 4  # (no ledger in the home: nothing recorded)
+
+
+@pytest.mark.parametrize("home", ["pc%41", "q?x=1", "h#1"])
+def test_cli__a_home_a_url_cannot_carry_is_refused(capsys, tmp_path, monkeypatch, home):
+    """``TOOLLEDGER_HOME=…/pc%41`` put the ledger in ``…/pcA`` and the sandbox in the home;
+    ``…/q?x=1`` made the ledger the file ``…/q`` beside it (a cold review)."""
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / home))
+    monkeypatch.delenv("TOOLLEDGER_DB", raising=False)
+    code, _, err = run_cli(capsys, "submit", "--scope", "s", "--tool-call-id", "c", "--tool",
+                           "write_file", "--args", ARGS)  # fmt: skip
+    assert code == 2 and "which a ledger URL cannot carry" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_cli__an_empty_revision_is_a_usage_error_before_anything_is_made(
+    capsys, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "home"))
+    for command in ("upgrade", "downgrade"):
+        code, _, err = run_cli(capsys, "db", command, "--revision", "")
+        assert code == 2 and "--revision must not be empty" in err, err
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["sweep", "--grace", "1e12"], {}),
+        (["sweep", "--requeue-after", "1e20"], {}),
+        (["sweep"], {"TOOLLEDGER_SWEEP_GRACE": "1e300"}),
+        (["sweep"], {"TOOLLEDGER_REQUEUE_AFTER": "1e20"}),
+    ],
+)
+def test_cli__a_sweep_time_past_a_year_is_refused(run, monkeypatch, argv, env):
+    """1e12 s of grace overflowed Postgres's timestamps: every pass failed "timestamp out of
+    range", the beat's too, recovery off (a cold review)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run(*argv)
+    assert code == 2 and ("a year" in err or "31536000" in err), err
+    monkeypatch.undo()
+    assert run("sweep", "--grace", "31536000", "--no-requeue")[0] == 0
+
+
+def test_serve__a_port_it_cannot_listen_on_is_one_error_line_exit_1(capsys, tmp_path, monkeypatch):
+    """uvicorn exited 3, the CLI's "conflict", its reason in its log only (a cold review)."""
+    import socket
+
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        code, _out, err = run_cli(capsys, "--json", "serve", "--insecure-local", "--port", port)
+    said = json.loads(err.strip().splitlines()[-1])
+    assert code == 1 and said["exit_code"] == 1 and "cannot listen on 127.0.0.1" in said["error"]

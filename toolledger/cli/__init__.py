@@ -137,11 +137,34 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An empty ``--db``/``--broker``/``--sandbox`` on the command line is refused (exit 2): it
+    was taken for "not given", so ``--db "$URL"`` with URL unset wrote to the default ledger
+    (a cold review). An empty variable is unset, as ever."""
+    from click.core import ParameterSource
+
+    if value is not None and not value.strip():
+        if ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE:
+            raise click.BadParameter("must not be empty (leave the option out for the default)")
+        return None
+    return value
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", envvar="TOOLLEDGER_DB", help="Ledger URL [env TOOLLEDGER_DB].")
-@click.option("--broker", envvar="TOOLLEDGER_BROKER", help="Broker URL [env TOOLLEDGER_BROKER].")
 @click.option(
-    "--sandbox", envvar="TOOLLEDGER_SANDBOX", help="Sandbox root [env TOOLLEDGER_SANDBOX]."
+    "--db", envvar="TOOLLEDGER_DB", callback=_not_empty, help="Ledger URL [env TOOLLEDGER_DB]."
+)
+@click.option(
+    "--broker",
+    envvar="TOOLLEDGER_BROKER",
+    callback=_not_empty,
+    help="Broker URL [env TOOLLEDGER_BROKER].",
+)
+@click.option(
+    "--sandbox",
+    envvar="TOOLLEDGER_SANDBOX",
+    callback=_not_empty,
+    help="Sandbox root [env TOOLLEDGER_SANDBOX].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.version_option(package_name="toolledger")

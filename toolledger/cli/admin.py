@@ -42,6 +42,7 @@ def db_upgrade(c: Context, revision: str, grant_to: str | None) -> None:
     """Create or migrate the schema (Alembic)."""
     from toolledger.ledger import db as ledger_db
 
+    _revision_given(revision)
     ledger_db.refuse_newer(c.unchecked_ledger.engine)  # exit 1: no revision here is ahead
     if grant_to is not None:
         try:
@@ -94,12 +95,20 @@ def db_downgrade(c: Context, revision: str) -> None:
     """Migrate the schema down (``base`` drops every table of a ledger that holds nothing)."""
     from toolledger.ledger import db as ledger_db
 
+    _revision_given(revision)
     c.require_recorded("there is nothing to downgrade")  # a mistyped home made an empty one
     ledger_db.refuse_newer(c.unchecked_ledger.engine)
     with _known_revision(revision):
         ledger_db.downgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
     c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+
+
+def _revision_given(revision: str) -> None:
+    """An empty --revision is a usage error, said before anything is opened (Alembic asserted
+    it: an internal error, exit 1, after the ledger's file was made: a cold review)."""
+    if not revision.strip():
+        raise CliError("--revision must not be empty", EXIT_USAGE)
 
 
 @contextmanager

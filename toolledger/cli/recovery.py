@@ -18,6 +18,7 @@ from toolledger.cli.common import (
     json_option,
     pass_ctx,
 )
+from toolledger.config import MAX_SETTING_SECONDS
 from toolledger.ledger.identity import check_scope
 from toolledger.ledger.transitions import TERMINAL, Status
 from toolledger.recovery.humans import resolve as resolve_call
@@ -32,14 +33,14 @@ DEFAULT_SCOPE = "default"
 @click.command()
 @click.option(
     "--grace",
-    type=Seconds(min=0),
+    type=Seconds(min=0, max=MAX_SETTING_SECONDS),
     default=None,
     help="Seconds past lease expiry (DB clock) before running -> unknown "
     "[env TOOLLEDGER_SWEEP_GRACE, 5].",
 )
 @click.option(
     "--requeue-after",
-    type=Seconds(min=0),
+    type=Seconds(min=0, max=MAX_SETTING_SECONDS),
     default=None,
     help="Re-publish approved work unclaimed this long [env TOOLLEDGER_REQUEUE_AFTER].",
 )

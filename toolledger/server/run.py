@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import socket
 from typing import Any
 
 from toolledger.config import FROM_FILE, ConfigError, Settings
@@ -38,7 +39,6 @@ def run(
     forwarded_allow_ips: str | None = None,
     log_format: str | None = None,
 ) -> None:
-    import uvicorn
 
     from toolledger.observability.logs import configure_logging
     from toolledger.server.app import create_app
@@ -82,6 +82,7 @@ def run(
         )
     if forwarded_allow_ips:
         proxy = {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
+    _can_listen(host, port)
     if workers > 1:
         # Each worker process builds its app from the environment: the settings as resolved
         # here (the command line's --db/--broker/--sandbox included) and one session key, so
@@ -95,7 +96,7 @@ def run(
                 "TOOLLEDGER_SERVE_SECURE_COOKIES": "1" if secure_cookies else "",
             }
         )
-        uvicorn.run(
+        _uvicorn(
             "toolledger.server.run:app_from_env",
             factory=True,
             workers=workers,
@@ -113,7 +114,37 @@ def run(
         secure_cookies=secure_cookies,
         session_key=key.encode() or None,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info", log_config=None, **proxy)
+    _uvicorn(app, host=host, port=port, log_level="info", log_config=None, **proxy)
+
+
+def _can_listen(host: str, port: int) -> None:
+    """An ``OSError`` (exit 1, one line) if ``host:port`` cannot be listened on: uvicorn said
+    it in its log and exited 3, the CLI's "conflict", with no error line (a cold review)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"serve: cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(f"serve: cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _uvicorn(app: Any, **options: Any) -> None:
+    """``uvicorn.run``, its failure to start (exit 3, said in its log) an error of ours."""
+    import uvicorn
+
+    try:
+        uvicorn.run(app, **options)
+    except SystemExit as exc:
+        if exc.code == 3:  # uvicorn's "startup failed"
+            raise OSError("serve: the server could not start (its log above says why)") from None
+        raise
 
 
 def _urls_for_workers(settings: Settings) -> dict[str, str]:
