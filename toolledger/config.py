@@ -637,7 +637,8 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "queue": (_text, "toolledger"),
     "failpoints": (_failpoints, ""),
     "failpoint_log": (_text, ""),
-    "db_timeout": (_year_at_most(_non_negative), 0.0),
+    # milliseconds in a 32-bit int, Postgres's statement timeout and SQLite's busy timeout
+    "db_timeout": (_within(_number, 0, MAX_LEASE_SECONDS, "seconds (a day)"), 0.0),
     "lock_wait": (_year_at_most(_positive), 2.0),
     "effects_log": (_text, ""),
     "max_auto_retries": (_non_negative_int, 3),
