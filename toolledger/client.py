@@ -42,6 +42,7 @@ from toolledger.ledger.records import CallView, Receipt
 from toolledger.ledger.transitions import RECEIPT_STATUSES, Status
 
 if TYPE_CHECKING:
+    from toolledger.tools import Registry
     from toolledger.worker.submit import PreparedCall
 
 log = logging.getLogger("toolledger.client")
@@ -376,12 +377,18 @@ class Client:
     """Submit tool calls, decide on them, and wait for their receipts (thread-safe)."""
 
     def __init__(
-        self, settings: Settings | None = None, *, poll_interval: float = FALLBACK_POLL
+        self,
+        settings: Settings | None = None,
+        *,
+        poll_interval: float = FALLBACK_POLL,
+        registry: Registry | None = None,
     ) -> None:
+        """``registry``: the tools calls are checked against (default: the settings' tools,
+        loaded here; a client that only waits and decides may give ``Registry()``)."""
         from toolledger.worker.submit import Submitter
 
         self.settings = settings if settings is not None else Settings.from_env()
-        self._submitter = Submitter(self.settings)
+        self._submitter = Submitter(self.settings, registry=registry)
         try:  # as the CLI and the workers do: nothing read or written on another schema
             ensure_schema(self._submitter.ledger.engine)
         except BaseException:

@@ -87,7 +87,7 @@ class Submitter:
         self.settings = settings
         self._ledger_factory = ledger if callable(ledger) else None
         self._ledger = None if callable(ledger) else ledger
-        self.registry = registry or load_registry(settings.tools)
+        self.registry = registry if registry is not None else load_registry(settings.tools)
         self.sandbox = Sandbox.configured(settings)
         self._app = app
         tracing.configure()  # OTEL_* set: the submit spans are exported (else nothing)

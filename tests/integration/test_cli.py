@@ -929,3 +929,19 @@ def test_serve__a_port_it_cannot_listen_on_is_one_error_line_exit_1(capsys, tmp_
         code, _out, err = run_cli(capsys, "--json", "serve", "--insecure-local", "--port", port)
     said = json.loads(err.strip().splitlines()[-1])
     assert code == 1 and said["exit_code"] == 1 and "cannot listen on 127.0.0.1" in said["error"]
+
+
+def test_cli__wait_is_a_read_it_loads_no_tools(run, scope, monkeypatch):
+    """The README lists the commands that load the user's tools, and reads do not: ``wait``
+    loaded them through the client, and a module that failed to import failed it (exit 2:
+    a cold review)."""
+    assert submit(run, scope, "w")[0] == 0
+    assert (
+        run("reject", "--scope", scope, "--tool-call-id", "w", "--by", "a", "--reason", "no")[0]
+        == 0
+    )
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "no_such_tools_module_anywhere")
+    code, out, err = run(
+        "--json", "wait", "--scope", scope, "--tool-call-id", "w", "--timeout", "0"
+    )
+    assert code == 0 and json.loads(out)["status"] == "rejected", err

@@ -219,9 +219,11 @@ def human_list(d: dict[str, Any]) -> str:
 def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> None:
     """Wait for the call's receipt (woken by the database) and print it."""
     from toolledger.client import Client, ReceiptTimeout
+    from toolledger.tools import Registry
 
     c.require_ledger()
-    client = Client(c.settings)
+    # a read: the user's tools are not loaded (a module that fails to import failed it, exit 2)
+    client = Client(c.settings, registry=Registry())
     try:
         receipt = client.wait(scope, tool_call_id, timeout=timeout)
     except ReceiptTimeout as exc:
