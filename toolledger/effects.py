@@ -106,9 +106,7 @@ _STAGE = re.compile(
 )
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
 #: A spool's temporary file (``_replace_durably``), left by a process killed writing it.
-_SPOOL_TMP = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool\.tmp\d+$")
-#: The largest spool a settle reads: a spooled result larger than this is set aside.
-MAX_SPOOL_BYTES = 64 * 1024 * 1024
+_SPOOL_TMP = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool\.tmp\d+(\.[0-9a-f]{8})?$")
 #: The reason a spool gives for a claim whose commit its executor could not learn (the only
 #: spool whose execution may not exist: ``worker.pipeline``'s ``_claim_unsure``).
 CLAIM_UNKNOWN = "claim commit unknown"
@@ -1016,9 +1014,7 @@ class Effects:
 
     def _read_spool(self, execution_id: str) -> dict[str, Any] | None:
         try:
-            raw = _read_regular(
-                self.pending_dir / f"{execution_id}.spool", MAX_SPOOL_BYTES, "a spool"
-            )
+            raw = _read_regular(self.pending_dir / f"{execution_id}.spool", None, "a spool")
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -1374,22 +1370,23 @@ def _exists(pfd: int, name: str) -> bool:
     return True
 
 
-def _read_regular(path: Path, limit: int, what: str) -> bytes:
-    """A state file's bytes: a regular file's, at most ``limit`` of them (a link, a FIFO or a
-    device in its place is refused, never followed or waited on: ``NotAFile`` or ELOOP)."""
+def _read_regular(path: Path, limit: int | None, what: str) -> bytes:
+    """A state file's bytes: a regular file's, at most ``limit`` of them if given (a link, a
+    FIFO or a device in its place is refused, never followed or waited on: ``NotAFile`` or
+    ELOOP). A spool has no limit: it holds a tool's result, which nothing bounds (a 64 MiB
+    cap set aside a real executor's spool of a 33 MiB result: helper-102)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotAFile(errno.EINVAL, f"{what} is {kind_of(st.st_mode)}", str(path))
-        if st.st_size > limit:
+        if limit is not None and st.st_size > limit:
             raise NotAFile(errno.EFBIG, f"{what} is over {limit} bytes", str(path))
-        chunks, left = [], limit + 1
-        while left > 0 and (chunk := os.read(fd, left)):
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
-            left -= len(chunk)
-        if left <= 0:  # it grew while read
-            raise NotAFile(errno.EFBIG, f"{what} is over {limit} bytes", str(path))
+            if limit is not None and sum(map(len, chunks)) > limit:  # it grew while read
+                raise NotAFile(errno.EFBIG, f"{what} is over {limit} bytes", str(path))
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -1399,13 +1396,11 @@ def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write a small file by temp + fsync + rename + directory fsync. The temporary name is
     made anew, never followed: a link planted at it sent the write (and a truncation)
     wherever it pointed (helper-101, suspected)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    # its own name, never another writer's (two threads of one process shared one, and the
+    # second removed the first's: helper-102), made anew, never followed
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{secrets.token_hex(4)}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, mode)
-    except FileExistsError:  # a killed writer's of this pid (or a planted name): not ours
-        os.unlink(tmp)
-        fd = os.open(tmp, flags, mode)
+    fd = os.open(tmp, flags, mode)
     try:
         try:
             view = memoryview(data)

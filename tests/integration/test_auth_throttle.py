@@ -117,14 +117,16 @@ def test_throttle__a_full_table_forgets_the_forgiven_never_the_throttled() -> No
     throttle.failed("10.0.0.3")
     throttle.failed("10.0.0.4")  # full: the forgiven one goes
     assert set(throttle._buckets) == {"10.0.0.2", "10.0.0.3", "10.0.0.4"}
-    for n in range(5, 40):  # none forgiven: new addresses share one bucket, nobody goes
+    for n in range(5, 40):  # none forgiven: new addresses share their /16's, nobody goes
         with contextlib.suppress(Throttled):
             throttle.take(f"10.0.1.{n}")
-    assert set(throttle._buckets) == {"10.0.0.2", "10.0.0.3", "10.0.0.4", throttle.OVERFLOW}
+    neighbours = f"{throttle.OVERFLOW} 10.0.0.0/16"
+    assert set(throttle._buckets) == {"10.0.0.2", "10.0.0.3", "10.0.0.4", neighbours}
     with pytest.raises(Throttled):
         throttle.check("10.0.0.2")
-    with pytest.raises(Throttled):  # the overflow's burst is spent: new addresses wait
+    with pytest.raises(Throttled):  # its burst is spent: new neighbours wait...
         throttle.take("10.0.2.1")
+    throttle.take("192.0.2.1")  # ...not a client from elsewhere (helper-102: one bucket for all)
     clock.now += 60  # all forgiven: a new address has its own bucket again
     throttle.take("10.0.2.1")
     assert "10.0.2.1" in throttle._buckets

@@ -1005,7 +1005,7 @@ def test_pipeline__a_spools_temporary_file_a_killed_writer_left_is_removed_once_
     # the result; no effect), and one of an execution this ledger does not know
     outcome, _, spool_file = spooled(lease=0.3)
     eid = outcome.execution_id
-    left = spool_file.with_name(f"{spool_file.name}.tmp4242")
+    left = spool_file.with_name(f"{spool_file.name}.tmp4242.0a1b2c3d")  # as named since 12-06
     spool_file.rename(left)
     stranger = spool_file.with_name("00000000-0000-4000-8000-000000000000.spool.tmp7")
     stranger.write_bytes(b"{")

@@ -105,9 +105,11 @@ class FailureThrottle:
     burst together (hashing a long secret lets other threads run). IPv6 addresses count by
     their /64 (one host holds all of one); whatever is no address counts as one. At most
     ``max_addresses`` are remembered: past them, those forgiven are forgotten (at most once
-    a second), and new addresses share one more bucket until there is room: an address still
-    throttled is never forgotten (forgetting the oldest let a pool of addresses reset its own,
-    and each insertion scanned the table under the lock: helper-99)."""
+    a second), and new addresses share a bucket with their /16 (IPv6: /32) until there is
+    room: an address still throttled is never forgotten (forgetting the oldest let a pool of
+    addresses reset its own, and each insertion scanned the table under the lock: helper-99).
+    A right secret from an address made to wait is refused too: accepted, it would tell a
+    guesser its guess was right, at any rate. Sessions already made are not throttled."""
 
     #: The bucket of whatever is no IP address, and of new addresses when the table is full.
     UNNAMED = "(not an address)"
@@ -155,7 +157,7 @@ class FailureThrottle:
                 for k in [k for k in self._buckets if self._owed(k, now) == 0]:
                     del self._buckets[k]
             if len(self._buckets) >= self.max_addresses:
-                key = self.OVERFLOW
+                key = self._overflow(key)
         bucket = self._buckets.setdefault(key, [0.0, now, False])
         owed = self._owed(key, now)
         if owed == 0:
@@ -163,12 +165,25 @@ class FailureThrottle:
         bucket[0], bucket[1] = owed, now
         return key, bucket
 
+    def _overflow(self, key: str) -> str:
+        """Where a new address counts while the table is full: with the others of its /16
+        (IPv6: /32), so that one pool filling the table makes only its own neighbours wait
+        (one bucket for all let it refuse every new client: helper-102); past twice the
+        table's size, with everyone."""
+        if len(self._buckets) >= 2 * self.max_addresses:
+            return self.OVERFLOW
+        try:
+            network = ipaddress.ip_network(key, strict=False)
+        except ValueError:
+            return self.OVERFLOW
+        return f"{self.OVERFLOW} {network.supernet(new_prefix=16 if network.version == 4 else 32)}"
+
     def wait(self, address: str) -> float:
         """Seconds before ``address`` may try a secret again; 0: now."""
         key, now = self.key(address), self._clock()
         with self._lock:
             if key not in self._buckets and len(self._buckets) >= self.max_addresses:
-                key = self.OVERFLOW
+                key = self._overflow(key)
             return self._wait_for(self._owed(key, now))
 
     def check(self, address: str) -> None:

@@ -876,4 +876,7 @@ def _aside(name: str) -> bool:
     spool's temporary file left by a process killed while writing it (``<eid>.spool.tmpPID``:
     no effect, the result it was to keep is lost and its execution ends unknown; CI's threads
     run of 12-06 counted one as an effect never settled)."""
-    return name.endswith(".refused") or re.fullmatch(r".+\.spool\.tmp\d+", name) is not None
+    return (
+        name.endswith(".refused")
+        or re.fullmatch(r".+\.spool\.tmp\d+(\.[0-9a-f]{8})?", name) is not None
+    )
