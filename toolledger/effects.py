@@ -1313,7 +1313,10 @@ def _record_by_lease(ledger: Ledger, eid: str, record: dict[str, Any], scope: st
         eid, reason=record.get("reason") or status, actor="settle", lease_token=token
     )
     if record.get("late") is not None:
-        ledger.record_evidence(eid, record["late"], actor="settle")
+        # as the executor's own word: under the call's row, and a person's "succeeded" decided
+        # since the line above goes back to the inbox against it (recorded as plain evidence,
+        # it told no one: helper-102)
+        ledger.record_late_result(eid, record["late"], actor="settle", outcome=None)
 
 
 def _status(value: str | None) -> Status | None:

@@ -24,7 +24,7 @@ from toolledger import failpoints
 from toolledger.builtin_tools import BUILTINS
 from toolledger.effects import LeaseLost, effects_of, path_hash
 from toolledger.ledger.ledger import Ledger
-from toolledger.ledger.transitions import Status
+from toolledger.ledger.transitions import Review, Status
 from toolledger.recovery.sweep import sweep
 from toolledger.sandbox import Sandbox
 from toolledger.tools import OutcomeUnknown, Registry, ToolContext, ToolError, make_tool
@@ -1984,3 +1984,28 @@ def test_settle__a_spooled_claim_that_never_committed_is_removed_a_strangers_res
     landing = effects.settle(ledger)
     assert pending_files(Sandbox(tmp_path)) == [f"{stranger}.spool"]
     assert landing.strangers == 1
+
+
+def test_settle__a_spooled_never_started_against_a_persons_success_since_is_flagged(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    """The settle records a spooled "not started" in two steps (unknown, then the evidence);
+    a person who resolved the call succeeded between them was never told the executor's word
+    against it (helper-102): the call goes back to the inbox, contradicted."""
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    flaky = ClaimCommitUnknowable(db_url)
+    outcome, view = run("ok", executor_ledger=flaky, lease=30)
+    flaky.close()
+    assert outcome.state == "unsure"
+    marked = ledger.mark_unknown
+
+    def then_a_person(execution_id: str, **kwargs: Any) -> Any:
+        done = marked(execution_id, **kwargs)
+        ledger.resolve(execution_id, Status.SUCCEEDED, by="dana", evidence="I saw it run")
+        return done
+
+    monkeypatch.setattr(ledger, "mark_unknown", then_a_person)
+    effects_of(Sandbox(tmp_path)).settle(ledger)
+    call = ledger.get(view.scope, view.tool_call_id)
+    assert call.current.status is Status.SUCCEEDED  # nothing overwritten: she decides again
+    assert call.operation.review == Review.CONTRADICTED
