@@ -120,6 +120,9 @@ class Settings:
         inside the sandbox, where an agent's ``write_file`` reaches it (a cold review wrote
         "pwned" over ``ledger.db``); a ledger in memory, which forgets every call when the
         process ends; a queue name Celery would read as a list."""
+        for name, folder in (("TOOLLEDGER_SANDBOX", self.sandbox), ("TOOLLEDGER_HOME", self.home)):
+            if folder.exists() and not folder.is_dir():  # "Not a directory", exit 1, before
+                raise ConfigError(f"{name}: {folder} is not a directory")
         sandbox = _real(self.sandbox)
         places = {"TOOLLEDGER_HOME": self.home}
         for name, url in (("TOOLLEDGER_DB", self.db), ("TOOLLEDGER_BROKER", self.broker)):
