@@ -91,12 +91,13 @@ class Settings:
     def _derive(self) -> None:
         """Defaults that follow from others, derived once (the object is frozen after)."""
         derived: dict[str, Any] = {}
-        if (not self.db or not self.broker) and (odd := set("%?#") & set(str(self.home))):
-            # a URL reads them as an escape, a query, a fragment: "h%41" put the ledger in
-            # "hA", "q?x=1" made the file "q" beside the home (a cold review)
+        if (not self.db or not self.broker) and (odd := _URL_BREAKERS.search(str(self.home))):
+            # a URL reads "?" as a query and "%41" as an escape: "h%41" put the ledger in
+            # "hA", "q?x=1" made the file "q" beside the home (a cold review); "#" and a "%"
+            # not followed by two hex digits are read as written (refused at first: helper-103)
             raise ConfigError(
-                f"TOOLLEDGER_HOME {str(self.home)!r} holds {''.join(sorted(odd))!r}, which a "
-                "ledger URL cannot carry: use another directory, or give TOOLLEDGER_DB and "
+                f"TOOLLEDGER_HOME {str(self.home)!r} holds {odd.group()!r}, which a ledger URL "
+                "cannot carry: use another directory, or give TOOLLEDGER_DB and "
                 "TOOLLEDGER_BROKER"
             )
         if not self.db:
@@ -615,6 +616,9 @@ def _within(read: Callable[[Any], Any], low: float, high: float, unit: str) -> C
 
     return check
 
+
+#: What a home's path may not hold to be written into a ledger's or broker's URL.
+_URL_BREAKERS = re.compile(r"\?|%[0-9A-Fa-f]{2}")
 
 #: Every setting: its name -> (how a given value is read and checked, its default). Read by
 #: hand, not by pydantic-settings: importing that costs a CLI command more than its whole

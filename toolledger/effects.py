@@ -1067,6 +1067,14 @@ class Effects:
             spool = self.pending_dir / f"{execution_id}.spool"
             spool.rename(spool.with_name(f"{spool.name}.refused"))
 
+    def _spool_age(self, execution_id: str) -> float:
+        """Seconds since the spool was written (0 if it is gone)."""
+        try:
+            written = os.stat(self.pending_dir / f"{execution_id}.spool", follow_symlinks=False)
+        except FileNotFoundError:
+            return 0.0
+        return time.time() - written.st_mtime
+
     def _drop_spool(self, execution_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             (self.pending_dir / f"{execution_id}.spool").unlink()
@@ -1140,12 +1148,16 @@ class Effects:
         with self._pending() as pfd:
             for eid, names in sorted(leftovers.items()):
                 state = states.get(eid)
-                if state is None or state.status is Status.RUNNING:
-                    continue  # its writer may be at work; or not this ledger's execution
+                if state is not None and state.status is Status.RUNNING:
+                    continue  # its writer may be at work
+                # an execution this ledger does not know: an unsure claim's, which may never
+                # have committed (kept for ever, helper-103), or another ledger's, whose writer
+                # would have to be frozen a day to lose its spool
+                age = SPOOL_LEFTOVER_AGE * (24 if state is None else 1)
                 for name in names:
                     try:
                         st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-                        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < SPOOL_LEFTOVER_AGE:
+                        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < age:
                             continue
                         os.unlink(name, dir_fd=pfd)
                     except FileNotFoundError:
@@ -1170,9 +1182,14 @@ class Effects:
             return
         state = ledger.effect_states([eid]).get(eid)
         if state is None and record.get("reason") == CLAIM_UNKNOWN:
-            # a claim whose commit its executor could not learn, and that never committed:
-            # nothing ran (or another ledger's such claim, which loses its "not started")
-            self._drop_spool(eid)
+            # a claim whose commit its executor could not learn, not (yet) committed: its
+            # statement may still be at the server, committing later (dropped at once, it lost
+            # the proof that ends the call not_applied by itself: helper-103); an hour on it
+            # never committed, nothing ran (or it is another ledger's such claim)
+            if self._spool_age(eid) >= SPOOL_LEFTOVER_AGE:
+                self._drop_spool(eid)
+            else:
+                summary.left += 1
             return
         if state is None:
             # Not this ledger's execution (every other spool is written after its claim's

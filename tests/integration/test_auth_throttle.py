@@ -97,6 +97,8 @@ def test_throttle__ipv6_counts_by_its_64_and_a_mapped_ipv4_as_itself() -> None:
     with pytest.raises(Throttled):
         throttle.check("2001:db8:1:2::abcd")
     throttle.check("2001:db8:1:3::1")
+    throttle.failed("fe80::1%eth0")  # scoped: its /64, no error (helper-103: it raised)
+    assert "fe80::/64" in throttle._buckets
     throttle.failed("::ffff:192.0.2.7")
     throttle.failed("192.0.2.7")
     with pytest.raises(Throttled):

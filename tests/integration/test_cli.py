@@ -874,7 +874,7 @@ def test_cli__an_empty_global_option_is_refused_not_taken_for_the_default(
     assert run_cli(capsys, "list")[0] == 4  # (no ledger in the home: nothing recorded)
 
 
-@pytest.mark.parametrize("home", ["pc%41", "q?x=1", "h#1"])
+@pytest.mark.parametrize("home", ["pc%41", "q?x=1"])
 def test_cli__a_home_a_url_cannot_carry_is_refused(capsys, tmp_path, monkeypatch, home):
     """``TOOLLEDGER_HOME=…/pc%41`` put the ledger in ``…/pcA`` and the sandbox in the home;
     ``…/q?x=1`` made the ledger the file ``…/q`` beside it (a cold review)."""
@@ -965,3 +965,32 @@ def test_cli__a_home_or_sandbox_that_is_a_file_is_a_configuration_error(
                            "--tool", "write_file", "--args", ARGS)  # fmt: skip
     assert code == 2 and "is not a directory" in err, err
     assert plain.read_text() == "x" and not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("home", ["h#1", "50%off", "100%"])
+def test_cli__a_home_a_url_reads_as_written_is_taken(capsys, tmp_path, monkeypatch, home):
+    """helper-103: "#" and a "%" not followed by two hex digits reach the file as written;
+    refusing them stopped installs that worked."""
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / home))
+    monkeypatch.delenv("TOOLLEDGER_DB", raising=False)
+    code, _, err = run_cli(capsys, "submit", "--scope", "s", "--tool-call-id", "c", "--tool",
+                           "write_file", "--args", ARGS)  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / home / "ledger.db").is_file()
+
+
+def test_serve__the_listen_probe_binds_as_uvicorn_does():
+    """helper-103: the probe bound a dual-stack IPv6 socket, and an IPv4 listener elsewhere
+    on the port refused ``--host ::``/``::1``, which uvicorn (IPv6 only on IPv6) serves."""
+    import socket
+
+    from toolledger.server.run import _can_listen
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("0.0.0.0", 0))  # noqa: S104 - the wildcard is the case
+        taken.listen()
+        port = taken.getsockname()[1]
+        _can_listen("::1", port, 1)  # uvicorn's one process would serve it
+        with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1"):
+            _can_listen("127.0.0.1", port, 1)

@@ -794,6 +794,20 @@ class ClaimCommitUnknowable(Ledger):
         raise sa.exc.OperationalError("SELECT", {}, Exception("server closed"))
 
 
+class ClaimNeverCommitted(Ledger):
+    """A claim whose statement the client saw fail while it was still at the server: kept in
+    ``lost``, for the test to commit later, as the server would."""
+
+    lost: dict[str, Any] | None = None
+
+    def claim(self, *args: Any, **kwargs: Any) -> Any:
+        self.lost = {"args": args, "kwargs": kwargs}
+        raise sa.exc.OperationalError("COMMIT", {}, Exception("terminating connection"))
+
+    def claimed(self, *args: Any, **kwargs: Any) -> Any:
+        return None  # not (yet) there
+
+
 def test_pipeline__claim_commit_that_cannot_be_learned_is_spooled_not_lost(
     run, ledger, db_url, tmp_path, monkeypatch
 ):
@@ -1982,8 +1996,47 @@ def test_settle__a_spooled_claim_that_never_committed_is_removed_a_strangers_res
     effects.spool(stranger, {"execution_id": stranger, "lease_token": "t", "status": "failed",
                              "result": {"error": "boom"}, "error": "boom"})  # fmt: skip
     landing = effects.settle(ledger)
+    # kept an hour: its claim's statement may still be at the server, committing later, and
+    # the spool is then what ends the call not_applied by itself (helper-103)
+    assert pending_files(Sandbox(tmp_path)) == [f"{never}.spool", f"{stranger}.spool"]
+    assert (landing.strangers, landing.left) == (1, 1)
+    hours_ago = time.time() - 2 * 3600
+    os.utime(effects.pending_dir / f"{never}.spool", (hours_ago, hours_ago))
+    landing = effects.settle(ledger)
     assert pending_files(Sandbox(tmp_path)) == [f"{stranger}.spool"]
     assert landing.strangers == 1
+    # a leftover of an execution this ledger does not know goes only after a day
+    left = effects.pending_dir / f"{never}.spool.tmp4242.0a1b2c3d"
+    left.write_bytes(b"{")
+    os.utime(left, (hours_ago, hours_ago))
+    assert effects.settle(ledger).leftovers == 0 and left.exists()
+    days_ago = time.time() - 25 * 3600
+    os.utime(left, (days_ago, days_ago))
+    assert effects.settle(ledger).leftovers == 1 and not left.exists()
+
+
+def test_settle__an_unsure_claim_that_commits_after_a_settle_still_ends_not_applied(
+    run, ledger, db_url, tmp_path, monkeypatch
+):
+    """helper-103: the claim's statement still at the server when a settle ran: the spool was
+    dropped, the claim committed after it, and the call ended unknown for a person instead of
+    failed not_applied by itself."""
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
+    flaky = ClaimNeverCommitted(db_url)
+    outcome, view = run("ok", executor_ledger=flaky, lease=0.3)
+    flaky.close()
+    assert outcome.state == "unsure" and not view.executions
+    effects_of(Sandbox(tmp_path)).settle(ledger)  # before the claim lands
+    claim = flaky.lost
+    assert claim is not None
+    assert ledger.claim(*claim["args"], **claim["kwargs"]) is not None  # it lands now
+    time.sleep(0.35)
+    summary = sweep(
+        ledger, REGISTRY, Sandbox(tmp_path), grace_seconds=0, requeue_after=60, publish=None
+    )
+    assert summary.spooled_results >= 1  # (the module's other calls are swept too)
+    done = ledger.get(view.scope, view.tool_call_id).current
+    assert (done.status, done.result["error"]) == (Status.FAILED, "not_applied")
 
 
 def test_settle__a_spooled_never_started_against_a_persons_success_since_is_flagged(

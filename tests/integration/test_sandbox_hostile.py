@@ -708,7 +708,9 @@ def test_format__a_fifo_at_the_format_file_is_an_error_not_a_hang(tmp_path):
     assert isinstance(raised, OSError), raised
 
 
-def test_replace_durably__a_link_planted_at_its_temporary_name_is_not_followed(tmp_path):
+def test_replace_durably__a_link_planted_at_its_temporary_name_is_not_followed(
+    tmp_path, monkeypatch
+):
     """helper-101 (suspected): the temporary file was opened O_CREAT|O_TRUNC, following a
     link planted at its name: the write, and a truncation, went where it pointed."""
     from toolledger.effects import _replace_durably
@@ -717,9 +719,13 @@ def test_replace_durably__a_link_planted_at_its_temporary_name_is_not_followed(t
     target.parent.mkdir()
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
-    (target.parent / f"a.spool.tmp{os.getpid()}").symlink_to(victim)
-    _replace_durably(target, b"new")
-    assert victim.read_text() == "keep me" and target.read_bytes() == b"new"
+    # the name it will take, planted (its random part made known: helper-103 saw a link at
+    # a name never used, which tested nothing)
+    monkeypatch.setattr("toolledger.effects.secrets.token_hex", lambda n: "0a1b2c3d")
+    (target.parent / f"a.spool.tmp{os.getpid()}.0a1b2c3d").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        _replace_durably(target, b"new")
+    assert victim.read_text() == "keep me" and not target.exists()
 
 
 def test_replace_durably__two_threads_replacing_one_file_each_write_it_whole(tmp_path):

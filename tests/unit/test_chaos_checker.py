@@ -857,6 +857,9 @@ def test_gather__reads_bytes_and_sees_every_file(tmp_path):
     (pending / "e.spool.tmp7267").write_bytes(b"")  # a spool's write cut by a SIGKILL
     (pending / "e.spool.tmp7267.0a1b2c3d").write_bytes(b"")  # (named so since 12-06)
     (pending / "e.spool").write_bytes(b"{}")  # a spool never settled: still counted
+    # a claim whose commit was never learned and that the ledger does not hold: no effect
+    unmade = '{"lease_token": "t", "status": "not_started", "reason": "claim commit unknown"}'
+    (pending / "u.spool").write_text(unmade)
     assert _read(root / "own" / "w1.txt") == "w1 r1\r"
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     ledger.upgrade()

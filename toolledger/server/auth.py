@@ -138,7 +138,9 @@ class FailureThrottle:
         if isinstance(ip, ipaddress.IPv6Address):
             if ip.ipv4_mapped is not None:  # ::ffff:1.2.3.4 is 1.2.3.4
                 return str(ip.ipv4_mapped)
-            return str(ipaddress.ip_network(f"{ip.exploded}/64", strict=False))
+            # (by its number: a scoped address's "%eth0" made the network unparsable and the
+            # request raise: helper-103)
+            return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
         return str(ip)
 
     def _owed(self, key: str, now: float) -> float:

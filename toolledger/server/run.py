@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -82,7 +83,7 @@ def run(
         )
     if forwarded_allow_ips:
         proxy = {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
-    _can_listen(host, port)
+    _can_listen(host, port, workers)
     if workers > 1:
         # Each worker process builds its app from the environment: the settings as resolved
         # here (the command line's --db/--broker/--sandbox included) and one session key, so
@@ -117,22 +118,29 @@ def run(
     _uvicorn(app, host=host, port=port, log_level="info", log_config=None, **proxy)
 
 
-def _can_listen(host: str, port: int) -> None:
+def _can_listen(host: str, port: int, workers: int) -> None:
     """An ``OSError`` (exit 1, one line) if ``host:port`` cannot be listened on: uvicorn said
-    it in its log and exited 3, the CLI's "conflict", with no error line (a cold review)."""
+    it in its log and exited 3, the CLI's "conflict", with no error line (a cold review).
+    Probed as uvicorn binds: one process through asyncio (every address the name resolves
+    to, IPv6 only on IPv6: an IPv4 listener elsewhere on the port refused ``--host ::`` that
+    uvicorn serves, helper-103), ``--workers`` on one dual-stack socket."""
     if port == 0:
         return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise OSError(f"serve: cannot listen on {host}:{port}: {exc.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise OSError(f"serve: cannot listen on {host}:{port}: {exc.strerror}") from None
+    for family, kind, proto, _, address in infos if workers == 1 else infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            if family == socket.AF_INET6 and workers == 1:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL and workers == 1:
+                    continue  # asyncio passes over such an address too
+                raise OSError(f"serve: cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def _uvicorn(app: Any, **options: Any) -> None:
