@@ -1021,7 +1021,7 @@ class Effects:
             if not _not_a_file(exc):
                 raise
             # a FIFO at a spool's name blocked every settle for ever (the sweep, read-only
-            # calls, a worker's start), a link was followed, a huge file read whole (helper-101)
+            # calls, a worker's start), a link was followed (helper-101): set aside
             raise BadSpool(f"not a spooled result: {exc.strerror}") from None
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -1413,11 +1413,10 @@ def _read_regular(path: Path, limit: int | None, what: str) -> bytes:
 
 
 def _replace_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write a small file by temp + fsync + rename + directory fsync. The temporary name is
-    made anew, never followed: a link planted at it sent the write (and a truncation)
-    wherever it pointed (helper-101, suspected)."""
-    # its own name, never another writer's (two threads of one process shared one, and the
-    # second removed the first's: helper-102), made anew, never followed
+    """Write a small file by temp + fsync + rename + directory fsync. The temporary file is
+    this write's own (two threads of one process shared one name, and the second removed
+    the first's: helper-102), made anew and never followed (a link planted at its name sent
+    the write, and a truncation, wherever it pointed: helper-101)."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{secrets.token_hex(4)}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, mode)
