@@ -577,13 +577,6 @@ _positive, _non_negative = _bounded(_number, zero=False), _bounded(_number, zero
 MAX_LEASE_SECONDS = 86_400.0
 
 
-def _lease(value: Any) -> float:
-    seconds = float(_positive(value))
-    if seconds > MAX_LEASE_SECONDS:
-        raise ValueError(f"Input should be at most {MAX_LEASE_SECONDS:g} seconds (a day)")
-    return seconds
-
-
 _positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_integer, zero=True)
 
 #: The longest any other time setting may be: past it a value is a mistake, and the sweep's
@@ -592,16 +585,23 @@ _positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_int
 MAX_SETTING_SECONDS = 365 * 86_400.0
 
 
-def _year_at_most(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``read`` (a bounded number), then refused past ``MAX_SETTING_SECONDS``."""
+def _at_most(read: Callable[[Any], Any], high: float, what: str) -> Callable[[Any], Any]:
+    """``read`` (a number bounded below), then refused past ``high`` seconds."""
 
     def check(value: Any) -> Any:
         number = read(value)
-        if number > MAX_SETTING_SECONDS:
-            raise ValueError(f"Input should be at most {MAX_SETTING_SECONDS:g} seconds (a year)")
+        if number > high:
+            raise ValueError(f"Input should be at most {high:g} seconds ({what})")
         return number
 
     return check
+
+
+_lease = _at_most(_positive, MAX_LEASE_SECONDS, "a day")
+
+
+def _year_at_most(read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return _at_most(read, MAX_SETTING_SECONDS, "a year")
 
 
 def _within(read: Callable[[Any], Any], low: float, high: float, unit: str) -> Callable[[Any], Any]:

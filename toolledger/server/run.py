@@ -40,7 +40,6 @@ def run(
     forwarded_allow_ips: str | None = None,
     log_format: str | None = None,
 ) -> None:
-
     from toolledger.observability.logs import configure_logging
     from toolledger.server.app import create_app
 
