@@ -14,6 +14,17 @@ from toolledger.ledger.models import Base
 
 MIGRATION_LOCK = 0x746C6D67  # "tlmg"
 
+#: The shortest idle limit a migration's transaction is given (ms; see below).
+IDLE_MIGRATION_MS = 60_000
+
+
+def _milliseconds(setting: str) -> int:
+    """A Postgres time setting as SHOW says it ("500ms", "7500ms", "1min", "0") in ms."""
+    units = {"us": 0.001, "ms": 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
+    number = setting.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(float(number) * units.get(setting[len(number) :], 1))
+
+
 config = context.config
 engine = config.attributes.get("engine") or create_engine(
     config.get_main_option("sqlalchemy.url") or "sqlite:///.toolledger/ledger.db"
@@ -30,6 +41,15 @@ with engine.connect() as connection:
         connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")
         connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout}'")
+        # A migration works in Python between its statements (Alembic loads each script): a
+        # short TOOLLEDGER_DB_TIMEOUT as the idle limit ended it mid-way on a loaded machine
+        # ("terminating connection due to idle-in-transaction timeout": CI, 12-06, at 0.5 s).
+        # At least a minute, so a frozen migrator still lets go of its locks.
+        idle = connection.exec_driver_sql("SHOW idle_in_transaction_session_timeout")
+        if (ms := _milliseconds(idle.scalar_one())) and ms < IDLE_MIGRATION_MS:
+            connection.exec_driver_sql(
+                f"SET LOCAL idle_in_transaction_session_timeout = {IDLE_MIGRATION_MS}"
+            )
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -445,4 +448,30 @@ def test_ensure_schema__made_meanwhile_at_another_revision_is_said_as_it_is(
                 (stamped,)
             ]
     finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_upgrade__a_pause_between_its_statements_past_the_db_timeout_is_no_failure(
+    pg_server, capsys, monkeypatch
+):
+    """CI, 12-06: a loaded machine paused `db upgrade` between two statements past the
+    TOOLLEDGER_DB_TIMEOUT of 0.5 s, which is also the session's idle-in-transaction limit:
+    "terminating connection due to idle-in-transaction timeout". A migration's transaction
+    is given a minute at least."""
+    from tests.helpers import run_cli
+
+    real = MigrationContext.run_migrations
+
+    def slow(self: Any, **kwargs: Any) -> Any:
+        time.sleep(1.2)  # Alembic loading its scripts on a loaded machine
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(MigrationContext, "run_migrations", slow)
+    monkeypatch.setenv("TOOLLEDGER_DB_TIMEOUT", "0.5")
+    with fresh_pg_database(pg_server, "template0") as url:
+        code, out, err = run_cli(capsys, "--db", url, "db", "upgrade")
+        assert code == 0, (out, err)
+        engine = create_engine(url)
+        assert current_revision(engine) == head_revision()
         engine.dispose()
