@@ -46,6 +46,8 @@ POINTS = (
 ENV = "TOOLLEDGER_FAILPOINTS"
 #: The most actions one point chains with ``->``.
 MAX_CHAIN = 4
+#: The longest ``sleep(S)``: a day (a freeze longer than any lease; nan and inf refused).
+MAX_SLEEP = 86_400.0
 
 _SPEC = re.compile(
     r"^(?P<first>first\+)?(?:(?P<pct>\d+(?:\.\d+)?)%)?(?:(?P<count>\d+)\*)?(?P<action>exit|kill|raise|sleep|stop|off)"
@@ -127,6 +129,19 @@ def _action(point: str, text: str, index: int) -> Action:
     kind, arg = match["action"], match["arg"]
     if kind in ("exit", "sleep") and not arg:
         raise FailpointSpecError(f"{kind} needs an argument, e.g. {kind}(1)")
+    # Values are checked here, when the variable is read, not where the point fires: a
+    # ``sleep(nan)`` raised ValueError after the claim, an ``exit(999)`` exited 231, a
+    # ``kill(9)`` ignored its argument (a cold review)
+    if kind not in ("exit", "sleep") and arg is not None:
+        raise FailpointSpecError(f"{kind} takes no argument: {text!r} for {point}")
+    if kind == "exit" and not (arg.strip().isdigit() and int(arg) <= 255):
+        raise FailpointSpecError(f"exit needs a status from 0 to 255: {text!r} for {point}")
+    if kind == "sleep" and not (_is_number(arg) and 0 <= float(arg) <= MAX_SLEEP):
+        raise FailpointSpecError(
+            f"sleep needs seconds from 0 to {MAX_SLEEP:g}: {text!r} for {point}"
+        )
+    if match["pct"] and float(match["pct"]) > 100:
+        raise FailpointSpecError(f"a probability is at most 100%: {text!r} for {point}")
     return Action(
         kind=kind,
         arg=float(arg) if arg else 0.0,
@@ -135,6 +150,14 @@ def _action(point: str, text: str, index: int) -> Action:
         first=bool(match["first"]),
         index=index,
     )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 _lock = threading.Lock()

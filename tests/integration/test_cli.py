@@ -110,6 +110,8 @@ def test_cli__unsafe_scope_refused_everywhere(run, ledger, bad_scope):
 def test_cli__unknown_status_refused(run):
     code, _, err = run("list", "--status", "done")
     assert code == 6 and "unknown status 'done'" in err
+    code, out, err = run("list", "--status", "")
+    assert (code, out) == (6, "") and "unknown status ''" in err
 
 
 def test_cli__json_errors_are_one_json_object(run, scope):

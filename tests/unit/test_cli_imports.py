@@ -205,3 +205,34 @@ def test_files_head__leaves_a_branch_to_alembic(tmp_path: Path) -> None:
     assert db.files_head(tmp_path) is None
     (tmp_path / "c.py").write_text('revision = "c"\ndown_revision = ("a", "b")\n')
     assert db.files_head(tmp_path) is None
+
+
+# ------------------------------------------------------------------------------ bare groups
+
+
+@pytest.mark.parametrize("argv", [[], ["db"], ["sandbox"]])
+def test_bare_group__prints_its_help_as_click_lays_it_out(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``toolledger`` alone printed its whole help squeezed into one ``error:`` line."""
+    from toolledger.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith(f"Usage: toolledger {' '.join(argv)}".rstrip() + " [OPTIONS] COMMAND")
+    assert "\nCommands:\n" in err
+    assert "error:" not in err
+
+
+def test_bare_group__under_json_is_one_error_object(capsys: pytest.CaptureFixture[str]) -> None:
+    from toolledger.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--json", "db"])
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2
+    assert [json.loads(line) for line in lines] == [
+        {"error": "missing command (see 'toolledger db --help')", "exit_code": 2}
+    ]

@@ -46,6 +46,18 @@ def test_failpoints__parse_every_form():
         "after_claim=sleep()",
         "after_claim=raise->",
         "after_claim=raise->raise->raise->raise->raise",
+        # values that parsed, then failed where the point fired, after the claim
+        "after_claim=sleep(nan)",
+        "after_claim=sleep(inf)",
+        "after_claim=sleep(-1)",
+        "after_claim=sleep(1e12)",
+        "after_claim=sleep(x)",
+        "after_claim=exit(999)",
+        "after_claim=exit(1.5)",
+        "after_claim=exit(-1)",
+        "after_claim=kill(9)",
+        "after_claim=stop()",
+        "after_claim=150%raise",
     ],
 )
 def test_failpoints__bad_spec_refused(spec):

@@ -222,6 +222,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except CliError as exc:
         fail(exc.message, exc.code, as_json)
     except click.UsageError as exc:
+        if _is_bare_help(exc) and exc.ctx:
+            # bare ``toolledger`` (or ``toolledger db``): the help as click prints it, not
+            # squeezed into one error line (a cold review); still exit 2, nothing was run
+            if not as_json:
+                click.echo(exc.format_message(), err=True)
+                sys.exit(EXIT_USAGE)
+            fail(f"missing command (see '{exc.ctx.command_path} --help')", EXIT_USAGE, True)
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
         fail(exc.format_message() + hint, EXIT_USAGE, as_json)
     except click.ClickException as exc:
@@ -232,6 +239,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
             raise
         fail(message, code, as_json)
     sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+def _is_bare_help(exc: click.UsageError) -> bool:
+    """Click 8.2's answer to a group run without a command (8.1 printed the help itself)."""
+    bare = getattr(click.exceptions, "NoArgsIsHelpError", None)
+    return bare is not None and isinstance(exc, bare)
 
 
 def log_as_json_lines() -> None:

@@ -173,7 +173,8 @@ def events(c: Context, scope: str, tool_call_id: str) -> None:
 @pass_ctx
 def list_(c: Context, status: str | None, review: bool, scope: str | None, limit: int) -> None:
     """Calls from current state (never from the history)."""
-    wanted = parse_status(status) if status else None
+    # '' is refused as 'done' is: a script's empty "$STATUS" listed every call (a cold review)
+    wanted = parse_status(status) if status is not None else None
     rows = c.recorded_ledger.list_calls(
         status=wanted, scope=scope, limit=limit + 1 if limit else 0, review=review
     )
