@@ -45,15 +45,26 @@ _INT_DIGITS = len(str(MAX_INT))
 #: Every character a person cannot see as itself (Unicode's control, format, line and
 #: paragraph separator characters: Cc, Cf, Zl, Zp; bidirectional overrides and zero-width
 #: characters among them), for Python's Unicode 14 (``tests/unit/test_input_text.py`` compares
-#: it with ``unicodedata``). A path holding one is refused at submit, and the console shows
-#: each escaped (``\u202e``): ``invoice\u202efdp.sh`` read as ``invoicehs.pdf`` on the page
-#: where a person approves it (a cold review).
+#: it with ``unicodedata``), and the marks Unicode says to draw as nothing (``MARKS_UNSEEN``).
+#: A path holding one is refused at submit, and the console shows each escaped
+#: (``\u202e``): ``invoice\u202efdp.sh`` read as ``invoicehs.pdf`` on the page where a person
+#: approves it (a cold review).
 INVISIBLE = re.compile(
     r"[\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890-\u0891\u08e2"
     r"\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb"
     r"\U000110bd\U000110cd\U00013430-\U00013438\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
-    r"\U000e0001\U000e0020-\U000e007f]"
+    r"\U000e0001\U000e0020-\U000e007f"
+    r"\u034f\u17b4\u17b5\u180b-\u180d\u180f\ufe00-\ufe0f\U000e0100-\U000e01ef]"
 )
+#: The nonspacing marks among Unicode's default-ignorable code points: the combining grapheme
+#: joiner, two Khmer vowels, the Mongolian and the other variation selectors. Each is drawn as
+#: nothing: ``c1``, ``c1\ufe0f`` and ``c1\U000e0100`` were four calls shown as one ``c1``, and
+#: ``report.txt\ufe0f`` a path shown as ``report.txt`` (a cold review). (An emoji's selector
+#: is escaped too, as its zero-width joiner always was.) The blank-looking letters among them
+#: (U+115F, U+1160, U+3164, U+FFA0) are letters of a script and stay (README, "Known
+#: limitations").
+MARKS_UNSEEN = (0x034F, 0x17B4, 0x17B5, *range(0x180B, 0x180E), 0x180F,
+                *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0))  # fmt: skip
 
 
 def shown(text: str, keep: str = "") -> str:

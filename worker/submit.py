@@ -168,6 +168,14 @@ class Submitter:
         """Record the call (or run it, if read-only) and enqueue it if approved; ``actor``
         is who submitted it (the HTTP API: the token's name)."""
         if call.read_only:
+            # Nothing is recorded, but the id may be: a read under a tool_call_id recorded
+            # for another call ran and answered for it, where a write was refused (exit 3;
+            # a cold review); its key recorded for another action is the same conflict
+            conflict = self.ledger.conflict_of(
+                call.scope, call.tool_call_id, call.key, call.tool, call.args_sha256
+            )
+            if conflict is not None:
+                raise conflict
             return self._read_only(call)
         attrs = {
             "gen_ai.operation.name": "submit_tool",

@@ -691,10 +691,11 @@ def test_cli__a_path_that_does_not_show_as_itself_is_refused_for_new_calls_only(
     )
     assert code == 0 and '"succeeded"' in out, err
     assert (sandbox / "s" / "zw\u200b.txt").read_text() == "x"
-    for path in ("zw\u200b2.txt", "invoice\u202efdp.sh"):
+    # a variation selector too: ``report.txt\ufe0f`` was shown as ``report.txt`` (a cold review)
+    for i, path in enumerate(("zw\u200b2.txt", "invoice\u202efdp.sh", "report.txt\ufe0f")):
         args = json.dumps({"path": path, "content": "x"})
         code, _, err = run_cli(capsys, *cli, "submit", "--scope", "s", "--tool-call-id",
-                               f"new-{len(path)}", "--tool", "write_file", "--args", args)  # fmt: skip
+                               f"new-{i}", "--tool", "write_file", "--args", args)  # fmt: skip
         assert code == 6 and "does not show as itself" in err, err
 
 

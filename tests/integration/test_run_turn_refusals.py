@@ -245,6 +245,27 @@ def test_run_turn__a_read_only_calls_approver_is_not_checked(client: Client, sco
     assert item["tool_call_id"] == "r1" and "read me" in item["content"]
 
 
+def test_submit__a_read_under_an_id_recorded_for_another_call_is_a_conflict(
+    client: Client, scope: str
+) -> None:
+    """A read-only call records nothing, but its tool_call_id may be taken: a read under the
+    id of a recorded write ran and answered for it (exit 0), where a write under it was
+    refused (a cold review). Refused as a conflict, and the read never runs."""
+    from toolledger.ledger.errors import ConflictError
+
+    folder = Path(client.settings.sandbox) / scope
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "r.txt").write_text("read me")
+    client.submit(scope, "taken", "write_file", {"path": "w.txt", "content": "x"})
+    with pytest.raises(ConflictError):
+        client.submit(scope, "taken", "read_file", {"path": "r.txt"})
+    # its key, named on purpose, recorded for another action: the same conflict
+    with pytest.raises(ConflictError):
+        client.submit(scope, "free", "read_file", {"path": "r.txt"}, key="write_file:taken")
+    answered = client.submit(scope, "free", "read_file", {"path": "r.txt"})  # a new id: runs
+    assert answered.status == "succeeded"
+
+
 def test_run_turn__a_call_answered_among_the_items_given_is_not_answered_again(
     client: Client, scope: str
 ) -> None:

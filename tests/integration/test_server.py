@@ -1271,6 +1271,9 @@ def test_insecure_local__refuses_other_sites_and_other_host_names(
             ledger.get(scope, "q")
         # the operator's own: its console (same origin), curl and the client (no Origin)
         assert client.get(f"/api/calls/{scope}/p", headers={"Host": "localhost:8420"}).is_success
+        # served on another loopback address (--host 127.0.0.2): every request was refused
+        for host in ("127.0.0.2:8420", "127.255.0.9", "[::1]:8420"):
+            assert client.get(f"/api/calls/{scope}/p", headers={"Host": host}).is_success, host
         r = client.post(approve, content=body, headers={"Origin": "http://127.0.0.1:8420"})
         assert r.status_code == 200, r.text
         assert ledger.get(scope, "p").operation.status is Status.APPROVED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import unicodedata
 
-from toolledger.ledger.inputs import INVISIBLE, shown
+from toolledger.ledger.inputs import INVISIBLE, MARKS_UNSEEN, shown
 
 
 def test_invisible__is_every_control_format_and_separator_character_and_no_other():
@@ -13,9 +13,19 @@ def test_invisible__is_every_control_format_and_separator_character_and_no_other
     wrong = [
         f"U+{n:04X} {unicodedata.category(chr(n))}"
         for n in range(sys.maxunicode + 1)
-        if (unicodedata.category(chr(n)) in categories) != bool(INVISIBLE.fullmatch(chr(n)))
+        if (unicodedata.category(chr(n)) in categories or n in MARKS_UNSEEN)
+        != bool(INVISIBLE.fullmatch(chr(n)))
     ]
     assert not wrong, (unicodedata.unidata_version, wrong[:10])
+
+
+def test_invisible__marks_drawn_as_nothing_are_marks_and_escaped():
+    """Variation selectors and their kin: four ids shown as one ``c1`` (a cold review)."""
+    assert all(unicodedata.category(chr(n)) == "Mn" for n in MARKS_UNSEEN)
+    assert len(MARKS_UNSEEN) == 1 + 2 + 3 + 1 + 16 + 240
+    for mark in ("\ufe0f", "\u034f", "\u180b", "\U000e0100"):
+        assert shown(f"c1{mark}") != "c1"
+    assert shown("c1\ufe0f") == "c1\\ufe0f"
 
 
 def test_shown__escapes_what_cannot_be_seen_and_keeps_the_rest():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import urllib.parse
 from typing import Any
 
@@ -172,6 +173,18 @@ def host_name(authority: str) -> str:
     return name
 
 
+def _loopback_name(name: str) -> bool:
+    """``localhost`` or a loopback address written as one: ``serve --insecure-local --host
+    127.0.0.2`` started, then refused every request sent to it (a cold review). A name
+    that is no address is never one (DNS rebinding points a name at 127.0.0.1)."""
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class LoopbackOnly:
     """``serve --insecure-local``: no token, so every request is the operator, and only the
     operator's own requests may reach it. Refused (403, nothing read or changed): a Host that
@@ -201,7 +214,7 @@ class LoopbackOnly:
             if names.count(judged) > 1:  # the last one was judged, whatever the first said
                 return f"--insecure-local refuses a request with more than one {judged} header"
         host = headers.get("host", "")
-        if host_name(host) not in LOOPBACK_NAMES:
+        if not _loopback_name(host_name(host)):
             return f"--insecure-local answers only requests to a loopback name, not {host!r}"
         if scope["method"] in SAFE_METHODS:
             return None
