@@ -12,6 +12,13 @@ UNKNOWN_MESSAGE = (
     "ask a human before repeating it."
 )
 
+#: Beside a terminal result a later report contradicts (the call's ``contradicted`` flag).
+DISPUTED_MESSAGE = (
+    "This outcome is disputed: the ledger holds another report of this tool call that "
+    "contradicts it, and a person is reviewing both. Treat the effect as possibly applied "
+    "and do not repeat the call until the review is done."
+)
+
 
 def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -> Receipt:
     """The receipt for ``operation``, whose current attempt is ``execution`` (or None)."""
@@ -36,5 +43,12 @@ def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -
                 f"{operation.idempotency_key!r} is {status} without a saved result: "
                 "recovery stops here; inspect the ledger"
             )
-        return Receipt(status, execution.result, execution.execution_id, review=operation.review)
+        content = execution.result
+        if operation.review == "contradicted":
+            # The model reads the content, not the flag: a person's `failed` against a late
+            # proof the call took effect reached it as a plain failure, which invites the
+            # same action again under a new id (a cold review). The saved result stays; what
+            # is in dispute is said beside it, while the flag waits.
+            content = {**content, "review": "contradicted", "message": DISPUTED_MESSAGE}
+        return Receipt(status, content, execution.execution_id, review=operation.review)
     raise NoReceipt(f"{operation.idempotency_key!r} is {status}: there is no receipt yet")

@@ -82,3 +82,21 @@ def test_receipt__unknown_names_the_execution():
     assert "not run again" in r.content["message"]
     assert r.is_error  # DESIGN §6: marked as an error, so the model never reads it as success
     assert r.to_anthropic()["is_error"] is True
+
+
+@pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
+def test_receipt__a_contradicted_outcome_says_so_to_the_model(status):
+    """A person's ``failed`` against a late proof the call took effect reached the model as a
+    plain failure (it reads the content, not the flag): an invitation to do it again under a
+    new id (a cold review). The saved result stays, the dispute is said beside it."""
+    from dataclasses import replace
+
+    from toolledger.ledger.receipts import DISPUTED_MESSAGE
+
+    saved = {"status": status.value, "resolved_by": "bob"}
+    r = receipt_for(replace(op(status), review="contradicted"), ex(status, saved))
+    assert r.content == {**saved, "review": "contradicted", "message": DISPUTED_MESSAGE}
+    assert "do not repeat" in r.to_openai()["content"]
+    assert r.review == "contradicted"
+    for other in (None, "both_ran", "not_landed"):  # not a dispute of the outcome
+        assert receipt_for(replace(op(status), review=other), ex(status, saved)).content == saved
