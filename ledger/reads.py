@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -147,9 +148,17 @@ class LedgerReads:
         return [EventRecord.from_row(r) for r in rows]
 
     def receipt(self, scope: str, tool_call_id: str) -> Receipt:
-        """The result to hand the model, by the replay rules; never runs anything."""
+        """The result to hand the model, by the replay rules; never runs anything. Asked by
+        call, it carries the call's ids (its ``to_openai()`` answered ``tool_call_id: None``:
+        a cold review) and whether its result was established after the fact, as the
+        client's receipts do."""
         view = self.get(scope, tool_call_id)
-        return receipt_for(view.operation, view.current)
+        r = receipt_for(view.operation, view.current)
+        current = view.current
+        reconciled = bool(current and current.reconciled and r.execution_id == current.execution_id)
+        return dataclasses.replace(
+            r, scope=view.scope, tool_call_id=view.tool_call_id, reconciled=reconciled
+        )
 
     def list_calls(
         self,

@@ -454,6 +454,10 @@ def test_receipt__exactly_the_saved_result(ledger, scope, status):
     receipt = ledger.receipt(scope, "c1")
     assert receipt.content == saved and list(receipt.content) == list(saved)
     assert receipt.execution_id == claim.execution_id
+    # asked by call, it is that call's: its messages carried no id (a cold review)
+    assert (receipt.scope, receipt.tool_call_id, receipt.reconciled) == (scope, "c1", False)
+    assert receipt.to_openai()["tool_call_id"] == "c1"
+    assert receipt.to_anthropic()["tool_use_id"] == "c1"
 
 
 def test_receipt__not_yet_for_pending_approved_running(ledger, scope):
@@ -500,3 +504,14 @@ def test_retry__new_attempt_same_key_new_execution_id(ledger, scope):
     assert ledger.receipt(scope, "c1").content == {"ok": 2}
     retry = [e for e in ledger.events(scope, "c1") if e.kind == "approved"][-1]
     assert retry.actor == "carol" and retry.detail["attempt"] == 2
+
+
+def test_receipt__a_resolved_result_says_it_was_established_after_the_fact(ledger, scope):
+    key = approved(ledger, scope)
+    claim = ledger.claim(scope, key, 1, worker_id="w")
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    ledger.resolve(claim.execution_id, Status.SUCCEEDED, by="dana", evidence="saw the file")
+    receipt = ledger.receipt(scope, "c1")
+    assert (receipt.status, receipt.reconciled, receipt.tool_call_id) == (
+        Status.SUCCEEDED, True, "c1"
+    )  # fmt: skip
