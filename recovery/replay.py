@@ -12,6 +12,12 @@ of the wrong type is never skipped: a result hidden that way would make repair a
 twice, and one skipped call would go unanswered. A tool call id may appear in one call only:
 the ledger knows one call per id, so two calls with the same id cannot both be answered from
 it, and answering both with one receipt would tell the model a lie about one of them.
+
+A result answers its call only where the provider's API looks for it (chat: among the ``tool``
+messages right after the call's assistant message; Anthropic: among the leading ``tool_result``
+blocks of the user turn right after the call's turn; Responses: anywhere after the call). A
+result elsewhere, a second result for one call, or a result for no call is refused: each was
+counted as an answer, and repair exited 0 leaving a transcript the API refuses (a cold review).
 """
 
 from __future__ import annotations
@@ -44,6 +50,17 @@ class Call:
     name: str
     args: Any  # as written: a JSON string (OpenAI) or an object (Anthropic)
     at: str = ""  # where it is, for messages ("message 3 tool_calls[0]")
+    item: int = -1  # the index of the item holding it
+
+
+@dataclass(frozen=True)
+class Result:
+    """A tool result as the transcript states it."""
+
+    id: str
+    at: str
+    #: The item whose calls it answers, standing where it stands (None: no item's).
+    turn: int | None
 
 
 @dataclass(frozen=True)
@@ -145,20 +162,47 @@ def unique(calls: list[Call]) -> None:
         seen[c.id] = c
 
 
+def answered(calls: list[Call], results: list[Result], rule: str) -> set[str]:
+    """The ids of the calls with a result; a result out of place (``rule`` says where it goes),
+    a second one for a call, or one for no call is refused (see the module docstring)."""
+    by_id = {c.id: c for c in calls}
+    first: dict[str, Result] = {}
+    for r in results:
+        c = by_id.get(r.id)
+        if c is None:
+            raise TranscriptError(
+                f"{r.at}: a result for tool_call_id {show(r.id)}, which no call has"
+            )
+        if r.id in first:
+            raise TranscriptError(
+                f"{r.at}: a second result for tool_call_id {show(r.id)} "
+                f"(the first: {first[r.id].at})"
+            )
+        if r.turn != c.item:
+            raise TranscriptError(
+                f"{r.at}: the result for tool_call_id {show(r.id)} is out of place: {rule} "
+                f"(its call: {c.at})"
+            )
+        first[r.id] = r
+    return set(first)
+
+
 # -------------------------------------------------------------------------- OpenAI chat
 
 
 def openai_calls(items: list[Any], where: Where = message_number) -> tuple[list[Call], list[Batch]]:
-    answered: set[str] = set()
+    results: list[Result] = []
     turns: list[tuple[int, list[Call]]] = []
+    run: int | None = None  # the assistant message the tool messages read so far follow
     for i, raw in enumerate(items):
         w = where(i)
         it = _object(raw, w)
         role = _role(it, w)
         _content(it, w, required=role == "tool")
         if role == "tool":
-            answered.add(_id(it, "tool_call_id", w))
+            results.append(Result(_id(it, "tool_call_id", w), w, run))
             continue
+        run = None
         tool_calls = it.get("tool_calls")
         if role != "assistant" or tool_calls is None:
             continue
@@ -175,20 +219,26 @@ def openai_calls(items: list[Any], where: Where = message_number) -> tuple[list[
                     _text(fn, "name", f"{wk}.function"),
                     _optional(fn, "arguments", f"{wk}.function", (str,), "a string", "{}"),
                     wk,
+                    i,
                 )
             )
+        run = i
         turns.append((i, calls))
     every = [c for _, calls in turns for c in calls]
     unique(every)
+    done = answered(every, results, _CHAT_RULE)
     batches = []
     for i, calls in turns:
-        missing = tuple(c for c in calls if c.id not in answered)
+        missing = tuple(c for c in calls if c.id not in done)
         if missing:
             end = i
             while end + 1 < len(items) and items[end + 1].get("role") == "tool":
                 end += 1
             batches.append(Batch(missing, after_item=end))
     return every, batches
+
+
+_CHAT_RULE = "a tool message goes among the tool messages right after its call's message"
 
 
 def openai_item(call: Call, receipt: Receipt) -> dict[str, Any]:
@@ -203,7 +253,7 @@ _RESPONSE_CALL_TYPES = ("function_call", "function_call_output")
 def responses_calls(
     items: list[Any], where: Where = message_number
 ) -> tuple[list[Call], list[Batch]]:
-    answered: set[str] = set()
+    outputs: list[tuple[int, str, str]] = []
     types: list[str | None] = []
     calls: dict[int, Call] = {}
     for i, raw in enumerate(items):
@@ -213,12 +263,19 @@ def responses_calls(
         types.append(t)
         if t == "function_call":
             args = _optional(it, "arguments", w, (str,), "a string", "{}")
-            calls[i] = Call(_id(it, "call_id", w), _text(it, "name", w), args, w)
+            calls[i] = Call(_id(it, "call_id", w), _text(it, "name", w), args, w, i)
         elif t == "function_call_output":
-            answered.add(_id(it, "call_id", w))
+            outputs.append((i, _id(it, "call_id", w), w))
             _field(it, "output", w, (str, list), "a string or an array")
     every = list(calls.values())
     unique(every)
+    item = {c.id: c.item for c in every}
+    results = []
+    for i, cid, w in outputs:
+        at = item.get(cid)
+        # the API reads an output anywhere after its call: there, it answers the call's item
+        results.append(Result(cid, w, at if at is not None and at < i else None))
+    done = answered(every, results, "a function_call_output goes after its function_call")
     batches, i = [], 0
     while i < len(items):
         if types[i] != "function_call":
@@ -228,7 +285,7 @@ def responses_calls(
         while end + 1 < len(items) and types[end + 1] in _RESPONSE_CALL_TYPES:
             end += 1
         group = [calls[j] for j in range(i, end + 1) if j in calls]
-        missing = tuple(c for c in group if c.id not in answered)
+        missing = tuple(c for c in group if c.id not in done)
         if missing:
             batches.append(Batch(missing, after_item=end))
         i = end + 1
@@ -270,7 +327,7 @@ def _anthropic_blocks(it: dict[str, Any], role: str, w: str) -> list[dict[str, A
 def anthropic_calls(
     items: list[Any], where: Where = message_number
 ) -> tuple[list[Call], list[Batch]]:
-    answered: set[str] = set()
+    results: list[Result] = []
     roles: list[str] = []
     turns: list[tuple[int, list[Call]]] = []
     for i, raw in enumerate(items):
@@ -279,9 +336,16 @@ def anthropic_calls(
         role = _role(it, w)
         roles.append(role)
         blocks = _anthropic_blocks(it, role, w)
-        answered.update(b["tool_use_id"] for b in blocks if b["type"] == "tool_result")
+        # the API reads the tool_result blocks that open the turn after the calls' turn (an
+        # assistant's: a tool_use block elsewhere is refused)
+        turn: int | None = i - 1
+        for k, b in enumerate(blocks):
+            if b["type"] != "tool_result":
+                turn = None
+                continue
+            results.append(Result(b["tool_use_id"], f"{w} content[{k}]", turn))
         calls = [
-            Call(b["id"], b["name"], b.get("input", {}), f"{w} content[{k}]")
+            Call(b["id"], b["name"], b.get("input", {}), f"{w} content[{k}]", i)
             for k, b in enumerate(blocks)
             if b["type"] == "tool_use"
         ]
@@ -289,9 +353,10 @@ def anthropic_calls(
             turns.append((i, calls))
     every = [c for _, calls in turns for c in calls]
     unique(every)
+    done = answered(every, results, _ANTHROPIC_RULE)
     batches = []
     for i, calls in turns:
-        missing = tuple(c for c in calls if c.id not in answered)
+        missing = tuple(c for c in calls if c.id not in done)
         if not missing:
             continue
         nxt = items[i + 1] if i + 1 < len(items) else None
@@ -309,6 +374,9 @@ def anthropic_calls(
         else:
             batches.append(Batch(missing, after_item=i))
     return every, batches
+
+
+_ANTHROPIC_RULE = "tool_result blocks open the user turn right after their tool_use's turn"
 
 
 def anthropic_block(call: Call, receipt: Receipt) -> dict[str, Any]:

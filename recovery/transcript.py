@@ -19,8 +19,8 @@ it refuses (``TranscriptError``, exit 6, one line, the file untouched) rather th
   so no choice of ours agrees with every reader of the file.
 - JSONL is split on ``"\\n"`` only (``"\\r\\n"`` tolerated): U+2028, U+0085, form feeds and the
   like are characters inside strings, not line ends.
-- The shape of every field repair decides by (``toolledger.recovery.replay``), and one call
-  per tool call id.
+- The shape of every field repair decides by (``toolledger.recovery.replay``), one call per
+  tool call id, and each result where the provider's API reads it, one per call.
 - A symbolic link is never written to: repair replaces the file it writes (atomically), which
   would turn the link into a regular file; pass the link's target instead. Reading through a
   link (``--out`` elsewhere, or ``-``) is fine.

@@ -1,0 +1,251 @@
+"""Transcript repair: a result counts only where the provider's API looks for it (found by
+a cold review).
+
+A result out of place, a second result for one call, or a result for no call used to count
+as an answer: repair exited 0 and left a transcript the API refuses (a chat ``tool`` message
+after a later user message, an Anthropic ``tool_result`` before its ``tool_use``). Each is
+refused now: exit 6, one line naming the place, the file untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import run_cli
+from tests.unit.repair_support import (
+    answered_ids,
+    as_json,
+    as_jsonl,
+    call,
+    calls_items,
+    items_of,
+    known_ledger,
+    only_insertions,
+    results_items,
+)
+from toolledger.ledger.errors import InputError
+from toolledger.ledger.ledger import Ledger
+from toolledger.recovery.transcript import repair_file
+
+SCOPE = "placement"
+USER = {"role": "user", "content": "go"}
+
+
+@pytest.fixture(scope="module")
+def ledger(sqlite_url: str) -> Iterator[Ledger]:
+    yield from known_ledger(sqlite_url, SCOPE)
+
+
+def calls(fmt: str, *cids: str) -> list[dict[str, Any]]:
+    return calls_items(fmt, [call(c) for c in cids])
+
+
+def results(fmt: str, *cids: str) -> list[dict[str, Any]]:
+    return results_items(fmt, [(c, "done") for c in cids])
+
+
+def an_turn(*blocks: Any) -> dict[str, Any]:
+    return {"role": "user", "content": list(blocks)}
+
+
+def an_result(cid: str) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": cid, "content": "done"}
+
+
+TEXT = {"type": "text", "text": "and then"}
+
+# (id, bytes, a regular expression its one-line refusal matches)
+MISPLACED: list[tuple[str, bytes, str]] = [
+    # OpenAI chat: the run of tool messages right after the assistant message of the call
+    (
+        "chat-result-after-a-later-user-message",
+        as_json(
+            "openai",
+            [USER, *calls("openai", "call_ok", "call_ok2"), USER, *results("openai", "call_ok")],
+        ),
+        r"message 4: the result for tool_call_id 'call_ok' is out of place: .*"
+        r"\(its call: message 2 tool_calls\[0\]\)",
+    ),
+    (
+        "chat-result-in-a-later-turns-run",
+        as_json(
+            "openai",
+            [
+                *calls("openai", "call_ok"),
+                USER,
+                *calls("openai", "call_ok2"),
+                *results("openai", "call_ok2", "call_ok"),
+            ],
+        ),
+        "message 5: the result for tool_call_id 'call_ok' is out of place",
+    ),
+    (
+        "chat-result-before-its-call",
+        as_json("openai", [USER, *results("openai", "call_ok"), *calls("openai", "call_ok")]),
+        "message 2: the result for tool_call_id 'call_ok' is out of place",
+    ),
+    (
+        "chat-second-result",
+        as_json("openai", [*calls("openai", "call_ok"), *results("openai", "call_ok", "call_ok")]),
+        "message 3: a second result for tool_call_id 'call_ok' \\(the first: message 2\\)",
+    ),
+    (
+        "chat-result-for-no-call",
+        as_json("openai", [*calls("openai", "call_ok"), *results("openai", "call_ok", "nobody")]),
+        "message 3: a result for tool_call_id 'nobody', which no call has",
+    ),
+    (
+        "chat-result-for-no-call-jsonl",
+        as_jsonl([USER, *results("openai", "nobody"), *calls("openai", "call_ok")]),
+        "line 2: a result for tool_call_id 'nobody', which no call has",
+    ),
+    # Anthropic: the leading tool_result blocks of the user turn right after the call's turn
+    (
+        "anthropic-result-before-its-tool-use",
+        as_json(
+            "anthropic",
+            [
+                *calls("anthropic", "call_ok"),
+                an_turn(an_result("call_ok2")),
+                *calls("anthropic", "call_ok2"),
+            ],
+        ),
+        r"message 2 content\[0\]: the result for tool_call_id 'call_ok2' is out of place",
+    ),
+    (
+        "anthropic-result-a-turn-late",
+        as_json(
+            "anthropic",
+            [
+                *calls("anthropic", "call_ok"),
+                an_turn(TEXT),
+                {"role": "assistant", "content": "ok"},
+                an_turn(an_result("call_ok")),
+            ],
+        ),
+        r"message 4 content\[0\]: the result for tool_call_id 'call_ok' is out of place",
+    ),
+    (
+        "anthropic-result-after-text",
+        as_json("anthropic", [*calls("anthropic", "call_ok"), an_turn(TEXT, an_result("call_ok"))]),
+        r"message 2 content\[1\]: the result for tool_call_id 'call_ok' is out of place",
+    ),
+    (
+        "anthropic-second-result",
+        as_json(
+            "anthropic",
+            [*calls("anthropic", "call_ok"), an_turn(an_result("call_ok"), an_result("call_ok"))],
+        ),
+        r"message 2 content\[1\]: a second result for tool_call_id 'call_ok'",
+    ),
+    (
+        "anthropic-result-for-no-call",
+        as_json(
+            "anthropic",
+            [*calls("anthropic", "call_ok"), an_turn(an_result("call_ok"), an_result("x"))],
+        ),
+        r"message 2 content\[1\]: a result for tool_call_id 'x', which no call has",
+    ),
+    # Responses: a function_call_output after its function_call
+    (
+        "responses-output-before-its-call",
+        as_json("responses", [*results("responses", "call_ok"), *calls("responses", "call_ok")]),
+        "message 1: the result for tool_call_id 'call_ok' is out of place",
+    ),
+    (
+        "responses-second-output",
+        as_json(
+            "responses",
+            [
+                *calls("responses", "call_ok"),
+                *results("responses", "call_ok"),
+                USER,
+                *results("responses", "call_ok"),
+            ],
+        ),
+        "message 4: a second result for tool_call_id 'call_ok'",
+    ),
+    (
+        "responses-output-for-no-call",
+        as_json("responses", [*calls("responses", "call_ok"), *results("responses", "nobody")]),
+        "message 2: a result for tool_call_id 'nobody', which no call has",
+    ),
+]
+
+
+def refused(tmp_path: Path, ledger: Ledger, data: bytes, fmt: str | None = None) -> str:
+    path = tmp_path / "t.json"
+    path.write_bytes(data)
+    with pytest.raises(InputError) as err:
+        repair_file(path, ledger, SCOPE, fmt)
+    assert path.read_bytes() == data
+    assert list(tmp_path.iterdir()) == [path]
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}: "), message
+    return message
+
+
+def cli(capsys: Any, url: str, path: Path, *args: str) -> tuple[int, str, str]:
+    return run_cli(capsys, "--db", url, "repair", str(path), "--scope", SCOPE, *args)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"), [c[1:] for c in MISPLACED], ids=[c[0] for c in MISPLACED]
+)
+def test_misplaced_result__refused_in_one_line(ledger, tmp_path, data, match):
+    message = refused(tmp_path, ledger, data)
+    assert re.search(match, message), message
+
+
+@pytest.mark.parametrize("data", [c[1] for c in MISPLACED], ids=[c[0] for c in MISPLACED])
+def test_misplaced_result_cli__exit_6(capsys, sqlite_url, ledger, tmp_path, data):
+    path = tmp_path / "t.json"
+    path.write_bytes(data)
+    code, out, err = cli(capsys, sqlite_url, path)
+    assert (code, out) == (6, "") and err.count("\n") == 1, err
+    assert path.read_bytes() == data
+
+
+# Where results belong, as the API reads them: accepted, repaired once and for good.
+PLACED: list[tuple[str, str, list[Any], list[str]]] = [
+    (
+        "chat-run-after-the-call",
+        "openai",
+        [USER, *calls("openai", "call_ok", "call_ok2"), *results("openai", "call_ok"), USER],
+        ["call_ok", "call_ok2"],
+    ),
+    (
+        "anthropic-results-then-text",
+        "anthropic",
+        [*calls("anthropic", "call_ok", "call_ok2"), an_turn(an_result("call_ok"), TEXT)],
+        ["call_ok", "call_ok2"],
+    ),
+    (
+        "responses-output-later-than-the-next-call",
+        "responses",
+        [*calls("responses", "call_ok", "call_ok2"), USER, *results("responses", "call_ok2")],
+        ["call_ok", "call_ok2"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "items", "after"), [c[1:] for c in PLACED], ids=[c[0] for c in PLACED]
+)
+def test_placed_result__answers_its_call_and_repair_is_idempotent(
+    ledger, tmp_path, fmt, items, after
+):
+    path = tmp_path / "t.json"
+    data = as_json(fmt, items, indent=2)
+    path.write_bytes(data)
+    report = repair_file(path, ledger, SCOPE)
+    assert (report.calls, report.answered_before, len(report.inserted)) == (2, 1, 1)
+    once = path.read_bytes()
+    assert only_insertions(data, once)
+    assert answered_ids(fmt, items_of(once)) == after
+    assert not repair_file(path, ledger, SCOPE).changed and path.read_bytes() == once
