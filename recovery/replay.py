@@ -448,11 +448,16 @@ REGISTRY: dict[str, Format] = {
 FORMATS = tuple(REGISTRY)
 
 
-def detect(items: list[Any]) -> Format | None:
+def item_number(i: int) -> str:
+    return f"item {i + 1}"
+
+
+def detect(items: list[Any], where: Where = item_number) -> Format | None:
     """The format the items are written in, or None if they hold no tool call at all.
     Items of two formats are refused (TranscriptError): reading one would silently pass over
     the calls written in the other."""
     found: Format | None = None
+    first = 0  # the item it was found in
     for i, it in enumerate(items):
         if not isinstance(it, dict):
             continue
@@ -460,10 +465,13 @@ def detect(items: list[Any]) -> Format | None:
             if not fmt.recognises(it):
                 continue
             if found is None:
-                found = fmt
+                found, first = fmt, i
             elif fmt is not found:
-                raise TranscriptError(
-                    f"item {i + 1} is written in {fmt.name} form, an earlier one in "
-                    f"{found.name} form: one transcript, one format"
+                either = (
+                    f"{where(i)} is written in both {found.name} and {fmt.name} form"
+                    if first == i
+                    else f"{where(i)} is written in {fmt.name} form, {where(first)} in "
+                    f"{found.name} form"
                 )
+                raise TranscriptError(f"{either}: one transcript, one format")
     return found

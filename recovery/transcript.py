@@ -21,6 +21,8 @@ it refuses (``TranscriptError``, exit 6, one line, the file untouched) rather th
   like are characters inside strings, not line ends.
 - The shape of every field repair decides by (``toolledger.recovery.replay``), one call per
   tool call id, and each result where the provider's API reads it, one per call.
+- One format: detected even when ``--format`` names one, and refused if it finds two, or
+  another than the one named.
 - A symbolic link is never written to: repair replaces the file it writes (atomically), which
   would turn the link into a regular file; pass the link's target instead. Reading through a
   link (``--out`` elsewhere, or ``-``) is fine.
@@ -429,20 +431,22 @@ def repair_transcript(
     check_scope(scope)
     bom, text = _decode(data, name)
     doc = Document.parse(text, name)
-    form = REGISTRY[fmt] if fmt is not None else detect(doc.items)
+    # detected even when chosen: a mixed transcript read in the chosen format had the other
+    # format's calls passed over, "1 call" and exit 0 (a cold review)
+    found = _detect(doc, name)
+    form = REGISTRY[fmt] if fmt is not None else found
     report = RepairReport(form.name if form else None, doc.container, text=bom + text)
     if form is None:
         return report
     every, batches = _calls(doc, form, name)
-    if fmt is not None and not every:
-        _check_chosen(doc, form, name)
+    _check_chosen(found, form, name)
     dangling = sum(len(b.calls) for b in batches)
     report.calls, report.answered_before = len(every), len(every) - dangling
     planned = [(b, [(c, _receipt(ledger, scope, c, name)) for c in b.calls]) for b in batches]
     if not planned:
         return report
     repaired = _apply(text, [_edit(doc, form, batch, receipts) for batch, receipts in planned])
-    _read_back(repaired, doc, form if fmt is None else None, form, name, len(every))
+    _read_back(repaired, doc, form, name, len(every))
     report.text = bom + repaired
     report.inserted = [
         {
@@ -458,15 +462,20 @@ def repair_transcript(
     return report
 
 
-def _check_chosen(doc: Document, form: Format, name: str) -> None:
-    """A format chosen with ``--format`` that finds no call, where the transcript reads as
-    another format that finds some: refused (it said "0 calls" and exit 0, the calls left
-    unanswered: a cold review)."""
-    found = detect(doc.items)
-    if found is not None and found is not form and found.calls(doc.items, doc.where)[0]:
+def _detect(doc: Document, name: str) -> Format | None:
+    try:
+        return detect(doc.items, doc.where)
+    except TranscriptError as exc:
+        raise TranscriptError(f"{name}: {exc}") from None
+
+
+def _check_chosen(found: Format | None, form: Format, name: str) -> None:
+    """A format chosen with ``--format`` where the transcript reads as another: refused (it
+    said "0 calls" and exit 0, the calls left unanswered: a cold review)."""
+    if found is not None and found is not form:
         raise TranscriptError(
-            f"{name}: no {form.name} tool call in it, but it reads as {found.name}, whose "
-            f"calls --format {form.name} would pass over; leave --format out, or give "
+            f"{name}: --format {form.name}, but it reads as {found.name}, whose calls "
+            f"--format {form.name} would pass over; leave --format out, or give "
             f"--format {found.name}"
         )
 
@@ -478,11 +487,9 @@ def _calls(doc: Document, form: Format, name: str) -> tuple[list[Call], list[Bat
         raise TranscriptError(f"{name}: {exc}") from None
 
 
-def _read_back(
-    text: str, before: Document, detected: Format | None, form: Format, name: str, calls: int
-) -> None:
+def _read_back(text: str, before: Document, form: Format, name: str, calls: int) -> None:
     """Parse the repaired text as the next repair will, or write nothing: the same container,
-    the same format detected (unless the caller chose it), the same calls, none unanswered."""
+    the same format detected, the same calls, none unanswered."""
     try:
         doc = Document.parse(text, name)
         every, batches = _calls(doc, form, name)
@@ -492,7 +499,7 @@ def _read_back(
         why = ""
         if doc.container != before.container:
             why = f"it reads as {doc.container}, not {before.container}"
-        elif detected is not None and detect(doc.items) is not detected:
+        elif detect(doc.items) is not form:
             why = "its format is detected differently"
         elif len(every) != calls:
             why = f"{len(every)} calls instead of {calls}"

@@ -1,14 +1,16 @@
-"""Transcript repair: a result counts only where the provider's API looks for it (found by
-a cold review).
+"""Transcript repair: a result counts only where the provider's API looks for it, and a
+transcript is read in one format, whatever ``--format`` says (both found by a cold review).
 
 A result out of place, a second result for one call, or a result for no call used to count
 as an answer: repair exited 0 and left a transcript the API refuses (a chat ``tool`` message
-after a later user message, an Anthropic ``tool_result`` before its ``tool_use``). Each is
-refused now: exit 6, one line naming the place, the file untouched.
+after a later user message, an Anthropic ``tool_result`` before its ``tool_use``). And
+``--format`` skipped detection, so a mixed transcript had one format's calls passed over.
+Each is refused now: exit 6, one line naming the place, the file untouched.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,3 +251,74 @@ def test_placed_result__answers_its_call_and_repair_is_idempotent(
     assert only_insertions(data, once)
     assert answered_ids(fmt, items_of(once)) == after
     assert not repair_file(path, ledger, SCOPE).changed and path.read_bytes() == once
+
+
+# ---------------------------------------------------------------------------- --format
+
+MIXED_CHAT_RESPONSES = as_json(
+    "openai", [USER, *calls("openai", "call_ok"), *calls("responses", "call_ok2")]
+)
+#: One assistant message holding tool_use blocks and tool_calls.
+MIXED_ONE_MESSAGE = json.dumps(
+    [
+        {
+            **calls("anthropic", "call_ok")[0],
+            "tool_calls": calls("openai", "call_ok2")[0]["tool_calls"],
+        }
+    ]
+).encode()
+
+
+MIXED = "one transcript, one format"
+
+
+@pytest.mark.parametrize(
+    ("data", "fmt", "match"),
+    [
+        (MIXED_CHAT_RESPONSES, "responses", "message 3 is written in responses form, message 2 in"),
+        (MIXED_CHAT_RESPONSES, "openai", "message 3 is written in responses form"),
+        (MIXED_ONE_MESSAGE, "anthropic", "message 1 is written in both openai and anthropic form"),
+        (MIXED_ONE_MESSAGE, "openai", "message 1 is written in both"),
+        (
+            as_jsonl([USER, *calls("anthropic", "call_ok"), *calls("openai", "call_ok2")]),
+            "anthropic",
+            "line 3 is written in openai form, line 2 in anthropic form",
+        ),
+    ],
+    ids=[
+        "chat+responses-as-responses",
+        "chat+responses-as-openai",
+        "one-message-as-anthropic",
+        "one-message-as-openai",
+        "jsonl-anthropic+chat-as-anthropic",
+    ],
+)
+def test_format_chosen__a_mixed_transcript_is_still_refused(
+    capsys, sqlite_url, ledger, tmp_path, data, fmt, match
+):
+    """--format used to skip detection: the other format's calls were passed over, exit 0."""
+    message = refused(tmp_path, ledger, data, fmt)
+    assert match in message and message.endswith(MIXED), message
+    code, out, err = cli(capsys, sqlite_url, tmp_path / "t.json", "--format", fmt)
+    assert (code, out) == (6, "") and err.count("\n") == 1 and MIXED in err, err
+
+
+@pytest.mark.parametrize("fmt", ["openai", "responses"])
+def test_format_chosen__another_format_than_the_one_detected_is_refused(ledger, tmp_path, fmt):
+    """A transcript that reads as Anthropic and holds no call, with ``--format`` naming a
+    format that finds nothing in it: refused, not "0 calls" (its result is for no call)."""
+    data = json.dumps([{"role": "assistant", "content": "hi"}, an_turn(an_result("call_ok"))])
+    message = refused(tmp_path, ledger, data.encode(), fmt)
+    assert "it reads as anthropic" in message, message
+
+
+def test_format_chosen__the_detected_one_or_nothing_to_detect_still_works(ledger, tmp_path):
+    path = tmp_path / "t.json"
+    data = as_json("responses", [USER, *calls("responses", "call_ok")])
+    path.write_bytes(data)
+    assert len(repair_file(path, ledger, SCOPE, "responses").inserted) == 1
+    plain = tmp_path / "plain.json"
+    plain.write_bytes(as_json("openai", [USER]))
+    for fmt in ("openai", "responses", "anthropic"):
+        report = repair_file(plain, ledger, SCOPE, fmt)
+        assert (report.format, report.calls, report.changed) == (fmt, 0, False)
