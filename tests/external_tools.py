@@ -5,6 +5,7 @@ Load with ``TOOLLEDGER_TOOLS=tests.external_tools`` (or ``load_registry("tests.e
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from pydantic import BaseModel
@@ -36,3 +37,20 @@ def slow_read(args: SlowReadArgs, ctx: ToolContext) -> dict[str, Any]:
     time.sleep(args.seconds)
     Path(args.done_file).write_text("done")
     return {"slept": args.seconds}
+
+
+#: What ``held_read`` waits for, and one entry a run that started: the tests' own (a server
+#: under ``TestClient`` runs in their process).
+HELD = threading.Event()
+HELD_RUNS: list[int] = []
+
+
+class HeldReadArgs(BaseModel):
+    seconds: float
+
+
+@tool(read_only=True)
+def held_read(args: HeldReadArgs, ctx: ToolContext) -> dict[str, Any]:
+    """A read that runs until the test lets it go (``HELD``), ``seconds`` at most."""
+    HELD_RUNS.append(1)
+    return {"held": not HELD.wait(args.seconds)}

@@ -10,6 +10,8 @@ import base64
 import hashlib
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import anyio
 import pytest
 from fastapi.testclient import TestClient
 
+from tests import external_tools
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger.errors import InvalidIdentifier, NotFound
 from toolledger.ledger.ledger import Ledger
@@ -1339,3 +1342,79 @@ def test_console__a_file_whose_bytes_wait_to_land_says_so(
     page = client.get(f"/calls/{scope}/w").text
     assert 'id="file-pending"' in page
     assert "the requested content is not in the file (yet: bytes for this path wait" in page
+
+
+# ----------------------------------------------------------------------------- read-only runs
+
+
+def _held_read(client: TestClient, scope: str, call: str) -> Any:
+    body = {"scope": scope, "tool_call_id": call, "tool": "held_read", "args": {"seconds": 60}}
+    return client.post("/api/calls", json=body, headers=bearer("agent-7"))
+
+
+def test_api__read_only_calls_cannot_take_every_thread_from_the_others(
+    server: Any, scope: str
+) -> None:
+    """A cold review: an agent token posted 45 read-only calls of 20 s at once; each ran on
+    the thread pool every sync endpoint shares, unbounded, and a viewer's inbox waited 17.7 s
+    for a thread. At most READS_AT_ONCE run now, apart from the pool; the others are told at
+    once that the server is busy (503, ``busy``, Retry-After), and never run."""
+    from toolledger.server.state import READS_AT_ONCE
+
+    client, _ = server
+    external_tools.HELD.clear()
+    external_tools.HELD_RUNS.clear()
+    answers: list[Any] = []
+    posts = [
+        threading.Thread(target=lambda i=i: answers.append(_held_read(client, scope, f"r{i}")))
+        for i in range(45)
+    ]
+    try:
+        # Given 45 reads posted at once, held until the test lets them go
+        for t in posts:
+            t.start()
+        until = time.monotonic() + 30
+        while len(external_tools.HELD_RUNS) + len(answers) < 45 and time.monotonic() < until:
+            time.sleep(0.05)
+        # When a viewer asks for the inbox while they are held
+        inbox: list[Any] = []
+        asking = threading.Thread(
+            target=lambda: inbox.append(client.get("/api/inbox", headers=bearer("vera"))),
+            daemon=True,
+        )
+        asking.start()
+        asking.join(timeout=20)  # answered in milliseconds; pinned, not before a read ends
+        # Then it is answered, and the reads past the bound were refused, not run
+        assert inbox and inbox[0].status_code == 200, "the inbox waited for a read's thread"
+        refused = [r for r in answers if r.status_code != 200]
+        assert len(refused) == 45 - READS_AT_ONCE, [r.text for r in refused[:3]]
+        assert len(external_tools.HELD_RUNS) == READS_AT_ONCE
+        for r in refused:
+            assert r.status_code == 503 and r.json()["kind"] == "busy", r.text
+            assert r.headers["retry-after"] == "1" and "ask again" in r.json()["error"]
+    finally:
+        external_tools.HELD.set()
+        for t in posts:
+            t.join(timeout=30)
+    ran = [r.json() for r in answers if r.status_code == 200]
+    assert len(ran) == READS_AT_ONCE and all(r["result"] == {"held": False} for r in ran)
+    assert _held_read(client, scope, "after").status_code == 200  # the places are given back
+
+
+def test_api__a_read_only_call_past_its_time_limit_is_answered_with_an_error(
+    server: Any, scope: str
+) -> None:
+    """The same review: a read-only run had no time limit in ``serve`` (``mcp serve`` gives
+    up at ``--timeout``). Past the tool's time limit the caller gets 504, ``timeout``; the
+    run goes on in its thread, holding its place, until it ends."""
+    client, _ = server
+    desk = client.app.state.desk  # type: ignore[attr-defined]
+    desk.read_timeout = 0.5
+    external_tools.HELD.clear()
+    try:
+        r = _held_read(client, scope, "slow")
+        assert r.status_code == 504, r.text
+        assert r.json()["kind"] == "timeout" and "0.5 s" in r.json()["error"], r.text
+    finally:
+        external_tools.HELD.set()
+

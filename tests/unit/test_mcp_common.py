@@ -9,6 +9,7 @@ import pytest
 
 from toolledger.mcp import serve
 from toolledger.mcp.common import InFlight
+from toolledger.worker.reads import ReadSlots
 
 
 def test_read_apart__given_up_at_the_timeout_not_at_zero() -> None:
@@ -33,8 +34,7 @@ def test_read_apart__at_most_so_many_runs_at_once_given_up_ones_included(
     """helper-94 (suspected): a given-up read keeps its thread and, in its read, a pooled
     connection; asked again and again, every call started another. Capped: past the cap a
     call is told, never queued; a run that ends gives its place back."""
-    monkeypatch.setattr(serve, "_reads", threading.BoundedSemaphore(2))
-    monkeypatch.setattr(serve, "READS_AT_ONCE", 2)
+    monkeypatch.setattr(serve, "_reads", ReadSlots(2))
     release = threading.Event()
 
     async def scenario() -> list[tuple[object, str]]:

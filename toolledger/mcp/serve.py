@@ -13,10 +13,8 @@ error and not an invented result; it goes on, and asking again gets its receipt.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import threading
 from collections.abc import Callable
 from importlib.metadata import version
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -52,6 +50,7 @@ if TYPE_CHECKING:
     from anyio import AsyncFile
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool, UnknownTool
+from toolledger.worker import reads
 
 log = logging.getLogger("toolledger.mcp")
 T = TypeVar("T")
@@ -97,53 +96,29 @@ def _read_only(registry: Registry, name: str) -> bool:
 
 #: Read-only runs a server keeps at once, given-up ones included (each a thread and, in the
 #: read, a pooled connection): past it a call is answered "busy, ask again", never queued.
-READS_AT_ONCE = 16
-_reads = threading.BoundedSemaphore(READS_AT_ONCE)
+READS_AT_ONCE = reads.READS_AT_ONCE
+_reads = reads.ReadSlots(READS_AT_ONCE)
 
 
 async def _read_apart(
     timeout: float, in_flight: InFlight, fn: Callable[..., T], *args: Any, **kwargs: Any
 ) -> tuple[T | None, str]:
-    """``fn(...)`` (a read-only tool's run, in the submit) in a daemon thread of its own,
-    given up (None, and why) after ``timeout`` (0: not bounded by it, a read's result being
-    in hand or nowhere: helper-94, every read answered "did not finish within 0 s") or when
-    the input ends and the drain's time is up. A
+    """``fn(...)`` (a read-only tool's run, in the submit) in a daemon thread of its own
+    (``ReadSlots``), given up (None, and why) after ``timeout`` (0: not bounded by it, a
+    read's result being in hand or nowhere: helper-94, every read answered "did not finish
+    within 0 s") or when the input ends and the drain's time is up. A
     read-only tool ran inline, past ``--timeout``, and kept the server from exiting after
     stdin closed for as long as it ran (helper-93: 40 s); a thread of a pool would hold the
     exit too (asyncio's and anyio's are joined). Given up, it runs on unseen: a read changes
     nothing and is not recorded. At most ``READS_AT_ONCE`` run: given-up reads asked again
     and again started a thread each, a connection each, without end (helper-94, suspected)."""
-    reads = _reads  # the one acquired is the one released, whatever the name holds by then
-    if not reads.acquire(blocking=False):
-        return None, f"was not started: {READS_AT_ONCE} reads still run on this server"
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[tuple[bool, Any]] = loop.create_future()
-
-    def deliver(outcome: tuple[bool, Any]) -> None:
-        if not done.done():
-            done.set_result(outcome)
-
-    def run() -> None:
-        try:
-            outcome: tuple[bool, Any] = (True, fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            outcome = (False, exc)
-        finally:
-            reads.release()
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(deliver, outcome)
-
-    try:
-        threading.Thread(target=run, name="toolledger-mcp-read", daemon=True).start()
-    except BaseException:
-        reads.release()  # no thread: nothing holds it
-        raise
+    slots = _reads
+    done = slots.start(fn, *args, **kwargs)
+    if done is None:
+        return None, f"was not started: {slots.at_once} reads still run on this server"
     with anyio.move_on_after(timeout if timeout > 0 else math.inf) as bound:
         with in_flight.waiting():
-            ok, value = await asyncio.shield(done)
-            if not ok:
-                raise value
-            return cast("T", value), ""
+            return await asyncio.shield(done), ""
     if bound.cancelled_caught:
         return None, f"did not finish within {timeout:g} s (--timeout)"
     return None, "did not finish before the input ended"

@@ -5,15 +5,28 @@ bounded depth and size), so the API refuses exactly what the CLI refuses."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+from collections.abc import Callable
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InvalidArguments
 from toolledger.server.auth import Action, Token
-from toolledger.server.deps import api_token, desk_of, read_body, require_suffix, suffixed
+from toolledger.server.deps import (
+    ReadsBusy,
+    ReadTimedOut,
+    api_token,
+    desk_of,
+    read_body,
+    require_suffix,
+    suffixed,
+)
+from toolledger.server.state import Desk
 
 router = APIRouter(prefix="/api")
 Who = Annotated[Token, Depends(api_token)]
@@ -96,7 +109,11 @@ async def submit(request: Request, who: Who) -> Any:
     """Record a call (the CLI's ``submit``); runs it at once if the tool is read-only."""
     who.require(Action.SUBMIT)  # a role that may not: 403, whatever the body (helper-91)
     body = await read_body(request)
-    return await _threaded(request, lambda: desk_of(request).submit(who, body))
+    desk = desk_of(request)
+    sub = await _threaded(request, lambda: desk.prepare(who, body))
+    if sub.call.read_only:
+        return await _read_only(desk, lambda: desk.record(who, sub), sub.call.tool)
+    return await _threaded(request, lambda: desk.record(who, sub))
 
 
 @router.post("/executions/{execution_id}/resolve", openapi_extra=_body(ResolveBody))
@@ -177,6 +194,25 @@ async def _decide(
     return await _threaded(
         request,
         lambda: desk_of(request).decide(who, scope, tool_call_id, reason, approve=approve),
+    )
+
+
+async def _read_only(desk: Desk, work: Callable[[], Any], tool: str) -> Any:
+    """A read-only call's run, apart from the pool (``Desk.reads``), within its time limit.
+    On the pool, unbounded, an agent's 45 reads of 20 s left no thread for anyone's request
+    (a cold review: a viewer's inbox waited 17.7 s), as ``mcp serve`` bounds them."""
+    done = desk.reads.start(work)
+    if done is None:
+        raise ReadsBusy(
+            f"the read-only tool {tool!r} was not started: {desk.reads.at_once} reads still "
+            "run on this server; a read is not recorded: ask again shortly"
+        )
+    limit = desk.read_timeout
+    with anyio.move_on_after(limit if limit > 0 else math.inf):
+        return await asyncio.shield(done)
+    raise ReadTimedOut(
+        f"the read-only tool {tool!r} did not finish within {limit:g} s (its time limit, "
+        "TOOLLEDGER_TIME_LIMIT); a read is not recorded: ask again"
     )
 
 

@@ -41,6 +41,18 @@ class BodyTooLarge(InputError):
     """The request body is larger than any call may be."""
 
 
+class ReadsBusy(LedgerError):
+    """As many read-only calls as the server runs at once are running: ask again shortly
+    (503, ``busy``, Retry-After; it was not run, and a read is not recorded)."""
+
+    retry_after = 1
+
+
+class ReadTimedOut(LedgerError):
+    """A read-only call did not finish within its time limit (504, ``timeout``); its run goes
+    on unseen until it ends (a thread cannot be stopped) and is not recorded."""
+
+
 def desk_of(request: Request) -> Desk:
     desk: Desk = request.app.state.desk
     return desk
@@ -277,6 +289,14 @@ def error_response(exc: BaseException) -> JSONResponse:
         )
     if isinstance(exc, BodyTooLarge):
         return JSONResponse({"error": str(exc), "kind": "input", "exit_code": 6}, 413)
+    if isinstance(exc, ReadsBusy):
+        return JSONResponse(
+            {"error": str(exc), "kind": "busy", "exit_code": 1},
+            status_code=503,
+            headers={"Retry-After": str(exc.retry_after)},
+        )
+    if isinstance(exc, ReadTimedOut):
+        return JSONResponse({"error": str(exc), "kind": "timeout", "exit_code": 1}, 504)
     if isinstance(exc, Throttled):
         return JSONResponse(
             {"error": str(exc), "kind": "throttled", "exit_code": 2},

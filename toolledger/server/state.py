@@ -21,7 +21,8 @@ from toolledger.ledger.transitions import TERMINAL, Status, parse_status
 from toolledger.recovery.humans import resolve as resolve_call
 from toolledger.recovery.humans import retry as retry_call
 from toolledger.server.auth import Action, Authenticator, Session, Token
-from toolledger.worker.submit import Submitter
+from toolledger.worker.reads import READS_AT_ONCE, ReadSlots
+from toolledger.worker.submit import PreparedCall, Submitter
 
 _T = TypeVar("_T")
 
@@ -65,6 +66,15 @@ class Page:
         }
 
 
+@dataclass(frozen=True)
+class Submission:
+    """A submit that passed every check that writes nothing (``Desk.prepare``)."""
+
+    call: PreparedCall
+    approved_by: str | None
+    reason: str | None
+
+
 class Desk:
     """The operations of the API and the console, as one token may perform them."""
 
@@ -73,6 +83,10 @@ class Desk:
         self.auth = auth
         self.submitter = submitter
         self._reader: Ledger | None = None
+        # read-only calls run apart from the pool every sync endpoint shares, so many at once
+        # and so long (``api.submit``): the tool's hard limit, as a worker gives any other tool
+        self.reads = ReadSlots(READS_AT_ONCE)
+        self.read_timeout = settings.time_limit
 
     @property
     def ledger(self) -> Ledger:
@@ -263,6 +277,11 @@ class Desk:
     def submit(self, who: Token, body: dict[str, Any]) -> dict[str, Any]:
         """The CLI's ``submit --json``; ``approve: true`` approves at once in the token's name
         (a role that may decide only: an agent never approves its own calls)."""
+        return self.record(who, self.prepare(who, body))
+
+    def prepare(self, who: Token, body: dict[str, Any]) -> Submission:
+        """Every check of a submit that writes nothing: whether the call is read-only (run at
+        once, where it is asked) is known then."""
         who.require(Action.SUBMIT)
         known = {"scope", "tool_call_id", "tool", "args", "key", "approve", "reason"}
         extra = sorted(set(body) - known)
@@ -289,8 +308,12 @@ class Desk:
         if approve:
             who.require(Action.DECIDE)
         call = self.submitter.prepare(scope, call_id, tool, args, key)
+        return Submission(call, who.name if approve else None, reason)
+
+    def record(self, who: Token, sub: Submission) -> dict[str, Any]:
+        """A prepared submit recorded (or, read-only, run) in the token's name."""
         return self.submitter.submit(
-            call, approved_by=who.name if approve else None, reason=reason, actor=who.name
+            sub.call, approved_by=sub.approved_by, reason=sub.reason, actor=who.name
         )
 
     def decide(
