@@ -1418,3 +1418,69 @@ def test_api__a_read_only_call_past_its_time_limit_is_answered_with_an_error(
     finally:
         external_tools.HELD.set()
 
+
+# ----------------------------------------------------------------------------- flags
+
+
+def _flagged_on_attempt_1(
+    client: TestClient, ledger: Ledger, scope: str, call: str, *, second: Status
+) -> tuple[str, str]:
+    """Attempt 1 went unknown, a retry (a duplicate accepted) ran attempt 2 to ``second``
+    (succeeded, or unknown too), then attempt 1 was resolved succeeded: the call is flagged
+    ``both_ran`` on attempt 1. The two execution ids."""
+    ledger.submit(scope, call, "notify", {"to": "x"}, approved_by="setup")
+    first = ledger.claim(scope, f"notify:{call}", 1, worker_id="w1")
+    assert first is not None
+    ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+    r = client.post(
+        f"/api/calls/{scope}/{call}/retry",
+        json={"attempt": 1, "accept_duplicate": True, "reason": "run it again"},
+        headers=bearer("otto"),
+    )
+    assert r.status_code == 200, r.text
+    later = ledger.claim(scope, f"notify:{call}", 2, worker_id="w2")
+    assert later is not None
+    if second is Status.SUCCEEDED:
+        ledger.finish(later.execution_id, later.lease_token, second, {"notified": "x"})
+    else:
+        ledger.mark_unknown(later.execution_id, reason="lease expired", actor="sweep")
+    ledger.resolve(first.execution_id, Status.SUCCEEDED, by="ann", evidence="delivered too")
+    assert ledger.get(scope, call).operation.review == "both_ran"
+    return first.execution_id, later.execution_id
+
+
+def _resolve_forms(html: str) -> list[str]:
+    """The execution each of the page's resolve forms names, in order."""
+    return re.findall(r'name="execution_id" value="([^"]+)"', html)
+
+
+@pytest.mark.parametrize("second", [Status.SUCCEEDED, Status.UNKNOWN])
+def test_console__a_flag_raised_on_an_earlier_attempt_is_settled_from_its_page(
+    server: Any, scope: str, second: Status
+) -> None:
+    """A cold review: a call flagged ``both_ran`` on attempt 1 had one resolve form, naming
+    attempt 2 (the last attempt, or the unknown one), which the ledger refuses (an executor's
+    own succeeded stands; not the execution flagged): nothing on the page could settle the
+    flag, only ``POST /api/executions/<attempt 1>/resolve``. The forms name the executions a
+    flag waits on, and the unknown ones."""
+    client, ledger = server
+    # Given a call flagged on attempt 1, attempt 2 succeeded or unknown
+    first, later = _flagged_on_attempt_1(client, ledger, scope, "f", second=second)
+    login(client, "otto")
+    page = client.get(f"/calls/{scope}/f").text
+    forms = _resolve_forms(page)
+    assert first in forms, forms
+    assert (later in forms) is (second is Status.UNKNOWN), forms  # an unknown is still asked
+    # When the person reviews attempt 1 through its form, as a browser posts it
+    r = client.post(
+        f"/calls/{scope}/f/resolve",
+        data={"csrf": csrf_of(page), "execution_id": first, "as": "succeeded",
+              "evidence": "both ran: two notifications, accepted"},
+        follow_redirects=False,
+    )  # fmt: skip
+    # Then the flag is settled; an unknown attempt 2 still waits for its own resolution
+    assert r.status_code == 303, r.text
+    view = ledger.get(scope, "f")
+    assert view.operation.review is None
+    page = client.get(f"/calls/{scope}/f").text
+    assert _resolve_forms(page) == ([later] if second is Status.UNKNOWN else [])

@@ -17,7 +17,7 @@ from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import CallView, EventRecord, ListedCall
-from toolledger.ledger.transitions import TERMINAL, Status, parse_status
+from toolledger.ledger.transitions import TERMINAL, EventKind, Status, fold_flags, parse_status
 from toolledger.recovery.humans import resolve as resolve_call
 from toolledger.recovery.humans import retry as retry_call
 from toolledger.server.auth import Action, Authenticator, Session, Token
@@ -212,12 +212,38 @@ class Desk:
         who.require(Action.READ)
         self.check_visible(who, scope, tool_call_id)
         view, history = self._read(lambda r: r.history(scope, tool_call_id))
+        call = self._show(view, history)
+        flags = self._waiting_flags(history)
         return {
-            "call": self._show(view, history),
+            "call": call,
             "events": [e.to_json() for e in history],
             "file": self._file_check(view),
             "view": view,
+            "flags": flags,
+            "to_settle": self._to_settle(call, flags),
         }
+
+    @staticmethod
+    def _waiting_flags(history: list[EventRecord]) -> dict[str, str]:
+        """The executions a flag still waits on, and its reason (a review settles the flags
+        raised on the execution it names, and only those: ``fold_flags``)."""
+        kinds = (EventKind.FLAGGED, EventKind.REVIEWED)
+        waiting, _ = fold_flags(
+            (e.kind, e.execution_id or "", e.detail) for e in history if e.kind in kinds
+        )
+        return {f.execution_id: f.reason for f in reversed(waiting)}  # the first one's reason
+
+    @staticmethod
+    def _to_settle(call: dict[str, Any], flags: dict[str, str]) -> list[dict[str, Any]]:
+        """The executions the page's resolve forms name: each unknown one and each a flag
+        waits on. Only the last one was named (or the unknown ones), where a ``both_ran`` or
+        ``contradicted`` flag sits on the earlier, proven attempt: the ledger refused the
+        form, and nothing on the page settled the flag (a cold review)."""
+        executions: list[dict[str, Any]] = call["executions"]
+        named = [e for e in executions if e["status"] == "unknown" or e["execution_id"] in flags]
+        if not named and call["review"]:  # flagged, on no execution it names: as before
+            return executions[-1:]
+        return named
 
     def _file_check(self, view: CallView) -> dict[str, Any] | None:
         import hashlib
