@@ -273,8 +273,13 @@ def responses_calls(
     results = []
     for i, cid, w in outputs:
         at = item.get(cid)
+        if at is None:
+            # the output of a call the server holds (``previous_response_id``, an
+            # ``item_reference``): the usual continuation, not a result for no call (a cold
+            # review: refused as one); nothing here to answer or to pair it with
+            continue
         # the API reads an output anywhere after its call: there, it answers the call's item
-        results.append(Result(cid, w, at if at is not None and at < i else None))
+        results.append(Result(cid, w, at if at < i else None))
     done = answered(every, results, "a function_call_output goes after its function_call")
     batches, i = [], 0
     while i < len(items):
@@ -327,49 +332,66 @@ def _anthropic_blocks(it: dict[str, Any], role: str, w: str) -> list[dict[str, A
 def anthropic_calls(
     items: list[Any], where: Where = message_number
 ) -> tuple[list[Call], list[Batch]]:
+    # The API combines consecutive turns of one role into one turn: a turn here is a run of
+    # items of one role, numbered by its first item (an assistant's calls in two items, or its
+    # results in two user items, were refused as out of place: a cold review)
     results: list[Result] = []
     roles: list[str] = []
-    turns: list[tuple[int, list[Call]]] = []
+    runs: list[int] = []  # each item's turn: the first item of its run
+    turns: dict[int, list[Call]] = {}  # an assistant turn's calls, by turn
+    leading = False  # the current turn's blocks so far are all tool_result blocks
     for i, raw in enumerate(items):
         w = where(i)
         it = _object(raw, w)
         role = _role(it, w)
+        if i and role == roles[-1]:
+            runs.append(runs[-1])
+        else:
+            runs.append(i)
+            leading = True
         roles.append(role)
         blocks = _anthropic_blocks(it, role, w)
         # the API reads the tool_result blocks that open the turn after the calls' turn (an
         # assistant's: a tool_use block elsewhere is refused)
-        turn: int | None = i - 1
+        before = runs[runs[-1] - 1] if runs[-1] else None
         for k, b in enumerate(blocks):
             if b["type"] != "tool_result":
-                turn = None
+                leading = False
                 continue
-            results.append(Result(b["tool_use_id"], f"{w} content[{k}]", turn))
+            results.append(
+                Result(b["tool_use_id"], f"{w} content[{k}]", before if leading else None)
+            )
         calls = [
-            Call(b["id"], b["name"], b.get("input", {}), f"{w} content[{k}]", i)
+            Call(b["id"], b["name"], b.get("input", {}), f"{w} content[{k}]", runs[-1])
             for k, b in enumerate(blocks)
             if b["type"] == "tool_use"
         ]
         if calls:
-            turns.append((i, calls))
-    every = [c for _, calls in turns for c in calls]
+            turns.setdefault(runs[-1], []).extend(calls)
+    every = [c for calls in turns.values() for c in calls]
     unique(every)
     done = answered(every, results, _ANTHROPIC_RULE)
     batches = []
-    for i, calls in turns:
+    for first, calls in turns.items():
         missing = tuple(c for c in calls if c.id not in done)
         if not missing:
             continue
+        i = max(j for j, run in enumerate(runs) if run == first)  # the turn's last item
         nxt = items[i + 1] if i + 1 < len(items) else None
         if nxt is not None and roles[i + 1] == "user" and isinstance(nxt["content"], list):
             # tool_result blocks must come first in the user turn: after those already there
             # (an empty turn, ``"content": []``, takes them as its first blocks)
-            leading = 0
+            leading_blocks = 0
             for block in nxt["content"]:
                 if block["type"] != "tool_result":
                     break
-                leading += 1
+                leading_blocks += 1
             batches.append(
-                Batch(missing, into_content=i + 1, after_block=leading - 1 if leading else None)
+                Batch(
+                    missing,
+                    into_content=i + 1,
+                    after_block=leading_blocks - 1 if leading_blocks else None,
+                )
             )
         else:
             batches.append(Batch(missing, after_item=i))

@@ -172,11 +172,6 @@ MISPLACED: list[tuple[str, bytes, str]] = [
         ),
         "message 4: a second result for tool_call_id 'call_ok'",
     ),
-    (
-        "responses-output-for-no-call",
-        as_json("responses", [*calls("responses", "call_ok"), *results("responses", "nobody")]),
-        "message 2: a result for tool_call_id 'nobody', which no call has",
-    ),
 ]
 
 
@@ -233,7 +228,48 @@ PLACED: list[tuple[str, str, list[Any], list[str]]] = [
         [*calls("responses", "call_ok", "call_ok2"), USER, *results("responses", "call_ok2")],
         ["call_ok", "call_ok2"],
     ),
-]
+    # The API combines consecutive turns of one role: an assistant's calls in two items, and
+    # their results in two user items, are one turn each (a cold review: refused as misplaced)
+    (
+        "anthropic-calls-in-two-assistant-items",
+        "anthropic",
+        [*calls("anthropic", "call_ok"), *calls("anthropic", "call_ok2"),
+         an_turn(an_result("call_ok"), TEXT)],
+        ["call_ok", "call_ok2"],
+    ),
+    (
+        "anthropic-results-in-two-user-items",
+        "anthropic",
+        [*calls("anthropic", "call_ok", "call_ok2"), an_turn(an_result("call_ok")),
+         an_turn(TEXT)],
+        ["call_ok", "call_ok2"],
+    ),
+    # An output for a call the server holds (previous_response_id, item_reference): the
+    # usual continuation, neither refused as a result for no call nor answered again
+    (
+        "responses-output-of-a-call-held-by-the-server",
+        "responses",
+        [*results("responses", "call_prev"), *calls("responses", "call_ok", "call_ok2"),
+         *results("responses", "call_ok")],
+        ["call_prev", "call_ok", "call_ok2"],
+    ),
+]  # fmt: skip
+
+
+def test_anthropic_results_in_consecutive_user_items__answer_their_calls(ledger, tmp_path):
+    """Both results in user items of their own, one after the other: one turn to the API."""
+    items = [*calls("anthropic", "call_ok", "call_ok2"), an_turn(an_result("call_ok")),
+             an_turn(an_result("call_ok2"))]  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_bytes(data := as_json("anthropic", items))
+    report = repair_file(path, ledger, SCOPE)
+    assert (report.calls, report.answered_before, report.changed) == (2, 2, False)
+    assert path.read_bytes() == data
+    # text before the second user item's result: that one is not leading any more
+    items[-2] = an_turn(an_result("call_ok"), TEXT)
+    path.write_bytes(as_json("anthropic", items))
+    with pytest.raises(InputError, match="'call_ok2' is out of place"):
+        repair_file(path, ledger, SCOPE)
 
 
 @pytest.mark.parametrize(
