@@ -19,6 +19,24 @@ DISPUTED_MESSAGE = (
     "and do not repeat the call until the review is done."
 )
 
+#: The key a contradicted call's receipt says so under, beside the saved result.
+DISPUTE_KEY = "toolledger"
+
+
+def disputed(saved: dict[str, object]) -> dict[str, object]:
+    """The content of a terminal receipt whose outcome is contradicted (the call's flag).
+
+    The model reads the content, not the flag: a person's ``failed`` against a late proof the
+    call took effect reached it as a plain failure, which invites the same action again under
+    a new id (a cold review). The saved result stays whole, every key of it (a first version
+    wrote a ``message`` over the tool's own: a cold review); the dispute is said beside it,
+    under a key of toolledger's, while the flag waits; a result that has that key already is
+    nested under ``result``."""
+    note = {"review": "contradicted", "message": DISPUTED_MESSAGE}
+    if DISPUTE_KEY in saved:
+        return {"result": saved, DISPUTE_KEY: note}
+    return {**saved, DISPUTE_KEY: note}
+
 
 def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -> Receipt:
     """The receipt for ``operation``, whose current attempt is ``execution`` (or None)."""
@@ -45,10 +63,6 @@ def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -
             )
         content = execution.result
         if operation.review == "contradicted":
-            # The model reads the content, not the flag: a person's `failed` against a late
-            # proof the call took effect reached it as a plain failure, which invites the
-            # same action again under a new id (a cold review). The saved result stays; what
-            # is in dispute is said beside it, while the flag waits.
-            content = {**content, "review": "contradicted", "message": DISPUTED_MESSAGE}
+            content = disputed(content)
         return Receipt(status, content, execution.execution_id, review=operation.review)
     raise NoReceipt(f"{operation.idempotency_key!r} is {status}: there is no receipt yet")

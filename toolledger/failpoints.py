@@ -134,7 +134,7 @@ def _action(point: str, text: str, index: int) -> Action:
     # ``kill(9)`` ignored its argument (a cold review)
     if kind not in ("exit", "sleep") and arg is not None:
         raise FailpointSpecError(f"{kind} takes no argument: {text!r} for {point}")
-    if kind == "exit" and not (arg.strip().isdigit() and int(arg) <= 255):
+    if kind == "exit" and not (re.fullmatch(r"[0-9]{1,3}", arg.strip()) and int(arg) <= 255):
         raise FailpointSpecError(f"exit needs a status from 0 to 255: {text!r} for {point}")
     if kind == "sleep" and not (_is_number(arg) and 0 <= float(arg) <= MAX_SLEEP):
         raise FailpointSpecError(

@@ -40,6 +40,7 @@ import errno
 import hashlib
 import os
 import stat
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -164,9 +165,14 @@ def refuse_invisible(path: str) -> None:
     built-in tools call it at submit only: a call recorded before runs as it was approved."""
     split_path(path)  # its own refusals first (a NUL, a control character, "..")
     if bad := INVISIBLE.search(path):
+        ch = bad.group()
+        kind = (
+            "a mark drawn as nothing (a variation selector or its kin)"
+            if unicodedata.category(ch) == "Mn"
+            else "a control, format or separator character"
+        )
         raise PathRefused(
-            f"path {path!r} contains U+{ord(bad.group()):04X}, a control, format or "
-            "separator character that does not show as itself"
+            f"path {path!r} contains U+{ord(ch):04X}, {kind} that does not show as itself"
         )
 
 

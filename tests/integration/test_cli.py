@@ -697,6 +697,8 @@ def test_cli__a_path_that_does_not_show_as_itself_is_refused_for_new_calls_only(
         code, _, err = run_cli(capsys, *cli, "submit", "--scope", "s", "--tool-call-id",
                                f"new-{i}", "--tool", "write_file", "--args", args)  # fmt: skip
         assert code == 6 and "does not show as itself" in err, err
+        said = "a mark drawn as nothing" if path.endswith("\ufe0f") else "a control, format"
+        assert said in err, err
 
 
 def test_cli__a_database_locked_past_the_timeout_is_busy_not_unavailable(

@@ -55,6 +55,7 @@ def test_failpoints__parse_every_form():
         "after_claim=exit(999)",
         "after_claim=exit(1.5)",
         "after_claim=exit(-1)",
+        "after_claim=exit(\u00b2)",  # a digit to str.isdigit, not to int()
         "after_claim=kill(9)",
         "after_claim=stop()",
         "after_claim=150%raise",

@@ -123,3 +123,20 @@ def test_no_contents__a_malformed_result_is_named_not_quoted():
         raise AssertionError("the result was taken")
     assert said.startswith("a malformed result (") and "s3cr3t" not in said, said
     assert _no_contents(OSError("pipe closed")) == "OSError: pipe closed"
+
+
+def test_reply__a_contradicted_upstream_result_says_the_dispute_to_the_model() -> None:
+    """The proxy rebuilds the upstream's own blocks from a receipt: the dispute the receipt's
+    content carries (``toolledger``) was dropped, and the model read "charged $10" alone
+    (a cold review)."""
+    from toolledger.ledger.receipts import DISPUTED_MESSAGE, disputed
+    from toolledger.ledger.records import Receipt
+    from toolledger.ledger.transitions import Status
+    from toolledger.mcp.proxy import reply
+
+    upstream = {"content": [{"type": "text", "text": "charged $10"}], "isError": False}
+    flagged = Receipt(Status.SUCCEEDED, disputed(upstream), "e1", "s", "c1", review="contradicted")
+    texts = [b.text for b in reply(flagged).content if b.type == "text"]
+    assert texts == ["charged $10", DISPUTED_MESSAGE]
+    plain = Receipt(Status.SUCCEEDED, upstream, "e1", "s", "c1")
+    assert [b.text for b in reply(plain).content if b.type == "text"] == ["charged $10"]

@@ -93,10 +93,15 @@ def test_receipt__a_contradicted_outcome_says_so_to_the_model(status):
 
     from toolledger.ledger.receipts import DISPUTED_MESSAGE
 
-    saved = {"status": status.value, "resolved_by": "bob"}
+    note = {"review": "contradicted", "message": DISPUTED_MESSAGE}
+    # the tool's own keys stay whole: a first version wrote its message over the tool's
+    saved = {"error": "tool_error", "message": "quota exceeded", "review": "the tool's"}
     r = receipt_for(replace(op(status), review="contradicted"), ex(status, saved))
-    assert r.content == {**saved, "review": "contradicted", "message": DISPUTED_MESSAGE}
+    assert r.content == {**saved, "toolledger": note}
     assert "do not repeat" in r.to_openai()["content"]
     assert r.review == "contradicted"
+    ours = {"toolledger": "a tool's own key of that name"}
+    r = receipt_for(replace(op(status), review="contradicted"), ex(status, ours))
+    assert r.content == {"result": ours, "toolledger": note}
     for other in (None, "both_ran", "not_landed"):  # not a dispute of the outcome
         assert receipt_for(replace(op(status), review=other), ex(status, saved)).content == saved

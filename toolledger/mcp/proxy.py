@@ -93,6 +93,7 @@ from toolledger.ledger.identity import (
     service_key,
 )
 from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.receipts import DISPUTED_MESSAGE
 from toolledger.ledger.records import Claim, OperationRecord, Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY, META_SERVICE_KEY, patterns
@@ -211,10 +212,15 @@ def reply(receipt: Receipt) -> types.CallToolResult:
     if receipt.status in (Status.SUCCEEDED, Status.FAILED) and isinstance(
         content.get("content"), list
     ):
+        blocks = list(content["content"])
+        if receipt.review == "contradicted":
+            # the rebuilt result dropped what the receipt says of the dispute: the model read
+            # the upstream's "charged $10" alone (a cold review)
+            blocks.append({"type": "text", "text": DISPUTED_MESSAGE})
         try:
             rebuilt = types.CallToolResult.model_validate(
                 {
-                    "content": content["content"],
+                    "content": blocks,
                     "structuredContent": content.get("structuredContent"),
                     "isError": receipt.is_error,
                     "_meta": {**_upstream_meta(content.get("_meta")), **receipt_meta(receipt)},
