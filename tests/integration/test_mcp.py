@@ -794,6 +794,41 @@ def test_proxy__an_upstream_gone_answers_the_calls_in_flight_and_exits_with_stdi
     assert [c["tool"] for c in invocations(log)] == ["slow_charge"]
 
 
+def test_proxy__an_upstream_that_dies_while_its_child_holds_its_stdout_is_seen_gone(
+    world: Stack, tmp_path: Path
+) -> None:
+    """The upstream dies mid-call, but a child it left behind (a wrapper's background job,
+    npx's grandchild) keeps its stdout open: no EOF. Its exit alone was never noticed (a cold
+    review): the call stayed running, its lease renewed, the host was told "not finished
+    yet", and the proxy outlived stdin's close until the orphan exited. Its exit is watched
+    now: the call is answered unknown, and the proxy exits 1 with stdin still open."""
+    log, orphan = tmp_path / "upstream.log", tmp_path / "orphan.pid"
+    scope = scope_of("orphan")
+    params = {"name": "crash", "arguments": {}, "_meta": {ID: "o1", SCOPE: scope}}
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+    script = f"sleep 300 & echo $! > {orphan}; exec {sys.executable} {UPSTREAM}"
+    argv = ["proxy", "--timeout", "30", "--", "sh", "-c", script]
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log)}
+    try:
+        with raw_host(world, argv, env) as host:
+            host.hello()
+            host.send(call)
+            reply = host.reply()
+            code = host.proc.wait(60)  # stdin still open
+    finally:
+        if orphan.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(orphan.read_text()), signal.SIGKILL)
+    assert "result" in reply, reply
+    said = json.loads(reply["result"]["content"][0]["text"])
+    assert said["status"] == "unknown", said  # not "not finished yet": it was still running
+    assert code == 1
+    _, marked = unknown_event(world, scope, "o1")
+    assert "upstream gave no result" in marked.detail["reason"]
+    assert marked.actor.startswith("mcp-proxy@")  # the proxy said so at once, no sweep
+    assert [c["tool"] for c in invocations(log)] == ["crash"]
+
+
 def test_proxy__a_call_cancelled_by_its_host_is_still_sent_once_recorded(
     world: Stack, tmp_path: Path
 ) -> None:

@@ -50,7 +50,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -794,17 +794,79 @@ async def _relay(
     source: AsyncIterable[SessionMessage | Exception],
     sink: MemoryObjectSendStream[SessionMessage | Exception],
     gone: anyio.Event,
+    cut: anyio.CancelScope,
 ) -> None:
     """Pass the upstream's messages on to its session; set ``gone`` when its stdout ends (it
-    exited): from then on the proxy sends it nothing (see ``Proxy.call_tool``)."""
+    exited) or ``cut`` is cancelled (``_watch_exit``): from then on the proxy sends it nothing
+    (see ``Proxy.call_tool``), and the session's requests in flight end "Connection closed"
+    (their forwards record unknown)."""
     try:
-        async with sink:
-            async for item in source:
-                await sink.send(item)
+        with cut:
+            async with sink:
+                async for item in source:
+                    await sink.send(item)
     except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
         pass
     finally:
         gone.set()
+
+
+#: How often the upstream's process is looked at, and how long its stdout is still read once
+#: it has exited: what it wrote before its exit is in the pipe, read at once.
+EXIT_POLL_SECONDS = 0.1
+EXITED_DRAIN_SECONDS = 1.0
+
+
+async def _watch_exit(
+    spawned: list[anyio.abc.Process], gone: anyio.Event, relay: anyio.CancelScope
+) -> None:
+    """Take the upstream as gone when its process exits, not only at its stdout's EOF: a child
+    it left (a wrapper's background job, npx's grandchild) holds that stdout open, and its
+    calls stayed running, leases renewed, its proxy alive until the orphan exited (a cold
+    review). ``returncode`` is polled as the SDK's own shutdown does: ``wait()`` also waits
+    for the pipes' EOF."""
+    if not spawned:
+        return
+    process = spawned[0]
+    while process.returncode is None:
+        await anyio.sleep(EXIT_POLL_SECONDS)
+    gone.set()  # nothing more is sent; the answers it wrote before it died are still read
+    await anyio.sleep(EXITED_DRAIN_SECONDS)
+    relay.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _spawned(into: list[anyio.abc.Process]) -> AsyncIterator[None]:
+    """The upstream's process, as the SDK's ``stdio_client`` starts it, appended to ``into``:
+    the SDK hands it to no one, and only its exit says the upstream is gone when an orphan
+    holds its stdout. An SDK without the hook: the exit is not watched (EOF still is)."""
+    import mcp.client.stdio as sdk_stdio
+
+    spawn = getattr(sdk_stdio, "_create_platform_compatible_process", None)
+    if spawn is None:
+        log.warning("this mcp SDK starts its servers unseen: the upstream's exit is not watched")
+        yield
+        return
+
+    async def spawn_and_keep(*args: Any, **kwargs: Any) -> Any:
+        process = await spawn(*args, **kwargs)
+        into.append(process)
+        return process
+
+    sdk_stdio._create_platform_compatible_process = spawn_and_keep
+    try:
+        yield
+    finally:
+        sdk_stdio._create_platform_compatible_process = spawn
+
+
+def _stop_left_behind(spawned: list[anyio.abc.Process]) -> None:
+    """The upstream exited by itself, so the SDK killed none of its process group (its own
+    session): what it left running there is stopped with the proxy, as the upstream would
+    have been (no upstream outlives its proxy)."""
+    if spawned and spawned[0].returncode is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(spawned[0].pid, signal.SIGKILL)
 
 
 async def proxy(
@@ -851,16 +913,20 @@ async def proxy(
     exited = False
     gone = anyio.Event()
     stopped_by: list[str] = []
+    spawned: list[anyio.abc.Process] = []
     try:
         async with anyio.create_task_group() as stopping:
             forwards_scopes: list[anyio.CancelScope] = []
             stopping.start_soon(_stop_on_signal, stopping.cancel_scope, stopped_by, forwards_scopes)
             async with (
+                _spawned(spawned),
                 stdio_client(params) as (up_read, up_write),
                 anyio.create_task_group() as pipe,
             ):
                 sink, relayed = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-                pipe.start_soon(_relay, up_read, sink, gone)
+                relay = anyio.CancelScope()
+                pipe.start_soon(_relay, up_read, sink, gone, relay)
+                pipe.start_soon(_watch_exit, spawned, gone, relay)
                 async with ClientSession(relayed, up_write) as upstream:
                     try:
                         with anyio.fail_after(start_timeout):
@@ -904,6 +970,7 @@ async def proxy(
             raise inner from None
         raise
     finally:
+        _stop_left_behind(spawned)
         await client.close()
         ledger.close()
     if stopped_by:
