@@ -17,6 +17,8 @@ parent's pid (the proxy). Tools:
 - ``admin.tools.list`` and ``user-profile/update`` (charge as well), when
   ``MCP_UPSTREAM_SPEC_NAMES`` is set: names MCP allows (SEP-986, ``SPEC_NAMES``).
 
+``MCP_UPSTREAM_DROP`` names tools (comma-separated) not listed: an upstream upgraded since.
+
 ``MCP_UPSTREAM_PAGES`` makes ``tools/list`` misbehave: ``same`` (a next cursor that is the
 same again), ``endless`` (always one more page), ``silent`` (no answer at all).
 """
@@ -65,7 +67,8 @@ def tools() -> list[types.Tool]:
     if os.environ.get("MCP_UPSTREAM_SPEC_NAMES"):  # SEP-986: its examples, its 128 characters
         for name in SPEC_NAMES:
             listed.append(types.Tool(name=name, input_schema=AMOUNT))
-    return listed
+    dropped = os.environ.get("MCP_UPSTREAM_DROP", "").split(",")
+    return [t for t in listed if t.name not in dropped]
 
 
 def count(name: str, arguments: dict[str, Any], meta: dict[str, Any]) -> None:

@@ -829,6 +829,41 @@ def test_proxy__an_upstream_that_dies_while_its_child_holds_its_stdout_is_seen_g
     assert [c["tool"] for c in invocations(log)] == ["crash"]
 
 
+def test_proxy__a_recorded_call_of_a_tool_the_upstream_no_longer_lists_is_replayed(
+    world: Stack, tmp_path: Path
+) -> None:
+    """The upstream, upgraded, no longer lists a tool whose call the ledger holds. The same
+    call asked again got JSON-RPC's "unknown tool" instead of its receipt (a cold review), as
+    if it had never run; ``mcp serve`` replays one of a tool gone from its registry. It is
+    answered from the ledger now, nothing sent; a new call of that tool is still refused."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("dropped")
+    meta = {ID: "d1", SCOPE: scope}
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(world, *proxy_argv(), MCP_UPSTREAM_LOG=str(log)) as s:
+            out["first"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+        env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_DROP": "charge"}
+        async with mcp_server(world, *proxy_argv(), **env) as s:
+            out["listed"] = [t.name for t in (await s.list_tools()).tools]
+            out["again"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+            for name, args, call in [("new", {"amount": 5}, {ID: "d2", SCOPE: scope}),
+                                     ("other_args", {"amount": 6}, meta)]:  # fmt: skip
+                with pytest.raises(MCPError) as refused:
+                    await s.call_tool("charge", args, meta=call)
+                out[name] = refused.value
+        return out
+
+    out = run_async(go)
+    assert "charge" not in out["listed"]
+    assert out["first"].meta["toolledger/status"] == "succeeded"
+    assert out["again"] == out["first"]  # its receipt, replayed
+    for name in ("new", "other_args"):
+        assert out[name].code == -32602 and "unknown tool 'charge'" in out[name].message
+    assert [c["tool"] for c in invocations(log)] == ["charge"]  # sent once, never again
+
+
 def test_proxy__a_call_cancelled_by_its_host_is_still_sent_once_recorded(
     world: Stack, tmp_path: Path
 ) -> None:

@@ -87,6 +87,7 @@ from toolledger.ledger.errors import (
 )
 from toolledger.ledger.identity import (
     PROXIED_PREFIX,
+    check_call,
     check_scope,
     check_text_id,
     check_tool_name,
@@ -308,7 +309,7 @@ class Proxy:
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         if params.name not in self.tools:
-            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
+            return await self._replay_unlisted(ctx, params)
         self._check_upstream()
         try:
             ident = call_identity(
@@ -354,6 +355,10 @@ class Proxy:
                         self.forwards.start_soon(self._forward, claim)  # a timeout stops no one
             except sa.exc.SQLAlchemyError as exc:
                 raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        return await self._answer(ident)
+
+    async def _answer(self, ident: CallIdentity) -> types.CallToolResult:
+        """The call's receipt, once it is there (within ``timeout``), else where it stands."""
         receipt = None
         try:
             with self.in_flight.waiting():  # cut at the input's end, once the drain's time is up
@@ -367,6 +372,43 @@ class Proxy:
         except sa.exc.SQLAlchemyError as exc:
             raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
         return reply(receipt)
+
+    async def _replay_unlisted(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        """A tool the upstream does not list (no more, since an upgrade): the call is answered
+        from the ledger if it is recorded (same id, key and arguments), as ``mcp serve``
+        answers one of a tool gone from its registry; refused "unknown tool" before, a call
+        that ran read as one that never did (a cold review). Only a new call is refused.
+        Nothing is sent upstream, nor claimed: the upstream has no such tool to send it to."""
+        unknown = MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
+        try:
+            ident = call_identity(
+                params.meta, ctx.request_id, scope=self.scope, session=self.session
+            )
+            args = inputs.check_value(params.arguments or {}, "arguments")
+            op = await self._db(self._recorded_call, ident, params.name, args)
+        except LedgerError:  # not a call the ledger could hold
+            raise unknown from None
+        except sa.exc.SQLAlchemyError as exc:
+            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        if op is None:
+            raise unknown
+        if op.status is Status.RUNNING:
+            await self._expire(op)
+        return await self._answer(ident)
+
+    def _recorded_call(
+        self, ident: CallIdentity, name: str, args: dict[str, Any]
+    ) -> OperationRecord | None:
+        """The operation recorded for this very call (its id, key and arguments), else None."""
+        key, sha = check_call(ident.scope, ident.tool_call_id, ledger_name(name), args)
+        try:
+            recorded = self.ledger.key_for(ident.scope, ident.tool_call_id)
+        except NotFound:
+            return None
+        op = self.ledger.operation(ident.scope, recorded) if recorded == key else None
+        return op if op is not None and op.args_sha256 == sha else None
 
     async def _expire(self, op: OperationRecord) -> None:
         """A running call's forwarding proxy may be dead (killed mid-forward): past its lease
