@@ -27,11 +27,14 @@ What they prove:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import uuid
@@ -1061,6 +1064,47 @@ def test_proxy__sigterm_mid_forward_records_the_call_unknown_and_stops_the_upstr
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def unread(pipe: Any) -> int:
+    """Bytes waiting in ``pipe``, unread."""
+    return struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
+def test_proxy__sigterm_stops_it_while_the_host_reads_none_of_its_output(
+    world: Stack, tmp_path: Path
+) -> None:
+    """A host that writes but no longer reads (hung on its side): thousands of pings fill the
+    proxy's stdout pipe. SIGTERM left the proxy and its upstream running until the host read
+    again (a cold review): the SDK wrote stdout from a worker thread no cancellation stops.
+    The proxy and its upstream are gone soon after SIGTERM now, the host still not reading."""
+    from toolledger.harness.processes import children_of
+
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log")}
+    pings = [{"jsonrpc": "2.0", "id": n, "method": "ping"} for n in range(2, 5002)]
+    with raw_host(world, proxy_argv(), env, kill_after=120) as host:
+        host.hello()
+        (upstream,) = children_of(host.proc.pid)
+
+        def flood() -> None:  # blocks once the proxy stops reading; broken once it has exited
+            with contextlib.suppress(BrokenPipeError):
+                host.send(*pings)
+
+        threading.Thread(target=flood, daemon=True).start()
+        assert host.proc.stdout is not None
+        deadline, waiting = time.monotonic() + 60, [-1, 0]
+        while waiting[-5:] != [waiting[-1]] * 5 and time.monotonic() < deadline:
+            time.sleep(0.5)  # until the pipe is full, the proxy's write blocked in it
+            waiting.append(unread(host.proc.stdout))
+        assert waiting[-1] > 60_000, waiting
+        host.proc.terminate()
+        try:
+            code: int | None = host.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        upstream_alive = alive(upstream)
+    assert code is not None, "still running 30 s after SIGTERM"
+    assert not upstream_alive
 
 
 def test_serve__a_read_only_tool_is_bounded_by_the_timeout(world: Stack, tmp_path: Path) -> None:

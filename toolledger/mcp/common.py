@@ -8,9 +8,11 @@ tool error (``isError``, one line), never a crash of the server.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import queue
 import secrets
 import sys
 import threading
@@ -336,6 +338,61 @@ class StdinLines:
             in_flight.cut()
             with anyio.move_on_after(CUT_GRACE):
                 await idle()
+
+
+class StdoutLines:
+    """The host's stdout as ``stdio_server`` writes it (``await write(line)``, then
+    ``flush()``), each line written by a daemon thread while its writer awaits it on the loop,
+    where a stop can cancel the wait. The SDK's own writer blocks one of anyio's worker threads
+    (not a daemon, and not abandoned when cancelled) in ``write`` while the host reads nothing:
+    SIGTERM then stopped neither the proxy nor its upstream until the host read again (a cold
+    review). A write cut off so is abandoned with its thread, as ``StdinLines``'s read is.
+
+    fd 1 points at stderr until the ``with`` block ends, as the SDK's writer has it: a stray
+    ``print`` misses the wire."""
+
+    def __init__(self) -> None:
+        self._lines: queue.SimpleQueue[tuple[bytes, anyio.Event]] = queue.SimpleQueue()
+        self._broken: OSError | None = None  # the host closed its end: raised as the SDK's was
+        # the thread's for the process's life (a private dup, never closed under it)
+        self._wire = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+        os.dup2(2, 1)
+        token = anyio.lowlevel.current_token()
+        threading.Thread(
+            target=self._pump, args=(token,), name="toolledger-stdout", daemon=True
+        ).start()
+
+    def _pump(self, token: anyio.lowlevel.EventLoopToken) -> None:
+        with contextlib.suppress(Exception):  # the loop ended: nobody waits for a line
+            while True:
+                data, written = self._lines.get()
+                try:
+                    while data and self._broken is None:
+                        data = data[os.write(self._wire, data) :]
+                except OSError as exc:
+                    self._broken = exc
+                anyio.from_thread.run_sync(written.set, token=token)
+
+    async def write(self, text: str) -> int:
+        """Return once the line is in the pipe (a full pipe holds the writer, as the SDK's
+        ``write`` then ``flush`` did)."""
+        written = anyio.Event()
+        self._lines.put((text.encode("utf-8"), written))
+        await written.wait()
+        if self._broken is not None:
+            raise self._broken
+        return len(text)
+
+    async def flush(self) -> None:
+        """Nothing to do: ``write`` returned once its line was written."""
+
+    def __enter__(self) -> StdoutLines:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        """Point fd 1 at the wire again (a write still blocked goes on, on its own dup)."""
+        with contextlib.suppress(OSError):
+            os.dup2(self._wire, 1)
 
 
 class _Sends(Protocol):

@@ -102,6 +102,7 @@ from toolledger.mcp.common import (
     CallIdentity,
     InFlight,
     StdinLines,
+    StdoutLines,
     answering_malformed,
     call_identity,
     error_result,
@@ -1066,22 +1067,25 @@ async def _serve(handlers: Proxy, gone: anyio.Event) -> bool:
     server = handlers.server()
     lines = StdinLines(handlers.in_flight)
     stdin = cast("anyio.AsyncFile[str]", lines)
-    async with (
-        stdio_server(stdin) as (raw, write),
-        answering_malformed(raw, write) as read,
-        anyio.create_task_group() as serving,
-    ):
+    # a SIGTERM while the host reads nothing stops the proxy all the same (StdoutLines)
+    with StdoutLines() as out:
+        stdout = cast("anyio.AsyncFile[str]", out)
+        async with (
+            stdio_server(stdin, stdout) as (raw, write),
+            answering_malformed(raw, write) as read,
+            anyio.create_task_group() as serving,
+        ):
 
-        async def stop_when_gone() -> None:
-            await gone.wait()
-            with anyio.move_on_after(handlers.timeout + GONE_GRACE):
-                while handlers.in_flight():
-                    await anyio.sleep(0.05)
-            lines.end()
-            await anyio.sleep(GONE_GRACE)  # the session ends at the input's end; if not:
+            async def stop_when_gone() -> None:
+                await gone.wait()
+                with anyio.move_on_after(handlers.timeout + GONE_GRACE):
+                    while handlers.in_flight():
+                        await anyio.sleep(0.05)
+                lines.end()
+                await anyio.sleep(GONE_GRACE)  # the session ends at the input's end; if not:
+                serving.cancel_scope.cancel()
+
+            serving.start_soon(stop_when_gone)
+            await server.run(read, write, server.create_initialization_options())
             serving.cancel_scope.cancel()
-
-        serving.start_soon(stop_when_gone)
-        await server.run(read, write, server.create_initialization_options())
-        serving.cancel_scope.cancel()
     return gone.is_set()
