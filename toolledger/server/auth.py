@@ -39,6 +39,19 @@ from toolledger.ledger.identity import check_scope, check_text_id
 log = logging.getLogger("toolledger.serve")
 
 
+def loopback_name(name: str) -> bool:
+    """``localhost`` or a loopback address written as one: what ``serve --insecure-local``
+    may bind, and the Host its requests may name (any loopback address: ``--host 127.0.0.2``
+    started, then refused every request sent to it, a cold review). A name that is no
+    address is never one (DNS rebinding points a name at 127.0.0.1)."""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class Role(StrEnum):
     VIEWER = "viewer"  # reads
     AGENT = "agent"  # submits and reads: never decides on its own calls

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import urllib.parse
 from typing import Any
 
@@ -19,7 +18,14 @@ from toolledger.ledger.errors import (
     NotFound,
     StateError,
 )
-from toolledger.server.auth import SESSION_COOKIE, Forbidden, Session, Throttled, Token
+from toolledger.server.auth import (
+    SESSION_COOKIE,
+    Forbidden,
+    Session,
+    Throttled,
+    Token,
+    loopback_name,
+)
 from toolledger.server.state import Desk
 
 #: The ledger's errors as HTTP statuses, with the CLI's kind and exit code; first match wins.
@@ -162,8 +168,6 @@ class BodyLimit:
         await self.app(scope, bounded, send)
 
 
-#: Names a request to ``serve --insecure-local`` may give its Host (it binds loopback only).
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 #: Methods that change nothing, whoever sends them.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -183,18 +187,6 @@ def host_name(authority: str) -> str:
     if rest and not (rest.startswith(":") and port.isascii() and (port.isdigit() or not port)):
         return authority
     return name
-
-
-def _loopback_name(name: str) -> bool:
-    """``localhost`` or a loopback address written as one: ``serve --insecure-local --host
-    127.0.0.2`` started, then refused every request sent to it (a cold review). A name
-    that is no address is never one (DNS rebinding points a name at 127.0.0.1)."""
-    if name in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 class LoopbackOnly:
@@ -226,7 +218,7 @@ class LoopbackOnly:
             if names.count(judged) > 1:  # the last one was judged, whatever the first said
                 return f"--insecure-local refuses a request with more than one {judged} header"
         host = headers.get("host", "")
-        if not _loopback_name(host_name(host)):
+        if not loopback_name(host_name(host)):
             return f"--insecure-local answers only requests to a loopback name, not {host!r}"
         if scope["method"] in SAFE_METHODS:
             return None

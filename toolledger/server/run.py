@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import secrets
@@ -11,22 +10,13 @@ import socket
 from typing import Any
 
 from toolledger.config import FROM_FILE, ConfigError, Settings
-from toolledger.server.auth import load_tokens
+from toolledger.server.auth import load_tokens, loopback_name
 
 log = logging.getLogger("toolledger.serve")
 
 #: The fewest characters of ``TOOLLEDGER_API_SESSION_KEY``: 128 random bits written in base64
 #: (``openssl rand -base64 16``); ``openssl rand -hex 32`` gives 64.
 MIN_SESSION_KEY = 24
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def run(
@@ -56,7 +46,7 @@ def run(
                 "no API tokens: set TOOLLEDGER_API_TOKENS (name:role:secret,...) or "
                 "TOOLLEDGER_API_TOKENS_FILE, or pass --insecure-local (127.0.0.1 only)"
             )
-        if not _loopback(host):
+        if not loopback_name(host):
             raise ConfigError(f"--insecure-local binds a loopback address only, not {host!r}")
         log.warning("serving without tokens (--insecure-local): every request is an operator")
     key = os.environ.get("TOOLLEDGER_API_SESSION_KEY") or ""
