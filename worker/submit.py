@@ -45,8 +45,13 @@ def _a_workers(op: OperationRecord) -> bool:
     return op.review is None and not op.tool.startswith(PROXIED_PREFIX)
 
 
-def _stamped_long_ago(stamp: datetime | None) -> bool:
-    return stamp is not None and (datetime.now(UTC) - stamp).total_seconds() > REPUBLISH_AFTER
+def lost_after(op: OperationRecord) -> float | None:
+    """Seconds until a call approved, stamped as published and unclaimed counts as lost
+    (``Submitter.publish_if_lost``; negative: it does now), or None if it never can: not
+    approved (claimed, ended, waiting for a person), never stamped, or not a worker's."""
+    if op.status is not Status.APPROVED or op.enqueued_at is None or not _a_workers(op):
+        return None
+    return REPUBLISH_AFTER - (datetime.now(UTC) - op.enqueued_at).total_seconds()
 
 
 @dataclass(frozen=True)
@@ -227,15 +232,24 @@ class Submitter:
             pass  # a proxy's call (a proxy sends it), or one flagged (no claim takes it)
         elif op.status is Status.APPROVED and not op.enqueued_at:
             out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
-        elif op.status is Status.APPROVED and _stamped_long_ago(op.enqueued_at):
-            # A replay of a call approved, stamped and still unclaimed: its publish may have
-            # died with the process that stamped it (killed between the commit and the
-            # publish), and the sweep re-publishes it only after requeue_after (120 s): a
-            # crashed agent's run_turn, run again, waited out its timeout (a cold review).
-            # Published again, the stamp renewed: a second message is harmless, the claim
-            # decides which one runs.
-            out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
+        elif (again := self.publish_if_lost(op, call_id)) is not None:
+            out.update(again)
         return out
+
+    def publish_if_lost(self, op: OperationRecord, tool_call_id: str) -> dict[str, Any] | None:
+        """Publish again a call approved, stamped more than ``REPUBLISH_AFTER`` ago and still
+        unclaimed (the enqueue's report), else None: its publish may have died with the
+        process that stamped it (killed between the commit and the publish), and the sweep
+        re-publishes it only after requeue_after (120 s): a crashed agent's run_turn, run
+        again, waited out its timeout (a cold review). A replayed submit asks, and so does a
+        wait, once, for the agent run again within those seconds (its replay found the stamp
+        young; a cold review). Published again, the stamp renewed: a second message is
+        harmless, the claim decides which one runs."""
+        left = lost_after(op)
+        if left is None or left >= 0:
+            return None
+        attempt = op.authorized_attempts
+        return self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=tool_call_id)
 
     def _read_only(self, call: PreparedCall) -> dict[str, Any]:
         from toolledger.worker.pipeline import Executor
