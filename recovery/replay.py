@@ -18,6 +18,12 @@ messages right after the call's assistant message; Anthropic: among the leading 
 blocks of the user turn right after the call's turn; Responses: anywhere after the call). A
 result elsewhere, a second result for one call, or a result for no call is refused: each was
 counted as an answer, and repair exited 0 leaving a transcript the API refuses (a cold review).
+
+A call of a kind toolledger never records (a Responses ``custom_tool_call``, ``computer_call``,
+``local_shell_call``, ``shell_call`` or ``apply_patch_call``; a legacy chat ``function_call``)
+left without its result is refused by repair (``Format.foreign``): passed over, it left a
+transcript the API refuses, and exit 0 (a cold review). ``run_turn`` answers a turn's function
+calls and leaves those to its caller, whose own code runs them.
 """
 
 from __future__ import annotations
@@ -241,6 +247,23 @@ def openai_calls(items: list[Any], where: Where = message_number) -> tuple[list[
 _CHAT_RULE = "a tool message goes among the tool messages right after its call's message"
 
 
+def openai_foreign(items: list[Any], where: Where = message_number) -> None:
+    """Refuses a legacy ``function_call`` (the assistant message's, before ``tool_calls``)
+    whose ``function`` message does not follow it: repair answers ``tool_calls`` only."""
+    for i, it in enumerate(items):
+        if not (isinstance(it, dict) and it.get("role") == "assistant"):
+            continue
+        if it.get("function_call") is None:
+            continue
+        after = items[i + 1] if i + 1 < len(items) else None
+        if not (isinstance(after, dict) and after.get("role") == "function"):
+            raise TranscriptError(
+                f"{where(i)}: a legacy function_call without the 'function' message after "
+                "it: repair answers tool_calls only (toolledger records no other kind); add "
+                "its result, then repair"
+            )
+
+
 def openai_item(call: Call, receipt: Receipt) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call.id, "content": receipt_text(receipt)}
 
@@ -248,6 +271,16 @@ def openai_item(call: Call, receipt: Receipt) -> dict[str, Any]:
 # -------------------------------------------------------------------------- Responses API
 
 _RESPONSE_CALL_TYPES = ("function_call", "function_call_output")
+#: Responses items of calls the client answers, other than function calls, and the output item
+#: that answers each (``call_id``): toolledger records none of them (``Format.foreign``).
+_OTHER_RESPONSE_CALLS = {
+    "custom_tool_call": "custom_tool_call_output",
+    "computer_call": "computer_call_output",
+    "local_shell_call": "local_shell_call_output",
+    "shell_call": "shell_call_output",
+    "apply_patch_call": "apply_patch_call_output",
+}
+_OTHER_RESPONSE_OUTPUTS = {out: call for call, out in _OTHER_RESPONSE_CALLS.items()}
 
 
 def responses_calls(
@@ -295,6 +328,26 @@ def responses_calls(
             batches.append(Batch(missing, after_item=end))
         i = end + 1
     return every, batches
+
+
+def responses_foreign(items: list[Any], where: Where = message_number) -> None:
+    """Refuses a call of another kind than a function call (``_OTHER_RESPONSE_CALLS``) that
+    no output of its kind follows: repair cannot answer it from the ledger."""
+    waiting: dict[tuple[str, str], int] = {}  # (type, call_id) -> its item
+    for i, it in enumerate(items):
+        t = it.get("type") if isinstance(it, dict) else None
+        if not isinstance(t, str):  # responses_calls refused every type that is not a string
+            continue
+        if t in _OTHER_RESPONSE_CALLS:
+            waiting.setdefault((t, _id(it, "call_id", where(i))), i)
+        elif t in _OTHER_RESPONSE_OUTPUTS:
+            waiting.pop((_OTHER_RESPONSE_OUTPUTS[t], _id(it, "call_id", where(i))), None)
+    for (t, cid), i in sorted(waiting.items(), key=lambda kv: kv[1]):
+        raise TranscriptError(
+            f"{where(i)}: a {t} ({show(cid)}) without its {_OTHER_RESPONSE_CALLS[t]}: repair "
+            "answers function calls only (toolledger records no other kind); add its output, "
+            "then repair"
+        )
 
 
 def responses_item(call: Call, receipt: Receipt) -> dict[str, Any]:
@@ -440,7 +493,14 @@ class Format:
     items: Callable[[list[tuple[Call, Receipt]]], list[dict[str, Any]]]
     #: The blocks to insert into ``Batch.into_content`` (formats with content blocks).
     blocks: Callable[[list[tuple[Call, Receipt]]], list[dict[str, Any]]] | None = None
+    #: Refuses (TranscriptError) a call of a kind toolledger never records left without its
+    #: result: repair's, since a whole transcript must answer every call; ``run_turn`` leaves
+    #: such calls to its caller.
+    foreign: Callable[[list[Any], Where], None] | None = None
 
+
+#: (a tuple: a ``type`` that is a list or an object is compared, never hashed)
+_RESPONSE_ITEM_TYPES = (*_RESPONSE_CALL_TYPES, *_OTHER_RESPONSE_CALLS, *_OTHER_RESPONSE_OUTPUTS)
 
 #: The formats, in the order detection tries them on each item.
 REGISTRY: dict[str, Format] = {
@@ -448,15 +508,21 @@ REGISTRY: dict[str, Format] = {
     for f in (
         Format(
             "responses",
-            lambda it: it.get("type") in _RESPONSE_CALL_TYPES,
+            lambda it: it.get("type") in _RESPONSE_ITEM_TYPES,
             responses_calls,
             lambda receipts: [responses_item(c, r) for c, r in receipts],
+            foreign=responses_foreign,
         ),
         Format(
             "openai",
-            lambda it: it.get("role") == "tool" or bool(it.get("tool_calls")),
+            lambda it: (
+                it.get("role") in ("tool", "function")
+                or bool(it.get("tool_calls"))
+                or it.get("function_call") is not None
+            ),
             openai_calls,
             lambda receipts: [openai_item(c, r) for c, r in receipts],
+            foreign=openai_foreign,
         ),
         Format(
             "anthropic",

@@ -481,10 +481,15 @@ def _check_chosen(found: Format | None, form: Format, name: str) -> None:
 
 
 def _calls(doc: Document, form: Format, name: str) -> tuple[list[Call], list[Batch]]:
+    """Every call, and the batches still without a result; a call repair cannot answer
+    (``Format.foreign``) left without its result is refused."""
     try:
-        return form.calls(doc.items, doc.where)
+        found = form.calls(doc.items, doc.where)
+        if form.foreign is not None:
+            form.foreign(doc.items, doc.where)
     except TranscriptError as exc:
         raise TranscriptError(f"{name}: {exc}") from None
+    return found
 
 
 def _read_back(text: str, before: Document, form: Format, name: str, calls: int) -> None:

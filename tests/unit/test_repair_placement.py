@@ -358,3 +358,73 @@ def test_format_chosen__the_detected_one_or_nothing_to_detect_still_works(ledger
     for fmt in ("openai", "responses", "anthropic"):
         report = repair_file(plain, ledger, SCOPE, fmt)
         assert (report.format, report.calls, report.changed) == (fmt, 0, False)
+
+
+# ------------------------------------------------ calls of a kind toolledger never records
+
+CUSTOM = {"type": "custom_tool_call", "call_id": "ct1", "name": "grammar", "input": "x = 1"}
+CUSTOM_OUT = {"type": "custom_tool_call_output", "call_id": "ct1", "output": "ok"}
+SHELL = {"type": "local_shell_call", "call_id": "sh1", "action": {"type": "exec"}}
+LEGACY = {"role": "assistant", "content": None,
+          "function_call": {"name": "write_file", "arguments": "{}"}}  # fmt: skip
+LEGACY_OUT = {"role": "function", "name": "write_file", "content": "done"}
+
+#: (id, format, items, a regular expression the one-line refusal matches): each was passed
+#: over, and repair exited 0 leaving a call the API refuses the next request for (a cold
+#: review)
+FOREIGN: list[tuple[str, str, list[dict[str, Any]], str]] = [
+    ("responses-custom-tool-call-unanswered", "responses",
+     [*calls("responses", "call_ok"), CUSTOM],
+     r"message 2: a custom_tool_call \('ct1'\) without its custom_tool_call_output: repair "
+     r"answers function calls only"),
+    ("responses-only-a-custom-tool-call", "responses", [USER, CUSTOM],
+     r"message 2: a custom_tool_call \('ct1'\) without"),
+    ("responses-its-output-before-it", "responses", [CUSTOM_OUT, CUSTOM],
+     r"message 2: a custom_tool_call \('ct1'\) without"),
+    ("responses-local-shell-call", "responses",
+     [*calls("responses", "call_ok"), *results("responses", "call_ok"), SHELL],
+     r"message 3: a local_shell_call \('sh1'\) without its local_shell_call_output"),
+    ("chat-legacy-function-call", "openai", [USER, LEGACY, USER],
+     r"message 2: a legacy function_call without the 'function' message after it"),
+    ("chat-legacy-function-call-among-tool-calls", "openai",
+     [USER, *calls("openai", "call_ok"), *results("openai", "call_ok"), LEGACY],
+     r"message 4: a legacy function_call without"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fmt", "items", "match"), [c[1:] for c in FOREIGN], ids=[c[0] for c in FOREIGN]
+)
+def test_foreign_call_unanswered__refused_in_one_line_and_exit_6(
+    capsys, sqlite_url, ledger, tmp_path, fmt, items, match
+):
+    data = as_json(fmt, items)
+    assert re.search(match, refused(tmp_path, ledger, data)), refused(tmp_path, ledger, data)
+    path = tmp_path / "t.json"
+    code, out, err = cli(capsys, sqlite_url, path)
+    assert (code, out) == (6, "") and err.count("\n") == 1, err
+    assert path.read_bytes() == data
+
+
+def test_foreign_call_answered__the_function_calls_are_repaired_beside_it(ledger, tmp_path):
+    """A custom tool call (or a legacy function_call) with its result is the caller's,
+    answered: repair answers the function calls and passes over it."""
+    for fmt, items in (
+        ("responses", [CUSTOM, CUSTOM_OUT, *calls("responses", "call_ok", "call_ok2")]),
+        ("openai", [USER, LEGACY, LEGACY_OUT, *calls("openai", "call_ok", "call_ok2")]),
+    ):
+        path = tmp_path / f"{fmt}.json"
+        path.write_bytes(data := as_json(fmt, items))
+        report = repair_file(path, ledger, SCOPE)
+        assert (report.calls, report.answered_before, len(report.inserted)) == (2, 0, 2)
+        assert only_insertions(data, path.read_bytes())
+        assert answered_ids(fmt, items_of(path.read_bytes())) == ["call_ok", "call_ok2"]
+
+
+def test_run_turn_parse__leaves_a_custom_tool_call_to_its_caller() -> None:
+    """run_turn answers the turn's function calls; a custom tool call is its caller's to run
+    (refusing the turn would refuse an application that runs those itself)."""
+    from toolledger.turns import parse_turn
+
+    fmt, turn = parse_turn([*calls("responses", "call_ok"), CUSTOM])
+    assert fmt.name == "responses" and [c.id for c in turn] == ["call_ok"]
