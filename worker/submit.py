@@ -211,16 +211,20 @@ class Submitter:
         op = submitted.operation
         out = _summary(op, call.scope, call.tool_call_id)
         out["outcome"] = submitted.outcome
-        if (
-            approved_by is not None
-            and submitted.outcome != "created"
-            and op.status is (Status.PENDING_APPROVAL)
-        ):  # the approval is not the submit's to give: said, not silently dropped
-            out["warning"] = (
-                f"the call already exists, waiting for approval: this submit's approval by "
-                f"{approved_by!r} was not applied (approve it: toolledger approve, or POST "
-                ".../approve)"
-            )
+        if approved_by is not None and submitted.outcome != "created":
+            # the approval is not the submit's to give: said, not silently dropped
+            if op.status is Status.PENDING_APPROVAL:
+                out["warning"] = (
+                    f"the call already exists, waiting for approval: this submit's approval "
+                    f"by {approved_by!r} was not applied (approve it: toolledger approve, or "
+                    "POST .../approve)"
+                )
+            elif op.status is Status.REJECTED:  # said as "rejected" alone, exit 0 (a review)
+                out["warning"] = (
+                    f"the call already exists and was rejected: this submit's approval by "
+                    f"{approved_by!r} was not applied (a rejected call stays rejected; a new "
+                    "call needs a new tool_call_id)"
+                )
         attempt, call_id = op.authorized_attempts, call.tool_call_id
         if op.status is Status.APPROVED and submitted.outcome == "created":
             out.update(
