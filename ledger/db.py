@@ -300,7 +300,9 @@ def behind(engine: sa.Engine, revision: str) -> str | None:
         target = script.get_revision(revision)
     except CommandError:
         return None
-    if target is None or target.revision == current:
+    if target is None:  # "base", before every revision: behind any schema at all (it said
+        return current if revision.strip() == "base" else None  # "schema at 0007", exit 0)
+    if target.revision == current:
         return None
     older = {r.revision for r in script.iterate_revisions(current, "base")} - {current}
     return current if target.revision in older else None

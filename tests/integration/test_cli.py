@@ -395,6 +395,8 @@ def test_cli__db_upgrade_to_an_older_revision_is_refused_not_ignored(run):
     code, _, err = run("db", "upgrade", "--revision", "0003")
     assert code == 2 and f"older than the schema (at {head})" in err
     assert "db downgrade --revision 0003" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run("db", "upgrade", "--revision", "base")  # before them all: the same
+    assert code == 2 and f"older than the schema (at {head})" in err
     assert json.loads(run("--json", "db", "upgrade", "--revision", head)[1])["revision"] == head
     assert run("db", "downgrade", "--revision", "0004")[0] == 0
     assert json.loads(run("--json", "db", "upgrade", "--revision", "0005")[1])["revision"] == "0005"
