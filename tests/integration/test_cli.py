@@ -845,7 +845,8 @@ def test_cli__a_postgres_url_whose_options_libpq_refuses_is_a_setting_to_mend(
     pg_server, tmp_path, capsys, option
 ):
     """``?sslmode=bogus`` was "database unavailable", exit 1, and a worker waited on it for
-    ever (a review): exit 2, one line naming TOOLLEDGER_DB, and a worker refuses to start."""
+    ever (a review): exit 2, one line naming the setting as it was given (``--db``: it was
+    said as TOOLLEDGER_DB, a variable the user never set), and a worker refuses to start."""
     import time
 
     from toolledger.config import ConfigError, Settings
@@ -854,7 +855,11 @@ def test_cli__a_postgres_url_whose_options_libpq_refuses_is_a_setting_to_mend(
     url = f"{pg_server}{'&' if '?' in pg_server else '?'}{option}"
     code, out, err = run_cli(capsys, "--db", url, "list", "--json")
     assert code == 2, (code, out, err)
-    assert json.loads(err)["error"].startswith("TOOLLEDGER_DB: ") and err.count("\n") == 1
+    assert json.loads(err)["error"].startswith("--db: ") and err.count("\n") == 1
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TOOLLEDGER_DB", url)
+        code, out, err = run_cli(capsys, "list", "--json")
+    assert code == 2 and json.loads(err)["error"].startswith("TOOLLEDGER_DB: "), err
     settings = Settings.from_env(
         {"TOOLLEDGER_DB": url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
          "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}

@@ -187,29 +187,45 @@ def cli(
     except ConfigError as exc:  # raised when a command needs settings, not for its --help
         ctx.meta[SETTINGS_ERROR] = _as_given(ctx, exc)
         return
+    _remember_given(ctx)
     ctx.obj = Context(settings, json=as_json)
     ctx.call_on_close(ctx.obj.close)
+
+
+#: The settings this run was given as options (``--db``…), not by the environment: an error
+#: the database gives later (a bad ``sslmode``) is named after what the user typed.
+_ON_LINE: set[str] = set()
 
 
 def _as_given(ctx: click.Context, exc: Exception) -> Exception:
     """A setting's error named as the user gave it: ``--db: …`` for a URL typed on the command
     line, which was said as ``TOOLLEDGER_DB: …`` (a cold review), the variable's name kept for
     one read from the environment."""
+    _remember_given(ctx)
+    text = _named_as_given(str(exc))
+    return exc if text == str(exc) else type(exc)(text)
+
+
+def _remember_given(ctx: click.Context) -> None:
     from click.core import ParameterSource
 
-    text = str(exc)
     for option in ("db", "broker", "sandbox"):
+        if ctx.get_parameter_source(option) is ParameterSource.COMMANDLINE:
+            _ON_LINE.add(option)
+
+
+def _named_as_given(text: str) -> str:
+    for option in _ON_LINE:
         variable = f"TOOLLEDGER_{option.upper()}: "
-        if text.startswith(variable) and (
-            ctx.get_parameter_source(option) is ParameterSource.COMMANDLINE
-        ):
-            return type(exc)(f"--{option}: {text.removeprefix(variable)}")
-    return exc
+        if text.startswith(variable):
+            return f"--{option}: {text.removeprefix(variable)}"
+    return text
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: run a command, map every error to one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
+    _ON_LINE.clear()  # a run in-process after another (tests, an application's own calls)
     as_json = "--json" in args
     if as_json:
         log_as_json_lines()
@@ -237,7 +253,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         message, code, debug = _describe(exc)
         if debug and os.environ.get("TOOLLEDGER_DEBUG"):
             raise
-        fail(message, code, as_json)
+        fail(_named_as_given(message), code, as_json)
     sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
