@@ -248,6 +248,10 @@ def test_cli__under_json_every_warning_is_a_json_line(tmp_path: Path):
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
     )  # fmt: skip
     assert "toolledger: warning: TOOLLEDGER_LEASE_SECOND is not a setting" in plain.stderr
+    # without --json, Python's warning too is one line of its own, not two quoting source
+    said = plain.stderr.splitlines()
+    assert any("'mode' are not accepted" in line for line in said), said
+    assert all(line.startswith("toolledger: warning: ") for line in said), said
 
 
 def test_cli__ctrl_c_is_one_line_aborted_while_it_loads_and_while_it_runs(tmp_path: Path):

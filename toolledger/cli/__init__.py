@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     as_json = "--json" in args
     if as_json:
         log_as_json_lines()
+    else:
+        warnings_on_one_line()
     try:
         rv = cli.main(args=args, prog_name="toolledger", standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -261,6 +263,19 @@ def _is_bare_help(exc: click.UsageError) -> bool:
     """Click 8.2's answer to a group run without a command (8.1 printed the help itself)."""
     bare = getattr(click.exceptions, "NoArgsIsHelpError", None)
     return bare is not None and isinstance(exc, bare)
+
+
+def warnings_on_one_line() -> None:
+    """Python's own warnings (SQLAlchemy's about a URL's ignored options) as one line on
+    stderr, ``toolledger: warning: …`` as the settings' own are, not Python's two lines quoting
+    a line of toolledger's source (a cold review). A command that sets up logging of its own
+    keeps this: a warning is still one line."""
+    import warnings
+
+    def one_line(message: Warning | str, *_args: Any, **_kwargs: Any) -> str:
+        return f"toolledger: warning: {' '.join(str(message).split())}\n"
+
+    warnings.formatwarning = one_line
 
 
 def log_as_json_lines() -> None:
