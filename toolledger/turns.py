@@ -50,13 +50,31 @@ class CallsWaiting(TimeoutError):
     approved, running): ``waiting`` maps their tool_call_ids to their statuses, in call order.
     Nothing was answered; the same turn run again later waits for them again."""
 
-    def __init__(self, scope: str, waiting: dict[str, str]) -> None:
-        named = ", ".join(f"{cid!r} ({status})" for cid, status in waiting.items())
+    def __init__(
+        self, scope: str, waiting: dict[str, str], unanswered: frozenset[str] = frozenset()
+    ) -> None:
+        named = ", ".join(
+            f"{cid!r} ({status}{UNANSWERED_SINCE if _stale(cid, status, unanswered) else ''})"
+            for cid, status in waiting.items()
+        )
         super().__init__(
             f"{len(waiting)} call(s) of the turn in scope {scope!r} have no receipt yet: "
             f"{named}; run the same turn again once they have one"
         )
         self.scope, self.waiting = scope, waiting
+        #: The calls whose status is what the database said last, before it stopped
+        #: answering the turn's waits (their submit's, for a call not waited for): it may
+        #: have moved on since (said as current: a cold review).
+        self.unanswered = unanswered
+
+
+UNANSWERED_SINCE = ", when the database last answered: it did not answer the wait"
+
+
+def _stale(cid: str, status: str, unanswered: frozenset[str]) -> bool:
+    # "unanswered" (client.UNANSWERED, not imported: the client imports this module) says
+    # it by itself: no answer at all
+    return cid in unanswered and status != "unanswered"
 
 
 def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]:
@@ -128,14 +146,18 @@ def checked_calls(
 
 
 def answered(
-    scope: str, fmt: Format, outcomes: list[tuple[Call, Receipt | str]]
+    scope: str,
+    fmt: Format,
+    outcomes: list[tuple[Call, Receipt | str]],
+    unanswered: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """The turn's items, or CallsWaiting if any call has a status but no receipt."""
+    """The turn's items, or CallsWaiting if any call has a status but no receipt
+    (``unanswered``: the calls whose status the database did not confirm at the end)."""
     if not outcomes:  # every call of the items given had its result among them
         return []
     waiting = {c.id: r for c, r in outcomes if isinstance(r, str)}
     if waiting:
-        raise CallsWaiting(scope, waiting)
+        raise CallsWaiting(scope, waiting, unanswered & waiting.keys())
     return fmt.items([(c, r) for c, r in outcomes if isinstance(r, Receipt)])
 
 
@@ -162,21 +184,23 @@ def run_turn(
     for call, handle in handles:
         _said(scope, call, handle.submitted)
     outcomes: list[tuple[Call, Receipt | str]] = []
-    unanswered = False
+    unanswered: set[str] = set()
     for call, handle in handles:
         if unanswered and handle.receipt_in_hand is None:
             # the database did not answer this turn's last wait, which took the reads' whole
             # grace past the turn's timeout; each later call's wait took it again (a cold
             # review: 4 calls, timeout 1 s, 9 s): where it stood at its submit is all we know
             outcomes.append((call, handle.status))
+            unanswered.add(call.id)
             continue
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             outcomes.append((call, handle.result(timeout=left)))
         except TimeoutError as exc:  # ReceiptTimeout: it says where the call stands
             outcomes.append((call, _status_of(exc)))
-            unanswered = bool(getattr(exc, "unanswered", False))
-    return answered(scope, fmt, outcomes)
+            if getattr(exc, "unanswered", False):
+                unanswered.add(call.id)
+    return answered(scope, fmt, outcomes, frozenset(unanswered))
 
 
 async def run_turn_async(
@@ -201,11 +225,15 @@ async def run_turn_async(
     for call, handle in handles:
         _said(scope, call, handle.handle.submitted)
 
+    unanswered: set[str] = set()
+
     async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:
         try:
             return call, await handle.result(timeout=timeout)
         except TimeoutError as exc:
+            if getattr(exc, "unanswered", False):
+                unanswered.add(call.id)
             return call, _status_of(exc)
 
     outcomes = await asyncio.gather(*(one(c, h) for c, h in handles))  # waited together
-    return answered(scope, fmt, list(outcomes))
+    return answered(scope, fmt, list(outcomes), frozenset(unanswered))

@@ -296,6 +296,10 @@ def test_run_turn__a_frozen_server_costs_one_grace_not_one_a_call(
             **{f"t{i}": "pending_approval" for i in (1, 2, 3)},
         }
         assert waited == ["t0"]
+        # their statuses are what the database last said, and said so (said as current)
+        assert exc.unanswered == {"t0", "t1", "t2", "t3"}
+        assert "'t0' (unanswered)" in str(exc), exc
+        assert "'t1' (pending_approval, when the database last answered" in str(exc), exc
 
 
 def test_async_wait__a_receipt_read_before_the_freeze_is_returned(
@@ -316,3 +320,40 @@ def test_async_wait__a_receipt_read_before_the_freeze_is_returned(
 
     out = in_thread(lambda: asyncio.run(asyncio.wait_for(scenario(), 3.0 + SLACK - 1)))
     assert out.get("value") == "rejected", out.get("error")
+
+
+def test_async_run_turn__says_which_statuses_the_database_did_not_confirm(
+    frozen: Freezable, tmp_path: Path
+) -> None:
+    """The calls of a turn, waited together behind a frozen server: CallsWaiting named the
+    status each had when the database last answered as if it were where the call stands."""
+    import json
+
+    from toolledger.turns import CallsWaiting
+
+    calls = [
+        {"id": f"a{i}", "type": "function",
+         "function": {"name": "write_file",
+                      "arguments": json.dumps({"path": f"a{i}.txt", "content": "x"})}}
+        for i in range(2)
+    ]  # fmt: skip
+    message = {"role": "assistant", "content": None, "tool_calls": calls}
+
+    async def scenario() -> BaseException | None:
+        async with AsyncClient(settings(frozen.url, tmp_path)) as client:
+            wait = client.wait
+
+            async def spy(scope: str, tool_call_id: str, **kwargs: Any) -> Any:
+                frozen.freeze()  # every call submitted, pending a person: the freeze begins
+                return await wait(scope, tool_call_id, **kwargs)
+
+            client.wait = spy  # type: ignore[method-assign]
+            try:
+                await client.run_turn("fz-aturn", message, timeout=1.0)
+            except CallsWaiting as exc:
+                return exc
+            return None
+
+    exc = in_thread(lambda: asyncio.run(scenario()))["value"]
+    assert isinstance(exc, CallsWaiting), exc
+    assert exc.unanswered == {"a0", "a1"} and set(exc.waiting) == {"a0", "a1"}
