@@ -123,10 +123,14 @@ class LedgerReads:
             key = self._key_for(conn, scope, tool_call_id)
             return self._view(conn, scope, tool_call_id, key), self._events(conn, scope, key)
 
-    def events(self, scope: str, tool_call_id: str) -> list[EventRecord]:
-        """The history of the call's action, in order."""
+    def events(
+        self, scope: str, tool_call_id: str, *, after: int = 0, limit: int = 0
+    ) -> list[EventRecord]:
+        """The history of the call's action, in order: the events past ``after`` (a
+        ``seq``), at most ``limit`` of them (0: all)."""
         with self._read() as conn:
-            return self._events(conn, scope, self._key_for(conn, scope, tool_call_id))
+            key = self._key_for(conn, scope, tool_call_id)
+            return self._events(conn, scope, key, after=after, limit=limit)
 
     @classmethod
     def _view(cls, conn: sa.Connection, scope: str, tool_call_id: str, key: str) -> CallView:
@@ -139,13 +143,19 @@ class LedgerReads:
         return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
 
     @staticmethod
-    def _events(conn: sa.Connection, scope: str, key: str) -> list[EventRecord]:
-        rows = conn.execute(
+    def _events(
+        conn: sa.Connection, scope: str, key: str, *, after: int = 0, limit: int = 0
+    ) -> list[EventRecord]:
+        query = (
             sa.select(execution_events)
             .where(execution_events.c.scope == scope, execution_events.c.idempotency_key == key)
             .order_by(execution_events.c.seq)
-        ).all()
-        return [EventRecord.from_row(r) for r in rows]
+        )
+        if after:
+            query = query.where(execution_events.c.seq > after)
+        if limit:
+            query = query.limit(limit)
+        return [EventRecord.from_row(r) for r in conn.execute(query).all()]
 
     def receipt(self, scope: str, tool_call_id: str) -> Receipt:
         """The result to hand the model, by the replay rules; never runs anything. Asked by

@@ -1010,3 +1010,38 @@ def test_serve__the_listen_probe_binds_as_uvicorn_does():
         _can_listen("::1", port, 1)  # uvicorn's one process would serve it
         with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1"):
             _can_listen("127.0.0.1", port, 1)
+
+
+def test_cli__events_pages_through_a_long_history(run, scope):
+    """A key an agent linked thousands of ids to answered its whole history at once (a cold
+    review: 23,000 links, 5.8 MB). ``--limit`` and ``--after`` page it; ``more`` says when
+    to ask again; the pages together are the history."""
+    run("db", "upgrade")
+    assert submit(run, scope, "c1", ARGS, "--key", "k")[0] == 0
+    for i in range(2, 6):  # each a linked event on the same key
+        assert submit(run, scope, f"c{i}", ARGS, "--key", "k")[0] == 0
+    whole = json.loads(run("events", "--scope", scope, "--tool-call-id", "c3", "--json")[1])
+    assert len(whole["events"]) == 6 and whole["more"] is False
+    pages, after = [], 0
+    while True:
+        code, out, err = run("events", "--scope", scope, "--tool-call-id", "c3", "--json",
+                             "--limit", "4", "--after", str(after))  # fmt: skip
+        page = json.loads(out)
+        assert code == 0 and page["idempotency_key"] == "k" and len(page["events"]) <= 4
+        pages.append(page)
+        if not page["more"]:
+            assert err == ""
+            break
+        assert json.loads(err)["warning"].endswith(f"--after {page['events'][-1]['seq']}")
+        after = page["events"][-1]["seq"]
+    assert [len(p["events"]) for p in pages] == [4, 2]
+    assert [e for p in pages for e in p["events"]] == whole["events"]
+    # past the end: no events, the key still named; text mode warns on stderr too
+    last = whole["events"][-1]["seq"]
+    page = json.loads(run("events", "--scope", scope, "--tool-call-id", "c3", "--json",
+                          "--after", str(last))[1])  # fmt: skip
+    assert (page["events"], page["more"], page["idempotency_key"]) == ([], False, "k")
+    code, out, err = run("events", "--scope", scope, "--tool-call-id", "c3", "--limit", "1")
+    assert code == 0 and len(out.splitlines()) == 1 and err.startswith("warning: more than 1")
+    code, _, err = run("events", "--scope", scope, "--tool-call-id", "c3", "--limit", "-1")
+    assert code == 2 and "--limit" in err

@@ -19,7 +19,7 @@ from toolledger.config import Settings
 from toolledger.ledger import lightreads, pq
 from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.ledger import Ledger
-from toolledger.ledger.lightreads import CallReads, Fallback, LightReads
+from toolledger.ledger.lightreads import CallReads, Fallback, LightReads, events_page
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import (
@@ -90,7 +90,8 @@ def _answers(reads: CallReads, scope: str) -> list[str]:
     """Everything the reads say about every call, as repr: types count (0 is not False)."""
     out: list[str] = []
     for cid in (*CALLS, "no-such-call"):
-        for read in (reads.get, partial(_receipt, reads), reads.events):
+        pages = [partial(events_page, reads, after=a, limit=n) for a in (0, 3) for n in (0, 1, 2)]
+        for read in (reads.get, partial(_receipt, reads), reads.events, *pages):
             try:
                 out.append(repr(read(scope, cid)))
             except LedgerError as exc:
@@ -111,7 +112,7 @@ def test_lightreads__every_record_is_the_ledgers(ledger: Ledger, light: LightRea
     expected = _answers(ledger, scope)
     assert _answers(light, scope) == expected
     assert sum("NoReceipt" in a for a in expected) == 3  # pending, approved, running
-    assert sum("NotFound" in a for a in expected) == 3  # the call that is not there
+    assert sum("NotFound" in a for a in expected) == 9  # the call that is not there, each read
     view = light.get(scope, "contradicted")  # what show prints, built from the light rows
     assert view.to_json(None) == ledger.get(scope, "contradicted").to_json(None)
 

@@ -1484,3 +1484,36 @@ def test_console__a_flag_raised_on_an_earlier_attempt_is_settled_from_its_page(
     assert view.operation.review is None
     page = client.get(f"/calls/{scope}/f").text
     assert _resolve_forms(page) == ([later] if second is Status.UNKNOWN else [])
+
+
+def test_events_and_console__a_long_history_is_paged_and_the_page_shows_the_latest(
+    server: Any, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that links thousands of ids to one key (each a ``linked`` event) made the
+    call's events answer, and its console page, megabytes (a cold review: 23,000 links, a
+    5.8 MB page). The API pages with ``after`` and ``limit`` as the CLI does; the page shows
+    the latest events and says how many it leaves out; a person's act far back in the
+    history still shows its notice."""
+    from toolledger.server import state
+
+    client, ledger = server
+    args = {"path": "l.txt", "content": "x"}
+    ledger.submit(scope, "l0", "write_file", args, key="k")
+    ledger.approve(scope, "l0", by="ann")  # ann's act, then the links after it
+    for i in range(1, 8):
+        ledger.submit(scope, f"l{i}", "write_file", args, key="k")
+    url = f"/api/calls/{scope}/l3/events"
+    whole = client.get(url, headers=bearer("vera")).json()
+    assert len(whole["events"]) == 10 and whole["more"] is False
+    first = client.get(url, params={"limit": 4}, headers=bearer("vera")).json()
+    assert first["more"] is True and first["events"] == whole["events"][:4]
+    rest = client.get(
+        url, params={"after": first["events"][-1]["seq"]}, headers=bearer("vera")
+    ).json()
+    assert rest["more"] is False and first["events"] + rest["events"] == whole["events"]
+    assert client.get(url, params={"limit": -1}, headers=bearer("vera")).status_code == 422
+    monkeypatch.setattr(state, "PAGE_EVENTS", 3)
+    login(client, "ann")
+    page = client.get(f"/calls/{scope}/l3?done=approved").text
+    assert "The 7 earlier events are not shown, only the\nlatest 3" in page, page
+    assert page.count('<tr class="ev-') == 3 and "Approved and enqueued." in page

@@ -20,7 +20,7 @@ from toolledger.cli.common import (
     scope_option_check,
 )
 from toolledger.ledger.errors import StateError
-from toolledger.ledger.lightreads import CallReads
+from toolledger.ledger.lightreads import CallReads, events_page
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import parse_status
@@ -133,19 +133,32 @@ def _human_show(d: dict[str, Any]) -> str:
 
 @click.command()
 @call_options
+@click.option(
+    "--after",
+    type=click.IntRange(min=0, max=2**62),
+    default=0,
+    metavar="SEQ",
+    help="Only the events past this seq (the last one a page showed).",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0, max=2**62),
+    default=0,
+    show_default=True,
+    help="At most this many events, oldest first; 0 for all. JSON 'more' says if some were "
+    "left: ask again with --after the last seq.",
+)
 @json_option
 @pass_ctx
-def events(c: Context, scope: str, tool_call_id: str) -> None:
+def events(c: Context, scope: str, tool_call_id: str, after: int, limit: int) -> None:
     """The call's event history, in order."""
-    history = c.reading(lambda reads: reads.events(scope, tool_call_id))
-    key = history[0].idempotency_key if history else None
+    page = c.reading(lambda r: events_page(r, scope, tool_call_id, after=after, limit=limit))
+    if page["more"]:  # on stderr, as list's: a JSON object under --json, never bare text
+        last = page["events"][-1]["seq"]
+        warning = f"more than {limit} events; ask again with --after {last}"
+        click.echo(json.dumps({"warning": warning}) if c.json else f"warning: {warning}", err=True)
     c.emit(
-        {
-            "scope": scope,
-            "tool_call_id": tool_call_id,
-            "idempotency_key": key,
-            "events": [e.to_json() for e in history],
-        },
+        page,
         lambda d: "\n".join(
             f"{e['seq']:>6}  {e['at']}  {e['kind']:<16} {e['actor']:<20} "
             f"{(e['execution_id'] or '-'):<36}  {json.dumps(e['detail'], ensure_ascii=False)[:120]}"

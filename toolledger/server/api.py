@@ -133,11 +133,19 @@ async def resolve(request: Request, who: Who, execution_id: str) -> Any:
 # A tool_call_id may hold "/": the routes with a suffix come before the bare one, and each
 # checks that its suffix was not the end of an escaped id.
 @router.get("/calls/{scope}/{tool_call_id:path}/events")
-def events(request: Request, who: Who, scope: str, tool_call_id: str) -> dict[str, Any]:
-    """The call's event history, in order (the CLI's ``events``)."""
+def events(
+    request: Request,
+    who: Who,
+    scope: str,
+    tool_call_id: str,
+    after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, Query(ge=0, le=2**62)] = 0,
+) -> dict[str, Any]:
+    """The call's event history, in order (the CLI's ``events``): the events past ``after``
+    (a ``seq``), at most ``limit`` (0: all); ``more`` says if some were left."""
     if not suffixed(request, "events"):  # the call "x/events" itself
         return show(request, who, scope, f"{tool_call_id}/events")
-    return desk_of(request).events(who, scope, tool_call_id)
+    return desk_of(request).events(who, scope, tool_call_id, after=after, limit=limit)
 
 
 @router.post("/calls/{scope}/{tool_call_id:path}/approve", openapi_extra=_body(DecisionBody))

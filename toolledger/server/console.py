@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,7 @@ env = Environment(
 )
 env.filters["pretty"] = _pretty
 env.filters["q"] = lambda v: quote(str(v), safe="")
+env.filters["sh"] = lambda v: shlex.quote(str(v))  # a command to copy: one word a value
 
 
 def call_url(scope: str, tool_call_id: str, suffix: str = "") -> str:
@@ -398,7 +400,7 @@ async def _call_page(
     except LedgerError as exc:
         return render(request, "error.html", _status_of(exc), who=who, error=str(exc))
     said = request.query_params.get("done", "")
-    done = DONE.get(said) if _did(data.get("events") or [], who.name, said) else None
+    done = DONE.get(said) if _did(data.get("acts") or [], who.name, said) else None
     return render(request, "call.html", status, who=who, error=error, done=done, **data)
 
 

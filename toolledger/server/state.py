@@ -15,6 +15,7 @@ from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, InvalidArguments, NotFound, StateError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.lightreads import events_page
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import CallView, EventRecord, ListedCall
 from toolledger.ledger.transitions import TERMINAL, EventKind, Status, fold_flags, parse_status
@@ -28,6 +29,16 @@ _T = TypeVar("_T")
 
 #: Rows a page of the list holds at most.
 PAGE_LIMIT = 500
+
+
+#: Events a console's call page shows, the latest: 23,000 ``linked`` events an agent made by
+#: linking ids to one key made a 5.8 MB page (a cold review). The rest: ``events --after``.
+PAGE_EVENTS = 500
+#: The kinds of event a person's decision writes (the console's ``?done=`` notice reads them).
+ACT_KINDS = frozenset(
+    {EventKind.APPROVED, EventKind.REJECTED, EventKind.SUCCEEDED, EventKind.FAILED}
+    | {EventKind.REVIEWED}
+)
 
 
 def encode_cursor(position: tuple[datetime, str, str]) -> str:
@@ -214,9 +225,13 @@ class Desk:
         view, history = self._read(lambda r: r.history(scope, tool_call_id))
         call = self._show(view, history)
         flags = self._waiting_flags(history)
+        shown = history[-PAGE_EVENTS:]  # the latest: where the call stands
         return {
             "call": call,
-            "events": [e.to_json() for e in history],
+            "events": [e.to_json() for e in shown],
+            "events_hidden": len(history) - len(shown),
+            # a person's own acts, wherever they are in the history (``?done=``'s notice)
+            "acts": [e.to_json() for e in history if e.kind in ACT_KINDS],
             "file": self._file_check(view),
             "view": view,
             "flags": flags,
@@ -286,17 +301,13 @@ class Desk:
         except Exception:  # noqa: BLE001 - cannot tell: said as not waiting, the file as it is
             return False
 
-    def events(self, who: Token, scope: str, tool_call_id: str) -> dict[str, Any]:
-        """The CLI's ``events --json``."""
+    def events(
+        self, who: Token, scope: str, tool_call_id: str, *, after: int = 0, limit: int = 0
+    ) -> dict[str, Any]:
+        """The CLI's ``events --json`` (``--after``, ``--limit``)."""
         who.require(Action.READ)
         self.check_visible(who, scope, tool_call_id)
-        history = self._read(lambda r: r.events(scope, tool_call_id))
-        return {
-            "scope": scope,
-            "tool_call_id": tool_call_id,
-            "idempotency_key": history[0].idempotency_key if history else None,
-            "events": [e.to_json() for e in history],
-        }
+        return self._read(lambda r: events_page(r, scope, tool_call_id, after=after, limit=limit))
 
     # ------------------------------------------------------------------ writes
 
