@@ -114,6 +114,19 @@ def late_result(events: list[EventRecord]) -> Finding:
     return None
 
 
+class BadReconcilerAnswer(Exception):
+    """A reconciler answered what no reconciliation can record (a status not terminal)."""
+
+
+def _reconciler_raised(exc: BaseException) -> bool:
+    """Whether what a reconciler raised is its failure, for the row only: any Exception,
+    and a bare ``SystemExit`` (``sys.exit()`` in a tool's code ended the whole pass, every
+    pass, and ``toolledger sweep`` exited 0 with nothing said: a cold review). Celery's
+    ``WorkerShutdown``/``WorkerTerminate`` (subclasses of it, raised in a solo pool's thread
+    by the worker's signal handler) and ``KeyboardInterrupt`` still stop the pass."""
+    return isinstance(exc, Exception) or type(exc) is SystemExit
+
+
 def ask_reconciler(
     tool: Tool | None, sandbox: Sandbox, ex: ExecutionRecord, op: OperationRecord
 ) -> Finding:
@@ -124,6 +137,12 @@ def ask_reconciler(
     extra = {"kind": "reconciler", "tool": tool.name}
     # what a reconciler says is stored as a tool's result is: JSON, every string storable
     if isinstance(found, Evidence):
+        if found.status not in TERMINAL:  # the tool's mistake, counted as its failure: the
+            # ledger refused it while recording, a failure of the pass's own, and every
+            # pass then fired the stalled-sweep alert (a cold review)
+            raise BadReconcilerAnswer(
+                f"a reconciler's Evidence says succeeded or failed, not {found.status}"
+            )
         detail = storable_object({**extra, **found.detail})
         return Evidence(found.status, storable_object(found.result), detail)
     if isinstance(found, Absent):
@@ -257,7 +276,9 @@ def _findings(
         return tool, own, None
     try:
         world = ask_reconciler(tool, sandbox, ex, op)
-    except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
+    except BaseException as exc:  # a broken reconciler leaves the row for a human
+        if not _reconciler_raised(exc):
+            raise
         if _time_limit(exc):  # a reconciler slower than the pass's time: the pass stops there
             # (the next goes on after this row) and the slowness is the tool's, as a failure
             # would be: counted the pass's, one slow reconciler failed every pass and fired

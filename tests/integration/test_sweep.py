@@ -352,6 +352,58 @@ def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(
     assert last_success() == pytest.approx(time.time(), abs=60)
 
 
+def _exits(*_: Any) -> Any:
+    raise SystemExit(0)  # a tool's code calling sys.exit()
+
+
+def _not_terminal(*_: Any) -> Any:
+    from toolledger.tools import Evidence
+
+    return Evidence(Status.RUNNING, {"x": 1}, {"method": "confused"})
+
+
+@pytest.mark.parametrize("reconcile", [_exits, _not_terminal], ids=["sys-exit", "running"])
+def test_sweep__a_reconciler_that_exits_or_answers_no_end_is_its_failure_for_its_row(
+    ledger, scope, sandbox, counting, reconcile
+):
+    """A reconciler calling ``sys.exit()`` ended the whole pass, every pass (each later row
+    left unknown, lost work not re-published), and ``toolledger sweep`` exited 0 saying
+    nothing; one answering ``Evidence(running)`` failed the pass itself, so every pass fired
+    the stalled-sweep alert (a cold review). Each is the tool's failure, for its row only."""
+    from toolledger.tools import Evidence
+
+    def per_call(args: Any, ctx: Any) -> Any:  # c1 answers badly; c2, after it, honestly
+        if ctx.idempotency_key.endswith(":c1"):
+            return reconcile(args, ctx)
+        return Evidence(Status.FAILED, {"error": "not sent"}, {"method": "asked"})
+
+    registry = Registry([make_tool(_bomb_write, name="write_file", reconcile=per_call)])
+    crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    crashed(ledger, sandbox, scope, "c2", effect="legacy")  # after it in the pass's order
+    summary = run_sweep(ledger, sandbox, registry)
+    c1 = ledger.get(scope, "c1")
+    assert c1.operation.status is Status.UNKNOWN  # left for a person
+    mine = [e for e in summary.errors if c1.executions[0].execution_id in e]
+    # (the ledger is the module's: an earlier case's c1 is still unknown, and fails again)
+    assert mine and len(summary.errors) == summary.reconciler_failures, summary.errors
+    assert ledger.get(scope, "c2").executions[0].status is Status.FAILED  # the pass went on
+    assert last_success() == pytest.approx(time.time(), abs=60)
+
+
+def test_sweep__a_worker_shutting_down_still_stops_the_pass(ledger, scope, sandbox):
+    """Celery's warm shutdown (``WorkerShutdown``, a SystemExit raised in a solo pool's
+    thread) and Ctrl-C are not a reconciler's failure: they stop the pass."""
+    from celery.exceptions import WorkerShutdown
+
+    def shutdown(*_: Any) -> Any:
+        raise WorkerShutdown(0)
+
+    registry = Registry([make_tool(_bomb_write, name="write_file", reconcile=shutdown)])
+    crashed(ledger, sandbox, scope, "c1", effect="legacy")
+    with pytest.raises(WorkerShutdown):
+        run_sweep(ledger, sandbox, registry)
+
+
 @pytest.mark.parametrize(
     ("found", "stored"),
     [
