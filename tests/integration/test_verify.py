@@ -82,8 +82,20 @@ def main_exit(argv: list[str]) -> int:
             "args",
         ),
         ("DELETE FROM tool_calls WHERE tool_call_id = 'lost-again'", "calls"),
+        # equal to Python (true == 1 == 1.0), not to JSON, nor to the agent that reads it:
+        # verify said ok (a cold review)
+        (
+            "UPDATE executions SET result = '{\"again\": 1}' "
+            "WHERE scope = 'alpha' AND idempotency_key = 'lost-k' AND attempt = 2",
+            "result",
+        ),
+        (
+            "UPDATE executions SET result = '{\"same\": 1.0}' "
+            "WHERE scope = 'alpha' AND idempotency_key = 'write_file:rec'",
+            "result",
+        ),
     ],
-    ids=["result", "reconciled", "op-status", "args", "tool-call"],
+    ids=["result", "reconciled", "op-status", "args", "tool-call", "true-as-1", "1-as-1.0"],
 )
 def test_verify__tampered_row_is_reported(fresh_db_url, statement, field, capsys):
     ledger = Ledger(fresh_db_url)
