@@ -1071,6 +1071,24 @@ def unread(pipe: Any) -> int:
     return struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
 
 
+def fill_its_stdout(host: RawHost) -> None:
+    """Thousands of pings, their answers never read, until the process's stdout pipe is
+    full and its write blocked in it (a hung host: it writes but no longer reads)."""
+    pings = [{"jsonrpc": "2.0", "id": n, "method": "ping"} for n in range(2, 5002)]
+
+    def flood() -> None:  # blocks once the process stops reading; broken once it has exited
+        with contextlib.suppress(BrokenPipeError):
+            host.send(*pings)
+
+    threading.Thread(target=flood, daemon=True).start()
+    assert host.proc.stdout is not None
+    deadline, waiting = time.monotonic() + 60, [-1, 0]
+    while waiting[-5:] != [waiting[-1]] * 5 and time.monotonic() < deadline:
+        time.sleep(0.5)  # until nothing more gets into the pipe for 2 s
+        waiting.append(unread(host.proc.stdout))
+    assert waiting[-1] > 60_000, waiting  # a 64 KiB pipe, full
+
+
 def test_proxy__sigterm_stops_it_while_the_host_reads_none_of_its_output(
     world: Stack, tmp_path: Path
 ) -> None:
@@ -1081,22 +1099,10 @@ def test_proxy__sigterm_stops_it_while_the_host_reads_none_of_its_output(
     from toolledger.harness.processes import children_of
 
     env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log")}
-    pings = [{"jsonrpc": "2.0", "id": n, "method": "ping"} for n in range(2, 5002)]
     with raw_host(world, proxy_argv(), env, kill_after=120) as host:
         host.hello()
         (upstream,) = children_of(host.proc.pid)
-
-        def flood() -> None:  # blocks once the proxy stops reading; broken once it has exited
-            with contextlib.suppress(BrokenPipeError):
-                host.send(*pings)
-
-        threading.Thread(target=flood, daemon=True).start()
-        assert host.proc.stdout is not None
-        deadline, waiting = time.monotonic() + 60, [-1, 0]
-        while waiting[-5:] != [waiting[-1]] * 5 and time.monotonic() < deadline:
-            time.sleep(0.5)  # until the pipe is full, the proxy's write blocked in it
-            waiting.append(unread(host.proc.stdout))
-        assert waiting[-1] > 60_000, waiting
+        fill_its_stdout(host)
         host.proc.terminate()
         try:
             code: int | None = host.proc.wait(30)
@@ -1105,6 +1111,29 @@ def test_proxy__sigterm_stops_it_while_the_host_reads_none_of_its_output(
         upstream_alive = alive(upstream)
     assert code is not None, "still running 30 s after SIGTERM"
     assert not upstream_alive
+
+
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, -signal.SIGTERM)])
+def test_serve__a_stop_signal_ends_it_while_the_host_reads_none_of_its_output(
+    world: Stack, signum: signal.Signals, exit_code: int
+) -> None:
+    """The proxy's block (a write stuck in a full stdout pipe held the stop: see the proxy's
+    test above), asked of ``serve``, whose host is as likely to hang. SIGTERM ends it at once:
+    ``serve`` catches no SIGTERM, so nothing has to unwind past the stuck write (a handler
+    that cancels, as the proxy's does, would need StdoutLines too). Bounded at 15 s, then
+    killed: a process held by the write never exits."""
+    with raw_host(world, ["serve"], kill_after=120) as host:
+        host.hello()
+        fill_its_stdout(host)
+        stopped = time.monotonic()
+        host.proc.send_signal(signum)
+        try:
+            code: int | None = host.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - stopped
+    assert code is not None, f"still running 15 s after {signum.name}, its stdout unread"
+    assert code == exit_code, (code, took)  # as with its stdout read
 
 
 def test_serve__a_read_only_tool_is_bounded_by_the_timeout(world: Stack, tmp_path: Path) -> None:
