@@ -1113,15 +1113,24 @@ def test_proxy__sigterm_stops_it_while_the_host_reads_none_of_its_output(
     assert not upstream_alive
 
 
-@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, -signal.SIGTERM)])
+@pytest.mark.parametrize(
+    ("signum", "exit_codes"),
+    # SIGINT: 130, or 1 when the unwinding meets a message on its way (the SDK's relay
+    # raises BrokenResourceError, the KeyboardInterrupt is lost in its ExceptionGroup): a race
+    # of its own, as often with the host reading, not this test's matter
+    [(signal.SIGTERM, {-signal.SIGTERM}), (signal.SIGINT, {130, 1})],
+    ids=["SIGTERM", "SIGINT"],
+)
 def test_serve__a_stop_signal_ends_it_while_the_host_reads_none_of_its_output(
-    world: Stack, signum: signal.Signals, exit_code: int
+    world: Stack, signum: signal.Signals, exit_codes: set[int]
 ) -> None:
     """The proxy's block (a write stuck in a full stdout pipe held the stop: see the proxy's
     test above), asked of ``serve``, whose host is as likely to hang. SIGTERM ends it at once:
     ``serve`` catches no SIGTERM, so nothing has to unwind past the stuck write (a handler
-    that cancels, as the proxy's does, would need StdoutLines too). Bounded at 15 s, then
-    killed: a process held by the write never exits."""
+    that cancels, as the proxy's does, would need StdoutLines too). SIGINT (Ctrl-C reaches a
+    host's children too) unwinds, and left serve running until the host read again (still up
+    90 s after it); it writes through StdoutLines now, and exits as with its stdout read.
+    Bounded at 15 s, then killed: a process held by the write never exits."""
     with raw_host(world, ["serve"], kill_after=120) as host:
         host.hello()
         fill_its_stdout(host)
@@ -1133,7 +1142,7 @@ def test_serve__a_stop_signal_ends_it_while_the_host_reads_none_of_its_output(
             code = None
         took = time.monotonic() - stopped
     assert code is not None, f"still running 15 s after {signum.name}, its stdout unread"
-    assert code == exit_code, (code, took)  # as with its stdout read
+    assert code in exit_codes, (code, took)  # as with its stdout read
 
 
 def test_serve__a_read_only_tool_is_bounded_by_the_timeout(world: Stack, tmp_path: Path) -> None:

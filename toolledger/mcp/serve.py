@@ -36,6 +36,7 @@ from toolledger.mcp import DEFAULT_TIMEOUT, META_SCOPE, META_TOOL_CALL_ID
 from toolledger.mcp.common import (
     InFlight,
     StdinLines,
+    StdoutLines,
     answering_malformed,
     call_identity,
     error_result,
@@ -234,7 +235,14 @@ async def serve(
         # at the input's end, the calls in flight are answered before the session ends
         lines = StdinLines(in_flight)
         stdin = cast("AsyncFile[str]", lines)
-        async with stdio_server(stdin) as (raw, write), answering_malformed(raw, write) as read:
-            await server.run(read, write, server.create_initialization_options())
+        # a SIGINT while the host reads nothing stops serve all the same (StdoutLines): the
+        # SDK's writer, stuck in a full pipe, held the unwinding for as long as nobody read
+        with StdoutLines() as out:
+            stdout = cast("AsyncFile[str]", out)
+            async with (
+                stdio_server(stdin, stdout) as (raw, write),
+                answering_malformed(raw, write) as read,
+            ):
+                await server.run(read, write, server.create_initialization_options())
     finally:
         await client.close()
