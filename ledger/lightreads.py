@@ -252,6 +252,10 @@ class LightReads:
             if "%" in rest.rpartition("@")[2]:
                 return None  # libpq decodes a host or a database name, SQLAlchemy may not
             settings = pg_session_settings(timeout, statement_timeout=False)
+            # one snapshot a read, as on SQLite: under read committed the operation and its
+            # executions were read at two moments, and a receipt could be torn between two
+            # states (a review correction: status succeeded, content failed; a cold review)
+            settings["default_transaction_isolation"] = "repeatable read"
             return cls._pg_connect("postgresql://" + rest, pg_connect_args(timeout), settings)
         return None
 
@@ -291,8 +295,9 @@ class LightReads:
 
     @contextmanager
     def _read(self) -> Iterator[None]:
-        """One read transaction: one snapshot on SQLite, as the ledger's reads take; ended
-        at once, so no connection idles in a transaction."""
+        """One read transaction, one snapshot (SQLite's, Postgres's repeatable read: the
+        session's default here), as the ledger's reads take; ended at once, so no
+        connection idles in a transaction."""
         sqlite = self.dialect == "sqlite"
         try:
             if sqlite:

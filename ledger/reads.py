@@ -68,7 +68,13 @@ class LedgerReads:
 
     @contextmanager
     def _read(self) -> Iterator[sa.Connection]:
+        """A connection whose reads see one snapshot: SQLite's read transaction, Postgres's
+        repeatable read (under read committed, ``get`` read the operation and its executions
+        at two moments, and a receipt could be built from two states: a review's correction
+        made it ``succeeded`` with the corrected ``failed`` content; a cold review)."""
         with self.engine.connect() as conn:
+            if self.engine.dialect.name == "postgresql":
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
             yield conn
 
     @staticmethod

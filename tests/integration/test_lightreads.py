@@ -319,3 +319,32 @@ def test_lightreads__libpq_drops_server_notices_and_hands_bad_text_to_the_ledger
             light.get(scope, "succeeded")
         light.close()
         ledger.close()
+
+
+def test_reads__a_read_sees_one_snapshot(ledger: Ledger, light: LightReads, scope: str) -> None:
+    """``show`` read the operation and then its executions under read committed on Postgres:
+    a review's correction committed between the two made a receipt ``succeeded`` with the
+    corrected ``failed`` content (a cold review: 110 of 400). Each read is one snapshot now,
+    on the ledger's reads and the light ones, as SQLite's read transaction always was."""
+    import sqlalchemy as sa
+
+    ledger.submit(scope, "snap", "append_file", ARGS)
+    where = {"s": scope}
+    reason = "SELECT reason FROM operations WHERE scope = :s"
+
+    def change(to: str) -> None:  # another process's commit, between a read's statements
+        with ledger.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE operations SET reason = :r WHERE scope = :s"),
+                         {"r": to, **where})  # fmt: skip
+
+    with ledger._read() as conn:
+        before = conn.execute(sa.text(reason), where).scalar_one()
+        change("first")
+        assert conn.execute(sa.text(reason), where).scalar_one() == before
+    with light._read():
+        light_sql = reason.replace(":s", "?")
+        before = light._all(light_sql, (scope,))[0]["reason"]
+        change("second")
+        assert light._all(light_sql, (scope,))[0]["reason"] == before
+    with light._read():  # the next read sees the commit
+        assert light._all(light_sql, (scope,))[0]["reason"] == "second"
