@@ -17,6 +17,9 @@ parent's pid (the proxy). Tools:
 - ``admin.tools.list`` and ``user-profile/update`` (charge as well), when
   ``MCP_UPSTREAM_SPEC_NAMES`` is set: names MCP allows (SEP-986, ``SPEC_NAMES``).
 
+``MCP_UPSTREAM_SCHEMA`` (a JSON Schema, as JSON) adds ``deep``, with that ``inputSchema`` (charge
+as well): a schema whose check is pathological.
+
 ``MCP_UPSTREAM_DROP`` names tools (comma-separated) not listed: an upstream upgraded since.
 
 ``MCP_UPSTREAM_PAGES`` makes ``tools/list`` misbehave: ``same`` (a next cursor that is the
@@ -67,6 +70,9 @@ def tools() -> list[types.Tool]:
     if os.environ.get("MCP_UPSTREAM_SPEC_NAMES"):  # SEP-986: its examples, its 128 characters
         for name in SPEC_NAMES:
             listed.append(types.Tool(name=name, input_schema=AMOUNT))
+    if os.environ.get("MCP_UPSTREAM_SCHEMA"):
+        schema = json.loads(os.environ["MCP_UPSTREAM_SCHEMA"])
+        listed.append(types.Tool(name="deep", input_schema=schema))
     dropped = os.environ.get("MCP_UPSTREAM_DROP", "").split(",")
     return [t for t in listed if t.name not in dropped]
 

@@ -935,6 +935,91 @@ def test_proxy__arguments_the_upstream_schema_refuses_are_refused_with_nothing_r
     assert [c["arguments"] for c in invocations(log)] == [{"amount": 5}]
 
 
+#: An ``anyOf`` of two over a ``$ref`` cycle: each level of a list that fails at its leaf is
+#: tried twice, 2^depth keywords applied (30 levels: days of a core).
+RECURSIVE = {"type": "object", "properties": {"t": {"$ref": "#/$defs/n"}},
+             "$defs": {"n": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/n"}},
+                                       {"type": "array", "items": {"$ref": "#/$defs/n"}}]}}}  # fmt: skip
+
+
+def deep_call(scope: str, depth: int = 30) -> dict[str, Any]:
+    """``deep`` called with a list ``depth`` levels deep, around a leaf RECURSIVE refuses."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    params = {"name": "deep", "arguments": {"t": value}, "_meta": {ID: "d1", SCOPE: scope}}
+    return {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": params}
+
+
+def cpu_seconds(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def test_proxy__a_recursive_schema_past_the_check_bound_is_refused_then_burns_nothing_and_exits(
+    world: Stack, tmp_path: Path
+) -> None:
+    """Refused at the check's 5 s, a call of a recursive schema's tool went on being checked:
+    the proxy burnt a core after the refusal, and after its host closed stdin it still ran,
+    its exit waiting for a check of hours (a cold review). The check stops at its bound now:
+    the CPU it burns with it, and the proxy exits once its stdin closes."""
+    log = tmp_path / "upstream.log"
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log),
+           "MCP_UPSTREAM_SCHEMA": json.dumps(RECURSIVE)}  # fmt: skip
+    with raw_host(world, proxy_argv(), env, kill_after=120) as host:
+        host.hello()
+        began = time.monotonic()
+        host.send(deep_call(scope_of("deep")))
+        reply = host.reply()
+        took = time.monotonic() - began
+        time.sleep(1.0)  # the check's next step is past its deadline: it has ended by now
+        before = cpu_seconds(host.proc.pid)
+        time.sleep(2.0)
+        burnt = cpu_seconds(host.proc.pid) - before
+        host.send(close=True)
+        closed = time.monotonic()
+        try:
+            code: int | None = host.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            code = None
+        exit_took = time.monotonic() - closed
+    seen = (
+        f"refused after {took:.1f} s, {burnt:.2f} CPU s in 2 s after, exit after {exit_took:.1f} s"
+    )
+    (text,) = [b["text"] for b in reply["result"]["content"]]
+    assert reply["result"]["isError"] and text == (
+        "arguments could not be checked against 'deep''s inputSchema within 5 s: refused"
+    ), seen
+    assert took < 15, seen
+    assert burnt < 0.5, seen
+    assert code == 0, seen  # not "still running 20 s after its stdin closed"
+    assert invocations(log) == []
+
+
+def test_proxy__sigterm_mid_check_of_a_recursive_schema_stops_it_at_once(
+    world: Stack, tmp_path: Path
+) -> None:
+    """SIGTERM while a recursive schema's check ran: the check went on in its thread, and
+    the proxy's exit waited for it, for hours (a cold review). The check is cut short as the
+    proxy stops: it exits as a proxy with nothing to check does."""
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(tmp_path / "upstream.log"),
+           "MCP_UPSTREAM_SCHEMA": json.dumps(RECURSIVE)}  # fmt: skip
+    with raw_host(world, proxy_argv(), env, kill_after=120) as host:
+        host.hello()
+        host.send(deep_call(scope_of("deep-term")))
+        time.sleep(1.0)  # within the check's 5 s
+        host.proc.terminate()
+        stopped = time.monotonic()
+        try:
+            code: int | None = host.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - stopped
+    assert code is not None and took < 10, f"still running {took:.1f} s after SIGTERM"
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie nobody reaped has stopped)."""
     try:

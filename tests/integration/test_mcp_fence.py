@@ -357,6 +357,108 @@ def test_schema_check__a_pattern_that_backtracks_is_bounded_and_holds_nothing(
     anyio.run(proxy._check_new, "t", fine, CallIdentity(scope, "fine"))  # a match: taken
 
 
+def nested_list(depth: int, leaf: Any = 1) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+#: A chain of 41 definitions, each naming the next twice (``$ref`` and ``$dynamicRef``):
+#: jsonschema's walk for ``unevaluatedProperties`` follows both, by itself, 2^40 times.
+CHAIN = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}", "$dynamicRef": f"#/$defs/d{i + 1}"}
+         for i in range(40)} | {"d40": {}}  # fmt: skip
+
+#: Recursive schemas whose check is exponential in what the model sends, and what it sends.
+RECURSIVE = {
+    # each level of a list that fails at its leaf is tried twice: 2^30 keywords
+    "anyOf-cycle": (
+        {"properties": {"t": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"anyOf": [
+            {"type": "array", "items": {"$ref": "#/$defs/n"}},
+            {"type": "array", "items": {"$ref": "#/$defs/n"}}]}}},
+        {"t": nested_list(30)},
+    ),
+    # valid, and each level applied twice all the same: 2^40
+    "allOf-cycle": (
+        {"properties": {"t": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"allOf": [
+            {"items": {"$ref": "#/$defs/n"}}, {"items": {"$ref": "#/$defs/n"}}]}}},
+        {"t": nested_list(40)},
+    ),
+    "unevaluated-chain": ({"unevaluatedProperties": False, "$ref": "#/$defs/d0", "$defs": CHAIN},
+                          {}),
+}  # fmt: skip
+
+
+def cpu_burnt(seconds: float) -> float:
+    """CPU seconds this process (all its threads) uses over the next ``seconds``."""
+    before = time.process_time()
+    time.sleep(seconds)
+    return time.process_time() - before
+
+
+@pytest.mark.parametrize(("schema", "args"), RECURSIVE.values(), ids=RECURSIVE.keys())
+def test_schema_check__a_recursive_schema_is_refused_and_its_check_stops_there(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch, schema: Any, args: Any
+) -> None:
+    """Refused at the bound, the check of an exponential recursive schema went on in its
+    abandoned thread: a core busy for hours, and the proxy's exit waiting for it (a cold
+    review). The check stops itself at the deadline now: the CPU it burns ends with it."""
+    monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 1.0)
+    proxy = schema_proxy(ledger, {"type": "object", **schema})
+    threads = threading.active_count()
+    began = time.monotonic()
+    refused, ticks = checked_ticking(proxy, args, CallIdentity(scope, "deep"))
+    took = time.monotonic() - began
+    assert refused is not None and re.search(r"could not be checked .* within 1 s", str(refused))
+    assert took < 5 and ticks >= 10  # the loop ran meanwhile
+    time.sleep(0.5)  # the thread's next step is past its deadline; what it held is freed
+    burnt = cpu_burnt(1.0)
+    assert burnt < 0.3, f"{burnt:.2f} CPU seconds burnt in the second after the refusal"
+    assert threading.active_count() <= threads  # and its thread is gone
+    with pytest.raises(NotFound):
+        ledger.get(scope, "deep")
+
+
+def test_schema_check__a_check_given_up_early_stops_at_once(
+    ledger: Ledger, scope: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check whose wait is cancelled before its bound (SIGTERM stops the proxy) is cut short
+    too: abandoned, it ran on to the bound, holding the proxy's exit until then."""
+    monkeypatch.setattr("toolledger.mcp.proxy.SCHEMA_CHECK_SECONDS", 30.0)
+    schema, args = RECURSIVE["anyOf-cycle"]
+    proxy = schema_proxy(ledger, {"type": "object", **schema})
+
+    async def given_up() -> None:
+        with anyio.move_on_after(0.3):
+            await proxy._check_new("t", args, CallIdentity(scope, "cut"))
+
+    anyio.run(given_up)
+    time.sleep(0.5)
+    burnt = cpu_burnt(1.0)
+    assert burnt < 0.3, f"{burnt:.2f} CPU seconds burnt in the second after the check was given up"
+
+
+def test_schema_check__an_ordinary_recursive_schema_is_checked_as_before(
+    ledger: Ledger, scope: str
+) -> None:
+    """Recursive schemas are common (a filter of and/or/eq): what the step check costs them
+    is a clock read a keyword, not a refusal."""
+    expr = {"anyOf": [
+        {"type": "object", "properties": {"and": {"type": "array", "items": {"$ref": "#/$defs/e"}}},
+         "required": ["and"]},
+        {"type": "object", "properties": {"eq": {"type": "array", "maxItems": 2}},
+         "required": ["eq"]}]}  # fmt: skip
+    proxy = schema_proxy(
+        ledger, {"type": "object", "properties": {"f": {"$ref": "#/$defs/e"}}, "$defs": {"e": expr}}
+    )
+    fine = {"f": {"and": [{"eq": ["a", 1]}, {"and": [{"eq": ["b", 2]}]}]}}
+    anyio.run(proxy._check_new, "t", fine, CallIdentity(scope, "f1"))
+    with pytest.raises(InvalidArguments, match=r"at 'f/and/0/eq': \[1, 2, 3\] is too long$"):
+        anyio.run(
+            proxy._check_new, "t", {"f": {"and": [{"eq": [1, 2, 3]}]}}, CallIdentity(scope, "f2")
+        )
+
+
 def test_schema_check__a_recorded_call_is_answered_whatever_the_schema_says_now(
     ledger: Ledger, scope: str
 ) -> None:

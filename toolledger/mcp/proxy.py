@@ -433,14 +433,19 @@ class Proxy:
         yet: one already recorded is answered from the ledger (its replay, or a conflict),
         whatever the upstream's schema says now (refused after an upgrade of the upstream, a
         call that ran read as one that never did). Checked in a thread, within
-        ``SCHEMA_CHECK_SECONDS``: never on the loop that renews the leases."""
+        ``SCHEMA_CHECK_SECONDS``: never on the loop that renews the leases. The thread stops
+        itself at the same deadline, which is cut short when the wait ends early (SIGTERM):
+        abandoned, a recursive schema's check burnt a core for hours and held the proxy's
+        exit (a cold review)."""
         validator = self.validators[name]
         if validator is None:
             return
+        limit = patterns.Deadline(SCHEMA_CHECK_SECONDS)
         try:
             with anyio.fail_after(SCHEMA_CHECK_SECONDS):
                 await anyio.to_thread.run_sync(
-                    partial(_check_arguments, name, validator, args), abandon_on_cancel=True
+                    partial(_check_arguments, name, validator, args, limit),
+                    abandon_on_cancel=True,
                 )
         except (InvalidArguments, TimeoutError) as exc:
             if await self._db(self._recorded, ident):
@@ -448,6 +453,8 @@ class Proxy:
             if isinstance(exc, TimeoutError):
                 raise _unchecked(name) from None
             raise
+        finally:
+            limit.cut()  # whatever the thread still does, it stops at its next step
 
     def _recorded(self, ident: CallIdentity) -> bool:
         try:
@@ -722,12 +729,19 @@ def _unique_items(
 def _validator(tool: types.Tool) -> jsonschema.protocols.Validator | None:
     """A validator of the upstream tool's ``inputSchema`` (its ``$schema``, else JSON Schema
     2020-12, as MCP says); None, with a warning, for a schema that is not one: its calls are
-    then forwarded unchecked, as the upstream would take them."""
+    then forwarded unchecked, as the upstream would take them.
+
+    Each of its keywords first looks at the check's deadline (``patterns.stepping_keyword``): a
+    validation's work is keywords applied, each a bounded step but for the subschemas it
+    applies (the next steps), so past the deadline the check ends within a step, however many
+    its schema would take (an ``anyOf`` of two over a ``$ref`` cycle, and an argument 30
+    levels deep: 2^30 of them, hours)."""
     patterns.install()
     schema = tool.input_schema
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    keywords = {**cls.VALIDATORS, "uniqueItems": _unique_items}
     checker: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
-        cls, {"uniqueItems": _unique_items}
+        cls, {k: patterns.stepping_keyword(fn) for k, fn in keywords.items()}
     )
     try:
         cls.check_schema(schema)
@@ -750,17 +764,21 @@ def _unchecked(name: str) -> InvalidArguments:
 
 
 def _check_arguments(
-    name: str, validator: jsonschema.protocols.Validator | None, args: dict[str, Any]
+    name: str,
+    validator: jsonschema.protocols.Validator | None,
+    args: dict[str, Any],
+    limit: patterns.Deadline | None = None,
 ) -> None:
     """Refuse (InputError: nothing recorded, nothing sent) arguments the upstream's own
     ``inputSchema`` refuses: recorded and forwarded, such a call would end ``unknown`` or
-    ``failed`` with its key spent on a call that could never run."""
+    ``failed`` with its key spent on a call that could never run. Past ``limit`` (else
+    ``SCHEMA_CHECK_SECONDS`` from now), refused as unchecked."""
     if validator is None:
         return
     try:
-        with patterns.deadline(SCHEMA_CHECK_SECONDS):
+        with patterns.deadline(limit or patterns.Deadline(SCHEMA_CHECK_SECONDS)):
             error = jsonschema.exceptions.best_match(validator.iter_errors(args))
-    except TimeoutError:  # a pattern's search, past the deadline (patterns)
+    except TimeoutError:  # a pattern's search or a step, past the deadline (patterns)
         raise _unchecked(name) from None
     except Exception as exc:  # noqa: BLE001 - a $ref it cannot resolve, say: cannot check
         log.warning(
