@@ -54,8 +54,6 @@ FALLBACK_POLL = 10.0
 #: Seconds between re-reads when no wake-up can come at all (``Notifier.unavailable``), or
 #: while the database does not answer.
 UNAVAILABLE_POLL = 0.05
-#: Seconds a wait reads past the moment its call's publish counts as lost (clocks and rounding).
-LOST_MARGIN = 0.05
 #: The channel the receipt trigger notifies (migration 0003).
 CHANNEL = "toolledger_receipts"
 #: The listener's application_name in pg_stat_activity.
@@ -542,7 +540,7 @@ class Client:
             key = (scope, view.operation.idempotency_key)
             self.notifier.start(_start_wait(timeout))  # never past the timeout: it re-reads
             rung = threading.Event()
-            by_poll = nudged = False
+            by_poll = False
             with self.notifier.watch(key, rung.set):
                 # read again now that a ring would reach us: one between the first read and
                 # the watch is not lost
@@ -553,10 +551,7 @@ class Client:
                     waited = time.monotonic() - started
                     if (found := self._ended(view, by_poll, left, waited)) is not None:
                         return found
-                    lost = None if nudged else self._lost_in(view)
-                    if lost is not None and lost < 0:
-                        nudged, lost = self._publish_lost(view), None
-                    wait = self._interval(left, lost)
+                    wait = self._interval(left)
                     by_poll = not rung.wait(wait)
                     rung.clear()
                     if by_poll:
@@ -582,30 +577,9 @@ class Client:
             raise ReceiptTimeout(view.scope, view.tool_call_id, status, waited)
         return None
 
-    def _interval(self, left: float | None, lost: float | None = None) -> float:
-        """Seconds to wait for a ring before reading again: ``left`` of the timeout, and
-        ``lost``: until the call's publish counts as lost (``_lost_in``)."""
+    def _interval(self, left: float | None) -> float:
         poll = UNAVAILABLE_POLL if self.notifier.unavailable else self.poll_interval
-        if lost is not None:
-            poll = min(poll, lost + LOST_MARGIN)
         return poll if left is None else max(0.0, min(left, poll))
-
-    @staticmethod
-    def _lost_in(view: CallView) -> float | None:
-        """Seconds until the waited call's publish counts as lost (see ``_publish_lost``)."""
-        from toolledger.worker.submit import lost_after
-
-        return lost_after(view.operation)
-
-    def _publish_lost(self, view: CallView) -> bool:
-        """Publish the waited call again if it is approved, still unclaimed, and was stamped
-        as published ``REPUBLISH_AFTER`` seconds ago (``Submitter.publish_if_lost``): an agent
-        killed between a submit's commit and its publish, run again at once, replayed the
-        submit while the stamp was young, so nothing published it, and its wait ran out before
-        the sweep's re-publish, 120 s on (a cold review). Once per wait: after it, the
-        message is on the broker (or its failure logged) and the sweep's outbox takes over."""
-        self._submitter.publish_if_lost(view.operation, view.tool_call_id)
-        return True
 
     def _reread(
         self, view: CallView, scope: str, tool_call_id: str, deadline: float | None = None
@@ -792,7 +766,7 @@ class AsyncClient:
             def wake() -> None:
                 loop.call_soon_threadsafe(rung.set)
 
-            by_poll = nudged = False
+            by_poll = False
             with sync.notifier.watch(key, wake):
                 view = await read(sync.ledger.get, scope, tool_call_id)  # see Client.wait
                 while True:
@@ -801,11 +775,8 @@ class AsyncClient:
                     waited = loop.time() - started
                     if (found := sync._ended(view, by_poll, left, waited)) is not None:
                         return found
-                    lost = None if nudged else sync._lost_in(view)
-                    if lost is not None and lost < 0:  # see Client.wait
-                        nudged, lost = await self._run(sync._publish_lost, view), None
                     try:
-                        await asyncio.wait_for(rung.wait(), sync._interval(left, lost))
+                        await asyncio.wait_for(rung.wait(), sync._interval(left))
                         by_poll = False
                     except TimeoutError:
                         by_poll = True

@@ -245,10 +245,9 @@ class Submitter:
         unclaimed (the enqueue's report), else None: its publish may have died with the
         process that stamped it (killed between the commit and the publish), and the sweep
         re-publishes it only after requeue_after (120 s): a crashed agent's run_turn, run
-        again, waited out its timeout (a cold review). A replayed submit asks, and so does a
-        wait, once, for the agent run again within those seconds (its replay found the stamp
-        young; a cold review). Published again, the stamp renewed: a second message is
-        harmless, the claim decides which one runs."""
+        again, waited out its timeout (a cold review). A replayed submit asks (a wait does
+        not: README, Known limitations). Published again, the stamp renewed: a second message
+        is harmless, the claim decides which one runs."""
         left = lost_after(op)
         if left is None or left >= 0:
             return None

@@ -3,7 +3,6 @@ again: its first publish may have died with the process that stamped it."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -117,47 +116,3 @@ def test_replay__a_call_flagged_for_review_is_not_published(
         assert out["outcome"] == "existing" and published == []
     finally:
         sub.close()
-
-
-@pytest.mark.parametrize("flavour", ["sync", "async"])
-def test_wait__publishes_once_a_call_whose_publish_was_lost_before_the_replay_could_tell(
-    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flavour: str
-) -> None:
-    """An agent killed between the submit's commit and its publish, run again within
-    REPUBLISH_AFTER: its replay found the stamp young and published nothing, and its wait ran
-    out its timeout before the sweep's re-publish (120 s on; a cold review). The wait now
-    publishes it once, as soon as the stamp is old enough, and the worker's claim answers it."""
-    import asyncio
-
-    from toolledger import AsyncClient, Client
-
-    settings = settings_of(fresh_db_url, tmp_path)
-    published: list[float] = []
-    monkeypatch.setattr(submitting, "REPUBLISH_AFTER", 0.4)
-    with Client(settings) as client:
-        ledger = client.ledger
-        # the commit that approved and stamped it; the process died before its publish
-        ledger.submit("s", "c1", "write_file", ARGS, approved_by="ann", stamp_enqueued=True)
-        client.submit("s", "c1", "write_file", ARGS, approved_by="ann")  # the replay: too soon
-
-        def enqueue(_self: Any, scope: str, key: str, attempt: int, **_kw: Any) -> dict[str, Any]:
-            published.append(time.monotonic())  # a worker takes the message and runs it
-            claim = ledger.claim(scope, key, attempt, worker_id="w")
-            assert claim is not None
-            ledger.finish(claim.execution_id, claim.lease_token, Status.SUCCEEDED, {"ok": True})
-            return {"enqueued": True}
-
-        monkeypatch.setattr(Submitter, "enqueue", enqueue)
-        started = time.monotonic()
-        if flavour == "sync":
-            receipt = client.wait("s", "c1", timeout=30)
-        else:
-
-            async def waited() -> Any:
-                ac = AsyncClient.__new__(AsyncClient)
-                ac.sync = client
-                return await ac.wait("s", "c1", timeout=30)
-
-            receipt = asyncio.run(waited())
-    assert receipt.status == "succeeded" and len(published) == 1
-    assert published[0] - started < 5  # at the stamp's age, not the fallback poll's 10 s
