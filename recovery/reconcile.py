@@ -118,15 +118,6 @@ class BadReconcilerAnswer(Exception):
     """A reconciler answered what no reconciliation can record (a status not terminal)."""
 
 
-def _reconciler_raised(exc: BaseException) -> bool:
-    """Whether what a reconciler raised is its failure, for the row only: any Exception,
-    and a bare ``SystemExit`` (``sys.exit()`` in a tool's code ended the whole pass, every
-    pass, and ``toolledger sweep`` exited 0 with nothing said: a cold review). Celery's
-    ``WorkerShutdown``/``WorkerTerminate`` (subclasses of it, raised in a solo pool's thread
-    by the worker's signal handler) and ``KeyboardInterrupt`` still stop the pass."""
-    return isinstance(exc, Exception) or type(exc) is SystemExit
-
-
 def ask_reconciler(
     tool: Tool | None, sandbox: Sandbox, ex: ExecutionRecord, op: OperationRecord
 ) -> Finding:
@@ -276,9 +267,10 @@ def _findings(
         return tool, own, None
     try:
         world = ask_reconciler(tool, sandbox, ex, op)
-    except BaseException as exc:  # a broken reconciler leaves the row for a human
-        if not _reconciler_raised(exc):
-            raise
+    except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
+        # (not a SystemExit: a prefork child's SIGTERM is one, billiard's, and a pass that
+        # took it for a tool's failure went on reconciling after its worker was told to stop;
+        # a tool's own sys.exit() ends the pass, which `toolledger sweep` says: cold reviews)
         if _time_limit(exc):  # a reconciler slower than the pass's time: the pass stops there
             # (the next goes on after this row) and the slowness is the tool's, as a failure
             # would be: counted the pass's, one slow reconciler failed every pass and fired

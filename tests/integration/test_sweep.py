@@ -352,24 +352,18 @@ def test_sweep__never_executes_a_tool_and_survives_a_broken_reconciler(
     assert last_success() == pytest.approx(time.time(), abs=60)
 
 
-def _exits(*_: Any) -> Any:
-    raise SystemExit(0)  # a tool's code calling sys.exit()
-
-
 def _not_terminal(*_: Any) -> Any:
     from toolledger.tools import Evidence
 
     return Evidence(Status.RUNNING, {"x": 1}, {"method": "confused"})
 
 
-@pytest.mark.parametrize("reconcile", [_exits, _not_terminal], ids=["sys-exit", "running"])
-def test_sweep__a_reconciler_that_exits_or_answers_no_end_is_its_failure_for_its_row(
+@pytest.mark.parametrize("reconcile", [_not_terminal], ids=["running"])
+def test_sweep__a_reconciler_that_answers_no_end_is_its_failure_for_its_row(
     ledger, scope, sandbox, counting, reconcile
 ):
-    """A reconciler calling ``sys.exit()`` ended the whole pass, every pass (each later row
-    left unknown, lost work not re-published), and ``toolledger sweep`` exited 0 saying
-    nothing; one answering ``Evidence(running)`` failed the pass itself, so every pass fired
-    the stalled-sweep alert (a cold review). Each is the tool's failure, for its row only."""
+    """A reconciler answering ``Evidence(running)`` failed the pass itself, so every pass
+    fired the stalled-sweep alert (a cold review). It is the tool's failure, for its row."""
     from toolledger.tools import Evidence
 
     def per_call(args: Any, ctx: Any) -> Any:  # c1 answers badly; c2, after it, honestly
@@ -390,18 +384,39 @@ def test_sweep__a_reconciler_that_exits_or_answers_no_end_is_its_failure_for_its
     assert last_success() == pytest.approx(time.time(), abs=60)
 
 
-def test_sweep__a_worker_shutting_down_still_stops_the_pass(ledger, scope, sandbox):
+@pytest.mark.parametrize("stop", ["worker-shutdown", "billiard-sigterm"])
+def test_sweep__a_worker_shutting_down_still_stops_the_pass(ledger, scope, sandbox, stop):
     """Celery's warm shutdown (``WorkerShutdown``, a SystemExit raised in a solo pool's
-    thread) and Ctrl-C are not a reconciler's failure: they stop the pass."""
+    thread) and a prefork child's SIGTERM (billiard's handler raises a plain SystemExit) are
+    not a reconciler's failure: they stop the pass (taken for one, the pass went on after
+    its worker was told to stop: a cold review)."""
     from celery.exceptions import WorkerShutdown
 
     def shutdown(*_: Any) -> Any:
-        raise WorkerShutdown(0)
+        if stop == "worker-shutdown":
+            raise WorkerShutdown(0)
+        raise SystemExit(-(256 - 15))  # billiard's _shutdown_cleanup, for SIGTERM
 
     registry = Registry([make_tool(_bomb_write, name="write_file", reconcile=shutdown)])
     crashed(ledger, sandbox, scope, "c1", effect="legacy")
-    with pytest.raises(WorkerShutdown):
+    with pytest.raises(SystemExit):
         run_sweep(ledger, sandbox, registry)
+
+
+def test_cli_sweep__a_tools_sys_exit_is_said_not_exit_0(capsys, monkeypatch, tmp_path):
+    """A reconciler calling ``sys.exit()`` ended ``toolledger sweep`` with exit 0 and nothing
+    said (a cold review): in the CLI's own process only a tool's code raises it."""
+    from tests.helpers import run_cli
+    from toolledger.cli import recovery as cli_recovery
+
+    def exits(*_: Any, **__: Any) -> Any:
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli_recovery, "run_sweep", exits)
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "home"))
+    code, out, err = run_cli(capsys, "sweep", "--no-requeue")
+    assert (code, out) == (1, "") and "a tool's code called sys.exit(0)" in err, err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import click
 from toolledger.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    CliError,
     Context,
     Seconds,
     call_options,
@@ -55,15 +56,23 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
     settings = c.settings
     sub = c.submitter
     publish = None if no_requeue else _publisher(c)
-    summary = run_sweep(
-        c.ledger,
-        sub.registry,
-        sub.sandbox,
-        grace_seconds=settings.sweep_grace if grace is None else grace,
-        requeue_after=settings.requeue_after if requeue_after is None else requeue_after,
-        publish=publish,
-        max_auto_retries=settings.max_auto_retries,
-    )
+    try:
+        summary = run_sweep(
+            c.ledger,
+            sub.registry,
+            sub.sandbox,
+            grace_seconds=settings.sweep_grace if grace is None else grace,
+            requeue_after=settings.requeue_after if requeue_after is None else requeue_after,
+            publish=publish,
+            max_auto_retries=settings.max_auto_retries,
+        )
+    except SystemExit as exc:  # in this process, only a tool's code (a reconciler) raises it:
+        # the pass ended there, and the command exited 0 saying nothing (a cold review)
+        raise CliError(
+            f"the pass stopped: a tool's code called sys.exit({exc.code!r}) (a reconciler?); "
+            "what it had done is kept, the rest waits for the next pass",
+            EXIT_FAILURE,
+        ) from None
     c.emit(
         summary.to_json(),
         lambda d: (
