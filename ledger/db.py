@@ -296,16 +296,41 @@ def behind(engine: sa.Engine, revision: str) -> str | None:
     if current is None:
         return None
     script = ScriptDirectory.from_config(alembic_config())
+    order = [r.revision for r in script.walk_revisions("base", "heads")][::-1]  # base first
+    if current not in order:
+        return None
     try:
-        target = script.get_revision(revision)
-    except CommandError:
-        return None
-    if target is None:  # "base", before every revision: behind any schema at all (it said
-        return current if revision.strip() == "base" else None  # "schema at 0007", exit 0)
-    if target.revision == current:
-        return None
-    older = {r.revision for r in script.iterate_revisions(current, "base")} - {current}
-    return current if target.revision in older else None
+        at = _position(script, order, revision.strip(), current)
+    except (CommandError, ValueError):
+        return None  # Alembic's to say
+    return current if at is not None and at < order.index(current) else None
+
+
+#: A relative revision: ``head-1``, ``base+2``, ``0003+1``, ``-1`` (from the current one).
+_RELATIVE = re.compile(r"(?P<anchor>.*?)(?P<sign>[+-])(?P<steps>\d+)")
+
+
+def _position(script: Any, order: list[str], revision: str, current: str) -> int | None:
+    """Where ``revision`` is in ``order`` (-1: ``base``, before them all), relative forms
+    included (``head-1`` and ``base+1`` did nothing and said "schema at 0006", exit 0, as
+    ``0003`` had: a cold review); None if it names no single place there."""
+    relative = _RELATIVE.fullmatch(revision)
+    anchor = relative["anchor"] if relative else revision
+    if anchor == "":
+        at = order.index(current)
+    elif anchor == "base":
+        at = -1
+    elif anchor in ("head", "heads"):
+        at = len(order) - 1
+    else:
+        found = script.get_revision(anchor)
+        if found is None or found.revision not in order:
+            return None
+        at = order.index(found.revision)
+    if relative:
+        steps = int(relative["steps"])
+        at += steps if relative["sign"] == "+" else -steps
+    return at if -1 <= at < len(order) else None
 
 
 def refuse_grant(engine: sa.Engine, role: str) -> None:

@@ -399,8 +399,12 @@ def test_cli__db_upgrade_to_an_older_revision_is_refused_not_ignored(run):
     code, _, err = run("db", "upgrade", "--revision", "0003")
     assert code == 2 and f"older than the schema (at {head})" in err
     assert "db downgrade --revision 0003" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run("db", "upgrade", "--revision", "base")  # before them all: the same
-    assert code == 2 and f"older than the schema (at {head})" in err
+    # before them all, and the relative forms Alembic takes: the same (each did nothing and
+    # printed the head's revision, exit 0: a cold review)
+    for older in ("base", "head-1", "heads-1", "base+1", "0001+1", "-1"):
+        code, _, err = run("db", "upgrade", "--revision", older)
+        assert code == 2 and f"older than the schema (at {head})" in err, (older, err)
+    assert run("db", "upgrade", "--revision", "head-0")[0] == 0  # where it is: nothing to do
     assert json.loads(run("--json", "db", "upgrade", "--revision", head)[1])["revision"] == head
     assert run("db", "downgrade", "--revision", "0004")[0] == 0
     assert json.loads(run("--json", "db", "upgrade", "--revision", "0005")[1])["revision"] == "0005"
