@@ -212,18 +212,24 @@ class Submitter:
         out = _summary(op, call.scope, call.tool_call_id)
         out["outcome"] = submitted.outcome
         if approved_by is not None and submitted.outcome != "created":
-            # the approval is not the submit's to give: said, not silently dropped
+            # the approval is not the submit's to give: said, not silently dropped. A new
+            # tool_call_id linked to a recorded key is no existing call: its key's action is
+            # what waits or was rejected (a cold review)
+            what = (
+                "the call already exists"
+                if submitted.outcome == "existing"
+                else f"its key {op.idempotency_key!r} names an action recorded before"
+            )
             if op.status is Status.PENDING_APPROVAL:
                 out["warning"] = (
-                    f"the call already exists, waiting for approval: this submit's approval "
-                    f"by {approved_by!r} was not applied (approve it: toolledger approve, or "
-                    "POST .../approve)"
+                    f"{what}, waiting for approval: this submit's approval by {approved_by!r} "
+                    "was not applied (approve it: toolledger approve, or POST .../approve)"
                 )
             elif op.status is Status.REJECTED:  # said as "rejected" alone, exit 0 (a review)
                 out["warning"] = (
-                    f"the call already exists and was rejected: this submit's approval by "
-                    f"{approved_by!r} was not applied (a rejected call stays rejected; a new "
-                    "call needs a new tool_call_id)"
+                    f"{what}, and it was rejected: this submit's approval by {approved_by!r} "
+                    "was not applied (a rejected action stays rejected: another is submitted "
+                    "under a new tool_call_id, and a new --key if one was given)"
                 )
         attempt, call_id = op.authorized_attempts, call.tool_call_id
         if op.status is Status.APPROVED and submitted.outcome == "created":

@@ -310,6 +310,13 @@ def test_submit__an_approval_for_a_call_already_waiting_is_said_not_applied(run,
     code, out, _ = submit(run, scope, "c1", "write_file", args, "--approved-by", "al", "--json")
     data = json.loads(out)
     assert code == 0 and (data["outcome"], data["status"]) == ("existing", "rejected")
-    assert "was rejected: this submit's approval by 'al' was not applied" in data["warning"]
+    assert data["warning"].startswith("the call already exists, and it was rejected: ")
+    assert "this submit's approval by 'al' was not applied" in data["warning"]
+    # a new id linked to the rejected key: no call existed; the key's action was rejected
+    code, out, _ = submit(run, scope, "c9", "write_file", args, "--key", "write_file:c1",
+                          "--approved-by", "al", "--json")  # fmt: skip
+    data = json.loads(out)
+    assert code == 0 and (data["outcome"], data["status"]) == ("linked", "rejected")
+    assert data["warning"].startswith("its key 'write_file:c1' names an action recorded before")
     code, out, _ = submit(run, scope, "c1", "write_file", args)  # no approver: nothing to say
     assert code == 0 and "warning" not in out
