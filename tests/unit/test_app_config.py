@@ -420,3 +420,23 @@ def test_cli__a_bad_url_is_named_as_it_was_given(option, capsys, monkeypatch):
     monkeypatch.setenv(variable, "foo://x")
     code, _, err = run_cli(capsys, "list")
     assert code == 2 and err.startswith(f"toolledger: error: {variable}: scheme 'foo'"), err
+
+
+def test_cli__a_warning_is_one_line_and_a_logged_one_carries_no_prefix_of_ours(monkeypatch):
+    """Python's warning, two lines quoting source code, is one line; under a worker (Celery
+    captures warnings into logging) it came out "[… WARNING/MainProcess] toolledger: warning:
+    …" and an empty line (a cold review): the record holds the text alone."""
+    import logging
+    import warnings
+
+    from toolledger.cli import warnings_on_one_line
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    warnings_on_one_line()
+    said = warnings.formatwarning("ignored\n  option", UserWarning, "x.py", 1)
+    assert said == "toolledger: warning: ignored option\n"
+    logging.captureWarnings(True)
+    try:
+        assert warnings.formatwarning("ignored option", UserWarning, "x.py", 1) == "ignored option"
+    finally:
+        logging.captureWarnings(False)

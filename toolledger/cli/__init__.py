@@ -270,10 +270,16 @@ def warnings_on_one_line() -> None:
     stderr, ``toolledger: warning: …`` as the settings' own are, not Python's two lines quoting
     a line of toolledger's source (a cold review). A command that sets up logging of its own
     keeps this: a warning is still one line."""
+    import logging
     import warnings
 
     def one_line(message: Warning | str, *_args: Any, **_kwargs: Any) -> str:
-        return f"toolledger: warning: {' '.join(str(message).split())}\n"
+        text = " ".join(str(message).split())
+        if getattr(logging, "_warnings_showwarning", None) is not None:
+            # captured into logging (Celery's worker and beat do): the record's text, which
+            # its own format prefixes, and no newline of ours inside it (a cold review)
+            return text
+        return f"toolledger: warning: {text}\n"
 
     warnings.formatwarning = one_line
 
