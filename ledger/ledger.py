@@ -387,10 +387,16 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         return retried
 
     def resolve(
-        self, execution_id: str, status: Status, *, by: str, evidence: str
+        self,
+        execution_id: str,
+        status: Status,
+        *,
+        by: str,
+        evidence: str,
+        review: bool = False,
     ) -> ExecutionRecord:
         """A human's resolution (see ``LedgerResolution.resolve``), counted as a transition."""
-        done = super().resolve(execution_id, status, by=by, evidence=evidence)
+        done = super().resolve(execution_id, status, by=by, evidence=evidence, review=review)
         if metrics.active() is not None:  # the tool is on the operation: read it only then
             metrics.transition(self.operation(done.scope, done.idempotency_key).tool, status)
         return done

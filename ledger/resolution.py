@@ -4,6 +4,7 @@ what that proof does to a later attempt, and a human's review of a flagged call.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -14,7 +15,7 @@ from toolledger.ledger import db, inputs
 from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
-from toolledger.ledger.models import execution_events, executions, operations
+from toolledger.ledger.models import execution_events, executions, operations, tool_calls
 from toolledger.ledger.reads import last_event_detail, op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import (
@@ -468,10 +469,20 @@ class LedgerResolution(LedgerBase):
         self._flag(conn, proven, Review.BOTH_RAN, both, actor)
 
     def resolve(
-        self, execution_id: str, status: Status, *, by: str, evidence: str
+        self,
+        execution_id: str,
+        status: Status,
+        *,
+        by: str,
+        evidence: str,
+        review: bool = False,
     ) -> ExecutionRecord:
-        """A human's resolution of an unknown, or their review of a flagged call: who
-        decided, and on what evidence."""
+        """A human's resolution of an unknown execution, or, with ``review``, their review of
+        its flagged call (``review()``). ``review`` says the person saw the flag: a resolution
+        decided on the unknown execution and sent after a flag was raised was taken as that
+        flag's review, settled by someone who never saw it (a cold review: a contradicted
+        call's blocked retry then ran, a second charge). Without it, an execution no longer
+        unknown gets this same resolution's replay, or StaleFence saying what happened."""
         if status not in TERMINAL:
             raise InvalidTransition(Status.UNKNOWN, status, "a human resolution")
         check_text_id(execution_id, "execution_id", 64)
@@ -491,22 +502,54 @@ class LedgerResolution(LedgerBase):
             with self._read() as conn:
                 current = self._require_execution(conn, execution_id)
                 decider = self._human_decider(conn, current)
-                review = self._operation(conn, current.scope, current.idempotency_key).review
+                flag = self._operation(conn, current.scope, current.idempotency_key).review
+                call_id = conn.execute(
+                    sa.select(tool_calls.c.tool_call_id)
+                    .where(
+                        tool_calls.c.scope == current.scope,
+                        tool_calls.c.idempotency_key == current.idempotency_key,
+                    )
+                    .order_by(tool_calls.c.created_at, tool_calls.c.tool_call_id)
+                    .limit(1)
+                ).scalar()
+            show = (
+                f"toolledger show --scope {shlex.quote(current.scope)} "
+                f"--tool-call-id {shlex.quote(call_id)}"
+                if call_id is not None
+                else "toolledger show"
+            )
             said = current.result or {}
             if current.status is status and decider == by and said.get("evidence") == evidence:
                 # this very resolution again (a script retried, a form sent twice): its
                 # replay, never a review of a flag raised since, unseen (a cold review); a
                 # review says something new. A flag waiting is said, not passed over.
-                if review is not None:
+                if flag is not None:
                     raise StaleFence(
                         execution_id,
                         f"execution {execution_id} is already resolved {status} by {by} "
-                        f"with this evidence, and its call has been flagged {review} since: "
-                        "look at it (toolledger show) and resolve again saying what you "
-                        "conclude",
+                        f"with this evidence, and its call has been flagged {flag} since: "
+                        f"look at it ({show}) and resolve again with --review saying what "
+                        "you conclude",
                     ) from None
                 return current
-            return self.review(execution_id, status, by=by, evidence=evidence)
+            if review:
+                return self.review(execution_id, status, by=by, evidence=evidence)
+            if flag is None or current.status not in TERMINAL:
+                # review()'s own answer, without asking it to settle anything
+                stale = _nothing_to_resolve(execution_id, current.status)
+                raise StaleFence(execution_id, stale) from None
+            if decider is not None:
+                was = f"was resolved {current.status} by {decider}"
+            elif current.reconciled:
+                was = f"was settled {current.status} by a reconciler"
+            else:
+                was = f"is its executor's own {current.status}"
+            raise StaleFence(
+                execution_id,
+                f"execution {execution_id} {was}, and its call has been flagged {flag} since: "
+                f"look at it ({show}) and, to settle the flag, resolve again with --review "
+                '(the API\'s "review": true); nothing changed',
+            ) from None
 
     def review(
         self, execution_id: str, status: Status, *, by: str, evidence: str
@@ -528,11 +571,7 @@ class LedgerResolution(LedgerBase):
             ex = self._require_execution(conn, execution_id)
             op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
             if op.review is None or ex.status not in TERMINAL:
-                raise StaleFence(
-                    execution_id,
-                    f"execution {execution_id} is {ex.status}, not unknown, and its call is "
-                    "not flagged for review: nothing to resolve",
-                )
+                raise StaleFence(execution_id, _nothing_to_resolve(execution_id, ex.status))
             waiting, _ = fold_flags(self._flag_events(conn, ex.scope, ex.idempotency_key))
             mine = [f for f in waiting if f.execution_id == execution_id]
             not_landed = any(f.reason == Review.NOT_LANDED for f in mine)
@@ -631,3 +670,12 @@ class LedgerResolution(LedgerBase):
         if status is Status.SUCCEEDED and op.authorized_attempts > ex.attempt:
             corrected = self._require_execution(conn, ex.execution_id)
             self._proof_beats_permission(conn, op, corrected, proof, by, True)
+
+
+def _nothing_to_resolve(execution_id: str, status: Status) -> str:
+    """What a resolution or a review of an execution no longer unknown, on a call not
+    flagged, is told (one text for both: resolve answers it without calling review)."""
+    return (
+        f"execution {execution_id} is {status}, not unknown, and its call is not flagged for "
+        "review: nothing to resolve"
+    )

@@ -96,11 +96,19 @@ def retry(
 
 
 def resolve(
-    ledger: Ledger, execution_id: str, status: Status, *, by: str, evidence: str
+    ledger: Ledger,
+    execution_id: str,
+    status: Status,
+    *,
+    by: str,
+    evidence: str,
+    review: bool = False,
 ) -> dict[str, Any]:
-    """unknown -> succeeded/failed on a human's word, with the evidence they give; or the
-    review of a call flagged for a human (which clears the flag)."""
-    done = ledger.resolve(execution_id, status, by=by, evidence=evidence)
+    """unknown -> succeeded/failed on a human's word, with the evidence they give; or, with
+    ``review`` (the person saw the flag), the review of a call flagged for a human (which
+    clears the flag). Without it, a flag is never settled by a resolution decided before it
+    was raised: StaleFence (``Ledger.resolve``)."""
+    done = ledger.resolve(execution_id, status, by=by, evidence=evidence, review=review)
     return {
         "execution_id": execution_id,
         "scope": done.scope,

@@ -507,11 +507,21 @@ class Client:
         )
 
     def resolve(
-        self, execution_id: str, status: Status | str, *, by: str, evidence: str
+        self,
+        execution_id: str,
+        status: Status | str,
+        *,
+        by: str,
+        evidence: str,
+        review: bool = False,
     ) -> dict[str, Any]:
+        """A human's resolution of an unknown execution; ``review=True`` to settle the flag
+        on its call that the person has looked at (``humans.resolve``)."""
         from toolledger.recovery import humans
 
-        return humans.resolve(self.ledger, execution_id, Status(status), by=by, evidence=evidence)
+        return humans.resolve(
+            self.ledger, execution_id, Status(status), by=by, evidence=evidence, review=review
+        )
 
     def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:
         """The call's receipt now, or None if it has none yet (NotFound if no such call)."""
@@ -707,9 +717,17 @@ class AsyncClient:
         )
 
     async def resolve(
-        self, execution_id: str, status: Status | str, *, by: str, evidence: str
+        self,
+        execution_id: str,
+        status: Status | str,
+        *,
+        by: str,
+        evidence: str,
+        review: bool = False,
     ) -> dict[str, Any]:
-        return await self._run(self.sync.resolve, execution_id, status, by=by, evidence=evidence)
+        return await self._run(
+            self.sync.resolve, execution_id, status, by=by, evidence=evidence, review=review
+        )
 
     async def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:
         return await self._run(self.sync.receipt, scope, tool_call_id)

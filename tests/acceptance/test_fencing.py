@@ -547,9 +547,18 @@ def test_proof__a_contradicted_call_runs_no_new_attempt_until_reviewed(world, sc
     world.wake(zombie)  # contradicted: the human said failed, the late result says sent
     code, _, err = world.cli("execute", "--scope", scope, "--tool-call-id", "c1")
     assert code == 5 and "review" in err  # attempt 2 is not claimed while the call is flagged
+    # a resolution decided on the unknown execution, sent now, is no review of the flag its
+    # sender never saw (it was taken as one, and attempt 2 ran: a cold review)
+    code, _, err = world.cli(
+        "resolve", "--execution-id", first.execution_id, "--as", "failed", "--by", "carol",
+        "--evidence", "nothing in the channel when I looked",
+    )  # fmt: skip
+    assert code == 5 and "flagged contradicted since" in err, err
+    code, _, err = world.cli("execute", "--scope", scope, "--tool-call-id", "c1")
+    assert code == 5 and "review" in err  # still held
     code, _, err = world.cli(
         "resolve", "--execution-id", first.execution_id, "--as", "succeeded", "--by", "erin",
-        "--evidence", "it is in the channel after all",
+        "--evidence", "it is in the channel after all", "--review",
     )  # fmt: skip
     assert code == 0, err
     view = world.ledger.get(scope, "c1")  # the review proved attempt 1: attempt 2 withdrawn

@@ -206,6 +206,10 @@ def test_review__a_not_landed_call_is_confirmed_never_changed_and_its_flag_clear
     assert ledger.get(scope, "c1").operation.review == "not_landed"
     assert ledger.reviewed_not_landed([eid]) == set()
     argv = ["resolve", "--execution-id", eid, "--by", "dana", "--evidence", "landed a.txt by hand"]
+    code, _, err = cli(*argv, "--as", "succeeded")  # a resolution, not asked as a review
+    assert code == 5 and "flagged not_landed since" in err and "--review" in err
+    assert ledger.get(scope, "c1").operation.review == "not_landed"
+    argv.append("--review")
     code, _, err = cli(*argv, "--as", "failed")  # the executor's own success stands
     assert code == 5 and "its effect did not land: --as succeeded once you landed it" in err
     assert ledger.get(scope, "c1").operation.review == "not_landed"
@@ -234,7 +238,7 @@ def test_review__confirms_only_the_execution_whose_effect_did_not_land(cli, ledg
     ledger.record_not_landed(second.execution_id, {"path": "a.txt", "n": 0, "reason": "x"})
     code, _, err = cli(
         "resolve", "--execution-id", first.execution_id, "--as", "failed",
-        "--by", "dana", "--evidence", "looked",
+        "--by", "dana", "--evidence", "looked", "--review",
     )  # fmt: skip
     assert code == 5 and "that stands" in err
     assert ledger.get(scope, "c1").operation.review == "not_landed"

@@ -142,7 +142,9 @@ def test_retry__after_a_withdrawal_the_next_attempt_is_numbered_past_every_claim
     ledger.resolve(first, Status.SUCCEEDED, by="dave", evidence="saw it in the ops channel")
     late = {"late_result": {"error": "boom"}, "proves": "failed"}
     ledger.record_late_result(first, late, actor="zombie", outcome=Status.FAILED)
-    ledger.resolve(first, Status.FAILED, by="erin", evidence="the late result shows it failed")
+    ledger.resolve(
+        first, Status.FAILED, by="erin", evidence="the late result shows it failed", review=True
+    )
     assert ledger.get(scope, "c1").operation.status is Status.FAILED
     retried = ledger.authorize_retry(scope, "c1", by="erin", accept_duplicate=True)
     assert retried.authorized_attempts == 3
@@ -399,7 +401,7 @@ def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decisio
     # When the human looks again and finds the notification was sent after all
     code, out, err = cli(
         "resolve", "--execution-id", eid, "--as", "succeeded", "--by", "erin",
-        "--evidence", "the ops channel has it at 10:02", "--json",
+        "--evidence", "the ops channel has it at 10:02", "--review", "--json",
     )  # fmt: skip
     assert code == 0, err
     # Then the decision is corrected, the flag cleared, the history tells it all
@@ -436,7 +438,7 @@ def test_review__a_flag_the_review_itself_raises_is_not_settled_by_it(ledger, sc
 
 def test_review__confirming_keeps_the_status_and_clears_the_flag(ledger, scope):
     eid = contradicted(ledger, scope)
-    ledger.resolve(eid, Status.FAILED, by="erin", evidence="really not sent: smtp log")
+    ledger.resolve(eid, Status.FAILED, by="erin", evidence="really not sent: smtp log", review=True)
     view = ledger.get(scope, "c1")
     assert (view.current.status, view.operation.review) == (Status.FAILED, None)
     assert kinds(ledger, scope)[-2:] == ["flagged", "reviewed"]
@@ -454,9 +456,11 @@ def test_review__an_executors_own_result_stands_and_unflagged_calls_are_refused(
     second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
     ledger.finish(second.execution_id, second.lease_token, Status.SUCCEEDED, {"n": 2})
     ledger.reconcile(first, Status.SUCCEEDED, {"n": 1}, evidence={}, actor="sweep")  # both_ran
-    with pytest.raises(StaleFence, match="own succeeded"):
-        ledger.resolve(second.execution_id, Status.FAILED, by="x", evidence="e")
-    ledger.resolve(first, Status.SUCCEEDED, by="erin", evidence="both charged; refunded one")
+    with pytest.raises(StaleFence, match="own succeeded: that stands"):
+        ledger.resolve(second.execution_id, Status.FAILED, by="x", evidence="e", review=True)
+    ledger.resolve(
+        first, Status.SUCCEEDED, by="erin", evidence="both charged; refunded one", review=True
+    )
     assert ledger.get(scope, "c1").operation.review is None
     assert ledger.verify().ok
 
@@ -646,13 +650,80 @@ def test_resolve__the_same_resolution_again_is_its_replay_never_a_review(ledger,
         ledger.resolve(eid, Status.FAILED, by="bob", evidence="no mail")
     assert ledger.execution(eid).result == first.result
     assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED  # still waiting
-    ledger.resolve(eid, Status.SUCCEEDED, by="bob", evidence="the late result:\n\tit was sent")
+    ledger.resolve(
+        eid, Status.SUCCEEDED, by="bob", evidence="the late result:\n\tit was sent", review=True
+    )
     view = ledger.get(scope, "c1")
     assert view.operation.review is None and view.current.status is Status.SUCCEEDED
     replay = ledger.resolve(
         eid, Status.SUCCEEDED, by="bob", evidence="the late result:\n\tit was sent"
     )
     assert replay == ledger.execution(eid)  # no flag waits: the replay, nothing recorded
+    assert ledger.verify().ok
+
+
+def stale_scene(ledger: Ledger, scope: str) -> str:
+    """The cold review's scene: bob resolved attempt 1 failed and authorised attempt 2,
+    accepting a duplicate; attempt 1's executor woke and its late result proves it succeeded:
+    the call is flagged contradicted and attempt 2 is held. Attempt 1's execution id."""
+    eid = unknown_attempt(ledger, scope)
+    ledger.resolve(eid, Status.FAILED, by="bob", evidence="no charge in the console")
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    late = {"late_result": {"charged": "acct-7"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(eid, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w2") is None
+    return eid
+
+
+def test_resolve__a_stale_resolution_never_settles_a_flag_its_sender_did_not_see(ledger, scope):
+    """Carol, who had decided on the unknown execution, sent her resolution after the flag
+    was raised: it was taken as the flag's review (she never saw it), the flag cleared, and
+    attempt 2 ran: two charges (a cold review). It is refused, saying what happened and what
+    to do; nothing changes. A review asked for (``review=True``) settles it as before."""
+    eid = stale_scene(ledger, scope)
+    before = kinds(ledger, scope)
+    # When carol sends the resolution she decided on the unknown execution
+    with pytest.raises(StaleFence) as refused:
+        ledger.resolve(eid, Status.FAILED, by="carol", evidence="payments console: nothing")
+    # Then it is refused: the flag stays, attempt 2 is still held, nothing is recorded
+    said = str(refused.value)
+    assert f"execution {eid} was resolved failed by bob" in said
+    assert "flagged contradicted since" in said and "resolve again with --review" in said
+    assert f"toolledger show --scope {scope} --tool-call-id c1" in said
+    assert kinds(ledger, scope) == before
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w2") is None
+    # When she has looked at both versions and reviews it
+    ledger.resolve(
+        eid, Status.SUCCEEDED, by="carol", evidence="the late result: charged", review=True
+    )
+    # Then the flag is settled as a review settles it: proven, attempt 2 withdrawn
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    assert [e.attempt for e in view.executions] == [1]
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w2") is None
+    assert kinds(ledger, scope)[-3:] == ["succeeded", "reviewed", "withdrawn"]
+    assert ledger.verify().ok
+
+
+def test_resolve__cli_a_stale_resolution_is_exit_5_and_review_settles_it(cli, ledger, scope):
+    """The same through the CLI: one line, exit 5, the flag waits; ``--review`` settles it
+    (here confirming failed: the person's word releases attempt 2, as a review did)."""
+    eid = stale_scene(ledger, scope)
+    argv = ["resolve", "--execution-id", eid, "--as", "failed", "--by", "carol",
+            "--evidence", "payments console: nothing for acct-7"]  # fmt: skip
+    code, out, err = cli(*argv)
+    assert (code, out) == (5, "")
+    assert err.count("\n") == 1 and "flagged contradicted since" in err, err
+    assert "--review" in err and f"toolledger show --scope {scope} --tool-call-id c1" in err
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w2") is None
+    code, out, err = cli(*argv, "--review")
+    assert code == 0 and out.strip() == f"failed: {eid} resolved by carol", (out, err)
+    assert ledger.get(scope, "c1").operation.review is None
+    assert kinds(ledger, scope)[-1] == "reviewed"
+    assert ledger.claim(scope, "notify:c1", 2, worker_id="w2") is not None
     assert ledger.verify().ok
 
 

@@ -510,7 +510,7 @@ def test_execution__a_not_landed_effects_bytes_are_kept_until_a_human_reviews_th
     code, _, err = run_cli(
         capsys, "--db", sqlite_url, "--sandbox", str(sb.root), "resolve",
         "--execution-id", outcome.execution_id, "--as", "succeeded", "--by", "dana",
-        "--evidence", "moved plain.txt/ away and appended the kept line by hand",
+        "--evidence", "moved plain.txt/ away and appended the kept line by hand", "--review",
     )  # fmt: skip
     assert code == 0, err
     assert kept.exists()  # the command touches no file: the sweep does

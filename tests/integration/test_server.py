@@ -1038,14 +1038,11 @@ def test_console__a_not_landed_call_is_confirmed_not_decided(server: Any, scope:
     page = client.get(f"/calls/{scope}/n")
     assert "its effect could not land" in page.text and kept in page.text
     assert 'name="as" value="succeeded"' in page.text and 'value="failed"' not in page.text
+    hidden = _hidden_fields(page.text, claim.execution_id)
+    assert hidden["review"] == "yes"  # the page showed the flag: its form reviews it
     r = client.post(
         f"/calls/{scope}/n/resolve",
-        data={
-            "csrf": csrf_of(page.text),
-            "execution_id": claim.execution_id,
-            "as": "succeeded",
-            "evidence": "appended the kept line by hand",
-        },
+        data={**hidden, "evidence": "appended the kept line by hand"},
         follow_redirects=False,
     )
     assert r.status_code == 303
@@ -1454,6 +1451,14 @@ def _resolve_forms(html: str) -> list[str]:
     return re.findall(r'name="execution_id" value="([^"]+)"', html)
 
 
+def _hidden_fields(html: str, execution_id: str) -> dict[str, str]:
+    """The hidden fields of the page's resolve form naming ``execution_id``, as a browser
+    posts them (the csrf, the execution, and ``review`` where the form settles a flag)."""
+    forms = re.findall(r'<form[^>]*id="resolve-form-\d+">(.*?)</form>', html, re.S)
+    form = next(f for f in forms if f'name="execution_id" value="{execution_id}"' in f)
+    return dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form))
+
+
 @pytest.mark.parametrize("second", [Status.SUCCEEDED, Status.UNKNOWN])
 def test_console__a_flag_raised_on_an_earlier_attempt_is_settled_from_its_page(
     server: Any, scope: str, second: Status
@@ -1471,10 +1476,13 @@ def test_console__a_flag_raised_on_an_earlier_attempt_is_settled_from_its_page(
     forms = _resolve_forms(page)
     assert first in forms, forms
     assert (later in forms) is (second is Status.UNKNOWN), forms  # an unknown is still asked
+    assert _hidden_fields(page, first)["review"] == "yes"  # the page showed the flag
+    if second is Status.UNKNOWN:  # a form for an unknown execution resolves, never reviews
+        assert "review" not in _hidden_fields(page, later)
     # When the person reviews attempt 1 through its form, as a browser posts it
     r = client.post(
         f"/calls/{scope}/f/resolve",
-        data={"csrf": csrf_of(page), "execution_id": first, "as": "succeeded",
+        data={**_hidden_fields(page, first), "as": "succeeded",
               "evidence": "both ran: two notifications, accepted"},
         follow_redirects=False,
     )  # fmt: skip
@@ -1517,3 +1525,73 @@ def test_events_and_console__a_long_history_is_paged_and_the_page_shows_the_late
     page = client.get(f"/calls/{scope}/l3?done=approved").text
     assert "The 7 earlier events are not shown, only the\nlatest 3" in page, page
     assert page.count('<tr class="ev-') == 3 and "Approved and enqueued." in page
+
+
+def _contradicted_with_attempt_2_held(ledger: Ledger, scope: str, call: str) -> str:
+    """The cold review's scene: bob resolved attempt 1 failed and authorised attempt 2; the
+    late result proves attempt 1 succeeded: flagged contradicted, attempt 2 held."""
+    ledger.submit(scope, call, "notify", {"to": "x"}, approved_by="setup")
+    first = ledger.claim(scope, f"notify:{call}", 1, worker_id="zombie")
+    assert first is not None
+    ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+    ledger.resolve(first.execution_id, Status.FAILED, by="bob", evidence="no charge")
+    ledger.authorize_retry(scope, call, by="bob", accept_duplicate=True)
+    late = {"late_result": {"charged": "x"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first.execution_id, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, call).operation.review == "contradicted"
+    return first.execution_id
+
+
+def test_api__a_stale_resolution_is_409_and_review_true_settles_the_flag(
+    server: Any, scope: str
+) -> None:
+    """A resolution sent after the flag was raised was taken as its review (a cold review:
+    attempt 2 then ran, a second charge). 409 ``state``, the flag waits; ``"review": true``
+    is the review; ``review`` must be a bool (422, as the API refuses a bad field)."""
+    client, ledger = server
+    eid = _contradicted_with_attempt_2_held(ledger, scope, "s")
+    url, otto = f"/api/executions/{eid}/resolve", bearer("otto")
+    stale = {"as": "failed", "evidence": "payments console: nothing"}
+    r = client.post(url, json=stale, headers=otto)
+    assert r.status_code == 409 and r.json()["kind"] == "state", r.text
+    assert "flagged contradicted since" in r.json()["error"] and "--review" in r.json()["error"]
+    assert ledger.get(scope, "s").operation.review == "contradicted"
+    assert ledger.claim(scope, "notify:s", 2, worker_id="w2") is None
+    for bad in ("yes", 1, None):
+        r = client.post(url, json={**stale, "review": bad}, headers=otto)
+        assert r.status_code == 422 and "review" in r.json()["error"], (bad, r.text)
+    r = client.post(url, json={**stale, "review": True}, headers=otto)
+    assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+    assert ledger.get(scope, "s").operation.review is None
+    assert ledger.events(scope, "s")[-1].kind == "reviewed"
+
+
+def test_console__a_flag_is_settled_only_by_a_form_of_the_page_that_showed_it(
+    server: Any, scope: str
+) -> None:
+    """The flagged execution's form carries ``review`` (the page showed the flag) and
+    settles it; a post without it (a form for the unknown execution, loaded before the flag
+    was raised, or one made by hand) is refused, and the flag waits."""
+    client, ledger = server
+    eid = _contradicted_with_attempt_2_held(ledger, scope, "s")
+    login(client, "otto")
+    page = client.get(f"/calls/{scope}/s").text
+    hidden = _hidden_fields(page, eid)
+    assert hidden["review"] == "yes"
+    stale = {k: v for k, v in hidden.items() if k != "review"}
+    r = client.post(
+        f"/calls/{scope}/s/resolve",
+        data={**stale, "as": "failed", "evidence": "payments console: nothing"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 409 and "flagged contradicted since" in r.text
+    assert ledger.get(scope, "s").operation.review == "contradicted"
+    assert ledger.claim(scope, "notify:s", 2, worker_id="w2") is None
+    r = client.post(
+        f"/calls/{scope}/s/resolve",
+        data={**hidden, "as": "succeeded", "evidence": "the late result: charged"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 303, r.text
+    view = ledger.get(scope, "s")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)

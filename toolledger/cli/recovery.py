@@ -121,15 +121,24 @@ def _publisher(c: Context) -> Any:
 @click.option("--as", "as_", required=True, type=click.Choice([s.value for s in TERMINAL]))
 @click.option("--by", required=True, help="Who decided.")
 @click.option("--evidence", required=True, help="What they saw that proves it.")
+@click.option(
+    "--review",
+    is_flag=True,
+    help="Settle the flag on this execution's call, which you have looked at (show, list "
+    "--review). Without it, an execution no longer unknown is refused, exit 5.",
+)
 @json_option
 @pass_ctx
-def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str) -> None:
-    """A human's resolution of an unknown execution, or review of a flagged call.
+def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str, review: bool) -> None:
+    """A human's resolution of an unknown execution, or (--review) review of a flagged call.
 
-    Recorded with who decided and the evidence. A flagged call (list --review): confirm or
-    correct what a human or a reconciler decided. A call flagged not_landed: land its kept
-    bytes by hand or leave them, then confirm its status; the sweep removes the bytes."""
-    out = resolve_call(c.recorded_ledger, execution_id, Status(as_), by=by, evidence=evidence)
+    Recorded with who decided and the evidence. A flagged call (list --review): look at it,
+    then confirm or correct what a human or a reconciler decided, with --review. A call
+    flagged not_landed: land its kept bytes by hand or leave them, then confirm its status
+    with --review; the sweep removes the bytes."""
+    out = resolve_call(
+        c.recorded_ledger, execution_id, Status(as_), by=by, evidence=evidence, review=review
+    )
     c.emit(out, lambda d: f"{d['status']}: {execution_id} resolved by {by}")
 
 

@@ -55,6 +55,11 @@ class RetryBody(BaseModel):
 class ResolveBody(BaseModel):
     as_: str = Field(alias="as", description="succeeded or failed")
     evidence: str = Field(description="What you saw that proves it (required).")
+    review: bool = Field(
+        default=False,
+        description="Settle the flag on this execution's call, which you have looked at; "
+        "without it, an execution no longer unknown is refused (409).",
+    )
 
 
 def _body(model: type[BaseModel]) -> dict[str, Any]:
@@ -118,15 +123,21 @@ async def submit(request: Request, who: Who) -> Any:
 
 @router.post("/executions/{execution_id}/resolve", openapi_extra=_body(ResolveBody))
 async def resolve(request: Request, who: Who, execution_id: str) -> Any:
-    """A person's resolution of an unknown execution, with the evidence."""
+    """A person's resolution of an unknown execution, with the evidence; ``review``, their
+    review of the flag on its call, which they have looked at (409 without it on an
+    execution no longer unknown: a stale resolution never settles a flag it never saw)."""
     who.require(Action.RESOLVE)
     body = await read_body(request)
-    _fields(body, {"as", "evidence"})
+    _fields(body, {"as", "evidence", "review"})
     as_, evidence = body.get("as"), body.get("evidence")
     if not isinstance(as_, str) or not isinstance(evidence, str):
         raise InvalidArguments("as and evidence are required strings")
+    review = body.get("review", False)
+    if not isinstance(review, bool):
+        raise InvalidArguments("review must be true or false")
     return await _threaded(
-        request, lambda: desk_of(request).resolve(who, execution_id, as_, evidence)
+        request,
+        lambda: desk_of(request).resolve(who, execution_id, as_, evidence, review=review),
     )
 
 

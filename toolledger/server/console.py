@@ -502,13 +502,20 @@ async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
         form = await _form(request, who)
         execution_id, as_ = form.get("execution_id", ""), form.get("as", "")
         evidence = form.get("evidence", "")
+        # the page's form for a flagged execution says "yes": it showed the flag. A post
+        # without it (a form for the unknown execution, loaded before the flag was raised)
+        # is a resolution, never a review of a flag its sender did not see
+        seen_flag = form.get("review")
+        if seen_flag not in (None, "yes"):
+            raise InvalidArguments("the form's review field is yes or absent: reload the page")
+        review = seen_flag == "yes"
 
         def work() -> Any:
             desk.check_visible(who, scope, tool_call_id)
             view = desk.ledger.get(scope, tool_call_id)
             if execution_id not in {e.execution_id for e in view.executions}:
                 raise InvalidArguments("that execution is not one of this call's")
-            return desk.resolve(who, execution_id, as_, evidence)
+            return desk.resolve(who, execution_id, as_, evidence, review=review)
 
         await run_in_threadpool(work)
     except LedgerError as exc:

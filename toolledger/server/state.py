@@ -387,7 +387,9 @@ class Desk:
             attempt=attempt,
         )
 
-    def resolve(self, who: Token, execution_id: str, as_: str, evidence: str) -> dict[str, Any]:
+    def resolve(
+        self, who: Token, execution_id: str, as_: str, evidence: str, *, review: bool = False
+    ) -> dict[str, Any]:
         who.require(Action.RESOLVE)
         check_text_id(execution_id, "execution_id", 64)
         execution = self.ledger.execution(execution_id)  # NotFound if there is none
@@ -397,4 +399,6 @@ class Desk:
             raise InvalidArguments("as must be succeeded or failed")
         if not isinstance(evidence, str) or not evidence.strip():
             raise InvalidArguments("evidence is required: what did you see that proves it?")
-        return resolve_call(self.ledger, execution_id, Status(as_), by=who.name, evidence=evidence)
+        return resolve_call(
+            self.ledger, execution_id, Status(as_), by=who.name, evidence=evidence, review=review
+        )

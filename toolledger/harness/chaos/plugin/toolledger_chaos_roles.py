@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -51,6 +52,9 @@ else:
     Submitter = _module("toolledger.worker.submit").Submitter
 #: Since the namespace, a human's retry and resolve take the parts, not a Submitter.
 PARTS = not LEGACY
+#: Since 2026-12-07 a review of a flag is asked for (``review=True``): a resolution alone is
+#: refused on an execution no longer unknown. An older version took it as the review.
+ASKS_REVIEW = "review" in inspect.signature(humans.resolve).parameters
 
 OPEN = ("approved", "running", "pending_approval")
 
@@ -205,7 +209,7 @@ class Operator:
         present = self.looks_present(job)
         status = Status.SUCCEEDED if present is not False else Status.FAILED
         why = f"flagged {view.operation.review}: reviewed against the world ({present})"
-        return self.resolve(job, flagged, status, why)
+        return self.resolve(job, flagged, status, why, review=True)
 
     def looks_present(self, job: dict[str, Any]) -> bool | None:
         """What a human sees: the file's bytes, the log's line, the service's receipt."""
@@ -236,15 +240,21 @@ class Operator:
             return False
         return True
 
-    def resolve(self, job: dict[str, Any], current: Any, status: Status, why: str) -> int:
+    def resolve(
+        self, job: dict[str, Any], current: Any, status: Status, why: str, review: bool = False
+    ) -> int:
+        """A resolution of an unknown execution; ``review``, of the flag the operator looked
+        at (passed only to a version that asks for it)."""
         try:
             who: Any = self.sub.ledger if PARTS else self.sub  # the signature of its version
+            asked = {"review": True} if review and ASKS_REVIEW else {}
             humans.resolve(
                 who,
                 current.execution_id,
                 status,
                 by="chaos-operator",
                 evidence=why,
+                **asked,
             )
         except DB_FAULTS:
             raise
