@@ -137,9 +137,16 @@ class _Replay:
             op.executions[ev.execution_id].flags = 0
             op.review = detail.get("review_after")  # flags raised on other executions wait
         elif kind is EventKind.WITHDRAWN:
+            # an unclaimed attempt withdrawn by proof (approved -> succeeded), or, at a
+            # person's review, a claimed attempt that failed set aside for an earlier one the
+            # review found succeeded (failed -> succeeded: only a review may take that pair)
             proven = op.executions[ev.execution_id]
             new = Status(detail["status"])
             check_transition(op.status, new)
+            if (op.status, new) in REVIEW and not (detail.get("evidence") or {}).get("review"):
+                raise _NotAReview(f"the call's {op.status} set aside by something not a review")
+            if (op.status, new) in REVIEW and proven.status is not new:
+                raise _NotAReview(f"the call set aside for an attempt that is {proven.status}")
             op.status, op.authorized_attempts = new, proven.attempt
         elif kind in (EventKind.PENDING_APPROVAL, EventKind.APPROVED, EventKind.REJECTED):
             new = Status(kind.value)

@@ -36,6 +36,7 @@ from toolledger.ledger.records import (
     as_utc,
 )
 from toolledger.ledger.revision import VERSION_TABLE, UnsupportedDatabase, files_head
+from toolledger.ledger.transitions import Flag, fold_flags
 
 #: Columns whose SQLAlchemy type converts what the driver returns (the models' types; a test
 #: holds these sets to ``models``).
@@ -367,7 +368,21 @@ class LightReads:
             "attempt",
             (scope, key),
         )
-        return CallView(scope, tool_call_id, ops[0], tuple(runs))
+        return CallView(scope, tool_call_id, ops[0], tuple(runs), self._waiting(ops[0]))
+
+    def _waiting(self, op: OperationRecord) -> tuple[Flag, ...]:
+        """``reads.waiting_flags``: a flagged call's flags still waiting, from its history
+        (the receipt follows them all, not only the one ``operations.review`` keeps)."""
+        if op.review is None:
+            return ()
+        flagged = self._records(
+            EventRecord,
+            "execution_events",
+            "scope = ? AND idempotency_key = ? AND kind IN ('flagged', 'reviewed')",
+            "seq",
+            (op.scope, op.idempotency_key),
+        )
+        return tuple(fold_flags((e.kind, e.execution_id or "", e.detail) for e in flagged)[0])
 
     def get(self, scope: str, tool_call_id: str) -> CallView:
         """The call, its action and every attempt at it."""

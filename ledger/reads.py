@@ -23,7 +23,7 @@ from toolledger.ledger.records import (
     OperationRecord,
     Receipt,
 )
-from toolledger.ledger.transitions import EventKind, Status
+from toolledger.ledger.transitions import EventKind, Flag, Status, fold_flags
 
 #: Rows ``list`` returns unless told otherwise.
 LIST_LIMIT = 1000
@@ -59,6 +59,30 @@ def last_event_detail(
     if row is None:
         return None
     return row.detail if isinstance(row.detail, dict) else {}
+
+
+def flag_events(conn: sa.Connection, scope: str, key: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """A call's flagged and reviewed events, in seq order (for ``fold_flags``)."""
+    rows = conn.execute(
+        sa.select(
+            execution_events.c.kind, execution_events.c.execution_id, execution_events.c.detail
+        )
+        .where(
+            execution_events.c.scope == scope,
+            execution_events.c.idempotency_key == key,
+            execution_events.c.kind.in_([EventKind.FLAGGED, EventKind.REVIEWED]),
+        )
+        .order_by(execution_events.c.seq)
+    ).all()
+    return [(r.kind, r.execution_id, r.detail) for r in rows]
+
+
+def waiting_flags(conn: sa.Connection, op: OperationRecord) -> tuple[Flag, ...]:
+    """The flags still waiting on ``op``'s call; none read for a call not flagged (the hot
+    path: ``operations.review`` is set while any flag waits)."""
+    if op.review is None:
+        return ()
+    return tuple(fold_flags(flag_events(conn, op.scope, op.idempotency_key))[0])
 
 
 class LedgerReads:
@@ -146,7 +170,8 @@ class LedgerReads:
             .where(executions.c.scope == scope, executions.c.idempotency_key == key)
             .order_by(executions.c.attempt)
         ).all()
-        return CallView(scope, tool_call_id, op, tuple(ExecutionRecord.from_row(r) for r in rows))
+        runs = tuple(ExecutionRecord.from_row(r) for r in rows)
+        return CallView(scope, tool_call_id, op, runs, waiting_flags(conn, op))
 
     @staticmethod
     def _events(
@@ -169,7 +194,7 @@ class LedgerReads:
         a cold review) and whether its result was established after the fact, as the
         client's receipts do."""
         view = self.get(scope, tool_call_id)
-        r = receipt_for(view.operation, view.current)
+        r = receipt_for(view.operation, view.current, flags=view.flags)
         current = view.current
         reconciled = bool(current and current.reconciled and r.execution_id == current.execution_id)
         return dataclasses.replace(

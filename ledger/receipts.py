@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from toolledger.ledger.errors import CorruptRecord, NoReceipt
 from toolledger.ledger.records import ExecutionRecord, OperationRecord, Receipt
-from toolledger.ledger.transitions import TERMINAL, Status
+from toolledger.ledger.transitions import TERMINAL, Flag, Review, Status
 
 UNKNOWN_MESSAGE = (
     "The outcome of this tool call could not be confirmed: its executor stopped before "
@@ -12,7 +14,7 @@ UNKNOWN_MESSAGE = (
     "ask a human before repeating it."
 )
 
-#: Beside a terminal result a later report contradicts (the call's ``contradicted`` flag).
+#: Beside a terminal result whose truth a flag still waiting puts in doubt (``in_doubt``).
 DISPUTED_MESSAGE = (
     "This outcome is disputed: the ledger holds another report of this tool call that "
     "contradicts it, and a person is reviewing both. Treat the effect as possibly applied "
@@ -23,8 +25,40 @@ DISPUTED_MESSAGE = (
 DISPUTE_KEY = "toolledger"
 
 
+def in_doubt(status: Status, execution_id: str, flags: Iterable[Flag]) -> bool:
+    """Whether a terminal receipt (``status``, reported by ``execution_id``) is disputed by
+    one of the call's ``flags`` still waiting. Two reasons put its truth in doubt:
+
+    - ``contradicted`` raised on the very execution the receipt reports: another version of
+      that outcome (its executor's own late result against a person's or a reconciler's
+      decision) waits for a person;
+    - while the receipt says ``failed``, a flag that holds proof an attempt of the call
+      succeeded: ``both_ran`` (an earlier attempt proven succeeded after a later one was
+      claimed), or ``contradicted`` on another attempt whose other version says it
+      succeeded. The failure the model would read hides that the action took effect (it
+      would do it again under a new id: a second charge, a cold review).
+
+    Nothing else does: a contradiction about another attempt leaves a success of this one as
+    true as it was (a late success of attempt 1 wrote "disputed, possibly applied" over
+    attempt 2's own success, which the agent already held: a cold review), a ``both_ran``
+    beside a success says the action happened, which the receipt says too, and
+    ``not_landed`` is about the bytes of a committed effect, not the outcome. Every flag
+    still waiting counts, not only the first one ``operations.review`` keeps (a
+    ``contradicted`` raised after a ``both_ran`` left the person's bare ``failed`` to the
+    model while two charges had landed: a cold review)."""
+    for flag in flags:
+        if flag.reason == Review.CONTRADICTED and flag.execution_id == execution_id:
+            return True
+        if status is Status.FAILED and (
+            flag.reason == Review.BOTH_RAN
+            or (flag.reason == Review.CONTRADICTED and flag.claims == Status.SUCCEEDED)
+        ):
+            return True
+    return False
+
+
 def disputed(saved: dict[str, object]) -> dict[str, object]:
-    """The content of a terminal receipt whose outcome is contradicted (the call's flag).
+    """The content of a terminal receipt whose outcome is in doubt (``in_doubt``).
 
     The model reads the content, not the flag: a person's ``failed`` against a late proof the
     call took effect reached it as a plain failure, which invites the same action again under
@@ -38,8 +72,13 @@ def disputed(saved: dict[str, object]) -> dict[str, object]:
     return {**saved, DISPUTE_KEY: note}
 
 
-def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -> Receipt:
-    """The receipt for ``operation``, whose current attempt is ``execution`` (or None)."""
+def receipt_for(
+    operation: OperationRecord, execution: ExecutionRecord | None, *, flags: Iterable[Flag]
+) -> Receipt:
+    """The receipt for ``operation``, whose current attempt is ``execution`` (or None);
+    ``flags``: the call's flags still waiting (``CallView.flags``), which decide whether a
+    terminal result is said disputed (``in_doubt``). Required: a caller that left them out
+    would hand the model a bare result the ledger has proof against."""
     status = operation.status
     if status is Status.REJECTED:
         content: dict[str, object] = {"status": "rejected"}
@@ -62,7 +101,10 @@ def receipt_for(operation: OperationRecord, execution: ExecutionRecord | None) -
                 "recovery stops here; inspect the ledger"
             )
         content = execution.result
-        if operation.review == "contradicted":
+        doubt = in_doubt(status, execution.execution_id, flags)
+        if doubt:
             content = disputed(content)
-        return Receipt(status, content, execution.execution_id, review=operation.review)
+        return Receipt(
+            status, content, execution.execution_id, review=operation.review, disputed=doubt
+        )
     raise NoReceipt(f"{operation.idempotency_key!r} is {status}: there is no receipt yet")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, Self
 
-from toolledger.ledger.transitions import Status
+from toolledger.ledger.transitions import Flag, Status
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
@@ -240,7 +240,9 @@ class Receipt:
     fact (a reconciler, a late result, a person), not reported by the execution itself;
     ``review``: the flag waiting on the call (``contradicted``: the ledger holds another
     version of its outcome, a person decides; ``not_landed``…), None when there is none.
-    A flagged receipt is the ledger's word now, and may change at the review."""
+    A flagged receipt is the ledger's word now, and may change at the review. ``disputed``:
+    its content carries the dispute note (``receipts.in_doubt``), which follows every flag
+    still waiting, not only the one ``review`` names."""
 
     status: Status
     content: dict[str, Any]
@@ -249,6 +251,7 @@ class Receipt:
     tool_call_id: str | None = None
     reconciled: bool = False
     review: str | None = None
+    disputed: bool = False
 
     @property
     def is_error(self) -> bool:
@@ -303,12 +306,15 @@ class Submitted:
 
 @dataclass(frozen=True, slots=True)
 class CallView:
-    """Everything known about one tool call: its action and every attempt at it."""
+    """Everything known about one tool call: its action and every attempt at it.
+    ``flags``: the flags still waiting on it, from its history (read only when the call is
+    flagged): ``operations.review`` keeps one reason, and the receipt follows them all."""
 
     scope: str
     tool_call_id: str
     operation: OperationRecord
     executions: tuple[ExecutionRecord, ...]
+    flags: tuple[Flag, ...] = ()
 
     @property
     def current(self) -> ExecutionRecord | None:

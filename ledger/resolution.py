@@ -15,8 +15,8 @@ from toolledger.ledger import db, inputs
 from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
-from toolledger.ledger.models import execution_events, executions, operations, tool_calls
-from toolledger.ledger.reads import last_event_detail, op_key
+from toolledger.ledger.models import executions, operations, tool_calls
+from toolledger.ledger.reads import flag_events, last_event_detail, op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import (
     TERMINAL,
@@ -220,9 +220,14 @@ class LedgerResolution(LedgerBase):
         every effect was refused by the sandbox fence). Proof counts at once, not at the
         next sweep: an unknown execution is reconciled from it in the same transaction, so a
         later attempt authorised meanwhile is withdrawn before anyone can claim it. If a
-        human already resolved the execution the other way, the call goes back to the
-        humans' inbox, flagged ``contradicted``, with both versions in the flag's event (a
-        flagged call's next attempt cannot be claimed until a human has reviewed it).
+        human already resolved the execution the other way, or a reconciler decided it
+        ``failed`` and this proves it succeeded, the call goes back to the humans' inbox,
+        flagged ``contradicted``, with both versions in the flag's event (a flagged call's
+        next attempt cannot be claimed until a human has reviewed it). A reconciler's
+        ``failed`` was kept against the executor's own success as evidence only: no flag, the
+        call failed, its receipt a plain failure, a retry allowed (a cold review). Its
+        ``succeeded`` stands against the executor's ``failed`` or "not applied": a reconciler
+        proves the target state holds, not who wrote it (DESIGN §6).
         """
         return self._late_result(execution_id, detail, actor, outcome, idempotent)[0]
 
@@ -256,7 +261,8 @@ class LedgerResolution(LedgerBase):
                 late_version.update(
                     {"staged": detail.get("staged")} if refused else {"not_started": True}
                 )
-                self._contradicted(conn, ex, human, late_version, seq, actor)
+                decided = self._human_version(ex, human)
+                self._contradicted(conn, ex, decided, late_version, seq, actor)
                 return seq, None
             if outcome is None or outcome not in TERMINAL or not isinstance(late, dict):
                 return seq, None
@@ -266,9 +272,21 @@ class LedgerResolution(LedgerBase):
                     conn, execution_id, outcome, late, proof, actor, False, not idempotent
                 )
                 return seq, done
-            if human and ex.status in TERMINAL and ex.status != outcome:
-                late_version = {"status": outcome.value, "result": late}
-                self._contradicted(conn, ex, human, late_version, seq, actor)
+            if ex.status not in TERMINAL or ex.status is outcome:
+                return seq, None
+            if human:
+                decided = self._human_version(ex, human)
+            elif outcome is Status.SUCCEEDED and ex.status is Status.FAILED:
+                # a reconciler's "failed" (or the fence's "not applied") against its executor's
+                # own word that it took effect: proof beats it, as it beats a person's
+                found = self._reconciler_decision(conn, ex)
+                if found is None:
+                    return seq, None
+                decided = {"reconciler": {**found, "status": ex.status.value, "result": ex.result}}
+            else:
+                return seq, None
+            late_version = {"status": outcome.value, "result": late}
+            self._contradicted(conn, ex, decided, late_version, seq, actor)
         return seq, None
 
     def record_finding_after_decision(
@@ -304,7 +322,8 @@ class LedgerResolution(LedgerBase):
             ):  # its executor's own word said so first: one flag for one fact
                 return False
             late_version = {"status": status.value, "result": result, "evidence": evidence}
-            self._contradicted(conn, ex, human, late_version, seq, actor)
+            decided = self._human_version(ex, human)
+            self._contradicted(conn, ex, decided, late_version, seq, actor)
             return True
 
     @staticmethod
@@ -327,21 +346,53 @@ class LedgerResolution(LedgerBase):
             return by if isinstance(by, str) else None
         return None
 
+    #: Evidence kinds that are the executor's own word (its late result, its "never started"),
+    #: not a decision a later report of that executor could contradict.
+    OWN_WORD = frozenset({"late_result", "not_started"})
+
+    @classmethod
+    def _reconciler_decision(
+        cls, conn: sa.Connection, ex: ExecutionRecord
+    ) -> dict[str, Any] | None:
+        """The evidence ``ex``'s terminal status was decided on, if that was a reconciler's
+        (the sweep's, the fence's, any ``reconcile`` caller's): not a person's, and not its
+        executor's own word."""
+        if not ex.reconciled or ex.status not in TERMINAL:
+            return None
+        detail = last_event_detail(
+            conn,
+            ex.scope,
+            ex.idempotency_key,
+            [Status.SUCCEEDED.value, Status.FAILED.value],
+            ex.execution_id,
+        )
+        proof = (detail or {}).get("evidence")
+        if not isinstance(proof, dict) or proof.get("kind") == "human":
+            return None
+        if proof.get("kind") in cls.OWN_WORD:
+            return None
+        return {"evidence": proof}
+
+    @staticmethod
+    def _human_version(ex: ExecutionRecord, human: str) -> dict[str, Any]:
+        return {"human": {"status": ex.status.value, "result": ex.result, "by": human}}
+
     def _contradicted(
         self,
         conn: sa.Connection,
         ex: ExecutionRecord,
-        human: str,
+        decided: dict[str, Any],
         late: dict[str, Any],
         seq: int,
         actor: str,
     ) -> None:
-        """Back to the humans' inbox, with both versions in the flag's event."""
-        versions = {
-            "human": {"status": ex.status.value, "result": ex.result, "by": human},
-            "late": late,
-            "evidence_seq": seq,
-        }
+        """Back to the humans' inbox, with both versions in the flag's event: ``decided``
+        (``{"human": …}`` or ``{"reconciler": …}``) and ``late``. A late success raises no
+        ``both_ran`` here although a later attempt ran: which version of this execution is
+        true is the person's to say first; the review that finds it succeeded flags
+        ``both_ran`` (``_after_correction``), and until then the receipt of a later attempt
+        that failed is said disputed by this flag (``receipts.in_doubt``)."""
+        versions = {**decided, "late": late, "evidence_seq": seq}
         self._flag(conn, ex, Review.CONTRADICTED, versions, actor)
 
     def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None:
@@ -616,6 +667,9 @@ class LedgerResolution(LedgerBase):
             )
             if proof is not None:  # after the review: a flag it raises is not settled by it
                 self._after_correction(conn, ex, status, proof, by)
+            if status is Status.SUCCEEDED:
+                decided = {"kind": "human", "by": by, "text": evidence, "review": True}
+                self._proof_beats_failure(conn, ex, decided, by)
             return self._require_execution(conn, execution_id)
 
     @staticmethod
@@ -623,18 +677,7 @@ class LedgerResolution(LedgerBase):
         conn: sa.Connection, scope: str, key: str
     ) -> list[tuple[str, str, dict[str, Any]]]:
         """A call's flagged and reviewed events, in seq order (for ``fold_flags``)."""
-        rows = conn.execute(
-            sa.select(
-                execution_events.c.kind, execution_events.c.execution_id, execution_events.c.detail
-            )
-            .where(
-                execution_events.c.scope == scope,
-                execution_events.c.idempotency_key == key,
-                execution_events.c.kind.in_([EventKind.FLAGGED, EventKind.REVIEWED]),
-            )
-            .order_by(execution_events.c.seq)
-        ).all()
-        return [(r.kind, r.execution_id, r.detail) for r in rows]
+        return flag_events(conn, scope, key)
 
     def _correct(
         self, conn: sa.Connection, ex: ExecutionRecord, status: Status, by: str, evidence: str
@@ -670,6 +713,44 @@ class LedgerResolution(LedgerBase):
         if status is Status.SUCCEEDED and op.authorized_attempts > ex.attempt:
             corrected = self._require_execution(conn, ex.execution_id)
             self._proof_beats_permission(conn, op, corrected, proof, by, True)
+
+    def _proof_beats_failure(
+        self, conn: sa.Connection, ex: ExecutionRecord, evidence: dict[str, Any], by: str
+    ) -> None:
+        """A review that finds ``ex`` succeeded (confirms a late result's proof, or corrects a
+        decision) while the call's current attempt, a later one, ended ``failed``: the call is
+        ``succeeded`` with ``ex``'s result, the failed attempt set aside (a ``withdrawn``
+        event naming it, as an unclaimed attempt is withdrawn by proof). The action took
+        effect; a receipt that says it failed invites the model to do it again. The call
+        stayed ``failed`` for good after a reviewer confirmed attempt 1 had charged (a cold
+        review). Only at a review: the later attempt's own ``failed`` is a fact, and both
+        ran (``both_ran``): a person says which receipt is the call's."""
+        op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
+        if op.status is not Status.FAILED or op.authorized_attempts <= ex.attempt:
+            return
+        check_transition(Status.FAILED, Status.SUCCEEDED)
+        set_aside = conn.execute(
+            operations.update()
+            .where(
+                op_key(op.scope, op.idempotency_key),
+                operations.c.status == Status.FAILED,
+                operations.c.authorized_attempts == op.authorized_attempts,
+            )
+            .values(status=Status.SUCCEEDED, authorized_attempts=ex.attempt, enqueued_at=None)
+            .returning(operations.c.scope)
+        ).first()
+        if set_aside is None:
+            return
+        db.receipt_written(conn, op.scope, op.idempotency_key)
+        detail = {
+            "attempt": op.authorized_attempts,
+            "proven_attempt": ex.attempt,
+            "status": Status.SUCCEEDED.value,
+            "set_aside": Status.FAILED.value,  # a claimed attempt that failed, not an unclaimed one
+            "evidence": evidence,
+        }
+        ev = event(EventKind.WITHDRAWN, op.scope, op.idempotency_key, by, detail, ex.execution_id)
+        self._append(conn, ev)
 
 
 def _nothing_to_resolve(execution_id: str, status: Status) -> str:

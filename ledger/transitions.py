@@ -43,7 +43,9 @@ class EventKind(StrEnum):
 class Review(StrEnum):
     """Why a call waits for a human although it has a status (``operations.review``)."""
 
-    CONTRADICTED = "contradicted"  # a late result contradicts a human's resolution
+    # a late result (or the sweep's finding) contradicts a human's resolution, or the
+    # executor's own late success contradicts a reconciler's "failed"
+    CONTRADICTED = "contradicted"
     BOTH_RAN = "both_ran"  # an earlier attempt proved succeeded after a later one was claimed
     NOT_LANDED = "not_landed"  # committed, but its effect could not land (its target changed)
 
@@ -103,11 +105,14 @@ def check_transition(old: Status | None, new: Status, what: str = "") -> None:
 @dataclass(frozen=True)
 class Flag:
     """One reason a call waits for a human, raised on one execution (a ``flagged`` event);
-    ``kept``: where a ``not_landed`` effect's bytes are kept, relative to the sandbox."""
+    ``kept``: where a ``not_landed`` effect's bytes are kept, relative to the sandbox;
+    ``claims``: the status a ``contradicted`` flag's other version says the execution
+    ended in (its ``late`` version's: ``succeeded`` is proof the action took effect)."""
 
     execution_id: str
     reason: str
     kept: str | None = None
+    claims: str | None = None
 
 
 def fold_flags(events: Iterable[tuple[str, str, dict[str, Any]]]) -> tuple[list[Flag], list[Flag]]:
@@ -120,7 +125,8 @@ def fold_flags(events: Iterable[tuple[str, str, dict[str, Any]]]) -> tuple[list[
     for kind, execution_id, detail in events:
         if kind == EventKind.FLAGGED:
             kept = (detail.get("effect") or {}).get("kept")
-            waiting.append(Flag(execution_id, detail["reason"], kept))
+            claims = (detail.get("late") or {}).get("status")
+            waiting.append(Flag(execution_id, detail["reason"], kept, claims))
         elif kind == EventKind.REVIEWED:
             done = [
                 f for f in waiting if "review_after" not in detail or f.execution_id == execution_id

@@ -401,7 +401,7 @@ def _receipt(ledger: Ledger, scope: str, call: Call, name: str) -> Receipt:
             "the transcript is unchanged",
         )
     try:
-        receipt = receipt_for(op, view.current)
+        receipt = receipt_for(op, view.current, flags=view.flags)
     except LedgerError as exc:
         raise type(exc)(f"{where}: {exc}; the transcript is unchanged") from None
     try:

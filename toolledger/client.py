@@ -180,14 +180,14 @@ def receipt_of(view: CallView) -> Receipt | None:
     if op.status not in RECEIPT_STATUSES:
         return None
     try:
-        r = receipt_for(op, view.current)
+        r = receipt_for(op, view.current, flags=view.flags)
     except NoReceipt:
         return None
     current = view.current
     reconciled = bool(current and current.reconciled and r.execution_id == current.execution_id)
     return Receipt(
         r.status, r.content, r.execution_id, view.scope, view.tool_call_id, reconciled,
-        op.review,
+        op.review, r.disputed,
     )  # fmt: skip
 
 

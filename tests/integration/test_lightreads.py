@@ -83,7 +83,7 @@ def _calls(ledger: Ledger, scope: str) -> None:
 def _receipt(reads: CallReads, scope: str, cid: str) -> Receipt:
     """The receipt ``show`` prints: from the view the reads give (``Ledger.receipt``'s way)."""
     view = reads.get(scope, cid)
-    return receipt_for(view.operation, view.current)
+    return receipt_for(view.operation, view.current, flags=view.flags)
 
 
 def _answers(reads: CallReads, scope: str) -> list[str]:

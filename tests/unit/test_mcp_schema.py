@@ -135,8 +135,13 @@ def test_reply__a_contradicted_upstream_result_says_the_dispute_to_the_model() -
     from toolledger.mcp.proxy import reply
 
     upstream = {"content": [{"type": "text", "text": "charged $10"}], "isError": False}
-    flagged = Receipt(Status.SUCCEEDED, disputed(upstream), "e1", "s", "c1", review="contradicted")
+    flagged = Receipt(
+        Status.SUCCEEDED, disputed(upstream), "e1", "s", "c1", review="contradicted", disputed=True
+    )
     texts = [b.text for b in reply(flagged).content if b.type == "text"]
     assert texts == ["charged $10", DISPUTED_MESSAGE]
     plain = Receipt(Status.SUCCEEDED, upstream, "e1", "s", "c1")
     assert [b.text for b in reply(plain).content if b.type == "text"] == ["charged $10"]
+    # a call flagged contradicted about another attempt: this receipt is not disputed
+    other = Receipt(Status.SUCCEEDED, upstream, "e2", "s", "c1", review="contradicted")
+    assert [b.text for b in reply(other).content if b.type == "text"] == ["charged $10"]

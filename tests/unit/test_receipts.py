@@ -47,7 +47,7 @@ def ex(status, result=None):
 
 
 def test_receipt__rejected():
-    r = receipt_for(op(Status.REJECTED, reason="not today"), None)
+    r = receipt_for(op(Status.REJECTED, reason="not today"), None, flags=())
     assert r.content == {"status": "rejected", "reason": "not today"}
     assert r.is_error
 
@@ -55,7 +55,7 @@ def test_receipt__rejected():
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
 def test_receipt__terminal_replays_exactly_the_saved_result(status):
     saved = {"path": "diagnosis.txt", "bytes_written": 4, "nested": {"b": 1, "a": [2]}}
-    r = receipt_for(op(status), ex(status, saved))
+    r = receipt_for(op(status), ex(status, saved), flags=())
     assert r.content == saved
     assert list(r.content) == list(saved)  # key order too
     assert r.execution_id == "e1"
@@ -64,19 +64,19 @@ def test_receipt__terminal_replays_exactly_the_saved_result(status):
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
 def test_receipt__terminal_without_result_is_an_error(status):
     with pytest.raises(CorruptRecord):
-        receipt_for(op(status), ex(status, None))
+        receipt_for(op(status), ex(status, None), flags=())
     with pytest.raises(CorruptRecord):
-        receipt_for(op(status), None)
+        receipt_for(op(status), None, flags=())
 
 
 @pytest.mark.parametrize("status", [Status.PENDING_APPROVAL, Status.APPROVED, Status.RUNNING])
 def test_receipt__not_yet(status):
     with pytest.raises(NoReceipt):
-        receipt_for(op(status), ex(Status.RUNNING) if status is Status.RUNNING else None)
+        receipt_for(op(status), ex(Status.RUNNING) if status is Status.RUNNING else None, flags=())
 
 
 def test_receipt__unknown_names_the_execution():
-    r = receipt_for(op(Status.UNKNOWN), ex(Status.UNKNOWN))
+    r = receipt_for(op(Status.UNKNOWN), ex(Status.UNKNOWN), flags=())
     assert r.content["status"] == "unknown"
     assert r.content["execution_id"] == "e1"
     assert "not run again" in r.content["message"]
@@ -92,16 +92,55 @@ def test_receipt__a_contradicted_outcome_says_so_to_the_model(status):
     from dataclasses import replace
 
     from toolledger.ledger.receipts import DISPUTED_MESSAGE
+    from toolledger.ledger.transitions import Flag
 
     note = {"review": "contradicted", "message": DISPUTED_MESSAGE}
+    flagged = replace(op(status), review="contradicted")
+    on_it = [Flag("e1", "contradicted")]
     # the tool's own keys stay whole: a first version wrote its message over the tool's
     saved = {"error": "tool_error", "message": "quota exceeded", "review": "the tool's"}
-    r = receipt_for(replace(op(status), review="contradicted"), ex(status, saved))
+    r = receipt_for(flagged, ex(status, saved), flags=on_it)
     assert r.content == {**saved, "toolledger": note}
     assert "do not repeat" in r.to_openai()["content"]
-    assert r.review == "contradicted"
+    assert r.review == "contradicted" and r.disputed
     ours = {"toolledger": "a tool's own key of that name"}
-    r = receipt_for(replace(op(status), review="contradicted"), ex(status, ours))
+    r = receipt_for(flagged, ex(status, ours), flags=on_it)
     assert r.content == {"result": ours, "toolledger": note}
-    for other in (None, "both_ran", "not_landed"):  # not a dispute of the outcome
-        assert receipt_for(replace(op(status), review=other), ex(status, saved)).content == saved
+    # a contradiction about another attempt leaves this one's receipt as it was
+    r = receipt_for(flagged, ex(status, saved), flags=[Flag("e0", "contradicted")])
+    assert (r.content, r.disputed) == (saved, False)
+    for other in (None, "not_landed"):  # not a dispute of the outcome
+        reason = [] if other is None else [Flag("e1", other)]
+        r = replace(op(status), review=other)
+        assert receipt_for(r, ex(status, saved), flags=reason).content == saved
+
+
+def test_receipt__every_flag_waiting_counts_not_only_the_first():
+    """``operations.review`` keeps the first reason (``both_ran``); a ``contradicted`` raised
+    after it on the receipt's own execution still disputes it (a cold review: the person's
+    bare ``failed`` while two charges had landed)."""
+    from dataclasses import replace
+
+    from toolledger.ledger.transitions import Flag
+
+    saved = {"status": "failed", "resolved_by": "carol"}
+    flags = [Flag("e0", "both_ran"), Flag("e1", "contradicted")]
+    r = receipt_for(
+        replace(op(Status.FAILED), review="both_ran"), ex(Status.FAILED, saved), flags=flags
+    )
+    assert r.disputed and r.content["toolledger"]["review"] == "contradicted"
+
+
+@pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
+def test_receipt__both_ran_disputes_a_failure_only(status):
+    """An attempt proven succeeded while the receipt says ``failed`` is proof the action
+    took effect: the failure is said disputed; beside a success it hides nothing."""
+    from dataclasses import replace
+
+    from toolledger.ledger.transitions import Flag
+
+    saved = {"error": "declined", "message": "duplicate charge declined"}
+    flagged = replace(op(status), review="both_ran")
+    r = receipt_for(flagged, ex(status, saved), flags=[Flag("e0", "both_ran")])
+    assert r.disputed is (status is Status.FAILED)
+    assert ("toolledger" in r.content) is (status is Status.FAILED)

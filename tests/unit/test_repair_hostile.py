@@ -668,7 +668,7 @@ def test_receipt_that_utf8_cannot_carry__corrupt_record(ledger, tmp_path, monkey
     data = as_json("openai", [USER, *oa("call_ok")])
     path.write_bytes(data)
     bad = Receipt(Status.SUCCEEDED, {"x": "\udcff"}, "e1")
-    monkeypatch.setattr(transcript, "receipt_for", lambda op, ex: bad)
+    monkeypatch.setattr(transcript, "receipt_for", lambda op, ex, **_: bad)
     with pytest.raises(CorruptRecord, match="not UTF-8 JSON"):
         repair_file(path, ledger, SCOPE)
     assert path.read_bytes() == data

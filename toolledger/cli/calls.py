@@ -101,7 +101,7 @@ def show(c: Context, scope: str, tool_call_id: str) -> None:
 def _shown(reads: CallReads, scope: str, tool_call_id: str) -> dict[str, Any]:
     view = reads.get(scope, tool_call_id)
     try:  # from the view just read, as Ledger.receipt would after reading it again
-        receipt: Receipt | None = receipt_for(view.operation, view.current)
+        receipt: Receipt | None = receipt_for(view.operation, view.current, flags=view.flags)
     except StateError:
         receipt = None
     data = view.to_json(receipt)

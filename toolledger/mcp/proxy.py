@@ -215,9 +215,10 @@ def reply(receipt: Receipt) -> types.CallToolResult:
         content.get("content"), list
     ):
         blocks = list(content["content"])
-        if receipt.review == "contradicted":
+        if receipt.disputed:
             # the rebuilt result dropped what the receipt says of the dispute: the model read
-            # the upstream's "charged $10" alone (a cold review)
+            # the upstream's "charged $10" alone (a cold review); whether it is disputed is the
+            # receipt's to say (``in_doubt``), not the first flag's name
             blocks.append({"type": "text", "text": DISPUTED_MESSAGE})
         try:
             rebuilt = types.CallToolResult.model_validate(

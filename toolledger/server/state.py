@@ -208,7 +208,7 @@ class Desk:
     @staticmethod
     def _show(view: CallView, history: list[EventRecord]) -> dict[str, Any]:
         try:
-            receipt = receipt_for(view.operation, view.current)
+            receipt = receipt_for(view.operation, view.current, flags=view.flags)
         except StateError:
             receipt = None
         data = view.to_json(receipt)
