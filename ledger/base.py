@@ -133,7 +133,9 @@ class LedgerBase(LedgerReads):
         actor: str,
     ) -> None:
         """Put the call back in the humans' inbox: ``review`` set, both versions in the event.
-        A call already flagged keeps its first reason; the new facts are still recorded."""
+        A call already flagged keeps its first reason; the new facts are still recorded, and
+        what the model is told follows every flag still waiting (``receipts.in_doubt``), not
+        this column."""
         conn.execute(
             operations.update()
             .where(op_key(ex.scope, ex.idempotency_key), operations.c.review.is_(None))

@@ -610,8 +610,10 @@ class LedgerResolution(LedgerBase):
         settles the flags raised on this execution; the call stays flagged for any raised on
         another (recorded as ``review_after``). A ``not_landed`` flag is about the effect, not
         the status: the executor's own status is confirmed (once the human landed the kept
-        bytes by hand or chose to leave them; the sweep then removes them). StaleFence unless
-        a flag waits on this execution and it is so decided."""
+        bytes by hand or chose to leave them; the sweep then removes them). A review that
+        finds the execution succeeded while a later current attempt failed makes the call
+        succeeded with it (``_proof_beats_failure``). StaleFence unless a flag waits on this
+        execution and it is so decided."""
         if status not in TERMINAL:
             raise InvalidTransition(None, status, "a review")
         check_text_id(by, "reviewer", 256)

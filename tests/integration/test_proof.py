@@ -330,7 +330,9 @@ def test_contradiction__a_human_success_against_effects_that_never_landed_is_fla
     assert ledger.verify().ok
 
 
-def test_contradiction__reconciler_decisions_are_not_contradicted(ledger, scope):
+def test_contradiction__a_reconcilers_success_is_not_contradicted_by_a_late_failure(ledger, scope):
+    # a reconciler proves the target state holds (DESIGN §6); its "failed" against the
+    # executor's own late success is flagged: tests/integration/test_proof_receipts.py
     eid = unknown_attempt(ledger, scope)
     ledger.reconcile(eid, Status.SUCCEEDED, {"ok": 1}, evidence={"kind": "reconciler"}, actor="s")
     ledger.record_late_result(eid, {"status": "failed"}, actor="z", outcome=Status.FAILED)
