@@ -237,3 +237,40 @@ def test_flags__a_contradicted_flag_records_what_its_late_version_claims() -> No
         Flag("e1", "contradicted", None, "succeeded"),
         Flag("e1", "both_ran"),
     ]
+
+
+def test_verify__a_failed_call_set_aside_without_a_review_is_reported(ledger: Ledger) -> None:
+    """failed -> succeeded on the call is a review's to take (``_proof_beats_failure``): a
+    ``withdrawn`` event that does so on anything else's word is a difference."""
+    from datetime import UTC, datetime
+
+    import sqlalchemy as sa
+
+    from toolledger.ledger.models import execution_events
+
+    submitted(ledger)
+    first = lost_attempt(ledger, 1)
+    ledger.authorize_retry(SCOPE, CALL, by="bob", accept_duplicate=True)
+    c2 = ledger.claim(SCOPE, KEY, 2, worker_id="w2")
+    assert c2 is not None
+    ledger.finish(c2.execution_id, c2.lease_token, Status.FAILED, {"error": "declined"})
+    ledger.record_late_result(first, late_success({"n": 1}), actor="w1", outcome=Status.SUCCEEDED)
+    assert ledger.verify().ok
+    detail = {"attempt": 2, "proven_attempt": 1, "status": "succeeded", "set_aside": "failed",
+              "evidence": {"kind": "reconciler"}}  # fmt: skip
+    with ledger.engine.begin() as conn:  # behind the ledger's back, the rows made to match
+        conn.execute(
+            execution_events.insert().values(
+                scope=SCOPE, idempotency_key=KEY, execution_id=first, kind="withdrawn",
+                actor="mallory", detail=detail, at=datetime.now(UTC),
+            )
+        )  # fmt: skip
+        conn.execute(
+            sa.text(
+                "UPDATE operations SET status = 'succeeded', authorized_attempts = 1 "
+                "WHERE scope = :s AND idempotency_key = :k"
+            ),
+            {"s": SCOPE, "k": KEY},
+        )
+    found = [d.field for d in ledger.verify().differences]
+    assert any("set aside by something not a review" in f for f in found), found

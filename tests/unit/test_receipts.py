@@ -116,19 +116,21 @@ def test_receipt__a_contradicted_outcome_says_so_to_the_model(status):
 
 
 def test_receipt__every_flag_waiting_counts_not_only_the_first():
-    """``operations.review`` keeps the first reason (``both_ran``); a ``contradicted`` raised
-    after it on the receipt's own execution still disputes it (a cold review: the person's
-    bare ``failed`` while two charges had landed)."""
+    """``operations.review`` keeps the first reason; a ``contradicted`` raised after it on the
+    receipt's own execution still disputes it (a cold review: after ``both_ran``, the
+    person's bare ``failed`` while two charges had landed). Here the first flag alone
+    (``not_landed``, then a ``both_ran`` beside a success) would mark nothing."""
     from dataclasses import replace
 
     from toolledger.ledger.transitions import Flag
 
-    saved = {"status": "failed", "resolved_by": "carol"}
-    flags = [Flag("e0", "both_ran"), Flag("e1", "contradicted")]
-    r = receipt_for(
-        replace(op(Status.FAILED), review="both_ran"), ex(Status.FAILED, saved), flags=flags
-    )
+    saved = {"status": "succeeded", "resolved_by": "carol"}
+    flags = [Flag("e1", "not_landed", "k"), Flag("e0", "both_ran"), Flag("e1", "contradicted")]
+    flagged = replace(op(Status.SUCCEEDED), review="not_landed")
+    r = receipt_for(flagged, ex(Status.SUCCEEDED, saved), flags=flags)
     assert r.disputed and r.content["toolledger"]["review"] == "contradicted"
+    r = receipt_for(flagged, ex(Status.SUCCEEDED, saved), flags=flags[:2])
+    assert not r.disputed and r.content == saved
 
 
 @pytest.mark.parametrize("status", [Status.SUCCEEDED, Status.FAILED])
