@@ -125,7 +125,8 @@ def fold_flags(events: Iterable[tuple[str, str, dict[str, Any]]]) -> tuple[list[
     for kind, execution_id, detail in events:
         if kind == EventKind.FLAGGED:
             kept = (detail.get("effect") or {}).get("kept")
-            claims = (detail.get("late") or {}).get("status")
+            late = detail.get("late")  # read on every flagged call's read: never raise on it
+            claims = late.get("status") if isinstance(late, dict) else None
             waiting.append(Flag(execution_id, detail["reason"], kept, claims))
         elif kind == EventKind.REVIEWED:
             done = [
