@@ -113,7 +113,9 @@ def test_proof_after_failure__the_receipt_is_marked_and_the_review_makes_it_succ
     assert model_reads(ledger, fresh_db_url) == {**declined, "toolledger": NOTE}
     assert waiting(ledger) == {(first, "both_ran")}
     # a reviewer confirms attempt 1 succeeded: the call's receipt is that success
-    ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="the first charge went through")
+    ledger.resolve(
+        first, Status.SUCCEEDED, by="rev", evidence="the first charge went through", review=True
+    )
     assert model_reads(ledger, fresh_db_url) == charged
     view = ledger.get(SCOPE, CALL)
     assert (view.operation.status, view.operation.authorized_attempts) == (Status.SUCCEEDED, 1)
@@ -148,7 +150,9 @@ def test_dispute_on_success__a_contradiction_about_attempt_1_leaves_attempt_2s_s
     assert model_reads(ledger, fresh_db_url) == second
     assert not ledger.receipt(SCOPE, CALL).disputed
     assert waiting(ledger) == {(first, "contradicted")}  # back to a person, with both versions
-    ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="ch_1 is on the statement")
+    ledger.resolve(
+        first, Status.SUCCEEDED, by="rev", evidence="ch_1 is on the statement", review=True
+    )
     assert waiting(ledger) == {(first, "both_ran")}  # a person is told both charged
     assert model_reads(ledger, fresh_db_url) == second
     assert ledger.verify().ok
@@ -171,7 +175,9 @@ def test_dispute_on_failure__a_contradiction_about_attempt_1_marks_attempt_2s_fa
     charged = late_success({"charged": True, "charge_id": "ch_1"})
     ledger.record_late_result(first, charged, actor="w1", outcome=Status.SUCCEEDED)
     assert model_reads(ledger, fresh_db_url) == {**declined, "toolledger": NOTE}
-    ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="ch_1 is on the statement")
+    ledger.resolve(
+        first, Status.SUCCEEDED, by="rev", evidence="ch_1 is on the statement", review=True
+    )
     view = ledger.get(SCOPE, CALL)
     assert (view.operation.status, view.current and view.current.execution_id) == (
         Status.SUCCEEDED,
