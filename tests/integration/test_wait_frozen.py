@@ -105,7 +105,16 @@ def test_wait__a_frozen_server_times_out_with_the_last_status_it_said(
 ) -> None:
     with Client(settings(frozen.url, tmp_path)) as client:
         client.submit("fz", "c1", "write_file", {"path": "a.txt", "content": "x"})  # a person's
-        threading.Timer(1.0, frozen.freeze).start()  # once the wait has read and listens
+        get, answered = client.ledger.get, []
+
+        def then_freeze(*args: Any, **kwargs: Any) -> Any:
+            view = get(*args, **kwargs)
+            answered.append(view)
+            if len(answered) == 2:  # the wait has read, listens and read again: the freeze
+                frozen.freeze()  # (a timer of 1 s froze it before the first read, under load)
+            return view
+
+        client.ledger.get = then_freeze  # type: ignore[method-assign]
         out = in_thread(lambda: client.wait("fz", "c1", timeout=3.0))
         exc = out["error"]
         assert isinstance(exc, ReceiptTimeout), exc

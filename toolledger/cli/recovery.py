@@ -130,7 +130,7 @@ def _publisher(c: Context) -> Any:
 @json_option
 @pass_ctx
 def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str, review: bool) -> None:
-    """A human's resolution of an unknown execution, or (--review) review of a flagged call.
+    """A human's resolution of an unknown execution, or review of a flagged call.
 
     Recorded with who decided and the evidence. A flagged call (list --review): look at it,
     then confirm or correct what a human or a reconciler decided, with --review. A call
