@@ -466,12 +466,27 @@ class LedgerResolution(LedgerBase):
             # hides nothing (its flag asked a human about nothing: a cold review)
             self._both_ran(conn, proven, between, evidence, actor, flag_both_ran)
         # and the unclaimed attempt is withdrawn all the same: proof beats permission
-        check_transition(Status.APPROVED, Status.SUCCEEDED)
+        self._withdraw(conn, op, Status.APPROVED, proven, evidence, actor)
+
+    def _withdraw(
+        self,
+        conn: sa.Connection,
+        op: OperationRecord,
+        current: Status,
+        proven: ExecutionRecord,
+        evidence: dict[str, Any],
+        actor: str,
+    ) -> None:
+        """The call made ``succeeded`` with ``proven``'s result, its current attempt (the
+        call ``current``: an unclaimed ``approved`` one, or, at a review, a claimed one that
+        ended ``failed``, said ``set_aside``) withdrawn: one compare-and-set on the call's row,
+        its ``withdrawn`` event and the receipt's notification, in the caller's transaction."""
+        check_transition(current, Status.SUCCEEDED)
         withdrawn = conn.execute(
             operations.update()
             .where(
                 op_key(op.scope, op.idempotency_key),
-                operations.c.status == Status.APPROVED,
+                operations.c.status == current,
                 operations.c.authorized_attempts == op.authorized_attempts,
             )
             .values(status=Status.SUCCEEDED, authorized_attempts=proven.attempt, enqueued_at=None)
@@ -480,12 +495,14 @@ class LedgerResolution(LedgerBase):
         if withdrawn is None:
             return
         db.receipt_written(conn, op.scope, op.idempotency_key)
-        detail = {
+        detail: dict[str, Any] = {
             "attempt": op.authorized_attempts,
             "proven_attempt": proven.attempt,
             "status": Status.SUCCEEDED.value,
-            "evidence": evidence,
         }
+        if current is Status.FAILED:  # a claimed attempt that failed, not an unclaimed one
+            detail["set_aside"] = Status.FAILED.value
+        detail["evidence"] = evidence
         ev = event(
             EventKind.WITHDRAWN, op.scope, op.idempotency_key, actor, detail, proven.execution_id
         )
@@ -730,29 +747,7 @@ class LedgerResolution(LedgerBase):
         op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
         if op.status is not Status.FAILED or op.authorized_attempts <= ex.attempt:
             return
-        check_transition(Status.FAILED, Status.SUCCEEDED)
-        set_aside = conn.execute(
-            operations.update()
-            .where(
-                op_key(op.scope, op.idempotency_key),
-                operations.c.status == Status.FAILED,
-                operations.c.authorized_attempts == op.authorized_attempts,
-            )
-            .values(status=Status.SUCCEEDED, authorized_attempts=ex.attempt, enqueued_at=None)
-            .returning(operations.c.scope)
-        ).first()
-        if set_aside is None:
-            return
-        db.receipt_written(conn, op.scope, op.idempotency_key)
-        detail = {
-            "attempt": op.authorized_attempts,
-            "proven_attempt": ex.attempt,
-            "status": Status.SUCCEEDED.value,
-            "set_aside": Status.FAILED.value,  # a claimed attempt that failed, not an unclaimed one
-            "evidence": evidence,
-        }
-        ev = event(EventKind.WITHDRAWN, op.scope, op.idempotency_key, by, detail, ex.execution_id)
-        self._append(conn, ev)
+        self._withdraw(conn, op, Status.FAILED, ex, evidence, by)
 
 
 def _nothing_to_resolve(execution_id: str, status: Status) -> str:
