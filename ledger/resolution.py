@@ -664,6 +664,8 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is not the one its call is flagged for "
                     f"({flagged or op.review}): review that one",
                 )
+            if status is Status.SUCCEEDED and ex.status is Status.SUCCEEDED:
+                self._later_ended(conn, ex)  # a correction raises its own both_ran instead
             proof = (
                 self._correct(conn, ex, status, by, evidence) if status is not ex.status else None
             )
@@ -690,6 +692,40 @@ class LedgerResolution(LedgerBase):
                 decided = {"kind": "human", "by": by, "text": evidence, "review": True}
                 self._proof_beats_failure(conn, ex, decided, by)
             return self._require_execution(conn, execution_id)
+
+    @staticmethod
+    def _later_ended(conn: sa.Connection, ex: ExecutionRecord) -> None:
+        """StaleFence while a later attempt of ``ex``'s call has not ended (running or
+        unknown): how it ends decides which receipt is the call's. A review confirming attempt
+        1 succeeded while attempt 2 still ran settled the flag (``both_ran``); attempt 2 then
+        failed, and the call was ``failed`` with no flag left to say attempt 1 had charged (a
+        cold review). Refused, the flag waits: the failure is said disputed, and the review,
+        taken once attempt 2 has ended, makes the call succeeded (``_proof_beats_failure``).
+        A review correcting attempt 1 to succeeded needs no refusal: the correction flags
+        ``both_ran`` anew, after the review, and that flag waits."""
+        later = conn.execute(
+            sa.select(executions.c.execution_id, executions.c.attempt, executions.c.status)
+            .where(
+                executions.c.scope == ex.scope,
+                executions.c.idempotency_key == ex.idempotency_key,
+                executions.c.attempt > ex.attempt,
+                executions.c.status.in_([Status.RUNNING, Status.UNKNOWN]),
+            )
+            .order_by(executions.c.attempt)
+            .limit(1)
+        ).first()
+        if later is None:
+            return
+        what = (
+            "resolve it, then review this one"
+            if later.status == Status.UNKNOWN
+            else "review this one once it has ended"
+        )
+        raise StaleFence(
+            ex.execution_id,
+            f"attempt {later.attempt} ({later.execution_id}) is {Status(later.status)}: {what}; "
+            "how it ends decides which receipt is the call's; nothing changed",
+        )
 
     @staticmethod
     def _flag_events(

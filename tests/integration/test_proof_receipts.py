@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from toolledger.client import receipt_of
+from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.lightreads import LightReads
 from toolledger.ledger.receipts import DISPUTED_MESSAGE
@@ -280,3 +281,50 @@ def test_verify__a_failed_call_set_aside_without_a_review_is_reported(ledger: Le
         )
     found = [d.field for d in ledger.verify().differences]
     assert any("set aside by something not a review" in f for f in found), found
+
+
+def test_early_review__attempt_1_is_not_confirmed_while_attempt_2_has_not_ended(
+    ledger: Ledger, fresh_db_url: str
+) -> None:
+    """A reviewer confirmed attempt 1 succeeded (``both_ran``) while attempt 2 still ran;
+    attempt 2 then failed, and the call was ``failed``, its receipt a plain failure with no
+    flag waiting, though attempt 1 had charged (a cold review). The review is refused until
+    attempt 2 has ended; then it makes the call succeeded."""
+    submitted(ledger)
+    first = lost_attempt(ledger, 1)
+    ledger.authorize_retry(SCOPE, CALL, by="bob", accept_duplicate=True)
+    c2 = ledger.claim(SCOPE, KEY, 2, worker_id="w2")
+    assert c2 is not None
+    charged = {"charged": True, "charge_id": "ch_1"}
+    ledger.record_late_result(first, late_success(charged), actor="w1", outcome=Status.SUCCEEDED)
+    assert waiting(ledger) == {(first, "both_ran")}
+    before = len(ledger.events(SCOPE, CALL))
+    with pytest.raises(StaleFence, match=r"attempt 2 .* is running: .*once it has ended"):
+        ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="charged", review=True)
+    assert len(ledger.events(SCOPE, CALL)) == before and waiting(ledger) == {(first, "both_ran")}
+    declined = {"error": "declined", "message": "duplicate charge declined"}
+    ledger.finish(c2.execution_id, c2.lease_token, Status.FAILED, declined)
+    # the flag still waits: the failure the model reads is said disputed
+    assert model_reads(ledger, fresh_db_url) == {**declined, "toolledger": NOTE}
+    ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="charged", review=True)
+    assert model_reads(ledger, fresh_db_url) == charged
+    assert ledger.get(SCOPE, CALL).operation.status is Status.SUCCEEDED
+    assert ledger.verify().ok
+
+
+def test_early_review__attempt_2_unknown_is_resolved_first(ledger: Ledger) -> None:
+    """The same with attempt 2 lost too: resolve it first, then review attempt 1."""
+    submitted(ledger)
+    first = lost_attempt(ledger, 1)
+    ledger.authorize_retry(SCOPE, CALL, by="bob", accept_duplicate=True)
+    second = lost_attempt(ledger, 2)
+    ledger.record_late_result(
+        first, late_success({"charged": True}), actor="w1", outcome=Status.SUCCEEDED
+    )
+    assert waiting(ledger) == {(first, "both_ran")}
+    with pytest.raises(StaleFence, match=f"attempt 2 \\({second}\\) is unknown: resolve it"):
+        ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="charged", review=True)
+    ledger.resolve(second, Status.FAILED, by="carol", evidence="no second charge")
+    ledger.resolve(first, Status.SUCCEEDED, by="rev", evidence="charged", review=True)
+    assert ledger.get(SCOPE, CALL).operation.status is Status.SUCCEEDED
+    assert ledger.verify().ok

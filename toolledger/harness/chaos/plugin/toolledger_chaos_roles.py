@@ -181,7 +181,17 @@ class Operator:
         if current is None:
             return 0
         if getattr(view.operation, "review", None):
-            return self.review(job, view)
+            if current.status is not Status.UNKNOWN:
+                return self.review(job, view)
+            # a flag on an earlier attempt waits while the current one is unknown: that one
+            # is resolved first (a review confirming the earlier success is refused until
+            # the later attempt has ended), never retried (a flagged call waits for a person)
+            present = self.looks_present(job)
+            if present is None:
+                return 0
+            status = Status.SUCCEEDED if present else Status.FAILED
+            why = f"flagged, and its effect is there: {present}"
+            return self.resolve(job, current, status, why)
         if row.status is Status.FAILED:
             return self.failed(job, current)
         present = self.looks_present(job)
@@ -259,6 +269,8 @@ class Operator:
         except DB_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a sweep got there first, or it is refused
+            if "how it ends decides" in str(exc):  # a later attempt still runs: look again
+                return 0
             self.act("gave_up", job["cid"], f"{why}; refused: {exc}")
             self.settled.add(job["cid"])
             return 0
