@@ -81,7 +81,7 @@ def report_calls() -> list[ToolCall]:
 def build_graph(
     model: BaseChatModel,
     tools: list[BaseTool],
-    checkpointer: BaseCheckpointSaver[Any],
+    checkpointer: BaseCheckpointSaver[Any] | None,
     *,
     tools_node: Any = None,
     interrupt_before: list[str] | None = None,
@@ -122,6 +122,7 @@ def run(thread: str) -> list[dict[str, Any]]:
         state = graph.invoke(
             {"messages": [("user", "Write the report.")]},
             {"configurable": {"thread_id": thread}},
+            durability="sync",  # the model's calls saved before they run (ledger_tools asks it)
         )
     return [as_dict(m) for m in state["messages"]]
 

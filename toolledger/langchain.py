@@ -7,7 +7,7 @@
     client = Client()
     tools = ledger_tools(client, approve=lambda tool, call_id, args: "policy")
     node = ToolNode(tools)          # in a graph compiled with a checkpointer
-    graph.invoke(state, {"configurable": {"thread_id": "run-42"}})
+    graph.invoke(state, {"configurable": {"thread_id": "run-42"}}, durability="sync")
 
 A call is the model's ``ToolCall``: its ``id`` is the ledger's ``tool_call_id`` and the
 LangGraph thread (``config["configurable"]["thread_id"]``) is its scope. The tool submits
@@ -18,6 +18,11 @@ it through ``Client.submit`` — approved by ``approve(tool, call_id, args)`` (d
 
 A node run again after an interrupt or a crash sends the same ToolCall ids in the same
 thread: ``submit`` finds the recorded calls and the receipts come back; nothing runs twice.
+That holds only if the model's message was saved before its tools ran: in a graph the tools
+refuse to run unless it has a checkpointer and runs with ``durability="sync"``
+(``NotDurable``, nothing submitted). LangGraph's default, ``"async"``, saves the message
+while the tools node already runs: a crash before the save made the model call again under
+new ids, and the effect happened twice (a cold review).
 A call without a receipt (waiting for a person, or still running when ``timeout`` ends) has
 nothing true to tell the model: the tool raises ``CallsWaiting`` naming it (a ToolNode lets it
 through, and the graph run stops at its last checkpoint), as ``Client.run_turn`` does. Once a
@@ -37,7 +42,7 @@ from langchain_core.messages import ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException
 
-from toolledger.client import Client, ReceiptTimeout
+from toolledger.client import UNANSWERED, Client, ReceiptTimeout
 from toolledger.ledger.errors import ConflictError, LedgerError
 from toolledger.ledger.identity import args_sha256
 from toolledger.ledger.transitions import Status
@@ -72,6 +77,42 @@ class ToolCallsWaiting(CallsWaiting, GraphBubbleUp):
 
 class MissingCallIdentity(ValueError):
     """The tool was invoked without a ToolCall id or outside a LangGraph thread."""
+
+
+class NotDurable(MissingCallIdentity):
+    """The tool was invoked in a graph that would not give its ToolCall ids back after a
+    crash: no checkpointer, or a durability other than ``"sync"``."""
+
+
+#: LangGraph's own config keys (``langgraph._internal._constants``): a task of a graph run
+#: has the first; the others say how its checkpoints are kept. A test holds them to the
+#: installed LangGraph (a renamed key would let every graph through).
+_TASK_ID = "__pregel_task_id"
+_CHECKPOINTER = "__pregel_checkpointer"
+_DURABILITY = "__pregel_durability"
+
+
+def check_durable(config: RunnableConfig | None) -> None:
+    """``NotDurable`` unless the ToolCall ids would come back after a crash: in a graph, a
+    checkpointer and ``durability="sync"`` (the model's message saved before its tools run).
+    Outside a graph (a ``tool.invoke`` of a ToolCall) the caller keeps its ids, as
+    ``run_turn``'s does."""
+    configurable = (config or {}).get("configurable") or {}
+    if _TASK_ID not in configurable:
+        return
+    if configurable.get(_CHECKPOINTER) is None:
+        raise NotDurable(
+            "toolledger tools need a graph compiled with a checkpointer: without one a crash "
+            "loses the model's tool calls, and the model calls again under new ids"
+        )
+    durability = configurable.get(_DURABILITY, "async")
+    if durability != "sync":
+        raise NotDurable(
+            f"toolledger tools need durability='sync' (this graph runs with {durability!r}, "
+            "LangGraph's default is 'async'): invoke or stream the graph with "
+            "durability='sync', so the model's tool calls are saved before they run; "
+            "otherwise a crash makes the model call again under new ids, a second effect"
+        )
 
 
 def default_approve(_tool: str, _call_id: str, _args: dict[str, Any]) -> str | None:
@@ -145,6 +186,7 @@ class LedgerTool(BaseTool):
         call_id = str(kwargs.pop(CALL_ID_FIELD))
         kwargs.pop("run_manager", None)
         scope = thread_id(config)
+        check_durable(config)
         spec = self.ledger_tool
         # The arguments as the model sent them, which run_turn and repair record and hash for
         # the same call: LangChain's validated ones (5.0 made 5, "5" made 5, unknown keys
@@ -176,12 +218,17 @@ class LedgerTool(BaseTool):
                 )
         except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
             raise ToolException(f"toolledger refused the call: {exc}") from exc
+        except Exception as exc:
+            raise _unanswered(scope, call_id) from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
             raise ToolCallsWaiting(scope, {call_id: handle.status})
         try:
             receipt = handle.result(timeout=self.timeout)
         except ReceiptTimeout as exc:
-            raise ToolCallsWaiting(scope, {call_id: exc.status}) from None
+            unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
+            raise ToolCallsWaiting(scope, {call_id: exc.status}, unanswered) from None
+        except Exception as exc:
+            raise _unanswered(scope, call_id) from exc
         return ToolMessage(
             content=receipt.text,
             tool_call_id=call_id,
@@ -189,6 +236,14 @@ class LedgerTool(BaseTool):
             status="error" if receipt.is_error else "success",
             artifact={**receipt.to_json(), "scope": scope, "tool_call_id": call_id},
         )
+
+
+def _unanswered(scope: str, call_id: str) -> ToolCallsWaiting:
+    """What the tool raises when the database (or the broker) failed once the submit may have
+    committed: where the call stands is not known, and the model is told nothing. A ToolNode
+    with ``handle_tool_errors=True`` turned such an error into one the model read; it called
+    again under a new id, and the effect happened twice (a cold review)."""
+    return ToolCallsWaiting(scope, {call_id: UNANSWERED}, frozenset({call_id}))
 
 
 def ledger_tool(

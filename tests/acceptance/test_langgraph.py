@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from tests.conftest import CI
 
@@ -28,7 +29,7 @@ from langgraph.prebuilt import ToolNode
 from examples.langgraph_agent import ScriptedModel, build_graph
 from tests.acceptance.conftest import Stack, landed
 from toolledger import Client
-from toolledger.langchain import MissingCallIdentity, ledger_tools
+from toolledger.langchain import MissingCallIdentity, NotDurable, ledger_tools
 from toolledger.ledger.errors import NotFound
 from toolledger.turns import CallsWaiting
 
@@ -88,13 +89,14 @@ def test_interrupted_before_tools__resumed_then_rerun_from_checkpoint_replays(
             MemorySaver(),
             interrupt_before=["tools"],
         )
-        graph.invoke({"messages": [HumanMessage("go")]}, thread)
+        graph.invoke({"messages": [HumanMessage("go")]}, thread, durability="sync")
         before_tools = graph.get_state(thread)
         assert before_tools.next == ("tools",)
         assert not (world.sandbox / "lg-thread-1").exists()  # interrupted: nothing ran
 
-        first = graph.invoke(None, thread)  # resume
-        again = graph.invoke(None, before_tools.config)  # the tools node again, same ids
+        first = graph.invoke(None, thread, durability="sync")  # resume
+        # the tools node again, same ids
+        again = graph.invoke(None, before_tools.config, durability="sync")
     ids = [f"{tag}_append", f"{tag}_write"]
     expected = receipt_texts(world, "lg-thread-1", ids)
     for state in (first, again):
@@ -134,9 +136,9 @@ def test_crash_inside_the_tools_node__resume_replays_not_reruns(world: Stack) ->
             ScriptedModel(calls=calls(tag)), [], MemorySaver(), tools_node=crashing_tools
         )
         with pytest.raises(Crash):
-            graph.invoke({"messages": [HumanMessage("go")]}, thread)
+            graph.invoke({"messages": [HumanMessage("go")]}, thread, durability="sync")
         assert graph.get_state(thread).next == ("tools",)  # its writes were never saved
-        final = graph.invoke(None, thread)
+        final = graph.invoke(None, thread, durability="sync")
     ids = [f"{tag}_append", f"{tag}_write"]
     expected = receipt_texts(world, scope, ids)
     assert [[m.content for m in run] for run in seen] == [expected, expected]
@@ -166,18 +168,18 @@ def test_not_approved__the_run_stops_and_nothing_runs_until_a_person_decides(
             tools_node=ToolNode(tools, handle_tool_errors=handle_tool_errors),
             interrupt_before=["tools"],
         )
-        graph.invoke({"messages": [HumanMessage("go")]}, thread)
+        graph.invoke({"messages": [HumanMessage("go")]}, thread, durability="sync")
         before_tools = graph.get_state(thread)
         for _ in range(2):
             with pytest.raises(CallsWaiting) as waiting:
-                graph.invoke(None, before_tools.config)
+                graph.invoke(None, before_tools.config, durability="sync")
             assert waiting.value.waiting == {"pend_append": "pending_approval"}
         assert client.status(scope, "pend_append") == "pending_approval"
         assert not tool_messages(graph.get_state(thread).values)  # nothing answered
         assert not (world.sandbox / scope).exists()
         assert executions(world, scope, "pend_append") == 0
         client.approve(scope, "pend_append", by="alice")
-        done = graph.invoke(None, before_tools.config)
+        done = graph.invoke(None, before_tools.config, durability="sync")
     (msg,) = tool_messages(done)
     assert msg.status == "success" and json.loads(str(msg.content))["path"] == "pend/log.txt"
     assert executions(world, scope, "pend_append") == 1
@@ -250,3 +252,85 @@ def test_example_langgraph_agent__runs_then_replays_without_running_again(world:
     log = world.sandbox / "ex-lg" / "report" / "log.txt"
     assert landed(log) == "checked\n"  # appended once across both runs
     assert landed(world.sandbox / "ex-lg" / "report" / "summary.txt") == "all good\n"
+
+
+@pytest.mark.parametrize(
+    ("durability", "saver"),
+    [(None, True), ("async", True), ("exit", True), (None, False)],
+    ids=["default", "async", "exit", "no-checkpointer"],
+)
+@pytest.mark.parametrize("world", ["embedded"], indirect=True)
+def test_not_durable__a_graph_that_would_not_give_the_ids_back_is_refused(
+    world: Stack, durability: str | None, saver: bool
+) -> None:
+    """LangGraph's default durability ("async") saves the model's message while the tools
+    node already runs: a crash before the save, and the model called again under new ids, a
+    second effect (a cold review). In a graph the tools run only under a checkpointer and
+    durability="sync"; refused, nothing is recorded. (This also holds the config keys the
+    check reads to the installed LangGraph: were one renamed, every graph would pass.)"""
+    scope = f"lg-dur-{durability}-{saver}"
+    thread: RunnableConfig = {"configurable": {"thread_id": scope}}
+    with Client(world.settings()) as client:
+        tools = ledger_tools(client, tools=["append_file"])
+        graph = build_graph(
+            ScriptedModel(calls=calls("dur")[:1]), tools, MemorySaver() if saver else None
+        )
+        kw: dict[str, Any] = {} if durability is None else {"durability": durability}
+        with pytest.raises(NotDurable, match="durability='sync'" if saver else "checkpointer"):
+            graph.invoke({"messages": [HumanMessage("go")]}, thread, **kw)
+        with pytest.raises(NotFound):
+            client.status(scope, "dur_append")
+    assert not (world.sandbox / scope).exists()
+
+
+class _Unreachable:
+    """A handle whose wait meets a database that stopped answering after the submit."""
+
+    def __init__(self, handle: Any) -> None:
+        self.status = handle.status
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
+
+
+def _lost_answer(*_: Any, **__: Any) -> Any:
+    raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+
+@pytest.mark.parametrize("where", ["submit", "wait"])
+@pytest.mark.parametrize("world", ["postgres"], indirect=True)
+def test_database_gone_after_the_submit__the_run_stops_and_the_model_is_told_nothing(
+    world: Stack, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The database failed after the submit committed (its answer lost, or during the wait):
+    a ToolNode with handle_tool_errors=True gave the model the OperationalError; the model
+    called again under a new id, and the effect happened twice (a cold review). The run
+    stops with CallsWaiting, the call "unanswered"; run again from the checkpoint, its
+    receipt comes back, one effect."""
+    scope = f"lg-db-gone-{where}"
+    thread: RunnableConfig = {"configurable": {"thread_id": scope}}
+    with Client(world.settings()) as client:
+        tools = ledger_tools(client, tools=["append_file"])
+        graph = build_graph(
+            ScriptedModel(calls=calls("gone")[:1]),
+            tools,
+            MemorySaver(),
+            tools_node=ToolNode(tools, handle_tool_errors=True),
+        )
+        submit = client.submit
+        if where == "wait":
+            monkeypatch.setattr(client, "submit", lambda *a, **k: _Unreachable(submit(*a, **k)))
+        else:  # committed, and then its answer was lost
+            monkeypatch.setattr(client, "submit", lambda *a, **k: _lost_answer(submit(*a, **k)))
+        with pytest.raises(CallsWaiting) as waiting:
+            graph.invoke({"messages": [HumanMessage("go")]}, thread, durability="sync")
+        assert waiting.value.waiting == {"gone_append": "unanswered"}
+        assert waiting.value.unanswered == {"gone_append"}
+        assert isinstance(waiting.value.__cause__, sa.exc.OperationalError)
+        assert not tool_messages(graph.get_state(thread).values)  # the model was told nothing
+        monkeypatch.setattr(client, "submit", submit)
+        done = graph.invoke(None, thread, durability="sync")
+    (msg,) = tool_messages(done)
+    assert msg.status == "success" and msg.tool_call_id == "gone_append"
+    assert landed(world.sandbox / scope / "gone" / "log.txt") == "one line\n"
+    assert executions(world, scope, "gone_append") == 1
