@@ -597,7 +597,8 @@ class LedgerResolution(LedgerBase):
                         f"execution {execution_id} is already resolved {status} by {by} "
                         f"with this evidence, and its call has been flagged {flag} since: "
                         f"look at it ({show}) and resolve again with --review saying what "
-                        "you conclude",
+                        "you conclude (in the console, the flagged execution's form on the page "
+                        "reloaded)",
                     ) from None
                 return current
             if review:
@@ -615,8 +616,9 @@ class LedgerResolution(LedgerBase):
             raise StaleFence(
                 execution_id,
                 f"execution {execution_id} {was}, and its call has been flagged {flag} since: "
-                f"look at it ({show}) and, to settle the flag, resolve again with --review "
-                '(the API\'s "review": true); nothing changed',
+                f"look at it ({show}) and, to settle the flag, resolve again as its review "
+                '(--review; the API\'s "review": true; in the console, the flagged '
+                "execution's form on the page reloaded); nothing changed",
             ) from None
 
     def review(

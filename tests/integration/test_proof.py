@@ -691,7 +691,7 @@ def test_resolve__a_stale_resolution_never_settles_a_flag_its_sender_did_not_see
     # Then it is refused: the flag stays, attempt 2 is still held, nothing is recorded
     said = str(refused.value)
     assert f"execution {eid} was resolved failed by bob" in said
-    assert "flagged contradicted since" in said and "resolve again with --review" in said
+    assert "flagged contradicted since" in said and "resolve again as its review (--review" in said
     assert f"toolledger show --scope {scope} --tool-call-id c1" in said
     assert kinds(ledger, scope) == before
     assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED

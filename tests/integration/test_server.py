@@ -1585,6 +1585,8 @@ def test_console__a_flag_is_settled_only_by_a_form_of_the_page_that_showed_it(
         follow_redirects=False,
     )
     assert r.status_code == 409 and "flagged contradicted since" in r.text
+    # said for a person at the console too, not only the command line's --review
+    assert "the flagged execution&#39;s form on the page reloaded" in r.text
     assert ledger.get(scope, "s").operation.review == "contradicted"
     assert ledger.claim(scope, "notify:s", 2, worker_id="w2") is None
     r = client.post(
