@@ -18,8 +18,9 @@ A call that needs a human (``approve`` returned None for it, and nobody decided 
 is still running when ``timeout`` ends has no receipt, so there is nothing true to tell the
 model yet: the turn answers nothing and raises ``CallsWaiting`` naming those calls (the
 application pauses the run, as agent SDKs do with interruptions, and runs the same turn
-again later: every call is found in the ledger, none runs twice). An ``unknown`` call comes
-back with the text ``repair`` writes, marked as an error.
+again later: every call is found in the ledger, none runs twice). So does a call whose
+submit or wait the database failed: its status ``unanswered``, the error chained. An
+``unknown`` call comes back with the text ``repair`` writes, marked as an error.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from toolledger.ledger import inputs
-from toolledger.ledger.errors import InputError
+from toolledger.ledger.errors import InputError, LedgerError
 from toolledger.ledger.identity import check_text_id
 from toolledger.ledger.records import Receipt
 from toolledger.recovery.replay import Call, Format, TranscriptError, detect
@@ -68,13 +69,17 @@ class CallsWaiting(TimeoutError):
         self.unanswered = unanswered
 
 
+#: The status of a call whose submit or wait the database failed (``client.UNANSWERED``, not
+#: imported: the client imports this module).
+UNANSWERED = "unanswered"
+
+
 UNANSWERED_SINCE = ", when the database last answered: it did not answer the wait"
 
 
 def _stale(cid: str, status: str, unanswered: frozenset[str]) -> bool:
-    # "unanswered" (client.UNANSWERED, not imported: the client imports this module) says
-    # it by itself: no answer at all
-    return cid in unanswered and status != "unanswered"
+    # "unanswered" says it by itself: no answer at all
+    return cid in unanswered and status != UNANSWERED
 
 
 def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]:
@@ -128,6 +133,22 @@ def _said(scope: str, call: Call, submitted: dict[str, Any]) -> None:
         log.warning("%s/%s: %s", scope, call.id, warning)
 
 
+def _submit_failed(
+    scope: str, call: Call, submitted: list[tuple[Call, str]], exc: Exception
+) -> None:
+    """A submit that failed, past the turn's checks: a refusal (``LedgerError``) is raised as
+    it is; anything else (the database or the broker failing, perhaps once the submit had
+    committed) leaves the call unanswered, and the turn's calls submitted before it waiting:
+    CallsWaiting, chained to the error. It reached the application as the database's own
+    error, which an agent loop could hand to the model, who called again under a new id (a
+    cold review of the integrations: the effect twice). The calls after it were not sent:
+    the same turn run again sends them."""
+    if isinstance(exc, LedgerError):
+        raise exc
+    waiting = {c.id: status for c, status in submitted} | {call.id: UNANSWERED}
+    raise CallsWaiting(scope, waiting, frozenset({call.id})) from exc
+
+
 def _status_of(exc: TimeoutError) -> str:
     status = getattr(exc, "status", None)
     if status is None:
@@ -177,14 +198,18 @@ def run_turn(
         for c, p in asked
     ]
     deadline = None if timeout is None else time.monotonic() + timeout
-    handles = [  # submitted in the model's order (workers may run them concurrently)
-        (call, client.submit_checked(prepared, approved_by=approver))
-        for call, prepared, approver in zip(calls, checked, approvers, strict=True)
-    ]
+    handles: list[tuple[Call, Any]] = []
+    for call, prepared, approver in zip(calls, checked, approvers, strict=True):
+        # submitted in the model's order (workers may run them concurrently)
+        try:
+            handles.append((call, client.submit_checked(prepared, approved_by=approver)))
+        except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed
+            _submit_failed(scope, call, [(c, h.status) for c, h in handles], exc)
     for call, handle in handles:
         _said(scope, call, handle.submitted)
     outcomes: list[tuple[Call, Receipt | str]] = []
     unanswered: set[str] = set()
+    failed: Exception | None = None
     for call, handle in handles:
         if unanswered and handle.receipt_in_hand is None:
             # the database did not answer this turn's last wait, which took the reads' whole
@@ -200,7 +225,14 @@ def run_turn(
             outcomes.append((call, _status_of(exc)))
             if getattr(exc, "unanswered", False):
                 unanswered.add(call.id)
-    return answered(scope, fmt, outcomes, frozenset(unanswered))
+        except Exception as exc:  # noqa: BLE001 - the database failed the wait: _submit_failed
+            outcomes.append((call, UNANSWERED))
+            unanswered.add(call.id)
+            failed = failed or exc
+    try:
+        return answered(scope, fmt, outcomes, frozenset(unanswered))
+    except CallsWaiting as waiting:
+        raise waiting from failed
 
 
 async def run_turn_async(
@@ -218,14 +250,17 @@ async def run_turn_async(
         approver = approve(call.name, call.id, copy.deepcopy(prepared.args)) if approve else None
         answer = await approver if inspect.isawaitable(approver) else approver
         approvers.append(_approver(answer, call, prepared))
-    handles = [
-        (call, await client.submit_checked(prepared, approved_by=approver))
-        for call, prepared, approver in zip(calls, checked, approvers, strict=True)
-    ]
+    handles: list[tuple[Call, Any]] = []
+    for call, prepared, approver in zip(calls, checked, approvers, strict=True):
+        try:
+            handles.append((call, await client.submit_checked(prepared, approved_by=approver)))
+        except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed
+            _submit_failed(scope, call, [(c, h.handle.status) for c, h in handles], exc)
     for call, handle in handles:
         _said(scope, call, handle.handle.submitted)
 
     unanswered: set[str] = set()
+    failed: list[Exception] = []
 
     async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:
         try:
@@ -234,6 +269,13 @@ async def run_turn_async(
             if getattr(exc, "unanswered", False):
                 unanswered.add(call.id)
             return call, _status_of(exc)
+        except Exception as exc:  # noqa: BLE001 - the database failed the wait: _submit_failed
+            unanswered.add(call.id)
+            failed.append(exc)
+            return call, UNANSWERED
 
     outcomes = await asyncio.gather(*(one(c, h) for c, h in handles))  # waited together
-    return answered(scope, fmt, list(outcomes), frozenset(unanswered))
+    try:
+        return answered(scope, fmt, list(outcomes), frozenset(unanswered))
+    except CallsWaiting as waiting:
+        raise waiting from (failed[0] if failed else None)

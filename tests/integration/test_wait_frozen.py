@@ -55,6 +55,11 @@ class Freezable:
     def freeze(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)
 
+    def gone(self) -> None:
+        """The server gone: its connections reset, new ones refused (a restart, a crash)."""
+        self.proc.kill()
+        self.proc.wait()
+
     def close(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
         self.proc.kill()
@@ -196,7 +201,35 @@ def test_async_wait__a_frozen_server_times_out(frozen: Freezable, tmp_path: Path
     assert exc.unanswered and exc.status == "pending_approval"
 
 
-def test_cli_wait__exits_7_behind_a_frozen_server(frozen: Freezable, tmp_path: Path) -> None:
+def _listening(url: str, within: float = 30.0) -> None:
+    """Until a client's receipt listener is connected to ``url``'s database: a wait started
+    there has read the call and listens (a fixed sleep froze the server before a CLI loaded
+    under load had read anything: it said "database unavailable", exit 1)."""
+    from toolledger.client import LISTENER_NAME
+
+    engine = sa.create_engine(url)
+    try:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                n = conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                        "current_database() AND application_name = :name"
+                    ),
+                    {"name": LISTENER_NAME},
+                ).scalar_one()
+            if n:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"no receipt listener within {within} s")
+    finally:
+        engine.dispose()
+
+
+def test_cli_wait__exits_7_behind_a_frozen_server(
+    frozen: Freezable, tmp_path: Path, pg_url: str
+) -> None:
     env = {**os.environ, "TOOLLEDGER_DB": frozen.url, "TOOLLEDGER_HOME": str(tmp_path / "h"),
            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"), "TOOLLEDGER_DB_TIMEOUT": GRACE}  # fmt: skip
     cli = [sys.executable, "-m", "toolledger"]
@@ -204,21 +237,21 @@ def test_cli_wait__exits_7_behind_a_frozen_server(frozen: Freezable, tmp_path: P
     args = ["--tool", "write_file", "--args", '{"path": "d.txt", "content": "x"}']
     subprocess.run([*cli, "submit", *call, *args], env=env, check=True, capture_output=True)
     wait = subprocess.Popen(
-        [*cli, "--json", "wait", *call, "--timeout", "3"],
+        [*cli, "--json", "wait", *call, "--timeout", "8"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2.0)  # it has connected, read, and listens: well inside its 3 s
+    _listening(pg_url)  # it has connected, read, and listens: inside its 8 s
     frozen.freeze()
     try:
-        _, err = wait.communicate(timeout=3 + SLACK)
+        _, err = wait.communicate(timeout=8 + SLACK)
     except subprocess.TimeoutExpired:
         wait.kill()
         wait.communicate()
         raise AssertionError(
-            "wait --timeout 3 did not exit: it waited on the frozen server"
+            "wait --timeout 8 did not exit: it waited on the frozen server"
         ) from None
     assert wait.returncode == 7, err
     assert "the database did not answer" in err, err
@@ -366,3 +399,83 @@ def test_async_run_turn__says_which_statuses_the_database_did_not_confirm(
     exc = in_thread(lambda: asyncio.run(scenario()))["value"]
     assert isinstance(exc, CallsWaiting), exc
     assert exc.unanswered == {"a0", "a1"} and set(exc.waiting) == {"a0", "a1"}
+
+
+def _turn(prefix: str, n: int) -> dict[str, Any]:
+    import json
+
+    calls = [
+        {"id": f"{prefix}{i}", "type": "function",
+         "function": {"name": "write_file",
+                      "arguments": json.dumps({"path": f"{prefix}{i}.txt", "content": "x"})}}
+        for i in range(n)
+    ]  # fmt: skip
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+@pytest.mark.parametrize("where", ["wait", "submit"])
+def test_run_turn__a_database_gone_after_a_submit_is_calls_waiting_not_its_error(
+    frozen: Freezable, tmp_path: Path, where: str
+) -> None:
+    """The database gone once a call was submitted (refused connections, not silence): the
+    turn raised the database's own error, which an agent loop could hand to the model, who
+    called again under a new id, the effect twice (a cold review of the integrations). It is
+    CallsWaiting, the call whose submit or wait failed ``unanswered``, chained to the error."""
+    from toolledger.turns import CallsWaiting
+
+    with Client(settings(frozen.url, tmp_path)) as client:
+        if where == "wait":
+            wait = client.wait
+
+            def gone_then_wait(scope: str, tool_call_id: str, **kwargs: Any) -> Any:
+                frozen.gone()  # every call submitted, pending a person
+                return wait(scope, tool_call_id, **kwargs)
+
+            client.wait = gone_then_wait  # type: ignore[method-assign]
+        else:
+            submit = client.submit_checked
+
+            def gone_on_second(prepared: Any, **kwargs: Any) -> Any:
+                if prepared.tool_call_id == "g1":
+                    frozen.gone()
+                return submit(prepared, **kwargs)
+
+            client.submit_checked = gone_on_second  # type: ignore[method-assign]
+        out = in_thread(lambda: client.run_turn("gone-turn", _turn("g", 2), timeout=1.0))
+    exc = out["error"]
+    assert isinstance(exc, CallsWaiting), exc
+    assert isinstance(exc.__cause__, sa.exc.OperationalError), exc.__cause__
+    if where == "wait":
+        assert exc.waiting == {"g0": "unanswered", "g1": "pending_approval"}
+        assert exc.unanswered == {"g0", "g1"}
+    else:
+        assert exc.waiting == {"g0": "pending_approval", "g1": "unanswered"}
+        assert exc.unanswered == {"g1"}
+
+
+def test_async_run_turn__a_database_gone_during_the_waits_is_calls_waiting(
+    frozen: Freezable, tmp_path: Path
+) -> None:
+    from toolledger.turns import CallsWaiting
+
+    async def scenario() -> BaseException | None:
+        async with AsyncClient(settings(frozen.url, tmp_path)) as client:
+            wait = client.wait
+
+            async def gone_then_wait(scope: str, tool_call_id: str, **kwargs: Any) -> Any:
+                if frozen.proc.returncode is None:
+                    frozen.gone()
+                return await wait(scope, tool_call_id, **kwargs)
+
+            client.wait = gone_then_wait  # type: ignore[method-assign]
+            try:
+                await client.run_turn("gone-async", _turn("h", 2), timeout=1.0)
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                return exc
+            return None
+
+    out = in_thread(lambda: asyncio.run(asyncio.wait_for(scenario(), 3.0 + SLACK - 1)))
+    exc = out.get("value")
+    assert isinstance(exc, CallsWaiting), (exc, out.get("error"))
+    assert isinstance(exc.__cause__, sa.exc.OperationalError), exc.__cause__
+    assert exc.waiting == {"h0": "unanswered", "h1": "unanswered"}
