@@ -343,6 +343,37 @@ def test_serve__a_call_not_finished_in_time_answers_its_status_then_its_receipt(
         ledger.close()
 
 
+def test_serve__a_database_gone_at_the_submit_answers_unanswered_not_an_error(
+    world: Stack,
+) -> None:
+    """The database gone when ``serve`` submits a call (refused connections: the commit's
+    answer can be lost the same way): it answered a JSON-RPC error, "ledger unavailable",
+    and a model reading an error calls again, under a new request id where the host names
+    none, a second effect if the first had been recorded (the integrations' cold review). It
+    answers the call pending, ``unanswered``, and says not to call again."""
+    if not world.db.startswith("postgresql"):
+        pytest.skip("a proxy in front of Postgres is what can go away here")
+    from tests.integration.test_wait_frozen import Freezable
+
+    proxy = Freezable(world.db)
+    scope = scope_of("gone")
+
+    async def go() -> Any:
+        async with mcp_server(world, "serve", "--timeout", "5", TOOLLEDGER_DB=proxy.url) as s:
+            proxy.gone()
+            args = {"path": "g.txt", "content": "gone"}
+            return await s.call_tool("probe_write", args, meta={SCOPE: scope})
+
+    try:
+        answer = run_async(go)
+    finally:
+        proxy.close()
+    assert not answer.is_error
+    said = text_of(answer)
+    assert said["status"] == "unanswered" and said["finished"] is False, said
+    assert "did not answer" in said["message"] and "Do not call the tool again" in said["message"]
+
+
 # ------------------------------------------------------------------------------ proxy
 
 

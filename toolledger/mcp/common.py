@@ -126,11 +126,16 @@ def receipt_result(receipt: Receipt) -> types.CallToolResult:
     )
 
 
+#: The status of a call whose submit or wait the database failed (``client.UNANSWERED``).
+UNANSWERED = "unanswered"
+
+
 def pending_result(ident: CallIdentity, status: str) -> types.CallToolResult:
     """No receipt yet: the call's status, never an invented result. Not an error: the call
     goes on, and the same tool_call_id later gets its receipt. Asking again is safe only for
     a call the host named (``_meta``): for any other, a second request is a second call, and
-    the answer says so instead of inviting it."""
+    the answer says so instead of inviting it. ``UNANSWERED``: the database failed the submit
+    or the wait, and whether the call was recorded is not known."""
     if ident.named_by_host and ident.session_scope:  # a promise only this connection keeps
         again = (
             "Call the tool again with the same toolledger/tool_call_id to get its result; "
@@ -149,12 +154,14 @@ def pending_result(ident: CallIdentity, status: str) -> types.CallToolResult:
             f"a second call is a new call and runs again. Its result will be recorded as "
             f"{ident.tool_call_id!r} in scope {ident.scope!r} (toolledger wait)."
         )
-    content = {
-        "status": status,
-        "finished": False,
-        "message": f"This tool call has not finished yet: it is {status}. No result is "
-        f"available now. {again}",
-    }
+    if status == UNANSWERED:  # the database failed once the submit may have committed
+        said = (
+            "The ledger's database did not answer about this tool call: it may have been "
+            "recorded, and then it runs. No result is available now."
+        )
+    else:
+        said = f"This tool call has not finished yet: it is {status}. No result is available now."
+    content = {"status": status, "finished": False, "message": f"{said} {again}"}
     return types.CallToolResult(
         content=[types.TextContent(text=json.dumps(content, ensure_ascii=False))],
         structured_content=content,

@@ -34,6 +34,7 @@ from toolledger.ledger.errors import LedgerError
 from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.mcp import DEFAULT_TIMEOUT, META_SCOPE, META_TOOL_CALL_ID
 from toolledger.mcp.common import (
+    UNANSWERED,
     InFlight,
     StdinLines,
     StdoutLines,
@@ -176,8 +177,13 @@ def build_server(
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}") from None
         except LedgerError as exc:  # input refused, a conflict: nothing recorded
             return error_result(str(exc))
-        except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded: ask again
-            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        except sa.exc.SQLAlchemyError as exc:  # it may or may not be recorded
+            if _read_only(registry, params.name):  # a read changes nothing: ask again
+                raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+            # an error the model reads invites another call, under a new request id where
+            # the host names none: a second effect (the integrations' cold review)
+            log.warning("%s/%s: %s", ident.scope, ident.tool_call_id, _db_error(exc))
+            return pending_result(ident, UNANSWERED)
         receipt = None
         try:
             with in_flight.waiting():  # cut at the input's end, once the drain's time is up
@@ -186,8 +192,9 @@ def build_server(
                 receipt = await handle.result(timeout=0)
         except ReceiptTimeout as exc:
             return pending_result(ident, exc.status)
-        except sa.exc.SQLAlchemyError as exc:
-            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+        except sa.exc.SQLAlchemyError as exc:  # recorded: where it stands is not known
+            log.warning("%s/%s: %s", ident.scope, ident.tool_call_id, _db_error(exc))
+            return pending_result(ident, UNANSWERED)
         return receipt_result(receipt)
 
     return Server(
