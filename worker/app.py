@@ -270,6 +270,7 @@ def observe(app: Celery, settings: Settings) -> None:
     @signals.worker_process_shutdown.connect(weak=False)  # type: ignore[untyped-decorator]
     def _child_exit(pid: int | None = None, **_: Any) -> None:
         metrics.worker_child_exited(pid or os.getpid())
+        tracing.flush()  # the child leaves by os._exit: its batch of spans, or they are lost
 
     @signals.beat_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _beat(sender: Any = None, **_: Any) -> None:

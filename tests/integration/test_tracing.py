@@ -285,3 +285,57 @@ def test_trace__configured_by_the_standard_variables_alone(
     log = worker.log_text()
     assert '"service.name": "tl-test-worker"' in log
     assert '"gen_ai.tool.call.id": "c1"' in log
+
+
+def test_trace__a_recycled_pool_child_exports_its_spans_before_it_exits(tmp_path):
+    """``--max-tasks-per-child 1``: each child runs one call and exits through ``os._exit``,
+    which skips the SDK's exit hook; the spans its batch processor held (5 s by default) were
+    lost, none of the three calls' ``execute_tool`` spans exported (a cold review). Flushed
+    at ``worker_process_shutdown``, each is. The embedded ledger and broker: no services."""
+    from toolledger.harness.processes import worker_process
+
+    settings_env = {
+        "sandbox": str(tmp_path / "sandbox"),
+        "home": str(tmp_path / "home"),
+        "metrics": "off",
+    }
+    otel = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "tl-test-recycled"}
+    worker = worker_process(
+        "w1",
+        {**service_env(**settings_env), **otel},
+        tmp_path / "logs",
+        concurrency=1,
+        extra=("--max-tasks-per-child", "1"),
+    )
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        settings = Settings.from_env(
+            {f"TOOLLEDGER_{k.upper()}": v for k, v in settings_env.items()}
+        )
+        sub = Submitter(settings)
+        for i in range(3):
+            sub.submit(
+                sub.prepare("recycled", f"c{i}", "write_file", {"path": f"{i}", "content": "x"}),
+                approved_by="alice",
+            )
+        ledger = Ledger(settings.db)
+        wait_for(
+            lambda: (
+                all(c.status == Status.SUCCEEDED for c in ledger.list_calls(limit=0))
+                and len(ledger.list_calls(limit=0)) == 3
+            ),
+            60,
+            "three calls succeeded",
+        )
+        # well within the batch processor's 5 s delay: only a flush at the child's exit
+        # exports them (after the delay, the child is long gone)
+        wait_for(
+            lambda: worker.log_text().count('"name": "execute_tool write_file"') == 3,
+            8,
+            "three execute_tool spans",
+        )
+        sub.close()
+        ledger.close()
+    finally:
+        stop_all([worker])

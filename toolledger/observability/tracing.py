@@ -75,6 +75,29 @@ def configure(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+#: How long a pool child that exits waits for its spans to be exported (milliseconds).
+FLUSH_MILLIS = 5000
+
+
+def flush(timeout_millis: int = FLUSH_MILLIS) -> None:
+    """Export the spans this process's provider still holds, waiting ``timeout_millis`` at
+    most: for a prefork pool child that exits (``--max-tasks-per-child``, a warm shutdown).
+    It leaves through ``os._exit``, so the SDK's own exit hook never ran, and the spans its
+    batch processor held (up to 5 s of them) were lost: none of a recycled child's
+    ``execute_tool`` spans reached the collector (a cold review)."""
+    trace = _trace()
+    if trace is None:
+        return
+    provider = trace.get_tracer_provider()
+    force_flush = getattr(provider, "force_flush", None)
+    if force_flush is None:  # the API's no-op or proxy provider: nothing held
+        return
+    try:
+        force_flush(timeout_millis)
+    except Exception as exc:  # noqa: BLE001 - a child's exit must not fail on its spans
+        log.warning("spans not exported at exit: %s", exc)
+
+
 def _exporter(name: str) -> Any:
     try:
         if name == "console":
