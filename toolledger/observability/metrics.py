@@ -5,7 +5,9 @@ the worker's main process serves them all, summed, on one endpoint — so a chil
 mid-task keeps what it counted. The files are the worker's own: a fresh temporary directory,
 or one of its own inside ``PROMETHEUS_MULTIPROC_DIR`` when that is set (``worker-HOST-PID``):
 two workers, or a worker and the beat, given one directory would each serve the other's
-counts (and the last to start would wipe the others' files). Every other process (the beat,
+counts (and the last to start would wipe the others' files). ``toolledger serve --workers
+N`` does the same for its N processes (``serve-HOST-PID``): they share one socket, so one
+scrape target, which must serve their sum. Every other process (the beat, a single
 ``toolledger serve``) counts in its own memory whatever the environment says.
 
 The beat and ``toolledger serve`` also serve the ledger's gauges
@@ -345,8 +347,10 @@ def process_registry(*extra: Any) -> CollectorRegistry:
 
 
 def asgi_app(ledger: Ledger, *, ttl: float = CACHE_SECONDS) -> Any:
-    """The /metrics ASGI app for ``toolledger serve``: this process's counters and the
-    ledger's gauges. Counting starts here (unless TOOLLEDGER_METRICS=off: then only the
+    """The /metrics ASGI app for ``toolledger serve``: this process's counters (under
+    ``--workers N``, every process's, summed: ``join_serve_group``) and the ledger's gauges
+    (this process's own read: a custom collector, in no multiprocess file, so served once
+    whatever N is). Counting starts here (unless TOOLLEDGER_METRICS=off: then only the
     gauges are served)."""
     from prometheus_client import CollectorRegistry, make_asgi_app
 
@@ -376,24 +380,70 @@ class _ReadFirst:
         await self.inner(scope, receive, send)
 
 
+# ------------------------------------------------------------------------ serve --workers N
+
+#: Set by ``serve --workers N`` for its processes: the directory they all count into.
+SERVE_DIR_VARIABLE = "TOOLLEDGER_SERVE_METRICS_DIR"
+
+
+def start_serve_group() -> str | None:
+    """In ``serve --workers N``'s main process, before uvicorn starts its processes: a
+    multiprocess directory for them all (``serve-HOST-PID`` inside PROMETHEUS_MULTIPROC_DIR,
+    else a fresh temporary one; removed when this process exits), named to them in
+    ``SERVE_DIR_VARIABLE``. The N processes share one socket, so one scrape target: a scrape
+    was answered by whichever process accepted it, with that process's counters alone, and
+    the counters went up and down between scrapes (increase() invented traffic, a cold
+    review). Each process now serves the sum of all. None when metrics are off."""
+    if not metrics_on():
+        return None
+    path = use_multiprocess(role="serve")
+    os.environ[SERVE_DIR_VARIABLE] = path
+    return path
+
+
+def join_serve_group() -> str | None:
+    """In one of ``serve --workers N``'s processes (spawned: a fresh interpreter), before any
+    metric is built: count into the group's directory that ``start_serve_group`` named, and
+    leave the sum's live gauges when this process exits (as a worker's pool child does).
+    None when there is no group (one process, or metrics off)."""
+    global _group_dir
+    path = os.environ.get(SERVE_DIR_VARIABLE) or None
+    if path is None or not metrics_on():
+        return None
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    _group_dir = path
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    atexit.register(_leave, path, os.getpid())
+    return path
+
+
+def _leave(directory: str, pid: int) -> None:
+    if os.getpid() == pid and os.path.isdir(directory):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
 # ------------------------------------------------------------------------ worker and beat
 
 
-def use_multiprocess(directory: str | None = None) -> str:
+def use_multiprocess(directory: str | None = None, *, role: str = "worker") -> str:
     """Switch this process (and the children it will fork) to multiprocess counting in a
     directory of its own (removed when this process exits, not when a child does): a new
-    temporary one, or ``worker-HOST-PID`` inside ``directory`` (PROMETHEUS_MULTIPROC_DIR),
-    where the directories of this host's workers that died without removing theirs are
-    removed first. Must run before any metric is built: prometheus_client picks its value
-    class from the environment."""
+    temporary one, or ``ROLE-HOST-PID`` inside ``directory`` (PROMETHEUS_MULTIPROC_DIR),
+    where the directories of this host's processes of that role that died without removing
+    theirs are removed first. Must run before any metric is built: prometheus_client picks
+    its value class from the environment."""
     global _group_dir
     parent = directory or os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
     if parent is None:
-        path = Path(tempfile.mkdtemp(prefix="toolledger-metrics-"))
+        path = Path(tempfile.mkdtemp(prefix=f"toolledger-{role}-metrics-"))
     else:
         host = socket.gethostname()
-        _remove_dead(Path(parent), host)
-        path = Path(parent) / f"worker-{host}-{os.getpid()}"
+        _remove_dead(Path(parent), host, role)
+        path = Path(parent) / f"{role}-{host}-{os.getpid()}"
         # A container's worker has the same pid each start: what is there is a run's that
         # ended (its counts would be summed in, prometheus_client's rule).
         shutil.rmtree(path, ignore_errors=True)
@@ -407,11 +457,11 @@ def use_multiprocess(directory: str | None = None) -> str:
     return str(path)
 
 
-def _remove_dead(parent: Path, host: str) -> None:
-    """Remove the directories in ``parent`` of this host's workers whose process is gone (a
-    worker killed, which never ran its exit hook). Another host's are left alone: its pids
-    mean nothing here."""
-    prefix = f"worker-{host}-"
+def _remove_dead(parent: Path, host: str, role: str = "worker") -> None:
+    """Remove the directories in ``parent`` of this host's processes of ``role`` whose
+    process is gone (a worker killed, which never ran its exit hook). Another host's are left
+    alone: its pids mean nothing here."""
+    prefix = f"{role}-{host}-"
     with contextlib.suppress(OSError):
         for child in parent.iterdir():
             pid = child.name.removeprefix(prefix)

@@ -86,6 +86,11 @@ def run(
                 "TOOLLEDGER_SERVE_SECURE_COOKIES": "1" if secure_cookies else "",
             }
         )
+        # One socket, one scrape target: every process counts into one directory and serves
+        # the sum (observability.metrics.start_serve_group)
+        from toolledger.observability.metrics import start_serve_group
+
+        start_serve_group()
         _uvicorn(
             "toolledger.server.run:app_from_env",
             factory=True,
@@ -175,9 +180,11 @@ def _urls_for_workers(settings: Settings) -> dict[str, str]:
 def app_from_env() -> Any:
     """The app of one of ``serve --workers N``'s processes (uvicorn's factory)."""
     from toolledger.observability.logs import configure_logging
+    from toolledger.observability.metrics import join_serve_group
     from toolledger.server.app import create_app
 
     configure_logging()
+    join_serve_group()  # before create_app builds the counters
     return create_app(
         Settings.from_env(),
         load_tokens(),
