@@ -249,7 +249,12 @@ def observe(app: Celery, settings: Settings) -> None:
     @signals.worker_init.connect(weak=False)  # type: ignore[untyped-decorator]
     def _metrics(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is app:
-            port = metrics.start_worker_metrics()
+            beat = None
+            if (getattr(sender, "options", None) or {}).get("beat"):  # -B: a beat in the group
+                beat = metrics.EmbeddedBeat(
+                    settings.db, settings.db_timeout, settings.sweep_interval
+                )
+            port = metrics.start_worker_metrics(beat=beat)
             if port is not None:
                 bound.append(port)
             if not forks_children(sender):
@@ -278,6 +283,8 @@ def observe(app: Celery, settings: Settings) -> None:
             from toolledger.ledger.ledger import Ledger
 
             tracing.configure()
+            if metrics.beat_served_by_group():
+                return  # worker -B: the worker's endpoint serves this beat's gauges
             ledger = Ledger(settings.db, timeout=settings.db_timeout)
             metrics.start_beat_metrics(ledger, settings.sweep_interval)
 

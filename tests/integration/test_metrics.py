@@ -896,3 +896,62 @@ def test_late_result__settling_an_unknown_counts_as_a_reconciliation(fresh_db_ur
     assert registry.get_sample_value("toolledger_reconciled_total", outcome) == 1
     labels = {"tool": "notify", "status": "succeeded"}
     assert registry.get_sample_value("toolledger_calls_total", labels) == 1
+
+
+@pytest.mark.parametrize("port", ["given", "any"])
+def test_worker_with_embedded_beat__one_endpoint_serves_counters_once_and_gauges(tmp_path, port):
+    """``worker -B``: Celery forks the beat from the worker's main process, where it
+    inherited the group's multiprocess directory. Its endpoint served the worker's counters a
+    second time (on :9809: every count twice, the lease-expiration alert at half the
+    expirations), or, given TOOLLEDGER_METRICS_PORT, tried the worker's port ("address
+    already in use") and the ledger's gauges were served nowhere (a cold review). The
+    worker's endpoint now serves them; the beat opens none. ``any``: port 0, so that a second
+    endpoint would show as a second port (other processes here hold 9808 and 9809)."""
+    chosen = str(free_port()) if port == "given" else "0"
+    settings_env = {
+        "home": str(tmp_path / "home"),
+        "sandbox": str(tmp_path / "sandbox"),
+        "sweep_interval": "1",
+        "metrics_port": chosen,
+    }
+    worker = worker_process(
+        "w", service_env(**settings_env), tmp_path, concurrency=1, extra=("-B",)
+    )
+    procs = [worker.start()]
+    try:
+        worker.wait_ready(60)
+        settings = Settings.from_env(
+            {f"TOOLLEDGER_{k.upper()}": v for k, v in settings_env.items()}
+        )
+        sub = Submitter(settings)
+        sub.submit(
+            sub.prepare("b", "c1", "write_file", {"path": "a.txt", "content": "x"}),
+            approved_by="alice",
+        )
+        ledger = Ledger(settings.db)
+        wait_for(
+            lambda: [c.status for c in ledger.list_calls(limit=0)] == [Status.SUCCEEDED],
+            60,
+            "the call succeeded",
+        )
+        at = re.search(r"MainProcess\] metrics at http://[^:]+:(\d+)/metrics", worker.log_text())
+        assert at is not None, worker.log_text()
+        url = f"http://127.0.0.1:{at.group(1)}/metrics"
+        # the beat is up, past the start where it would open an endpoint: a sweep it sent ran
+        wait_for(
+            lambda: total(scrape(url), "toolledger_sweep_duration_seconds_count") >= 1,
+            30,
+            "a sweep",
+        )
+        said = set(re.findall(r"metrics at http://[^:]+:(\d+)/metrics", worker.log_text()))
+        assert said == {at.group(1)}, worker.log_text()
+        assert "metrics endpoint not started" not in worker.log_text()
+        samples = scrape(url)
+        assert total(samples, "toolledger_calls_total", status="succeeded") == 1
+        assert total(samples, "toolledger_ledger_state_up") == 1, samples
+        assert ("toolledger_calls", (("status", "approved"),)) in samples, samples
+        assert total(samples, "toolledger_sweep_interval_seconds") == 1
+        sub.close()
+        ledger.close()
+    finally:
+        stop_all(procs)

@@ -14,7 +14,8 @@ The beat and ``toolledger serve`` also serve the ledger's gauges
 (``toolledger_calls{status}``, ``toolledger_inbox{kind}``,
 ``toolledger_inbox_oldest_timestamp_seconds{kind}``), read through the partial indexes and
 cached for ``CACHE_SECONDS``; workers do not (N workers would each query the ledger per
-scrape).
+scrape), except one that runs the beat in its group (``worker -B``): its endpoint serves them
+for the beat, which opens none (``EmbeddedBeat``).
 
 Environment (read by the process entry points): ``TOOLLEDGER_METRICS=off`` turns every
 counter and endpoint off; ``TOOLLEDGER_METRICS_PORT`` is the port of a worker's or the
@@ -495,16 +496,60 @@ def endpoint(port: int, addr: str = "0.0.0.0") -> str:  # noqa: S104
     return f"http://{host}:{port}/metrics"
 
 
-def start_worker_metrics(default_port: int = WORKER_PORT) -> int | None:
+@dataclasses.dataclass(frozen=True)
+class EmbeddedBeat:
+    """What a worker's endpoint serves for the beat it runs inside its group (``worker -B``):
+    the ledger's gauges, read from ``db``, and the sweep interval the beat schedules."""
+
+    db: str
+    timeout: float | None
+    sweep_interval: float
+
+    def collectors(self) -> list[Any]:
+        from toolledger.ledger.ledger import Ledger
+
+        ledger = Ledger(self.db, timeout=self.timeout, fast_path=False)
+        # read in the worker's main process, which forks pool children (again at each
+        # --max-tasks-per-child) and the beat: a child must not use, nor close, the
+        # connections it inherits (SQLAlchemy's recipe for a pool across a fork)
+        os.register_at_fork(after_in_child=lambda: ledger.engine.dispose(close=False))
+        return [LedgerStateCollector(ledger), sweep_interval_gauge(self.sweep_interval)]
+
+
+#: Whether this process group's endpoint serves the gauges of a beat embedded in it (set in
+#: the worker's main process, inherited by the beat it forks).
+_beat_in_group = False
+
+
+def beat_served_by_group() -> bool:
+    """In a beat: whether the worker it runs inside (``worker -B``) serves its gauges."""
+    return _beat_in_group
+
+
+def start_worker_metrics(
+    default_port: int = WORKER_PORT, *, beat: EmbeddedBeat | None = None
+) -> int | None:
     """In a worker's main process, before its pool forks: multiprocess counting, the
     endpoint for the whole group. None when metrics are off or the port is taken (the
-    worker runs on; a warning says why)."""
+    worker runs on; a warning says why).
+
+    ``beat``: the worker runs a beat in its group (``worker -B``, a process forked from this
+    one, which inherits the group's directory): this endpoint serves the beat's gauges too,
+    and the beat opens none. Its own endpoint served the group's counters a second time
+    (on :9809, every count twice in Prometheus), or, given TOOLLEDGER_METRICS_PORT, the
+    worker's port: "address already in use", and the ledger's gauges served nowhere (a cold
+    review)."""
+    global _beat_in_group
     if not metrics_on():
         return None
     use_multiprocess()
     counters.enable()
+    extra: list[Any] = []
+    if beat is not None:
+        _beat_in_group = True
+        extra = beat.collectors()
     try:
-        return serve_http(process_registry(), metrics_port(default_port), metrics_addr())
+        return serve_http(process_registry(*extra), metrics_port(default_port), metrics_addr())
     except OSError as exc:
         log.warning("metrics endpoint not started: %s", exc)
         return None
@@ -534,6 +579,12 @@ class Constant:
         yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
 
 
+def sweep_interval_gauge(seconds: float) -> Constant:
+    return Constant(
+        "toolledger_sweep_interval_seconds", "Seconds between sweeps the beat schedules.", seconds
+    )
+
+
 def start_beat_metrics(
     ledger: Ledger, sweep_interval: float, default_port: int = BEAT_PORT
 ) -> int | None:
@@ -543,13 +594,10 @@ def start_beat_metrics(
         return None
     _in_memory()
     counters.enable()
-    interval = Constant(
-        "toolledger_sweep_interval_seconds",
-        "Seconds between sweeps the beat schedules.",
-        sweep_interval,
-    )
     try:
-        registry = process_registry(LedgerStateCollector(ledger), interval)
+        registry = process_registry(
+            LedgerStateCollector(ledger), sweep_interval_gauge(sweep_interval)
+        )
         return serve_http(registry, metrics_port(default_port), metrics_addr())
     except OSError as exc:
         log.warning("metrics endpoint not started: %s", exc)
