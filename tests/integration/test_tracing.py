@@ -339,3 +339,34 @@ def test_trace__a_recycled_pool_child_exports_its_spans_before_it_exits(tmp_path
         ledger.close()
     finally:
         stop_all([worker])
+
+
+def test_logs__every_line_a_json_worker_writes_to_stderr_is_json(tmp_path):
+    """``worker --log-format json`` run as root: Celery's warning about it came first on
+    stderr as ``toolledger: warning: …``, not JSON (a cold review). The embedded ledger and
+    broker: no services."""
+    import os
+    import signal
+    import subprocess
+
+    from toolledger.harness.processes import toolledger_argv
+
+    env = service_env(home=str(tmp_path / "home"), sandbox=str(tmp_path / "sandbox"))
+    env["TOOLLEDGER_METRICS"] = "off"
+    err_path = tmp_path / "stderr"
+    with err_path.open("wb") as err, (tmp_path / "stdout").open("wb") as out:
+        proc = subprocess.Popen(
+            [*toolledger_argv(), "worker", "--log-format", "json", "--pool", "threads",
+             "--concurrency", "1", "--without-gossip", "--without-mingle"],
+            env=env, stdout=out, stderr=err, start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: " ready." in err_path.read_text(errors="replace"), 60, "ready")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    lines = err_path.read_text(errors="replace").splitlines()
+    assert lines
+    parsed = [json.loads(line) for line in lines]  # each a JSON object
+    if os.geteuid() == 0:  # Celery warns only then
+        assert any("superuser privileges" in p["message"] for p in parsed), lines

@@ -103,3 +103,26 @@ def test_metric_hooks__a_failure_to_count_never_reaches_the_protocol(caplog: Any
         "metric transition lost",
         "metric execution_finished lost",
     ]
+
+
+def test_json__a_python_warning_before_logging_is_set_up_is_a_json_line(monkeypatch):
+    """Under ``--log-format json`` (TOOLLEDGER_LOG_FORMAT=json), a warning printed before
+    Celery captures warnings into logging (its warning that the worker runs as root) was
+    ``toolledger: warning: …``, the first line of stderr and not JSON (a cold review)."""
+    import warnings
+
+    from toolledger.cli import warnings_on_one_line
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    warnings_on_one_line()
+    monkeypatch.setenv("TOOLLEDGER_LOG_FORMAT", "json")
+    said = warnings.formatwarning("running as\n  root", UserWarning, "x.py", 1)
+    assert said.endswith("\n") and said.count("\n") == 1
+    line = json.loads(said)
+    assert (line["level"], line["logger"], line["message"]) == (
+        "WARNING",
+        "py.warnings",
+        "running as root",
+    )
+    monkeypatch.setenv("TOOLLEDGER_LOG_FORMAT", "text")
+    assert warnings.formatwarning("x", UserWarning, "x.py", 1) == "toolledger: warning: x\n"

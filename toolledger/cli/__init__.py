@@ -279,9 +279,25 @@ def warnings_on_one_line() -> None:
             # captured into logging (Celery's worker and beat do): the record's text, which
             # its own format prefixes, and no newline of ours inside it (a cold review)
             return text
+        if os.environ.get("TOOLLEDGER_LOG_FORMAT", "").strip().lower() == "json":
+            # a worker's or the beat's --log-format json, before Celery captures warnings
+            # (its warning that it runs as root): a JSON log line as every other, not the
+            # first line of stderr a JSON reader failed on (a cold review)
+            return _json_log_line(text)
         return f"toolledger: warning: {text}\n"
 
     warnings.formatwarning = one_line
+
+
+def _json_log_line(text: str) -> str:
+    """``text`` as the WARNING line ``--log-format json`` writes (observability.logs), from
+    the logger Python's captured warnings go to."""
+    import logging
+
+    from toolledger.observability.logs import JsonFormatter
+
+    record = logging.LogRecord("py.warnings", logging.WARNING, "", 0, text, None, None)
+    return JsonFormatter().format(record) + "\n"
 
 
 def log_as_json_lines() -> None:
