@@ -23,7 +23,8 @@ is a tool with ``needs_approval``: the run stops with an interruption, and once
 ``approved_by`` (default ``openai-agents``). A call the SDK rejects is never submitted:
 nothing is recorded. A call already in the ledger and decided (a replay) needs no second
 approval; one recorded earlier and still waiting for a person pauses the run the same way,
-and the SDK's approval approves it in the ledger, but its rejection does not reach the ledger
+whatever ``approve`` says (as under run_turn, a policy does not decide it), and only the SDK's
+approval approves it in the ledger, but its rejection does not reach the ledger
 (the SDK answers the model without calling the tool): reject such a call in the ledger too.
 
 The tool waits for its receipt (every approved call ends: its worker finishes it, or the
@@ -106,14 +107,26 @@ class _Ledger:
             return None
 
     async def call(
-        self, scope: str, tool_call_id: str, tool: str, args: dict[str, Any], **kw: Any
+        self,
+        scope: str,
+        tool_call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        approved_by: str | None,
+        sdk_approved: bool,
+        timeout: float | None,
     ) -> str:
-        timeout: float | None = kw.pop("timeout")
-        by: str | None = kw.get("approved_by")
+        """The call's receipt text. ``sdk_approved``: the SDK's own approval let it through,
+        which alone decides a call recorded earlier and waiting for a person (a policy's
+        answer does not: run_turn leaves such a call to the person too)."""
         sync = self.sync
+        by = approved_by
         try:
-            handle = await asyncio.to_thread(sync.submit, scope, tool_call_id, tool, args, **kw)
-            if handle.status == Status.PENDING_APPROVAL.value and by is not None:
+            handle = await asyncio.to_thread(
+                sync.submit, scope, tool_call_id, tool, args, approved_by=by
+            )
+            if handle.status == Status.PENDING_APPROVAL.value and by is not None and sdk_approved:
                 # recorded earlier, waiting for a person; this run's approval is that decision
                 with contextlib.suppress(StateError):  # decided meanwhile: that stands
                     await asyncio.to_thread(sync.approve, scope, tool_call_id, by=by)
@@ -188,12 +201,20 @@ def _function_tool(
     async def needs_approval(
         ctx: RunContextWrapper[Any], args: dict[str, Any], call_id: str
     ) -> bool:
-        if tool.read_only or asked((scope_of(ctx), call_id), policy(call_id, args)) is not None:
+        if tool.read_only:
             return False
-        status = await ledger.status(scope_of(ctx), call_id)
-        # new, or recorded earlier and still waiting for a person: the SDK's pause decides;
-        # any other status was decided before (a replay waits for, or returns, its receipt)
-        return status is None or status == Status.PENDING_APPROVAL.value
+        key = (scope_of(ctx), call_id)
+        answer = policy(call_id, args)
+        status = await ledger.status(*key)
+        if status == Status.PENDING_APPROVAL.value:
+            # recorded earlier and waiting for a person: the SDK's pause decides, whatever the
+            # policy says (its approval was taken as that person's: a cold review; run_turn
+            # leaves such a call to the person too)
+            asked(key, None)
+            return True
+        # new and not approved by the policy: the SDK's pause decides; any other status was
+        # decided before (a replay waits for, or returns, its receipt)
+        return asked(key, answer) is None and status is None
 
     async def invoke(ctx: ToolContext[Any], args_json: str) -> str:
         try:
@@ -209,7 +230,13 @@ def _function_tool(
         # reached without a policy approver: the SDK's approval let it through (or a replay)
         by = None if tool.read_only else (answer or sdk_approver)
         return await ledger.call(
-            scope_of(ctx), call_id, tool.name, args, approved_by=by, timeout=timeout
+            scope_of(ctx),
+            call_id,
+            tool.name,
+            args,
+            approved_by=by,
+            sdk_approved=answer is None,
+            timeout=timeout,
         )
 
     schema = tool.json_schema()

@@ -146,23 +146,27 @@ def test_example__runs_then_replays_without_running_again(world: Stack) -> None:
     assert landed(world.sandbox / "ex" / "report" / "summary.txt") == "all good\n"
 
 
+@pytest.mark.parametrize("policy", [None, always], ids=["no-policy", "approving-policy"])
 def test_recorded_earlier_and_waiting_for_a_person__the_run_pauses_as_for_a_new_call(
-    world: Stack,
+    world: Stack, policy: Any
 ) -> None:
     """A call already in the ledger, pending a person's approval: the model is told nothing
     (DESIGN §6); the run pauses with the SDK's own interruption, which keeps the model's call
-    id, and the SDK's approval approves it in the ledger: one effect, the model's own id."""
+    id, and the SDK's approval approves it in the ledger: one effect, the model's own id.
+    An approving policy does not decide it: the policy approved it by its own name, run at
+    once, and no person decided (a cold review; run_turn leaves it to the person too)."""
+    scope = f"conv-3-{'policy' if policy else 'sdk'}"  # Postgres: one database a module
     with Client(world.settings()) as client:  # recorded earlier, waiting for a person
-        client.submit("conv-3", "call_a1", "append_file", APPEND[2])
+        client.submit(scope, "call_a1", "append_file", APPEND[2])
 
     async def go() -> tuple[Any, ScriptedModel]:
         model = ScriptedModel([APPEND])
         async with AsyncClient(world.settings()) as client:
-            tools = ledger_function_tools(client, scope="conv-3", approve=None)
+            tools = ledger_function_tools(client, scope=scope, approve=policy)
             agent = Agent(name="t", model=model, tools=list(tools))
             paused = await Runner.run(agent, "go", run_config=NO_TRACE)
             assert [i.raw_item.call_id for i in paused.interruptions] == ["call_a1"]  # type: ignore[union-attr]
-            assert client.sync.status("conv-3", "call_a1") == "pending_approval"
+            assert client.sync.status(scope, "call_a1") == "pending_approval"
             state = paused.to_state()
             state.approve(paused.interruptions[0])
             return await Runner.run(agent, state, run_config=NO_TRACE), model
@@ -170,13 +174,49 @@ def test_recorded_earlier_and_waiting_for_a_person__the_run_pauses_as_for_a_new_
     resumed, model = asyncio.run(go())
     assert resumed.final_output == "Done: 1 tool results."
     assert set(model.seen) == {"call_a1"}  # nothing answered while it waited
-    assert landed(world.sandbox / "conv-3" / "notes" / "log.txt") == "once\n"
-    assert executions(world, "conv-3", "call_a1") == 1
+    assert landed(world.sandbox / scope / "notes" / "log.txt") == "once\n"
+    assert executions(world, scope, "call_a1") == 1
     ledger = world.ledger()
     try:
-        assert ledger.get("conv-3", "call_a1").operation.decided_by == "openai-agents"
+        assert ledger.get(scope, "call_a1").operation.decided_by == "openai-agents"
     finally:
         ledger.close()
+
+
+def test_recorded_earlier_and_waiting_for_a_person__a_policy_never_approves_it_at_the_call(
+    world: Stack,
+) -> None:
+    """Reached without the SDK's pause (the tool's policy answer forgotten, or the call
+    recorded after it was asked), the policy's approval is not applied to a call waiting for
+    a person: it waits for that person, as under run_turn."""
+    from agents.tool_context import ToolContext
+
+    with Client(world.settings()) as client:  # recorded earlier, waiting for a person
+        client.submit("conv-5", "call_a1", "append_file", APPEND[2])
+    args = json.dumps(APPEND[2])
+
+    async def go() -> None:
+        async with AsyncClient(world.settings()) as client:
+            (tool,) = [
+                t
+                for t in ledger_function_tools(client, scope="conv-5", approve=always, timeout=1)
+                if t.name == "append_file"
+            ]
+            ctx = ToolContext(None, tool_name="append_file", tool_call_id="call_a1",
+                              tool_arguments=args)  # fmt: skip
+            await tool.on_invoke_tool(ctx, args)
+
+    with pytest.raises(TimeoutError) as stopped:
+        asyncio.run(go())
+    waiting = calls_waiting(stopped.value)
+    assert waiting is not None and waiting.waiting == {"call_a1": "pending_approval"}
+    ledger = world.ledger()
+    try:
+        op = ledger.get("conv-5", "call_a1").operation
+    finally:
+        ledger.close()
+    assert (op.status.value, op.decided_by) == ("pending_approval", None)
+    assert executions(world, "conv-5", "call_a1") == 0
 
 
 def test_an_explicit_timeout__the_run_stops_with_calls_waiting(world: Stack) -> None:
