@@ -31,7 +31,8 @@ The tool waits for its receipt (every approved call ends: its worker finishes it
 sweep declares it ``unknown``), so the model is never told anything invented. A ``timeout``,
 if given, stops the run with ``CallsWaiting`` (wrapped by the SDK in a ``UserError``:
 ``calls_waiting(exc)`` finds it); such a run cannot be resumed: run again, the model makes
-new call ids, which are new calls.
+new call ids, which are new calls. The SDK's own ``timeout_seconds`` is refused (it stops the
+wait, not the call, and tells the model the call timed out).
 """
 
 from __future__ import annotations
@@ -169,6 +170,34 @@ def ledger_function_tools(
     return [_function_tool(ledger, t, scope, approve, timeout, approved_by) for t in chosen]
 
 
+class _Invoke:
+    """A tool's ``on_invoke_tool``: ``run`` once the SDK's own ``timeout_seconds`` is found
+    unset on the FunctionTool that calls it, which the SDK binds it to (its
+    ``__agents_bind_function_tool__`` hook, at construction, ``dataclasses.replace`` and copy;
+    on an SDK without the hook, the tool made here): read at the call, as one may be set after.
+    The SDK's timeout stops waiting, not the call: it told the model "timed out" while the call
+    went on and ran, and the model called again under a new id (a cold review)."""
+
+    def __init__(
+        self,
+        run: Callable[[ToolContext[Any], str], Awaitable[str]],
+        function_tool: FunctionTool | None = None,
+    ) -> None:
+        self.run, self.function_tool = run, function_tool
+
+    def __agents_bind_function_tool__(self, function_tool: FunctionTool) -> _Invoke:
+        return _Invoke(self.run, function_tool)
+
+    async def __call__(self, ctx: ToolContext[Any], args_json: str) -> str:
+        made = self.function_tool
+        if made is not None and made.timeout_seconds is not None:  # before any submit
+            raise ValueError(
+                f"{made.name}: the SDK's timeout_seconds tells the model a call timed out while "
+                "it goes on and runs; leave it unset and give ledger_function_tools(timeout=…)"
+            )
+        return await self.run(ctx, args_json)
+
+
 def _function_tool(
     ledger: _Ledger,
     tool: Tool,
@@ -242,11 +271,15 @@ def _function_tool(
     schema = tool.json_schema()
     approval: bool | Callable[[RunContextWrapper[Any], dict[str, Any], str], Awaitable[bool]]
     approval = False if tool.read_only else needs_approval
-    return FunctionTool(
+    made = FunctionTool(
         name=tool.name,
         description=tool.description,
         params_json_schema=schema,
-        on_invoke_tool=invoke,
+        on_invoke_tool=_Invoke(invoke),
         strict_json_schema=strict_schema_ok(schema),
         needs_approval=approval,
     )
+    bound = made.on_invoke_tool
+    if isinstance(bound, _Invoke) and bound.function_tool is None:  # an SDK without the hook
+        bound.function_tool = made
+    return made

@@ -314,6 +314,47 @@ def test_arguments__read_by_the_input_rules_as_run_turn_and_repair_read_them(
         ledger.close()
 
 
+@pytest.mark.parametrize("how", ["replace", "assigned"])
+def test_the_sdks_own_timeout__refused_before_anything_is_submitted(
+    tmp_path: Path, how: str
+) -> None:
+    """The SDK's ``timeout_seconds`` stops waiting, not the call: the model was told "timed
+    out" while the call went on and ran, and it called again under a new id, two effects (a
+    cold review). Refused at the call, however it was set, nothing recorded."""
+    import dataclasses
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'l.db'}",
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+        }
+    )  # fmt: skip  (nothing may be submitted: no worker)
+
+    async def go() -> None:
+        async with AsyncClient(settings) as client:
+            tools = ledger_function_tools(client, scope="sdk-timeout", approve=always)
+            if how == "replace":
+                tools = [dataclasses.replace(t, timeout_seconds=2.0) for t in tools]
+            else:
+                for t in tools:
+                    t.timeout_seconds = 2.0
+            agent = Agent(name="t", model=ScriptedModel([APPEND]), tools=list(tools))
+            await Runner.run(agent, "go", run_config=NO_TRACE)
+
+    with pytest.raises(AgentsException) as stopped:
+        asyncio.run(go())
+    assert "ledger_function_tools(timeout=" in str(stopped.value), stopped.value
+    from toolledger.ledger.ledger import Ledger
+
+    ledger = Ledger(settings.db)
+    try:
+        assert ledger.list_calls(scope="sdk-timeout") == []  # nothing recorded
+    finally:
+        ledger.close()
+
+
 def test_policy__asked_once_a_call_on_its_own_copy_of_the_arguments(world: Stack) -> None:
     """The policy was asked when the SDK asked whether the call needs approval and again when
     it ran, and the second answer decided: a policy that approves one call a run recorded the
