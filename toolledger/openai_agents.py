@@ -30,9 +30,10 @@ approval approves it in the ledger, but its rejection does not reach the ledger
 The tool waits for its receipt (every approved call ends: its worker finishes it, or the
 sweep declares it ``unknown``), so the model is never told anything invented. A ``timeout``,
 if given, stops the run with ``CallsWaiting`` (wrapped by the SDK in a ``UserError``:
-``calls_waiting(exc)`` finds it); such a run cannot be resumed: run again, the model makes
-new call ids, which are new calls. The SDK's own ``timeout_seconds`` is refused (it stops the
-wait, not the call, and tells the model the call timed out).
+``calls_waiting(exc)`` finds it), as does any other error once the submit may have committed
+(the call's status ``unanswered``: it may be in flight); such a run cannot be resumed: run
+again, the model makes new call ids, which are new calls. The SDK's own ``timeout_seconds``
+is refused (it stops the wait, not the call, and tells the model the call timed out).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from typing import Any
 from agents import FunctionTool, RunContextWrapper
 from agents.tool_context import ToolContext
 
-from toolledger.client import AsyncCallHandle, AsyncClient, Client, ReceiptTimeout
+from toolledger.client import UNANSWERED, AsyncCallHandle, AsyncClient, Client, ReceiptTimeout
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, LedgerError, StateError
 from toolledger.ledger.transitions import Status
@@ -140,6 +141,13 @@ class _Ledger:
             raise CallsWaiting(scope, {tool_call_id: exc.status}) from None
         except LedgerError as exc:  # refused input, a conflict: nothing recorded
             return " ".join(f"error: {exc}".split())
+        except Exception as exc:
+            # the submit may have committed (a database that stopped answering during or
+            # after it): the call may be in flight, so the run stops as for a timeout, where
+            # calls_waiting finds it; as an ordinary error nothing said so, and the run again
+            # made a new id, a second effect (a cold review)
+            waiting = {tool_call_id: UNANSWERED}
+            raise CallsWaiting(scope, waiting, frozenset(waiting)) from exc
         return receipt.text
 
 

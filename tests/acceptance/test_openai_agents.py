@@ -355,6 +355,54 @@ def test_the_sdks_own_timeout__refused_before_anything_is_submitted(
         ledger.close()
 
 
+@pytest.mark.parametrize("where", ["submit", "wait"])
+def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
+    tmp_path: Path, where: str
+) -> None:
+    """A database that stops answering during or after the submit (which may have committed):
+    the SDK ended the run with an ordinary error, ``calls_waiting`` said None, so nothing
+    told the app a call was in flight; the run again made a new id, two effects (a cold
+    review). It stops as for a timeout now, the call's status ``unanswered``."""
+    import sqlalchemy as sa
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'l.db'}",
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+        }
+    )  # fmt: skip  (recorded, never run: no worker)
+    blip = sa.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+
+    async def go() -> None:
+        async with AsyncClient(settings) as client:
+            submit = client.sync.submit
+
+            def submit_then_blip(*a: Any, **kw: Any) -> Any:
+                submit(*a, **kw)  # committed
+                raise blip
+
+            async def wait_blip(*_a: Any, **_kw: Any) -> Any:
+                raise blip
+
+            if where == "submit":
+                client.sync.submit = submit_then_blip  # type: ignore[method-assign]
+            else:
+                client.wait = wait_blip  # type: ignore[method-assign]
+            tools = ledger_function_tools(client, scope="blip", approve=always)
+            agent = Agent(name="t", model=ScriptedModel([APPEND]), tools=list(tools))
+            await Runner.run(agent, "go", run_config=NO_TRACE)
+
+    with pytest.raises(AgentsException) as stopped:
+        asyncio.run(go())
+    waiting = calls_waiting(stopped.value)
+    assert waiting is not None and waiting.waiting == {"call_a1": "unanswered"}, stopped.value
+    assert waiting.unanswered == {"call_a1"}
+    with Client(settings) as client:
+        assert client.status("blip", "call_a1") == "approved"  # in flight: it was committed
+
+
 def test_policy__asked_once_a_call_on_its_own_copy_of_the_arguments(world: Stack) -> None:
     """The policy was asked when the SDK asked whether the call needs approval and again when
     it ran, and the second answer decided: a policy that approves one call a run recorded the
