@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -56,7 +57,9 @@ from toolledger.tools import Registry, Tool
 from toolledger.turns import CallsWaiting
 
 Scope = str | Callable[[RunContextWrapper[Any]], str]
-Approve = Callable[[str, str, dict[str, Any]], str | None]
+#: ``approve(tool, call_id, args)``: the approver's name, or None; or an awaitable of it (an
+#: async policy, as AsyncClient.run_turn takes).
+Approve = Callable[[str, str, dict[str, Any]], str | Awaitable[str | None] | None]
 
 #: Who a call the SDK's approval let through is recorded as approved by.
 SDK_APPROVER = "openai-agents"
@@ -223,11 +226,14 @@ def _function_tool(
     # and then said None recorded the SDK's approval, which nobody gave; a cold review).
     answers: OrderedDict[tuple[str, str], str | None] = OrderedDict()
 
-    def policy(call_id: str, args: dict[str, Any]) -> str | None:
+    async def policy(call_id: str, args: dict[str, Any]) -> str | None:
         if tool.read_only or approve is None:
             return None  # read-only: runs at once, never recorded, nothing to approve
         # its own copy: the arguments recorded and run are the model's, whatever it does
-        return approve(tool.name, call_id, copy.deepcopy(args))
+        answer = approve(tool.name, call_id, copy.deepcopy(args))
+        # an async policy is awaited: its coroutine was taken for the approver's name, and the
+        # model read "approver: must be a string, not coroutine" (a cold review)
+        return await answer if inspect.isawaitable(answer) else answer
 
     def asked(key: tuple[str, str], answer: str | None) -> str | None:
         answers[key] = answer
@@ -241,7 +247,7 @@ def _function_tool(
         if tool.read_only:
             return False
         key = (scope_of(ctx), call_id)
-        answer = policy(call_id, args)
+        answer = await policy(call_id, args)
         status = await ledger.status(*key)
         if status == Status.PENDING_APPROVAL.value:
             # recorded earlier and waiting for a person: the SDK's pause decides, whatever the
@@ -263,7 +269,7 @@ def _function_tool(
             return f"error: {exc}"
         call_id = ctx.tool_call_id
         key = (scope_of(ctx), call_id)
-        answer = answers.pop(key) if key in answers else policy(call_id, args)
+        answer = answers.pop(key) if key in answers else await policy(call_id, args)
         # reached without a policy approver: the SDK's approval let it through (or a replay)
         by = None if tool.read_only else (answer or sdk_approver)
         return await ledger.call(

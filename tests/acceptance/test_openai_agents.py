@@ -403,6 +403,48 @@ def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
         assert client.status("blip", "call_a1") == "approved"  # in flight: it was committed
 
 
+@pytest.mark.parametrize("answer", ["policy:async", None], ids=["approves", "a-person"])
+def test_an_async_policy__awaited(tmp_path: Path, answer: str | None) -> None:
+    """An async policy (AsyncClient.run_turn takes one) was never awaited: its coroutine was
+    taken for the approver's name and the model read "error: approver: must be a string, not
+    coroutine" (a cold review). Its answer decides now: an approval is recorded by its name,
+    None pauses the run for the SDK's approval, nothing recorded."""
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'l.db'}",
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+        }
+    )  # fmt: skip  (recorded, never run: no worker)
+
+    async def policy(_tool: str, _call_id: str, _args: dict[str, Any]) -> str | None:
+        await asyncio.sleep(0)
+        return answer
+
+    async def go() -> Any:
+        async with AsyncClient(settings) as client:
+            tools = ledger_function_tools(client, scope="async", approve=policy, timeout=0.2)
+            agent = Agent(name="t", model=ScriptedModel([APPEND]), tools=list(tools))
+            return await Runner.run(agent, "go", run_config=NO_TRACE)
+
+    from toolledger.ledger.ledger import Ledger
+
+    ledger = Ledger(settings.db)
+    try:
+        if answer is None:
+            paused = asyncio.run(go())
+            assert [i.raw_item.call_id for i in paused.interruptions] == ["call_a1"]  # type: ignore[union-attr]
+            assert ledger.list_calls(scope="async") == []
+        else:
+            with pytest.raises(AgentsException) as stopped:  # no worker: it waits, recorded
+                asyncio.run(go())
+            assert calls_waiting(stopped.value) is not None, stopped.value
+            assert ledger.get("async", "call_a1").operation.decided_by == "policy:async"
+    finally:
+        ledger.close()
+
+
 def test_policy__asked_once_a_call_on_its_own_copy_of_the_arguments(world: Stack) -> None:
     """The policy was asked when the SDK asked whether the call needs approval and again when
     it ran, and the second answer decided: a policy that approves one call a run recorded the
