@@ -8,7 +8,8 @@
 The agent's tools are ``ledger_function_tools``: every call the model makes is submitted
 under the SDK's tool call id in the scope, executed once by a worker, and answered with its
 receipt. A policy approves writes under ``report/``; anything else would pause the run for
-the SDK's human-in-the-loop approval. Run it again with the same scope: the same calls are
+the SDK's human-in-the-loop approval (reported as ``paused: …``, exit status 1, as
+``agent_loop.py`` reports a pause). Run it again with the same scope: the same calls are
 found in the ledger, the same results come back, and ``report/log.txt`` gets its line once.
 """
 
@@ -115,6 +116,10 @@ CALLS: list[Call] = [
 ]
 
 
+class Paused(Exception):
+    """The run stopped for the SDK's approval of some calls (its interruptions)."""
+
+
 def policy(tool: str, tool_call_id: str, args: dict[str, Any]) -> str | None:
     """Writes under report/ are approved; anything else pauses for the SDK's approval."""
     return "policy:report-writer" if str(args.get("path", "")).startswith("report/") else None
@@ -128,6 +133,12 @@ async def run(scope: str) -> dict[str, Any]:
         result = await Runner.run(
             agent, "Write the report.", run_config=RunConfig(tracing_disabled=True)
         )
+    if result.interruptions:  # the run pauses: not a final output (it printed null, exit 0)
+        ids = ", ".join(repr(getattr(i.raw_item, "call_id", i.name)) for i in result.interruptions)
+        raise Paused(
+            f"{len(result.interruptions)} call(s) wait for the SDK's approval: {ids}; approve "
+            "them in the run's state (RunState.approve) and resume it"
+        )
     return {"final_output": result.final_output, "tool_outputs": model.seen}
 
 
@@ -135,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scope", default="agents-loop")
     args = parser.parse_args(argv)
-    print(json.dumps(asyncio.run(run(args.scope)), ensure_ascii=False, indent=2))
+    try:
+        out = asyncio.run(run(args.scope))
+    except Paused as paused:
+        raise SystemExit(f"paused: {paused}") from None
+    print(json.dumps(out, ensure_ascii=False, indent=2))
 
 
 if __name__ == "__main__":

@@ -146,6 +146,29 @@ def test_example__runs_then_replays_without_running_again(world: Stack) -> None:
     assert landed(world.sandbox / "ex" / "report" / "summary.txt") == "all good\n"
 
 
+def test_example__a_pause_is_reported_not_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A call its policy does not approve pauses the run: the example printed final_output
+    null and exited 0, the pause unsaid (a cold review); it says "paused: …", exit status 1."""
+    import examples.openai_agents_loop as example
+
+    for name, value in {
+        "DB": f"sqlite:///{tmp_path / 'l.db'}",
+        "HOME": str(tmp_path),
+        "SANDBOX": str(tmp_path / "sb"),
+        "BROKER": "redis://127.0.0.1:1/0",  # nothing submitted while paused: no worker
+    }.items():
+        monkeypatch.setenv(f"TOOLLEDGER_{name}", value)
+    outside = ("call_x", "append_file", {"path": "outside/log.txt", "content": "x\n"})
+    monkeypatch.setattr(example, "CALLS", [outside])
+    with pytest.raises(SystemExit) as stopped:
+        example.main(["--scope", "ex-pause"])
+    assert str(stopped.value.code).startswith("paused: 1 call(s) wait for the SDK's approval: "
+                                              "'call_x'"), stopped.value.code  # fmt: skip
+    assert capsys.readouterr().out == ""  # no final output printed
+
+
 @pytest.mark.parametrize("policy", [None, always], ids=["no-policy", "approving-policy"])
 def test_recorded_earlier_and_waiting_for_a_person__the_run_pauses_as_for_a_new_call(
     world: Stack, policy: Any
