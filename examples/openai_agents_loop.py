@@ -3,7 +3,7 @@
     pip install 'toolledger[agents]'
     toolledger worker &                               # a real worker (embedded default)
     python examples/openai_agents_loop.py --scope demo-1
-    python examples/openai_agents_loop.py --scope demo-1   # "after a crash": replayed
+    python examples/openai_agents_loop.py --scope demo-1   # the same call ids: replayed
 
 The agent's tools are ``ledger_function_tools``: every call the model makes is submitted
 under the SDK's tool call id in the scope, executed once by a worker, and answered with its
@@ -11,6 +11,8 @@ receipt. A policy approves writes under ``report/``; anything else would pause t
 the SDK's human-in-the-loop approval (reported as ``paused: …``, exit status 1, as
 ``agent_loop.py`` reports a pause). Run it again with the same scope: the same calls are
 found in the ledger, the same results come back, and ``report/log.txt`` gets its line once.
+That is the scripted model's fixed call ids: a real model makes new ids on a new run, and the
+SDK keeps none of a crashed run's (see the README: replay needs the ids kept by the app).
 """
 
 from __future__ import annotations

@@ -13,8 +13,11 @@
 Each ``FunctionTool.on_invoke_tool`` submits the model's call under the SDK's own tool call id
 (``ToolContext.tool_call_id``) in ``scope`` (the conversation or session id: a string, or a
 function of the run context), waits for its receipt and hands the model ``receipt.text``.
-Re-running the same turn after a crash (same call ids, same scope) finds the calls in the
-ledger: the recorded receipt comes back and the tool does not run again.
+A call id seen again in its scope finds the call in the ledger: the recorded receipt comes
+back and the tool does not run again. The SDK does not give the same ids back after a crash:
+it saves nothing of a model response before its tools run and cannot resume a failed run, so
+a run again asks the model again, whose new call ids are new calls (the abandoned run's calls
+still take effect). Replay needs the call ids kept by the app (the README says how).
 
 Approval is the SDK's human-in-the-loop: a call that ``approve(tool, call_id, args)`` does
 not approve (it returns None; with no ``approve`` at all, every call that is not read-only)
