@@ -252,7 +252,7 @@ def observe(app: Celery, settings: Settings) -> None:
             beat = None
             if (getattr(sender, "options", None) or {}).get("beat"):  # -B: a beat in the group
                 beat = metrics.EmbeddedBeat(
-                    settings.db, settings.db_timeout, settings.sweep_interval
+                    settings.db, settings.db_timeout, settings.sweep_interval, settings.sweep_grace
                 )
             port = metrics.start_worker_metrics(beat=beat)
             if port is not None:
@@ -286,7 +286,9 @@ def observe(app: Celery, settings: Settings) -> None:
             if metrics.beat_served_by_group():
                 return  # worker -B: the worker's endpoint serves this beat's gauges
             ledger = Ledger(settings.db, timeout=settings.db_timeout)
-            metrics.start_beat_metrics(ledger, settings.sweep_interval)
+            metrics.start_beat_metrics(
+                ledger, settings.sweep_interval, sweep_grace=settings.sweep_grace
+            )
 
     @signals.after_setup_logger.connect(weak=False)  # type: ignore[untyped-decorator]
     @signals.after_setup_task_logger.connect(weak=False)  # type: ignore[untyped-decorator]

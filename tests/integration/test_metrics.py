@@ -505,7 +505,8 @@ def test_state_counts__each_part_can_use_a_partial_index(pg_url):
 
     @sa.event.listens_for(ledger.engine, "before_cursor_execute", retval=True)
     def explain(conn, cursor, statement, parameters, context, executemany):
-        if statement.lstrip().upper().startswith("SELECT") and "operations" in statement:
+        read = statement.lstrip().upper().startswith("SELECT")
+        if read and ("operations" in statement or "executions" in statement):
             cursor.execute("SET enable_seqscan = off")
             cursor.execute("EXPLAIN " + statement, parameters)
             captured.extend(row[0] for row in cursor.fetchall())
@@ -522,6 +523,7 @@ def test_state_counts__each_part_can_use_a_partial_index(pg_url):
     assert "ix_operations_review" in plan, plan
     assert "ix_executions_unknown" in plan, plan  # the oldest unknown (the oldest pending
     # approval: ix_operations_attention or ix_operations_waiting, as the planner prices them)
+    assert "ix_executions_running_lease" in plan, plan  # the earliest running lease
     assert "Seq Scan" not in plan, plan
 
 
@@ -628,6 +630,104 @@ def test_inbox_oldest__a_flagged_call_since_the_flag_it_carries_now(fresh_db_url
         # and a settled flag waits no more
         ledger.review(b, Status.FAILED, by="erin", evidence="really not sent")
         assert set(state_counts(ledger)["oldest"]) == {"both_ran"}
+    finally:
+        ledger.close()
+
+
+def test_approved_calls__by_whether_a_worker_may_claim_them(fresh_db_url):
+    """``toolledger_approved_calls{kind}`` splits the approved calls as the outbox does: an
+    MCP proxy's (mcp.*) and a flagged one no worker may claim, and the no-claims alert, on
+    every approved call, fired on an idle healthy stack holding one (a cold review). The
+    oldest claimable call waits since its approval, a retried one since its retry's
+    authorisation (its first approval is older, and says nothing of this attempt)."""
+    from toolledger.observability.metrics import LedgerStateCollector, state_counts
+
+    ledger = Ledger(fresh_db_url)
+    try:
+        assert state_counts(ledger)["approved"] == {"claimable": 0, "flagged": 0, "proxied": 0}
+        assert state_counts(ledger)["since"] == {}
+
+        def unknown(call: str, tool: str, args: dict[str, Any]) -> str:
+            ledger.submit("s", call, tool, args, approved_by="al")
+            claim = ledger.claim("s", f"{tool}:{call}", 1, worker_id="zombie")
+            assert claim is not None
+            ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+            return claim.execution_id
+
+        # a call approved first, retried last; one approved between: the oldest wait
+        unknown("retried", "write_file", {"path": "r", "content": "x"})
+        ledger.submit("s", "c1", "write_file", {"path": "c1", "content": "x"}, approved_by="al")
+        approved_at = ledger.get("s", "c1").operation.decided_at
+        assert approved_at is not None
+        time.sleep(0.01)
+        ledger.authorize_retry("s", "retried", by="otto", accept_duplicate=True)
+        # an MCP proxy's call, left approved (its proxy killed before its claim)
+        ledger.submit("desk", "p1", "mcp.echo", {"text": "hi"}, key="mcp.echo:p1",
+                      approved_by="mcp-proxy")  # fmt: skip
+        # a flagged call whose retry is approved: contradicted, no claim until reviewed
+        a = unknown("flag", "notify", {"to": "x"})
+        ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
+        late = {"late_result": {"sent": 1}}
+        ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
+        ledger.authorize_retry("s", "flag", by="carol", accept_duplicate=True)
+        assert ledger.get("s", "flag").operation.review == "contradicted"
+
+        counts = state_counts(ledger)
+        assert counts["approved"] == {"claimable": 2, "flagged": 1, "proxied": 1}
+        assert counts["calls"]["approved"] == 4  # toolledger_calls{status="approved"}: all
+        assert counts["since"] == {
+            "approved_claimable": pytest.approx(approved_at.timestamp(), abs=1e-3)
+        }
+        served = {
+            (family.name, tuple(s.labels.items())): s.value
+            for family in LedgerStateCollector(ledger, ttl=0).collect()
+            for s in family.samples
+            if family.name.startswith("toolledger_approved")
+        }
+        assert served == {
+            ("toolledger_approved_calls", (("kind", "claimable"),)): 2,
+            ("toolledger_approved_calls", (("kind", "flagged"),)): 1,
+            ("toolledger_approved_calls", (("kind", "proxied"),)): 1,
+            ("toolledger_approved_claimable_oldest_timestamp_seconds", ()): pytest.approx(
+                approved_at.timestamp(), abs=1e-3
+            ),
+        }
+    finally:
+        ledger.close()
+
+
+def test_running_oldest_lease_expiry__the_earliest_lease_of_the_running_executions(
+    fresh_db_url,
+):
+    """A call running long past its lease that no sweep marks unknown (the sweeper pointed at
+    another ledger) showed in no gauge: ``toolledger_running_oldest_lease_expiry_timestamp_
+    seconds`` is the earliest lease expiry of the executions running now, absent when none
+    runs."""
+    from toolledger.observability.metrics import LedgerStateCollector, state_counts
+
+    def gauge() -> list[float]:
+        return [
+            s.value
+            for family in LedgerStateCollector(ledger, ttl=0).collect()
+            if family.name == "toolledger_running_oldest_lease_expiry_timestamp_seconds"
+            for s in family.samples
+        ]
+
+    ledger = Ledger(fresh_db_url)
+    try:
+        assert gauge() == []
+        for call, lease in (("long", 3600), ("short", 60), ("gone", 1)):
+            ledger.submit("s", call, "write_file", {"path": call, "content": "x"},
+                          approved_by="al")  # fmt: skip
+            claim = ledger.claim("s", f"write_file:{call}", 1, worker_id="w", lease_seconds=lease)
+            assert claim is not None
+        (gone,) = ledger.get("s", "gone").executions
+        ledger.mark_unknown(gone.execution_id, reason="lease expired", actor="sweep")
+        (short,) = ledger.get("s", "short").executions
+        assert short.lease_expires_at is not None
+        expected = short.lease_expires_at.timestamp()
+        assert state_counts(ledger)["since"] == {"running_lease": pytest.approx(expected, abs=1e-3)}
+        assert gauge() == [pytest.approx(expected, abs=1e-3)]
     finally:
         ledger.close()
 

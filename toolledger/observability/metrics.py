@@ -12,7 +12,9 @@ scrape target, which must serve their sum. Every other process (the beat, a sing
 
 The beat and ``toolledger serve`` also serve the ledger's gauges
 (``toolledger_calls{status}``, ``toolledger_inbox{kind}``,
-``toolledger_inbox_oldest_timestamp_seconds{kind}``), read through the partial indexes and
+``toolledger_inbox_oldest_timestamp_seconds{kind}``, ``toolledger_approved_calls{kind}``,
+``toolledger_approved_claimable_oldest_timestamp_seconds``,
+``toolledger_running_oldest_lease_expiry_timestamp_seconds``), read through the partial indexes and
 cached for ``CACHE_SECONDS``; workers do not (N workers would each query the ledger per
 scrape), except one that runs the beat in its group (``worker -B``): its endpoint serves them
 for the beat, which opens none (``EmbeddedBeat``).
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from toolledger.ledger import metrics as counters
+from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.transitions import EventKind, Status
 
@@ -64,6 +67,8 @@ CACHE_SECONDS = 5.0
 #: without bound (counting them is a scan): their rates are toolledger_calls_total's.
 OPEN_STATUSES = (Status.PENDING_APPROVAL, Status.APPROVED, Status.RUNNING, Status.UNKNOWN)
 _WAITING = (Status.PENDING_APPROVAL, Status.RUNNING, Status.UNKNOWN)  # ix_operations_waiting
+#: Approved calls by whether a worker may claim them (``_approved_by_kind``).
+APPROVED_KINDS = ("claimable", "flagged", "proxied")
 
 
 def metrics_on(env: Mapping[str, str] | None = None) -> bool:
@@ -95,15 +100,21 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
     on a person: a pending approval since it was submitted, an unknown call since its
     execution's lease expired (or since it was marked unknown, if that came first), a
     flagged one (contradicted, both_ran, not_landed) since it
-    was flagged; a kind with nothing waiting is left out."""
+    was flagged; a kind with nothing waiting is left out.
+
+    "approved" splits the approved calls by whether a worker may claim them
+    (``_approved_by_kind``): the no-claims alert counted every approved call, and an MCP
+    proxy's or a flagged one, which no worker may claim, fired it on an idle healthy stack (a
+    cold review). "since" holds when the oldest claimable call was approved
+    (``approved_claimable``) and the earliest lease expiry of the running executions
+    (``running_lease``, ix_executions_running_lease: a call running long past its lease that
+    no sweep marks, the sweeper pointed at another ledger, showed nowhere); each left out when
+    there is none. Four statements, each through a partial index."""
     o = operations.c
     waiting = (
         sa.select(sa.literal("calls"), o.status, sa.func.count())
         .where(o.status.in_([s.value for s in _WAITING]))
         .group_by(o.status)
-    )
-    approved = sa.select(sa.literal("calls"), sa.literal("approved"), sa.func.count()).where(
-        o.status == Status.APPROVED.value
     )
     review = (
         sa.select(sa.literal("review"), o.review, sa.func.count())
@@ -113,20 +124,70 @@ def state_counts(ledger: Ledger) -> dict[str, dict[str, float]]:
     calls: dict[str, float] = {s.value: 0 for s in OPEN_STATUSES}
     flagged: dict[str, float] = {}
     with ledger.engine.connect() as conn:
-        for part, name, n in conn.execute(sa.union_all(waiting, approved, review)):
+        for part, name, n in conn.execute(sa.union_all(waiting, review)):
             (calls if part == "calls" else flagged)[str(name)] = int(n)
+        approved: dict[str, float] = dict.fromkeys(APPROVED_KINDS, 0)
+        since: dict[str, float] = {}
+        for kind, n, first in conn.execute(_approved_by_kind()):
+            approved[str(kind)] = int(n)
+            if kind == "claimable" and first is not None:
+                since["approved_claimable"] = first.timestamp()
         oldest = {
             str(kind): when.timestamp()
             for kind, when in conn.execute(_oldest_waiting())
             if when is not None
         }
+        lease = conn.execute(
+            sa.select(sa.func.min(executions.c.lease_expires_at)).where(
+                executions.c.status == Status.RUNNING.value
+            )
+        ).scalar_one()
+        if lease is not None:
+            since["running_lease"] = lease.timestamp()
+    calls[Status.APPROVED] = sum(approved.values())
     inbox: dict[str, float] = {
         "pending_approval": calls[Status.PENDING_APPROVAL],
         "unknown": calls[Status.UNKNOWN],
         "contradicted": flagged.pop("contradicted", 0),
     }
     inbox.update(flagged)  # both_ran, not_landed: also waiting on a human
-    return {"calls": calls, "inbox": inbox, "oldest": oldest}
+    return {"calls": calls, "inbox": inbox, "oldest": oldest, "approved": approved, "since": since}
+
+
+def _approved_by_kind() -> sa.Select[str, int, datetime | None]:
+    """Approved calls by whether a worker may claim them (the outbox's filter,
+    ``ledger.outbox``): ``claimable``; ``flagged`` (a review stands: the claim refuses it
+    until a human settles it, and the inbox shows it); ``proxied`` (an ``mcp.*`` tool the MCP
+    proxy recorded: a proxy sends it when one is asked for the call again, no worker ever
+    does, and none is re-published). With, for the claimable ones, since when the oldest has
+    waited: since its approval, or since its attempt was authorised for a retried call (its
+    last ``approved`` event: few rows, read only for retried calls). The rows are the
+    approved ones (ix_operations_approved_unclaimed), each read once."""
+    o, ev = operations.c, execution_events.c
+    kind = sa.case(
+        (o.review.is_not(None), sa.literal("flagged")),
+        (o.tool.like(f"{PROXIED_PREFIX}%"), sa.literal("proxied")),
+        else_=sa.literal("claimable"),
+    )
+    authorised = (
+        sa.select(sa.func.max(ev.at))
+        .where(
+            ev.scope == o.scope,
+            ev.idempotency_key == o.idempotency_key,
+            ev.kind == EventKind.APPROVED.value,
+        )
+        .scalar_subquery()
+    )
+    since = sa.case(
+        (o.authorized_attempts > 1, authorised), else_=sa.func.coalesce(o.decided_at, o.created_at)
+    )
+    waiting = sa.case((kind == "claimable", since), else_=sa.null())
+    rows = (
+        sa.select(kind.label("kind"), waiting.label("since"))
+        .where(o.status == Status.APPROVED.value)
+        .subquery()
+    )
+    return sa.select(rows.c.kind, sa.func.count(), sa.func.min(rows.c.since)).group_by(rows.c.kind)
 
 
 def _oldest_waiting() -> sa.CompoundSelect[str, datetime | None]:
@@ -289,6 +350,31 @@ class LedgerStateCollector:
         yield calls
         yield inbox
         yield oldest
+        approved = GaugeMetricFamily(
+            "toolledger_approved_calls",
+            "Approved calls now, by whether a worker may claim them: claimable; flagged (a "
+            "review stands, in the inbox); proxied (an mcp.* tool the MCP proxy recorded: only "
+            "a proxy asked for the call again sends it, no worker claims it).",
+            labels=["kind"],
+        )
+        for kind, n in counts["approved"].items():
+            approved.add_metric([kind], n)
+        yield approved
+        marks = counts["since"]
+        if "approved_claimable" in marks:
+            yield GaugeMetricFamily(
+                "toolledger_approved_claimable_oldest_timestamp_seconds",
+                "Since when the longest-waiting claimable approved call has waited for a "
+                "worker (Unix time): since its approval, or its retry's authorisation.",
+                value=marks["approved_claimable"],
+            )
+        if "running_lease" in marks:
+            yield GaugeMetricFamily(
+                "toolledger_running_oldest_lease_expiry_timestamp_seconds",
+                "The earliest lease expiry of the executions running now (Unix time): past it "
+                "by the sweep's grace, the sweep should have made the execution unknown.",
+                value=marks["running_lease"],
+            )
 
 
 # ------------------------------------------------------------------------ registries
@@ -499,11 +585,12 @@ def endpoint(port: int, addr: str = "0.0.0.0") -> str:  # noqa: S104
 @dataclasses.dataclass(frozen=True)
 class EmbeddedBeat:
     """What a worker's endpoint serves for the beat it runs inside its group (``worker -B``):
-    the ledger's gauges, read from ``db``, and the sweep interval the beat schedules."""
+    the ledger's gauges, read from ``db``, and the beat's sweep interval and grace."""
 
     db: str
     timeout: float | None
     sweep_interval: float
+    sweep_grace: float | None = None
 
     def collectors(self) -> list[Any]:
         from toolledger.ledger.ledger import Ledger
@@ -513,7 +600,10 @@ class EmbeddedBeat:
         # --max-tasks-per-child) and the beat: a child must not use, nor close, the
         # connections it inherits (SQLAlchemy's recipe for a pool across a fork)
         os.register_at_fork(after_in_child=lambda: ledger.engine.dispose(close=False))
-        return [LedgerStateCollector(ledger), sweep_interval_gauge(self.sweep_interval)]
+        return [
+            LedgerStateCollector(ledger),
+            *beat_constants(self.sweep_interval, self.sweep_grace),
+        ]
 
 
 #: Whether this process group's endpoint serves the gauges of a beat embedded in it (set in
@@ -579,24 +669,47 @@ class Constant:
         yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
 
 
-def sweep_interval_gauge(seconds: float) -> Constant:
-    return Constant(
-        "toolledger_sweep_interval_seconds", "Seconds between sweeps the beat schedules.", seconds
-    )
+def beat_constants(sweep_interval: float, sweep_grace: float | None) -> list[Constant]:
+    """The beat's settings the alerts count with: the sweep interval it schedules (the
+    stalled-sweep alert counts in intervals) and the sweep's grace (the running-past-its-lease
+    alert waits for it, plus three intervals)."""
+    constants = [
+        Constant(
+            "toolledger_sweep_interval_seconds",
+            "Seconds between sweeps the beat schedules.",
+            sweep_interval,
+        )
+    ]
+    if sweep_grace is not None:
+        constants.append(
+            Constant(
+                "toolledger_sweep_grace_seconds",
+                "Seconds past a lease's expiry before the sweep makes its execution unknown "
+                "(the beat's TOOLLEDGER_SWEEP_GRACE).",
+                sweep_grace,
+            )
+        )
+    return constants
 
 
 def start_beat_metrics(
-    ledger: Ledger, sweep_interval: float, default_port: int = BEAT_PORT
+    ledger: Ledger,
+    sweep_interval: float,
+    default_port: int = BEAT_PORT,
+    *,
+    sweep_grace: float | None = None,
 ) -> int | None:
-    """The beat's endpoint: the ledger's gauges (one beat runs: one source of them) and the
-    sweep interval it schedules (the stalled-sweep alert counts in intervals)."""
+    """The beat's endpoint: the ledger's gauges (one beat runs: one source of them), the
+    sweep interval it schedules (the stalled-sweep alert counts in intervals) and the sweep's
+    grace as the beat's settings say (``TOOLLEDGER_SWEEP_GRACE``: the running-past-its-lease
+    alert waits for it, plus three intervals)."""
     if not metrics_on():
         return None
     _in_memory()
     counters.enable()
     try:
         registry = process_registry(
-            LedgerStateCollector(ledger), sweep_interval_gauge(sweep_interval)
+            LedgerStateCollector(ledger), *beat_constants(sweep_interval, sweep_grace)
         )
         return serve_http(registry, metrics_port(default_port), metrics_addr())
     except OSError as exc:
