@@ -80,6 +80,7 @@ class Metrics:
             registry=r,
         )
         self._sweep_last_success: Gauge | None = None
+        self._sweep_unlanded: Gauge | None = None
         self._lock = threading.Lock()
 
     def sweep_succeeded(self, at: float) -> None:
@@ -98,6 +99,26 @@ class Metrics:
                     registry=self.registry,
                 )
             self._sweep_last_success.set(at)
+
+    def sweep_unlanded(self, paths: int) -> None:
+        """``toolledger_sweep_unlanded_paths``: the paths whose committed bytes the last pass
+        without errors could not land (``SweepSummary.busy``: another lander holds their lock,
+        frozen or slow). Said only in the pass's log line before, at INFO: reads of the path
+        failed ``not_settled`` for as long as the lander stayed frozen, and no metric or alert
+        said so (a cold review). The most recent pass's value (``mostrecent``: of the
+        prefork children, the last to sweep), absent until a pass succeeded."""
+        with self._lock:
+            if self._sweep_unlanded is None:
+                from prometheus_client import Gauge
+
+                self._sweep_unlanded = Gauge(
+                    "toolledger_sweep_unlanded_paths",
+                    "Paths whose committed bytes the last sweep pass without errors could not "
+                    "land: another lander holds their lock (frozen or slow).",
+                    multiprocess_mode="mostrecent",
+                    registry=self.registry,
+                )
+            self._sweep_unlanded.set(paths)
 
 
 _metrics: Metrics | None = None
@@ -189,8 +210,11 @@ def scheduled_started(tool: str, published_at: Any) -> None:
 
 
 @_never_raises
-def sweep_finished(seconds: float, ok: bool) -> None:
+def sweep_finished(seconds: float, ok: bool, unlanded: int = 0) -> None:
+    """A pass ended; ``unlanded``: the paths whose committed bytes it could not land (kept
+    from the last pass without errors: a failed pass may not have looked)."""
     if _metrics is not None:
         _metrics.sweep_duration.observe(seconds)
         if ok:
             _metrics.sweep_succeeded(time.time())
+            _metrics.sweep_unlanded(unlanded)

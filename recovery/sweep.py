@@ -122,7 +122,7 @@ def sweep(
         # Counted as the pass failing, it fired the critical stalled-sweep alert for ever,
         # saying no pass ran (a cold review).
         ok = len(summary.errors) == summary.reconciler_failures
-        metrics.sweep_finished(time.perf_counter() - began, ok=ok)
+        metrics.sweep_finished(time.perf_counter() - began, ok=ok, unlanded=summary.busy)
         tracing.annotate(
             span,
             {

@@ -269,6 +269,16 @@ def test_metrics__agree_with_the_ledger_after_a_small_chaos_run(
         assert total(worker_samples, "toolledger_sweep_duration_seconds_count") >= 1
         assert total(worker_samples, "toolledger_sweep_last_success_timestamp_seconds") > 0
         assert total(beat_samples, "toolledger_sweep_interval_seconds") == 1.0
+        # the grace the running-past-its-lease alert waits for; every pass landed what it
+        # swept (the prefork children's last value); nothing approved or running is left
+        assert beat_samples[("toolledger_sweep_grace_seconds", ())] == 0.0
+        assert worker_samples[("toolledger_sweep_unlanded_paths", ())] == 0.0
+        for samples in (beat_samples, app_samples):
+            assert samples[("toolledger_approved_calls", (("kind", "claimable"),))] == 0.0
+            assert all(
+                name != "toolledger_running_oldest_lease_expiry_timestamp_seconds"
+                for name, _ in samples
+            )
         sub.close()
         ledger.close()
     finally:
@@ -919,6 +929,27 @@ def test_sweep_last_success__absent_until_a_pass_succeeds():
         counters.sweep_finished(0.1, ok=True)
         counters.sweep_finished(0.1, ok=True)  # made once, set again
         assert (own.registry.get_sample_value(LAST_SUCCESS) or 0) >= before
+    finally:
+        counters.disable()
+
+
+def test_sweep_unlanded__the_last_successful_pass_says_how_many_paths_did_not_land():
+    """``toolledger_sweep_unlanded_paths``: a pass's busy paths (committed bytes another
+    lander's lock kept from landing) were said only in its log line (a cold review). Absent
+    until a pass succeeds; a failed pass, which may not have looked, leaves it as it was."""
+    from toolledger.ledger import metrics as counters
+
+    name = "toolledger_sweep_unlanded_paths"
+    counters.disable()
+    try:
+        own = counters.enable()
+        assert own.registry.get_sample_value(name) is None
+        counters.sweep_finished(0.1, ok=True, unlanded=2)
+        assert own.registry.get_sample_value(name) == 2
+        counters.sweep_finished(0.1, ok=False, unlanded=0)
+        assert own.registry.get_sample_value(name) == 2
+        counters.sweep_finished(0.1, ok=True, unlanded=0)
+        assert own.registry.get_sample_value(name) == 0
     finally:
         counters.disable()
 

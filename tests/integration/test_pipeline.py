@@ -1705,6 +1705,38 @@ def _committed_not_landed(
     assert executor.ledger.get(scope, cid).operation.status is Status.SUCCEEDED
 
 
+def test_sweep__committed_bytes_a_frozen_lander_keeps_from_landing_show_in_a_gauge(
+    fresh_db_url, scope, tmp_path, monkeypatch
+):
+    """A lander frozen holding a path's lock: the call reads succeeded, its file is absent,
+    and each pass said ``busy`` only in its log line (a cold review).
+    ``toolledger_sweep_unlanded_paths`` says how many paths the last pass could not land,
+    and 0 once they land."""
+    from toolledger.ledger import metrics as counters
+
+    name = "toolledger_sweep_unlanded_paths"
+    ledger = Ledger(fresh_db_url)
+    counters.disable()
+    own = counters.enable()
+    try:
+        executor = _builtin_executor(ledger, tmp_path, lock_wait=0.2)
+        _committed_not_landed(executor, scope, "w1", "held.txt", "payload", monkeypatch)
+
+        def swept() -> float | None:
+            sweep(ledger, executor.registry, executor.sandbox, grace_seconds=0,
+                  requeue_after=60, publish=None)  # fmt: skip
+            return own.registry.get_sample_value(name)
+
+        with effects_of(executor.sandbox)._path_lock(path_hash(scope, "held.txt")):  # frozen
+            assert swept() == 1
+            assert not (tmp_path / scope / "held.txt").exists()
+        assert swept() == 0
+        assert (tmp_path / scope / "held.txt").read_text() == "payload"
+    finally:
+        counters.disable()
+        ledger.close()
+
+
 def _retried_by_the_sweep(executor: Executor, scope: str, cid: str, path: str) -> None:
     """A write_file of ``path`` ("old") whose executor died before its tool ran: the sweep
     proves it absent and authorises its attempt 2 by itself (not published)."""
