@@ -25,6 +25,9 @@ EXPECTED = {
     "ToolledgerSweepStalled",
     "ToolledgerLedgerUnreadable",
     "ToolledgerNoWorkerClaims",
+    "ToolledgerApprovedCallWaitingLong",
+    "ToolledgerRunningPastLease",
+    "ToolledgerEffectsNotLanding",
 }
 
 
@@ -68,7 +71,7 @@ def alerts() -> set[str]:
     return {r["alert"] for g in doc["groups"] for r in g["rules"] if "alert" in r}
 
 
-def test_alert_rules__schema_and_the_five_alerts():
+def test_alert_rules__schema_and_the_nine_alerts():
     assert schema_errors(yaml.safe_load(ALERTS.read_text())) == []
     assert alerts() == EXPECTED
 
@@ -90,7 +93,7 @@ def test_promtool__check_rules_and_config():
     tool = promtool()
     checked = run(tool, "check", "rules", "alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 6 rules found" in checked.stdout
+    assert "SUCCESS: 9 rules found" in checked.stdout
     config = run(tool, "check", "config", "prometheus.yml")
     assert config.returncode == 0, config.stdout + config.stderr
 
