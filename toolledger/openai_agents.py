@@ -134,6 +134,11 @@ class _Ledger:
             handle = await asyncio.to_thread(
                 sync.submit, scope, tool_call_id, tool, args, approved_by=by
             )
+        except LedgerError as exc:  # refused input, a conflict: nothing recorded
+            return " ".join(f"error: {exc}".split())
+        except Exception as exc:
+            raise _unanswered(scope, tool_call_id) from exc
+        try:
             if handle.status == Status.PENDING_APPROVAL.value and by is not None and sdk_approved:
                 # recorded earlier, waiting for a person; this run's approval is that decision
                 with contextlib.suppress(StateError):  # decided meanwhile: that stands
@@ -144,17 +149,23 @@ class _Ledger:
             else:
                 receipt = await asyncio.to_thread(handle.result, timeout)
         except ReceiptTimeout as exc:
-            raise CallsWaiting(scope, {tool_call_id: exc.status}) from None
-        except LedgerError as exc:  # refused input, a conflict: nothing recorded
-            return " ".join(f"error: {exc}".split())
+            unanswered = frozenset({tool_call_id}) if exc.unanswered else frozenset()
+            raise CallsWaiting(scope, {tool_call_id: exc.status}, unanswered) from None
         except Exception as exc:
-            # the submit may have committed (a database that stopped answering during or
-            # after it): the call may be in flight, so the run stops as for a timeout, where
-            # calls_waiting finds it; as an ordinary error nothing said so, and the run again
-            # made a new id, a second effect (a cold review)
-            waiting = {tool_call_id: UNANSWERED}
-            raise CallsWaiting(scope, waiting, frozenset(waiting)) from exc
+            # recorded: anything now (a database that stopped answering, a record it cannot
+            # read) leaves where the call stands unknown; the model is told nothing
+            raise _unanswered(scope, tool_call_id) from exc
         return receipt.text
+
+
+def _unanswered(scope: str, tool_call_id: str) -> CallsWaiting:
+    """An error once the submit may have committed (a database that stopped answering during
+    or after it): the call may be in flight, so the run stops as for a timeout, where
+    ``calls_waiting`` finds it. As an ordinary error nothing said so, and the run again made a
+    new id, a second effect (a cold review). After the submit, a ``LedgerError`` too: it was
+    handed to the model as a refusal of a call that had been recorded."""
+    waiting = {tool_call_id: UNANSWERED}
+    return CallsWaiting(scope, waiting, frozenset(waiting))
 
 
 def ledger_function_tools(

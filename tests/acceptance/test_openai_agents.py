@@ -378,15 +378,18 @@ def test_the_sdks_own_timeout__refused_before_anything_is_submitted(
         ledger.close()
 
 
-@pytest.mark.parametrize("where", ["submit", "wait"])
+@pytest.mark.parametrize("where", ["submit", "wait", "wait-record"])
 def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
     tmp_path: Path, where: str
 ) -> None:
     """A database that stops answering during or after the submit (which may have committed):
     the SDK ended the run with an ordinary error, ``calls_waiting`` said None, so nothing
     told the app a call was in flight; the run again made a new id, two effects (a cold
-    review). It stops as for a timeout now, the call's status ``unanswered``."""
+    review). It stops as for a timeout now, the call's status ``unanswered``. So does a
+    ``LedgerError`` once the call is recorded: it was handed to the model as a refusal."""
     import sqlalchemy as sa
+
+    from toolledger.ledger.errors import CorruptRecord
 
     settings = Settings.from_env(
         {
@@ -407,6 +410,8 @@ def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
                 raise blip
 
             async def wait_blip(*_a: Any, **_kw: Any) -> Any:
+                if where == "wait-record":  # a LedgerError once recorded: no refusal either
+                    raise CorruptRecord("a terminal status without a result")
                 raise blip
 
             if where == "submit":
