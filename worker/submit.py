@@ -129,6 +129,8 @@ class Submitter:
         tool: str,
         args: dict[str, Any],
         key: str | None = None,
+        *,
+        replay: bool = True,
     ) -> PreparedCall:
         """Identifiers, size, tool name, schema and sandbox paths — before any write.
 
@@ -136,7 +138,11 @@ class Submitter:
         the tool's schema or its check would refuse it now (the tool gone from this
         process's registry, a file since hard-linked, a schema since narrowed): asking for it
         again is a replay, answered with its receipt, never a refusal, which told the model
-        that a call that took effect had failed (and invited it to issue it again)."""
+        that a call that took effect had failed (and invited it to issue it again).
+
+        ``replay=False`` says the ledger holds no call (the CLI, where the embedded ledger's
+        file does not exist yet): a refusal stands without reading it, so a refused call
+        does not make the ledger only to look into it (a cold review)."""
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.settings.max_args_bytes)
         try:
             check_new_tool_call_id(tool_call_id)
@@ -145,7 +151,7 @@ class Submitter:
             if spec.check is not None:
                 spec.check(parsed, ToolContext(scope, self.sandbox))
         except (InputError, UnknownTool):
-            if self._recorded_as(scope, tool_call_id, tool, key, sha):
+            if replay and self._recorded_as(scope, tool_call_id, tool, key, sha):
                 return PreparedCall(scope, tool_call_id, tool, args, key, sha, False)
             raise
         return PreparedCall(scope, tool_call_id, tool, args, key, sha, spec.read_only)

@@ -676,6 +676,34 @@ def test_cli__a_command_on_recorded_calls_refuses_a_missing_embedded_ledger(
     assert "no ledger at" not in err and code in (0, 1, 4, 5, 7), (code, out, err)
 
 
+@pytest.mark.parametrize(
+    ("tool", "args", "code"),
+    [
+        ("write_file", '{"path": "../x", "content": "x"}', 6),
+        ("write_file", '{"path": "x"}', 6),
+        ("nosuch", "{}", 4),
+    ],
+    ids=["sandbox", "schema", "unknown-tool"],
+)
+def test_cli__a_refused_submit_makes_no_embedded_ledger(
+    tool, args, code, tmp_path, capsys, monkeypatch
+):
+    """A refused submit on a home with no ledger left a full ledger.db behind (exit 6 says
+    nothing was recorded), and `list` then answered count 0 instead of "no ledger at …"."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(home))
+    monkeypatch.delenv("TOOLLEDGER_DB", raising=False)
+    argv = ["submit", "--scope", "p", "--tool-call-id", "c", "--tool", tool, "--args", args]
+    got, out, err = run_cli(capsys, *argv)
+    assert got == code and err.count("\n") == 1, (got, out, err)
+    assert not (home / "ledger.db").exists()
+    assert run_cli(capsys, "--json", "list")[0] == 4
+    # an accepted call makes it, as ever
+    ok = ["submit", "--scope", "p", "--tool-call-id", "c", "--tool", "write_file"]
+    assert run_cli(capsys, *ok, "--args", '{"path": "a", "content": "x"}')[0] == 0
+    assert (home / "ledger.db").exists()
+
+
 def test_cli__a_path_that_does_not_show_as_itself_is_refused_for_new_calls_only(tmp_path, capsys):
     """A new call's path holding a zero-width space or a bidirectional override is refused
     at submit (it read as another name on the page a person approves from); a call recorded

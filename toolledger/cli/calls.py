@@ -50,7 +50,10 @@ def submit(
         raise click.UsageError("--reason says why a call was approved: give --approved-by too")
     # as the HTTP API's bodies: the arguments' cap as JSON may spell it, and some room
     args = parse_json_object(raw_args, "--args", c.settings.max_args_bytes * 6 + 64 * 1024)
-    call = c.submitter.prepare(scope, tool_call_id, tool, args, key)  # before any write
+    # before any write; with no ledger's file yet there is no earlier call to replay, and a
+    # refused call must not make one (exit 6 says nothing was recorded: a cold review)
+    fresh = c.missing_ledger() is not None
+    call = c.submitter.prepare(scope, tool_call_id, tool, args, key, replay=not fresh)
     out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
     c.emit(out, _human_submit)
     if out["outcome"] == "read_only" and out["status"] == "failed":

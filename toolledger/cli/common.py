@@ -95,19 +95,25 @@ class Context:
         file is missing: a mistyped ``TOOLLEDGER_HOME`` or ``TOOLLEDGER_DB`` answered "no
         call" and left an empty ``ledger.db`` behind. Nothing is created: the engine is made,
         not connected. Only commands that record (``submit``), serve or sweep make one."""
-        import os
-
-        database = self.unchecked_ledger.engine.url.database
-        if self.unchecked_ledger.engine.dialect.name != "sqlite":
-            return
-        if database in (None, "", ":memory:") or str(database).startswith("file:"):
-            return  # in memory, or SQLite's URI form (?uri=true): its own rules
-        if not os.path.exists(str(database)):
+        database = self.missing_ledger()
+        if database is not None:
             raise CliError(
                 f"no ledger at {database}: {nothing} "
                 "(is --db, TOOLLEDGER_DB or TOOLLEDGER_HOME right?)",
                 EXIT_NOT_FOUND,
             )
+
+    def missing_ledger(self) -> str | None:
+        """The path of the embedded (SQLite) ledger's file where it does not exist, else
+        None: nothing was ever recorded there. The engine is made, not connected."""
+        import os
+
+        database = self.unchecked_ledger.engine.url.database
+        if self.unchecked_ledger.engine.dialect.name != "sqlite":
+            return None
+        if database in (None, "", ":memory:") or str(database).startswith("file:"):
+            return None  # in memory, or SQLite's URI form (?uri=true): its own rules
+        return None if os.path.exists(str(database)) else str(database)
 
     @cached_property
     def recorded_ledger(self) -> Ledger:
