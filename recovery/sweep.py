@@ -262,6 +262,7 @@ def _publish_one(publish: Publish, scope: str, key: str, attempt: int, errors: l
         publish(scope, key, attempt)
     except Exception as exc:  # noqa: BLE001 - the broker is down: the outbox retries
         errors.append(f"publish of {scope}/{key}#{attempt} failed: {exc}")
+        log.warning("publish of %s/%s#%s failed: %s", scope, key, attempt, exc)
         return False
     return True
 

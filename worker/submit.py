@@ -347,7 +347,9 @@ class Submitter:
                     producer=producer,
                 )
         except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry
-            log.warning("enqueue of %s/%s failed: %s", scope, key, exc)
+            log.warning(
+                "enqueue of %s/%s failed (the sweep will re-enqueue it): %s", scope, key, exc
+            )
             if stamped:
                 self.ledger.clear_enqueued(scope, key, attempt)
             return {"enqueued": False, "enqueue_error": f"{type(exc).__name__}: {exc}"}

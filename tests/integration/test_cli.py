@@ -254,6 +254,37 @@ def test_cli__under_json_every_warning_is_a_json_line(tmp_path: Path):
     assert all(line.startswith("toolledger: warning: ") for line in said), said
 
 
+def test_cli__text_warnings_are_one_line_on_stderr_once_never_on_stdout(tmp_path: Path):
+    """An enqueue that failed was said on stdout and again on stderr (a bare log line), a
+    sweep's failed requeue too, and an approval not applied on stdout alone (a cold review)."""
+    import toolledger
+
+    code = str(Path(toolledger.__file__).resolve().parents[1])  # this tree's, not an install's
+    env = {"PATH": "/usr/bin:/bin", "TOOLLEDGER_HOME": str(tmp_path / "home"),
+           "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/11", "PYTHONPATH": code}  # fmt: skip
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "toolledger", *argv],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+        )  # fmt: skip
+
+    call = ("--scope", "s", "--tool", "write_file", "--args", ARGS)
+    sent = cli("submit", "--tool-call-id", "c1", *call, "--approved-by", "al")
+    assert sent.returncode == 0 and "warning" not in sent.stdout, sent
+    said = sent.stderr.splitlines()
+    assert len(said) == 1 and said[0].startswith("toolledger: warning: enqueue of "), said
+    assert cli("submit", "--tool-call-id", "c2", *call).returncode == 0
+    again = cli("submit", "--tool-call-id", "c2", *call, "--approved-by", "zed")
+    assert again.returncode == 0 and "warning" not in again.stdout, again
+    assert again.stderr.startswith("toolledger: warning: the call already exists")
+    assert again.stderr.count("\n") == 1, again.stderr
+    swept = cli("sweep", "--requeue-after", "0")
+    assert swept.returncode == 1 and "warning" not in swept.stdout, swept
+    said = swept.stderr.splitlines()
+    assert len(said) == 1 and said[0].startswith("toolledger: warning: requeue of "), said
+
+
 def test_cli__ctrl_c_is_one_line_aborted_while_it_loads_and_while_it_runs(tmp_path: Path):
     """A Ctrl-C while a command ran printed an empty line before its JSON error (click's
     Abort), and one while the script imported the command line a traceback (a cold review)."""
@@ -335,7 +366,7 @@ def test_cli__list_gives_every_row_unless_limited_and_says_when_rows_were_left(r
     assert (listed["count"], listed["more"]) == (2, True)
     assert json.loads(err) == {"warning": "more than 2 calls; these are the oldest 2"}
     code, out, err = run("list", "--scope", scope, "--limit", "2")  # text: a text warning
-    assert code == 0 and err == "warning: more than 2 calls; these are the oldest 2\n"
+    assert code == 0 and err == "toolledger: warning: more than 2 calls; these are the oldest 2\n"
     assert [c["tool_call_id"] for c in listed["calls"]] == ["l0", "l1"]  # oldest first
     code, out, _ = run("--json", "list", "--scope", scope, "--limit", "3")
     assert json.loads(out)["more"] is False
@@ -1074,6 +1105,10 @@ def test_cli__events_pages_through_a_long_history(run, scope):
                           "--after", str(last))[1])  # fmt: skip
     assert (page["events"], page["more"], page["idempotency_key"]) == ([], False, "k")
     code, out, err = run("events", "--scope", scope, "--tool-call-id", "c3", "--limit", "1")
-    assert code == 0 and len(out.splitlines()) == 1 and err.startswith("warning: more than 1")
+    assert (
+        code == 0
+        and len(out.splitlines()) == 1
+        and err.startswith("toolledger: warning: more than 1")
+    )
     code, _, err = run("events", "--scope", scope, "--tool-call-id", "c3", "--limit", "-1")
     assert code == 2 and "--limit" in err

@@ -302,8 +302,9 @@ def test_submit__an_approval_for_a_call_already_waiting_is_said_not_applied(run,
     data = json.loads(out)
     assert code == 0 and (data["outcome"], data["status"]) == ("existing", "pending_approval")
     assert "was not applied" in data["warning"]
-    code, out, _ = submit(run, scope, "c1", "write_file", args, "--approved-by", "al")
-    assert "warning: the call already exists, waiting for approval" in out
+    code, out, err = submit(run, scope, "c1", "write_file", args, "--approved-by", "al")
+    assert "toolledger: warning: the call already exists, waiting for approval" in err
+    assert "warning" not in out  # on stderr only (it was on stdout: a cold review)
     assert ledger.get(scope, "c1").operation.status is Status.PENDING_APPROVAL
     # rejected: the approval is not applied either, and is said so (it was silent)
     assert run("reject", "--scope", scope, "--tool-call-id", "c1", "--by", "bob")[0] == 0

@@ -56,6 +56,8 @@ def submit(
     call = c.submitter.prepare(scope, tool_call_id, tool, args, key, replay=not fresh)
     out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
     c.emit(out, _human_submit)
+    if out.get("warning") and not c.json:  # on stderr, once (it was on stdout: a cold review)
+        c.warn(out["warning"])
     if out["outcome"] == "read_only" and out["status"] == "failed":
         raise click.exceptions.Exit(EXIT_FAILURE)  # its result (printed) says why
 
@@ -63,10 +65,8 @@ def submit(
 def _human_submit(d: dict[str, Any]) -> str:
     call = f"{d['scope']}/{d['tool_call_id']}"
     line = f"{d['outcome']}: {call} -> {d['idempotency_key']} [{d['status']}]"
-    if d.get("enqueue_error"):  # recorded and approved; the sweep will publish it
-        line += f"\nwarning: not enqueued ({d['enqueue_error']}); the sweep will re-enqueue it"
-    if d.get("warning"):
-        line += f"\nwarning: {d['warning']}"
+    # a warning (the approval not applied) or enqueue_error (logged as it failed, the sweep
+    # will publish it) is told on stderr, not here on stdout
     if "result" in d:
         line += "\n" + json.dumps(d["result"], ensure_ascii=False, indent=2)
     return line
@@ -83,6 +83,8 @@ def _decision(name: str, approve: bool) -> click.Command:
         out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
         out["outcome"] = "decided"
         c.emit(out, _human_submit)
+        if out.get("warning") and not c.json:
+            c.warn(out["warning"])
 
     command.__doc__ = f"The human decision: {name} a pending call."
     return click.command(name)(command)
@@ -158,8 +160,7 @@ def events(c: Context, scope: str, tool_call_id: str, after: int, limit: int) ->
     page = c.reading(lambda r: events_page(r, scope, tool_call_id, after=after, limit=limit))
     if page["more"]:  # on stderr, as list's: a JSON object under --json, never bare text
         last = page["events"][-1]["seq"]
-        warning = f"more than {limit} events; ask again with --after {last}"
-        click.echo(json.dumps({"warning": warning}) if c.json else f"warning: {warning}", err=True)
+        c.warn(f"more than {limit} events; ask again with --after {last}")
     c.emit(
         page,
         lambda d: "\n".join(
@@ -197,9 +198,7 @@ def list_(c: Context, status: str | None, review: bool, scope: str | None, limit
     more = bool(limit) and len(rows) > limit
     rows = rows[:limit] if more else rows
     if more:  # on stderr as the errors are: a JSON object under --json, never bare text
-        warning = f"more than {limit} calls; these are the oldest {limit}"
-        line = json.dumps({"warning": warning}) if c.json else f"warning: {warning}"
-        click.echo(line, err=True)
+        c.warn(f"more than {limit} calls; these are the oldest {limit}")
     out = {"count": len(rows), "calls": [r.to_json() for r in rows], "more": more}
     c.emit(out, human_list)
 

@@ -170,7 +170,16 @@ class Context:
     def submitter(self) -> Submitter:
         from toolledger.worker.submit import Submitter  # Celery: only commands that enqueue
 
+        if not self.json:  # what enqueueing logs (a broker out of reach): one line, stderr
+            log_as_warning_lines()
         return Submitter(self.settings, ledger=lambda: self.ledger)
+
+    def warn(self, message: str) -> None:
+        """A warning of the command's own, one line on stderr: ``toolledger: warning: …``,
+        ``{"warning": …}`` under ``--json``. Never on stdout, which is the command's answer."""
+        message = " ".join(message.split())
+        line = json.dumps({"warning": message}) if self.json else f"toolledger: warning: {message}"
+        click.echo(line, err=True)
 
     def close(self) -> None:
         if self.__dict__.get("light_reads") is not None:
@@ -185,6 +194,26 @@ class Context:
             click.echo(json.dumps(data, ensure_ascii=False, indent=2, default=str))
         else:
             click.echo(human(data))
+
+
+def log_as_warning_lines() -> None:
+    """Without ``--json``, what a one-shot command logs is one line on stderr,
+    ``toolledger: warning: …`` as the command's own warnings: it was the bare message from
+    Python's last-resort handler, and the text output said it again on stdout (a cold
+    review). Nothing is done where logging has handlers already (``--json``'s, a test's)."""
+    import logging
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = " ".join(record.getMessage().split())
+            if record.exc_info and record.exc_info[1] is not None:  # one line, no traceback
+                message = f"{message}: {' '.join(str(record.exc_info[1]).split())}"
+            click.echo(f"toolledger: {record.levelname.lower()}: {message}", err=True)
+
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(Lines(logging.WARNING))
+        root.setLevel(logging.WARNING)
 
 
 def _set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:

@@ -75,38 +75,23 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
         ) from None
     c.emit(
         summary.to_json(),
-        lambda d: (
-            ", ".join(
-                f"{k} {v}"
-                for k, v in d.items()
-                if k
-                in (
-                    "marked_unknown",
-                    "reconciled",
-                    "not_applied",
-                    "auto_retried",
-                    "still_unknown",
-                    "contradicted",
-                    "landed",
-                    "requeued",
-                    "duration_s",
-                )
-            )
-            + "".join(f"\nwarning: {e}" for e in d["errors"])
-            + (
-                f"\nwarning: {d['strangers']} staged effects or spooled results belong to "
-                "executions this ledger does not know: kept (is this the workers' ledger?)"
-                if d["strangers"]
-                else ""
-            )
-            + (
-                f"\nwarning: {d['busy']} paths' committed bytes could not land: another "
-                "lander holds their lock (frozen or slow?); left for the next pass"
-                if d["busy"]
-                else ""
+        lambda d: ", ".join(
+            f"{k} {v}"
+            for k, v in d.items()
+            if k
+            in (
+                "marked_unknown",
+                "reconciled",
+                "not_applied",
+                "auto_retried",
+                "still_unknown",
+                "contradicted",
+                "landed",
+                "requeued",
+                "duration_s",
             )
         ),
-    )
+    )  # its errors, strangers and busy paths: logged on stderr as the pass met them
     return EXIT_FAILURE if summary.errors else EXIT_OK
 
 
@@ -185,13 +170,11 @@ def retry(
 
     def human(d: dict[str, Any]) -> str:
         text = f"approved attempt {d['attempt']} of {scope}/{tool_call_id}, authorised by {by}"
-        if d.get("warning"):
-            text += f"\nwarning: {d['warning']}"
-        if d.get("enqueue_error"):
-            text += f"\nwarning: not enqueued ({d['enqueue_error']}); the sweep will re-enqueue it"
-        return text
+        return text  # enqueue_error: logged on stderr as it failed
 
     c.emit(out, human)
+    if out.get("warning") and not c.json:  # on stderr, once
+        c.warn(out["warning"])
 
 
 @click.command()
