@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -82,6 +83,9 @@ CLI_CASES: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
         "duplicate key",
     ),
     "args: NaN": ((), {"args": '{"path": "a.txt", "content": NaN}'}, "NaN"),
+    # an extra key the schema refuses, named in the error: its NUL was echoed raw
+    "args: NUL in a key": ((), {"args": WRITE[:-1] + ', "k\\u0000": 1}'}, "k\\x00"),
+    "args: ESC in a key": ((), {"args": WRITE[:-1] + ', "k\\u001b[31m": 1}'}, "k\\x1b[31m"),
     "tool_call_id: invalid UTF-8": ((), {"tcid": "c" + SURROGATE}, "tool_call_id"),
     "tool_call_id: U+2028": ((), {"tcid": "c\u2028d"}, "U+2028"),
     "tool_call_id: U+0085": ((), {"tcid": "c\x85"}, "U+0085"),
@@ -106,6 +110,8 @@ def test_cli__hostile_submit_is_refused_with_exit_6_and_records_nothing(cli, led
     assert (code, out) == (6, ""), err
     assert err.startswith("toolledger: error: ") and err.count("\n") == 1, err
     assert names in err and "internal error" not in err
+    # a control character the input held is written as an escape, never echoed raw
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", err), err
     assert row_counts(ledger.engine) == before
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,7 +178,7 @@ class Context:
     def warn(self, message: str) -> None:
         """A warning of the command's own, one line on stderr: ``toolledger: warning: …``,
         ``{"warning": …}`` under ``--json``. Never on stdout, which is the command's answer."""
-        message = " ".join(message.split())
+        message = one_line(message)
         line = json.dumps({"warning": message}) if self.json else f"toolledger: warning: {message}"
         click.echo(line, err=True)
 
@@ -205,10 +206,10 @@ def log_as_warning_lines() -> None:
 
     class Lines(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            message = " ".join(record.getMessage().split())
+            message = record.getMessage()
             if record.exc_info and record.exc_info[1] is not None:  # one line, no traceback
-                message = f"{message}: {' '.join(str(record.exc_info[1]).split())}"
-            click.echo(f"toolledger: {record.levelname.lower()}: {message}", err=True)
+                message = f"{message}: {record.exc_info[1]}"
+            click.echo(f"toolledger: {record.levelname.lower()}: {one_line(message)}", err=True)
 
     root = logging.getLogger()
     if not root.handlers:
@@ -316,10 +317,23 @@ def call_options(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+#: What a line told on the terminal escapes, after folding its whitespace: the C0 and C1
+#: controls and DEL (a NUL was echoed raw; an ESC reached a terminal whenever click's
+#: stripping of styles did not apply), and the bidirectional overrides that reorder a line.
+_UNSHOWN = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def one_line(message: str) -> str:
+    """``message`` as one printable line, whatever it quotes: whitespace folded, control
+    characters written as escapes (``\\x00``), a lone surrogate as ``\\udc80``."""
+    message = " ".join(message.split())
+    message = _UNSHOWN.sub(lambda m: ascii(m.group())[1:-1], message)
+    # a lone surrogate would make the error itself fail
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def fail(message: str, code: int, as_json: bool) -> NoReturn:
-    message = " ".join(message.split())  # one line, whatever the source
-    # printable whatever it quotes: a lone surrogate would make the error itself fail
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    message = one_line(message)  # one line, printable, whatever the source
     if as_json:
         click.echo(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False), err=True)
     else:
