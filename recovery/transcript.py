@@ -545,6 +545,22 @@ def check_writable(path: Path) -> None:
         raise TranscriptError(f"{path.parent} is not a folder: nothing was written")
 
 
+#: The most a transcript may hold: a file past it (``/dev/zero``, a stream that never ends)
+#: is refused once the cap is passed, not read until memory runs out (a cold review).
+MAX_TRANSCRIPT_BYTES = 256 * 1024 * 1024
+
+
+def read_transcript(path: Path, limit: int | None = None) -> bytes:
+    """The bytes at ``path``, at most ``limit`` of them (``MAX_TRANSCRIPT_BYTES`` by default;
+    ``TranscriptError`` past it): a pipe (``/dev/stdin``) is read as a file is."""
+    limit = MAX_TRANSCRIPT_BYTES if limit is None else limit
+    with open(path, "rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise TranscriptError(f"{path}: more than {limit:,} bytes, not a transcript repair reads")
+    return data
+
+
 def repair_file(
     path: Path, ledger: Ledger, scope: str, fmt: str | None = None, out: Path | None = None
 ) -> RepairReport:
@@ -552,7 +568,7 @@ def repair_file(
     Nothing is written when nothing is missing and the target is the file itself."""
     target = out or path
     check_writable(target)
-    report = repair_transcript(path.read_bytes(), ledger, scope, fmt, name=str(path))
+    report = repair_transcript(read_transcript(path), ledger, scope, fmt, name=str(path))
     if report.changed or target != path:
         _write_atomic(target, report.text)
     return report

@@ -408,3 +408,38 @@ def test_repair__a_tab_indented_transcript_gets_tab_indented_results(ledger, sco
     members = [line for line in inserted.splitlines() if line.strip().startswith('"')]
     assert members and all(line.startswith('\t\t"') for line in members), inserted
     assert report.text == json.dumps(json.loads(report.text), indent="\t", ensure_ascii=False)
+
+
+def test_repair_cli__input_past_the_cap_is_refused_a_pipe_still_read(
+    db_url, ledger, scope, tmp_path, capsys, monkeypatch
+):
+    """`repair /dev/zero --out -` read until memory ran out (MemoryError, exit 1 "internal
+    error"): now refused past the cap, exit 6, one line; /dev/stdin is still read."""
+    import subprocess
+    import sys
+
+    import toolledger
+    from toolledger.recovery import transcript
+
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    monkeypatch.setattr(transcript, "MAX_TRANSCRIPT_BYTES", 1024 * 1024)
+    code, out, err = run_cli(
+        capsys, "--db", db_url, "repair", "/dev/zero", "--scope", scope, "--out", "-"
+    )
+    assert (code, out) == (6, ""), err
+    assert err.count("\n") == 1 and "/dev/zero: more than 1,048,576 bytes" in err, err
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        serialise(build("openai", [("user", "x"), ("calls", [call("c1")])]), "jsonl", "openai")
+    )
+    with pytest.raises(TranscriptError, match="more than 10 bytes"):
+        transcript.read_transcript(path, limit=10)
+    code = str(Path(toolledger.__file__).resolve().parents[1])  # this tree's, not an install's
+    piped = subprocess.run(
+        [sys.executable, "-m", "toolledger", "--db", db_url, "repair", "/dev/stdin",
+         "--scope", scope, "--out", "-"],
+        input=path.read_text(), capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": code},
+    )  # fmt: skip
+    assert piped.returncode == 0, piped.stderr
+    assert tool_results("openai", piped.stdout, "jsonl")[0][0] == "c1"

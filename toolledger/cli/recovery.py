@@ -26,7 +26,7 @@ from toolledger.recovery.humans import resolve as resolve_call
 from toolledger.recovery.humans import retry as retry_call
 from toolledger.recovery.replay import FORMATS
 from toolledger.recovery.sweep import sweep as run_sweep
-from toolledger.recovery.transcript import repair_file, repair_transcript
+from toolledger.recovery.transcript import read_transcript, repair_file, repair_transcript
 
 DEFAULT_SCOPE = "default"
 
@@ -202,7 +202,7 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
     if out is not None and str(out) == "-":
         # bytes in, bytes out: what repair wrote is what it read back, whatever the locale
         report = repair_transcript(
-            transcript.read_bytes(), c.recorded_ledger, scope, fmt, name=str(transcript)
+            read_transcript(transcript), c.recorded_ledger, scope, fmt, name=str(transcript)
         )
         click.echo(report.text.encode("utf-8"), nl=False)
         if c.json:  # stdout is the transcript's: the summary a script asked for goes to stderr
