@@ -403,6 +403,17 @@ def test_cli__seconds_must_be_finite(run, scope, value):
     assert code == 2
 
 
+def test_cli__beat_interval_says_its_range_and_its_own_name(capsys, tmp_path, monkeypatch):
+    """`beat --interval 1e300` was refused as "sweep_interval=1e+300: …", a setting's internal
+    name, and its help showed no upper bound."""
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "home"))
+    code, out, _ = run_cli(capsys, "beat", "--help")
+    assert code == 0 and "[0.1<=x<=86400]" in out, out
+    code, _, err = run_cli(capsys, "beat", "--interval", "1e300")
+    assert code == 2 and "'--interval'" in err and "sweep_interval" not in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "home").exists()
+
+
 def test_cli__mcp_proxy_a_mistyped_option_is_a_usage_error(run):
     """Before the ``--``, an option the proxy does not know was taken for the upstream
     command (exit 1, "No such file or directory: --idempotnet")."""

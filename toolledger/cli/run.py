@@ -174,7 +174,9 @@ def worker(ctx: click.Context, log_format: str | None, celery_args: tuple[str, .
 )
 @click.option(
     "--interval",
-    type=Seconds(min=0.1),
+    # the setting's own bounds (config: sweep_interval), said here as --interval's: past a
+    # day it was refused as "sweep_interval=1e+300: …", a name the user never typed
+    type=Seconds(min=0.1, max=86_400),
     default=None,
     help="Seconds between sweeps [env TOOLLEDGER_SWEEP_INTERVAL, 10].",
 )
