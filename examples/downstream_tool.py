@@ -5,7 +5,8 @@ downstream itself refuses a duplicate; and reconcile by asking the downstream fo
 receipt under that same key — never by sending the request again. ``ctx.service_key`` is
 ``SCOPE/IDEMPOTENCY_KEY``: the idempotency key alone is unique within its scope only, and two
 conversations' ``call_1`` would be one charge (this example sent it alone until 2026-12-06).
-Load it with ``TOOLLEDGER_TOOLS=examples.downstream_tool`` (from the repository root).
+Load it with ``PYTHONPATH=. TOOLLEDGER_TOOLS=examples.downstream_tool`` from the repository
+root: the ``toolledger`` console script does not put the current directory on ``sys.path``.
 """
 
 from __future__ import annotations

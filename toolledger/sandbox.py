@@ -159,17 +159,19 @@ def split_path(path: str) -> list[str]:
 
 
 def refuse_invisible(path: str) -> None:
-    """PathRefused for a path holding a character that does not show as itself (a format or
-    separator character: a bidirectional override, a zero-width space): ``invoice<U+202E>
-    fdp.sh`` looked like ``invoicehs.pdf`` to the person approving it (a cold review). The
-    built-in tools call it at submit only: a call recorded before runs as it was approved."""
+    """PathRefused for a path holding a character that does not show as itself (a control,
+    format, line or paragraph separator character, Cc Cf Zl Zp: a bidirectional override, a
+    zero-width space; or a mark drawn as nothing; a space separator, Zs, is accepted):
+    ``invoice<U+202E>fdp.sh`` looked like ``invoicehs.pdf`` to the person approving it (a cold
+    review). The built-in tools call it at submit only: a call recorded before runs as it was
+    approved."""
     split_path(path)  # its own refusals first (a NUL, a control character, "..")
     if bad := INVISIBLE.search(path):
         ch = bad.group()
         kind = (
             "a mark drawn as nothing (a variation selector or its kin)"
             if unicodedata.category(ch) == "Mn"
-            else "a control, format or separator character"
+            else "a control, format, line or paragraph separator character"
         )
         raise PathRefused(
             f"path {path!r} contains U+{ord(ch):04X}, {kind} that does not show as itself"
