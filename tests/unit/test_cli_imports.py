@@ -173,6 +173,18 @@ def test_commands__table_help_is_the_commands_own(name: str) -> None:
     assert COMMANDS[name][1] == first_paragraph
 
 
+def test_commands__help_shows_no_rst_markup() -> None:
+    """`db downgrade --help` showed ``base`` with its RST backticks (a cold review): the help
+    of every command and subcommand is plain text."""
+    commands = [load_command(name) for name in sorted(COMMANDS)]
+    for command in commands:
+        if isinstance(command, click.Group):
+            commands.extend(command.commands.values())
+    for command in commands:
+        ctx = click.Context(command, info_name=command.name)
+        assert "``" not in command.get_help(ctx), command.name
+
+
 def test_commands__help_lists_what_click_would(capsys: pytest.CaptureFixture[str]) -> None:
     """The listing written from the table is click's own, at any width."""
     for width in (50, 80, 200):

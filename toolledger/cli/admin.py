@@ -92,7 +92,7 @@ def _grant(c: Context, role: str) -> list[str]:
 @json_option
 @pass_ctx
 def db_downgrade(c: Context, revision: str) -> None:
-    """Migrate the schema down (``base`` drops every table of a ledger that holds nothing)."""
+    """Migrate the schema down ('base' drops every table of a ledger that holds nothing)."""
     from toolledger.ledger import db as ledger_db
 
     _revision_given(revision)
