@@ -94,8 +94,9 @@ CLI_CASES: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "tool_call_id: the other dot segment": ((), {"tcid": "."}, "dot segment"),
     "key: C1 control": (("--key", "k\x9b"), {}, "key"),
     "key: invalid UTF-8": (("--key", "k" + SURROGATE), {}, "key"),
-    "approved-by: invalid UTF-8": (("--approved-by", "al" + SURROGATE), {}, "approver"),
-    "approved-by: newline": (("--approved-by", "al\nroot"), {}, "approver"),
+    # named as the option typed, not the ledger's field ("approver: …": a cold review)
+    "approved-by: invalid UTF-8": (("--approved-by", "al" + SURROGATE), {}, "--approved-by: "),
+    "approved-by: newline": (("--approved-by", "al\nroot"), {}, "--approved-by: "),
     "reason: NUL": (("--approved-by", "al", "--reason", "a\x00b"), {}, "reason"),
     "reason: invalid UTF-8": (("--approved-by", "al", "--reason", SURROGATE), {}, "reason"),
     "reason: over the cap": (("--approved-by", "al", "--reason", "r" * 5000), {}, "reason"),
@@ -113,6 +114,25 @@ def test_cli__hostile_submit_is_refused_with_exit_6_and_records_nothing(cli, led
     # a control character the input held is written as an escape, never echoed raw
     assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", err), err
     assert row_counts(ledger.engine) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["approve", "--scope", "s", "--tool-call-id", "c"],
+        ["reject", "--scope", "s", "--tool-call-id", "c"],
+        ["retry", "--scope", "s", "--tool-call-id", "c"],
+        ["resolve", "--execution-id", "e", "--as", "failed", "--evidence", "x"],
+    ],
+    ids=lambda argv: argv[0],
+)
+@pytest.mark.parametrize("person", ["al\x01", "", "p" * 300])
+def test_cli__a_refused_person_is_named_as_the_option(cli, argv, person):
+    """`--by` refused as "decider: …", "resolver: …", "authoriser: …": fields of the ledger
+    the user never typed. The option's name now; the library's own messages are unchanged."""
+    code, out, err = cli(*argv, "--by", person)
+    assert (code, out) == (6, ""), err
+    assert err.startswith("toolledger: error: --by: ") and err.count("\n") == 1, err
 
 
 def test_cli__args_from_stdin_and_file_are_decoded_strictly(cli, ledger, monkeypatch, tmp_path):

@@ -17,6 +17,7 @@ from toolledger.cli.common import (
     json_option,
     parse_json_object,
     pass_ctx,
+    person_option_check,
     scope_option_check,
 )
 from toolledger.ledger.errors import StateError
@@ -31,7 +32,11 @@ from toolledger.ledger.transitions import parse_status
 @click.option("--tool", required=True, help="Tool name.")
 @click.option("--args", "raw_args", required=True, help="Arguments: JSON object, @file or -.")
 @click.option("--key", help="Idempotency key [default: TOOL:TOOL_CALL_ID].")
-@click.option("--approved-by", help="Approve at once, in this person's name.")
+@click.option(
+    "--approved-by",
+    callback=person_option_check,
+    help="Approve at once, in this person's name.",
+)
 @click.option("--reason", help="Why it was approved.")
 @json_option
 @pass_ctx
@@ -74,7 +79,7 @@ def _human_submit(d: dict[str, Any]) -> str:
 
 def _decision(name: str, approve: bool) -> click.Command:
     @call_options
-    @click.option("--by", required=True, help="Who decided.")
+    @click.option("--by", required=True, callback=person_option_check, help="Who decided.")
     @click.option("--reason", help="Why.")
     @json_option
     @pass_ctx

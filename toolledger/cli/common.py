@@ -302,6 +302,19 @@ def call_id_option_check(_ctx: click.Context, _param: click.Parameter, value: st
     return check_text_id(value, "tool_call_id", 256)
 
 
+def person_option_check(
+    _ctx: click.Context, param: click.Parameter, value: str | None
+) -> str | None:
+    """A person's name (``--by``, ``--approved-by``) checked as the ledger checks it, and
+    refused under the option's own name: the ledger's field (``decider: …``, ``approver: …``)
+    named nothing the user typed (a cold review). The library's messages are unchanged."""
+    from toolledger.ledger import inputs
+    from toolledger.ledger.identity import check_text_id
+
+    name = max(param.opts, key=len) if param.opts else (param.name or "value")
+    return None if value is None else check_text_id(value, name, inputs.MAX_ACTOR)
+
+
 def call_options(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option(
         "--tool-call-id",

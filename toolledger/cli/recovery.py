@@ -18,6 +18,7 @@ from toolledger.cli.common import (
     call_options,
     json_option,
     pass_ctx,
+    person_option_check,
 )
 from toolledger.config import MAX_SETTING_SECONDS
 from toolledger.ledger.identity import check_scope
@@ -104,7 +105,7 @@ def _publisher(c: Context) -> Any:
 @click.command()
 @click.option("--execution-id", required=True)
 @click.option("--as", "as_", required=True, type=click.Choice([s.value for s in TERMINAL]))
-@click.option("--by", required=True, help="Who decided.")
+@click.option("--by", required=True, callback=person_option_check, help="Who decided.")
 @click.option("--evidence", required=True, help="What they saw that proves it.")
 @click.option(
     "--review",
@@ -129,7 +130,9 @@ def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str, rev
 
 @click.command()
 @call_options
-@click.option("--by", required=True, help="Who authorises the new attempt.")
+@click.option(
+    "--by", required=True, callback=person_option_check, help="Who authorises the new attempt."
+)
 @click.option(
     "--accept-duplicate",
     is_flag=True,
