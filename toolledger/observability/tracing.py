@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -81,10 +82,11 @@ FLUSH_MILLIS = 5000
 
 def flush(timeout_millis: int = FLUSH_MILLIS) -> None:
     """Export the spans this process's provider still holds, waiting ``timeout_millis`` at
-    most: for a prefork pool child that exits (``--max-tasks-per-child``, a warm shutdown).
-    It leaves through ``os._exit``, so the SDK's own exit hook never ran, and the spans its
-    batch processor held (up to 5 s of them) were lost: none of a recycled child's
-    ``execute_tool`` spans reached the collector (a cold review)."""
+    most (whatever the exporter does): for a prefork pool child that exits
+    (``--max-tasks-per-child``, a warm shutdown). It leaves through ``os._exit``, so the
+    SDK's own exit hook never ran, and the spans its batch processor held (up to 5 s of them)
+    were lost: none of a recycled child's ``execute_tool`` spans reached the collector (a
+    cold review)."""
     trace = _trace()
     if trace is None:
         return
@@ -92,10 +94,26 @@ def flush(timeout_millis: int = FLUSH_MILLIS) -> None:
     force_flush = getattr(provider, "force_flush", None)
     if force_flush is None:  # the API's no-op or proxy provider: nothing held
         return
-    try:
-        force_flush(timeout_millis)
-    except Exception as exc:  # noqa: BLE001 - a child's exit must not fail on its spans
-        log.warning("spans not exported at exit: %s", exc)
+    # in a thread of its own, given up at the timeout: the SDK's batch processor ignores the
+    # timeout it is given (opentelemetry-sdk 1.45) and exports every batch it holds, each up
+    # to the exporter's own timeout: behind a collector that accepts and never answers, each
+    # recycled child took 10 s to exit, a pool slot held (a cold review). Given up, the
+    # daemon thread dies with the child.
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            force_flush(timeout_millis)
+        except Exception as exc:  # noqa: BLE001 - a child's exit must not fail on its spans
+            failed.append(exc)
+
+    flushing = threading.Thread(target=run, name="toolledger-span-flush", daemon=True)
+    flushing.start()
+    flushing.join(timeout_millis / 1000)
+    if flushing.is_alive():
+        log.warning("spans not exported at exit: the exporter took over %d ms", timeout_millis)
+    elif failed:
+        log.warning("spans not exported at exit: %s", failed[0])
 
 
 def _exporter(name: str) -> Any:
