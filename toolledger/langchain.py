@@ -48,7 +48,7 @@ from toolledger.ledger.identity import args_sha256
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
-from toolledger.turns import CallsWaiting
+from toolledger.turns import CallsWaiting, database_failed
 
 #: ``approve(tool, tool_call_id, args) -> approver | None`` (None: a person decides).
 Approve = Callable[[str, str, dict[str, Any]], str | None]
@@ -219,6 +219,8 @@ class LedgerTool(BaseTool):
         except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
             raise ToolException(f"toolledger refused the call: {exc}") from exc
         except Exception as exc:
+            if not database_failed(exc):
+                raise
             raise _unanswered(scope, call_id) from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
             raise ToolCallsWaiting(scope, {call_id: handle.status})
@@ -228,6 +230,8 @@ class LedgerTool(BaseTool):
             unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
             raise ToolCallsWaiting(scope, {call_id: exc.status}, unanswered) from None
         except Exception as exc:
+            if not database_failed(exc):  # a record the ledger calls corrupt, a bug: as is
+                raise
             raise _unanswered(scope, call_id) from exc
         return ToolMessage(
             content=receipt.text,
@@ -239,8 +243,8 @@ class LedgerTool(BaseTool):
 
 
 def _unanswered(scope: str, call_id: str) -> ToolCallsWaiting:
-    """What the tool raises when the database (or the broker) failed once the submit may have
-    committed: where the call stands is not known, and the model is told nothing. A ToolNode
+    """What the tool raises when the database failed (``database_failed``) once the submit may
+    have committed: where the call stands is not known, and the model is told nothing. A ToolNode
     with ``handle_tool_errors=True`` turned such an error into one the model read; it called
     again under a new id, and the effect happened twice (a cold review)."""
     return ToolCallsWaiting(scope, {call_id: UNANSWERED}, frozenset({call_id}))

@@ -57,7 +57,7 @@ from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, LedgerError, StateError
 from toolledger.ledger.transitions import Status
 from toolledger.tools import Registry, Tool
-from toolledger.turns import CallsWaiting
+from toolledger.turns import CallsWaiting, database_failed
 
 Scope = str | Callable[[RunContextWrapper[Any]], str]
 #: ``approve(tool, call_id, args)``: the approver's name, or None; or an awaitable of it (an
@@ -137,6 +137,8 @@ class _Ledger:
         except LedgerError as exc:  # refused input, a conflict: nothing recorded
             return " ".join(f"error: {exc}".split())
         except Exception as exc:
+            if not database_failed(exc):
+                raise
             raise _unanswered(scope, tool_call_id) from exc
         try:
             if handle.status == Status.PENDING_APPROVAL.value and by is not None and sdk_approved:
@@ -152,8 +154,12 @@ class _Ledger:
             unanswered = frozenset({tool_call_id}) if exc.unanswered else frozenset()
             raise CallsWaiting(scope, {tool_call_id: exc.status}, unanswered) from None
         except Exception as exc:
-            # recorded: anything now (a database that stopped answering, a record it cannot
-            # read) leaves where the call stands unknown; the model is told nothing
+            # recorded: the database failing now leaves where the call stands unknown, and the
+            # model is told nothing; a LedgerError (a record the ledger calls corrupt) or a
+            # bug is raised as it is, and ends the run (it was handed to the model as an
+            # "error:", a refusal of a call that had been recorded)
+            if not database_failed(exc):
+                raise
             raise _unanswered(scope, tool_call_id) from exc
         return receipt.text
 
@@ -162,8 +168,7 @@ def _unanswered(scope: str, tool_call_id: str) -> CallsWaiting:
     """An error once the submit may have committed (a database that stopped answering during
     or after it): the call may be in flight, so the run stops as for a timeout, where
     ``calls_waiting`` finds it. As an ordinary error nothing said so, and the run again made a
-    new id, a second effect (a cold review). After the submit, a ``LedgerError`` too: it was
-    handed to the model as a refusal of a call that had been recorded."""
+    new id, a second effect (a cold review)."""
     waiting = {tool_call_id: UNANSWERED}
     return CallsWaiting(scope, waiting, frozenset(waiting))
 

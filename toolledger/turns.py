@@ -133,17 +133,30 @@ def _said(scope: str, call: Call, submitted: dict[str, Any]) -> None:
         log.warning("%s/%s: %s", scope, call.id, warning)
 
 
+def database_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is the database (or the network to it) failing, where the call may or
+    may not have been recorded: SQLAlchemy's errors, an ``OSError``. A ``LedgerError`` is the
+    ledger's answer (a refusal, a record it calls corrupt), and anything else a bug: each is
+    raised as it is. Said "unanswered", a record the ledger called corrupt was reported as a
+    database that did not answer, for ever (a cold review of the day's diff)."""
+    import sqlalchemy as sa
+
+    if isinstance(exc, LedgerError):
+        return False
+    return isinstance(exc, sa.exc.SQLAlchemyError | OSError)
+
+
 def _submit_failed(
     scope: str, call: Call, submitted: list[tuple[Call, str]], exc: Exception
 ) -> None:
-    """A submit that failed, past the turn's checks: a refusal (``LedgerError``) is raised as
-    it is; anything else (the database or the broker failing, perhaps once the submit had
-    committed) leaves the call unanswered, and the turn's calls submitted before it waiting:
+    """A submit that failed, past the turn's checks: a refusal (``LedgerError``) or a bug is
+    raised as it is; the database failing (``database_failed``), perhaps once the submit had
+    committed, leaves the call unanswered, and the turn's calls submitted before it waiting:
     CallsWaiting, chained to the error. It reached the application as the database's own
     error, which an agent loop could hand to the model, who called again under a new id (a
     cold review of the integrations: the effect twice). The calls after it were not sent:
     the same turn run again sends them."""
-    if isinstance(exc, LedgerError):
+    if isinstance(exc, LedgerError) or not database_failed(exc):
         raise exc
     waiting = {c.id: status for c, status in submitted} | {call.id: UNANSWERED}
     raise CallsWaiting(scope, waiting, frozenset({call.id})) from exc
@@ -203,13 +216,13 @@ def run_turn(
         # submitted in the model's order (workers may run them concurrently)
         try:
             handles.append((call, client.submit_checked(prepared, approved_by=approver)))
-        except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed
+        except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed, or as it is
             _submit_failed(scope, call, [(c, h.status) for c, h in handles], exc)
     for call, handle in handles:
         _said(scope, call, handle.submitted)
     outcomes: list[tuple[Call, Receipt | str]] = []
-    unanswered: set[str] = set()
-    failed: Exception | None = None
+    unanswered: set[str] = set()  # a wait given up on a database that did not answer
+    failed: dict[str, Exception] = {}  # a wait the database failed at once: see below
     for call, handle in handles:
         if unanswered and handle.receipt_in_hand is None:
             # the database did not answer this turn's last wait, which took the reads' whole
@@ -225,14 +238,17 @@ def run_turn(
             outcomes.append((call, _status_of(exc)))
             if getattr(exc, "unanswered", False):
                 unanswered.add(call.id)
-        except Exception as exc:  # noqa: BLE001 - the database failed the wait: _submit_failed
+        except Exception as exc:
+            if not database_failed(exc):  # a bug, a record the ledger calls corrupt: as is
+                raise
+            # the next call's wait is still made: a failure at once (refused connections)
+            # costs no grace, and the database may be back
             outcomes.append((call, UNANSWERED))
-            unanswered.add(call.id)
-            failed = failed or exc
+            failed[call.id] = exc
     try:
-        return answered(scope, fmt, outcomes, frozenset(unanswered))
+        return answered(scope, fmt, outcomes, frozenset(unanswered | failed.keys()))
     except CallsWaiting as waiting:
-        raise waiting from failed
+        raise waiting from next(iter(failed.values()), None)
 
 
 async def run_turn_async(
@@ -254,7 +270,7 @@ async def run_turn_async(
     for call, prepared, approver in zip(calls, checked, approvers, strict=True):
         try:
             handles.append((call, await client.submit_checked(prepared, approved_by=approver)))
-        except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed
+        except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed, or as it is
             _submit_failed(scope, call, [(c, h.handle.status) for c, h in handles], exc)
     for call, handle in handles:
         _said(scope, call, handle.handle.submitted)
@@ -269,7 +285,9 @@ async def run_turn_async(
             if getattr(exc, "unanswered", False):
                 unanswered.add(call.id)
             return call, _status_of(exc)
-        except Exception as exc:  # noqa: BLE001 - the database failed the wait: _submit_failed
+        except Exception as exc:
+            if not database_failed(exc):  # see run_turn
+                raise
             unanswered.add(call.id)
             failed.append(exc)
             return call, UNANSWERED

@@ -385,8 +385,10 @@ def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
     """A database that stops answering during or after the submit (which may have committed):
     the SDK ended the run with an ordinary error, ``calls_waiting`` said None, so nothing
     told the app a call was in flight; the run again made a new id, two effects (a cold
-    review). It stops as for a timeout now, the call's status ``unanswered``. So does a
-    ``LedgerError`` once the call is recorded: it was handed to the model as a refusal."""
+    review). It stops as for a timeout now, the call's status ``unanswered``. A
+    ``LedgerError`` once the call is recorded (a record the ledger calls corrupt) ends the run
+    as itself: it was handed to the model as a refusal, and "unanswered" would say the
+    database had not answered (a cold review of the day's diff)."""
     import sqlalchemy as sa
 
     from toolledger.ledger.errors import CorruptRecord
@@ -410,7 +412,7 @@ def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
                 raise blip
 
             async def wait_blip(*_a: Any, **_kw: Any) -> Any:
-                if where == "wait-record":  # a LedgerError once recorded: no refusal either
+                if where == "wait-record":  # a LedgerError once recorded: as itself
                     raise CorruptRecord("a terminal status without a result")
                 raise blip
 
@@ -425,8 +427,11 @@ def test_a_database_error_once_submitted__the_run_stops_with_calls_waiting(
     with pytest.raises(AgentsException) as stopped:
         asyncio.run(go())
     waiting = calls_waiting(stopped.value)
-    assert waiting is not None and waiting.waiting == {"call_a1": "unanswered"}, stopped.value
-    assert waiting.unanswered == {"call_a1"}
+    if where == "wait-record":  # the run ends, the model is told nothing, said as it is
+        assert waiting is None and isinstance(stopped.value.__cause__, CorruptRecord)
+    else:
+        assert waiting is not None and waiting.waiting == {"call_a1": "unanswered"}
+        assert waiting.unanswered == {"call_a1"}
     with Client(settings) as client:
         assert client.status("blip", "call_a1") == "approved"  # in flight: it was committed
 

@@ -317,3 +317,30 @@ def test_run_turn__an_approval_not_applied_to_a_waiting_call_is_said(
     said = [r.getMessage() for r in caplog.records if "was not applied" in r.getMessage()]
     assert len(said) == 2 and said[0].startswith(f"{scope}/waits_0: the call already exists")
     assert client.ledger.get(scope, "waits_0").operation.status is Status.PENDING_APPROVAL
+
+
+def test_run_turn__a_record_the_ledger_calls_corrupt_is_raised_not_said_unanswered(
+    client: Client, scope: str
+) -> None:
+    """A wait that met a record the ledger calls corrupt: said "unanswered" (the database did
+    not answer), it was reported so for ever, and the turn's other calls with it (a cold
+    review of the day's diff). The ledger's error is raised as it is."""
+    from toolledger.ledger.errors import CorruptRecord
+
+    wait = client.wait
+
+    def corrupt(scope_: str, tool_call_id: str, **kwargs: Any) -> Any:
+        if tool_call_id == "k0":
+            raise CorruptRecord("a terminal status without a result")
+        return wait(scope_, tool_call_id, **kwargs)
+
+    client.wait = corrupt  # type: ignore[method-assign]
+    calls = [
+        {"id": f"k{i}", "type": "function",
+         "function": {"name": "write_file",
+                      "arguments": json.dumps({"path": f"k{i}.txt", "content": "x"})}}
+        for i in range(2)
+    ]  # fmt: skip
+    message = {"role": "assistant", "content": None, "tool_calls": calls}
+    with pytest.raises(CorruptRecord):
+        client.run_turn(scope, message, timeout=0.2)
