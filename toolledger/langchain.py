@@ -79,9 +79,11 @@ class MissingCallIdentity(ValueError):
     """The tool was invoked without a ToolCall id or outside a LangGraph thread."""
 
 
-class NotDurable(MissingCallIdentity):
+class NotDurable(MissingCallIdentity, GraphBubbleUp):
     """The tool was invoked in a graph that would not give its ToolCall ids back after a
-    crash: no checkpointer, or a durability other than ``"sync"``."""
+    crash: no checkpointer, or a durability other than ``"sync"``. Also a ``GraphBubbleUp``:
+    ``ToolNode(handle_tool_errors=True)`` handed it to the model as a tool error, and the
+    graph ended normally, its developer never told (a cold review of the day's diff)."""
 
 
 #: LangGraph's own config keys (``langgraph._internal._constants``): a task of a graph run

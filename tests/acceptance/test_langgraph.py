@@ -255,25 +255,31 @@ def test_example_langgraph_agent__runs_then_replays_without_running_again(world:
 
 
 @pytest.mark.parametrize(
-    ("durability", "saver"),
-    [(None, True), ("async", True), ("exit", True), (None, False)],
-    ids=["default", "async", "exit", "no-checkpointer"],
-)
+    ("durability", "saver", "handle_errors"),
+    [(None, True, False), ("async", True, False), ("exit", True, False), (None, False, False),
+     (None, True, True)],
+    ids=["default", "async", "exit", "no-checkpointer", "handle-tool-errors"],
+)  # fmt: skip
 @pytest.mark.parametrize("world", ["embedded"], indirect=True)
 def test_not_durable__a_graph_that_would_not_give_the_ids_back_is_refused(
-    world: Stack, durability: str | None, saver: bool
+    world: Stack, durability: str | None, saver: bool, handle_errors: bool
 ) -> None:
     """LangGraph's default durability ("async") saves the model's message while the tools
     node already runs: a crash before the save, and the model called again under new ids, a
     second effect (a cold review). In a graph the tools run only under a checkpointer and
     durability="sync"; refused, nothing is recorded. (This also holds the config keys the
     check reads to the installed LangGraph: were one renamed, every graph would pass.)"""
-    scope = f"lg-dur-{durability}-{saver}"
+    scope = f"lg-dur-{durability}-{saver}-{handle_errors}"
     thread: RunnableConfig = {"configurable": {"thread_id": scope}}
     with Client(world.settings()) as client:
         tools = ledger_tools(client, tools=["append_file"])
         graph = build_graph(
-            ScriptedModel(calls=calls("dur")[:1]), tools, MemorySaver() if saver else None
+            ScriptedModel(calls=calls("dur")[:1]),
+            tools,
+            MemorySaver() if saver else None,
+            # a ToolNode handing every tool error to the model lets this one through: the
+            # graph's developer is told, not the model (it ended the graph "normally")
+            tools_node=ToolNode(tools, handle_tool_errors=True) if handle_errors else None,
         )
         kw: dict[str, Any] = {} if durability is None else {"durability": durability}
         with pytest.raises(NotDurable, match="durability='sync'" if saver else "checkpointer"):
