@@ -663,6 +663,51 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
         ledger.close()
 
 
+def test_proxy__a_database_gone_mid_forward_answers_unanswered_not_an_error(
+    world: Stack, tmp_path: Path
+) -> None:
+    """The proxy's database gone while it waits for a call it forwards: it answered a JSON-RPC
+    error, and a model reading an error calls again, under a new request id where the host
+    names none, forwarded again: two charges (a cold review of the day's diff). It answers
+    the call not finished, ``unanswered``, told not to call again; the upstream ran it once."""
+    if not world.db.startswith("postgresql"):
+        pytest.skip("a proxy in front of Postgres is what can go away here")
+    from tests.integration.test_wait_frozen import Freezable
+
+    log, release = tmp_path / "upstream.log", tmp_path / "release"
+    db = Freezable(world.db)
+    scope = scope_of("pgone")
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_RELEASE": str(release),
+           "TOOLLEDGER_DB": db.url}  # fmt: skip
+
+    async def go() -> list[Any]:
+        answers: list[Any] = []
+        async with mcp_server(world, *proxy_argv("--timeout", "20"), **env) as s:
+
+            async def call() -> None:  # its scope named, its id not: the request's
+                answers.append(await s.call_tool("slow_charge", {"amount": 3}, meta={SCOPE: scope}))
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while not invocations(log):  # forwarded: the upstream runs it
+                        await anyio.sleep(0.05)
+                    db.gone()
+            release.touch()  # the upstream finishes; the proxy's record of it waits
+        return answers
+
+    try:
+        (answer,) = run_async(go)
+    finally:
+        release.touch()
+        db.close()
+    assert not answer.is_error
+    said = text_of(answer)
+    assert said["status"] == "unanswered" and said["finished"] is False, said
+    assert "Do not call the tool again" in said["message"]
+    assert len(invocations(log)) == 1
+
+
 def test_proxy__killed_mid_forward_the_call_becomes_unknown_and_is_never_forwarded_again(
     world: Stack, tmp_path: Path
 ) -> None:

@@ -99,6 +99,7 @@ from toolledger.ledger.records import Claim, OperationRecord, Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.mcp import DEFAULT_TIMEOUT, META_IDEMPOTENCY_KEY, META_SERVICE_KEY, patterns
 from toolledger.mcp.common import (
+    UNANSWERED,
     CallIdentity,
     InFlight,
     StdinLines,
@@ -372,7 +373,12 @@ class Proxy:
         except ReceiptTimeout as exc:
             return pending_result(ident, exc.status)
         except sa.exc.SQLAlchemyError as exc:
-            raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
+            # recorded, and perhaps forwarded already: an error the model reads invites
+            # another call, under a new request id where the host names none, forwarded
+            # again (a cold review of the day's diff, as serve's). Before the claim an error
+            # stays an error: a call recorded but never claimed is never forwarded by itself
+            log.warning("%s/%s: %s", ident.scope, ident.tool_call_id, _db_error(exc))
+            return pending_result(ident, UNANSWERED)
         return reply(receipt)
 
     async def _replay_unlisted(
