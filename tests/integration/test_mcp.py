@@ -343,6 +343,8 @@ def test_serve__a_call_not_finished_in_time_answers_its_status_then_its_receipt(
         ledger.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("world", ["postgres"], indirect=True)
 def test_serve__a_database_gone_at_the_submit_answers_unanswered_not_an_error(
     world: Stack,
 ) -> None:
@@ -351,8 +353,7 @@ def test_serve__a_database_gone_at_the_submit_answers_unanswered_not_an_error(
     and a model reading an error calls again, under a new request id where the host names
     none, a second effect if the first had been recorded (the integrations' cold review). It
     answers the call pending, ``unanswered``, and says not to call again."""
-    if not world.db.startswith("postgresql"):
-        pytest.skip("a proxy in front of Postgres is what can go away here")
+    # (Postgres only: a proxy in front of it is what can go away here)
     from tests.integration.test_wait_frozen import Freezable
 
     proxy = Freezable(world.db)
@@ -663,15 +664,19 @@ def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
         ledger.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("world", ["postgres"], indirect=True)
 def test_proxy__a_database_gone_mid_forward_answers_unanswered_not_an_error(
     world: Stack, tmp_path: Path
 ) -> None:
     """The proxy's database gone while it waits for a call it forwards: it answered a JSON-RPC
     error, and a model reading an error calls again, under a new request id where the host
     names none, forwarded again: two charges (a cold review of the day's diff). It answers
-    the call not finished, ``unanswered``, told not to call again; the upstream ran it once."""
-    if not world.db.startswith("postgresql"):
-        pytest.skip("a proxy in front of Postgres is what can go away here")
+    the call not finished, told not to call again; the upstream ran it once. ``unanswered``
+    if the failure met the wait's read, else the status the wait last read (its re-reads go
+    on with what they knew: which one is a race here; tests/unit/test_mcp_pending.py meets
+    the read every time)."""
+    # (Postgres only: a proxy in front of it is what can go away here)
     from tests.integration.test_wait_frozen import Freezable
 
     log, release = tmp_path / "upstream.log", tmp_path / "release"
@@ -703,7 +708,7 @@ def test_proxy__a_database_gone_mid_forward_answers_unanswered_not_an_error(
         db.close()
     assert not answer.is_error
     said = text_of(answer)
-    assert said["status"] == "unanswered" and said["finished"] is False, said
+    assert said["status"] in ("unanswered", "running") and said["finished"] is False, said
     assert "Do not call the tool again" in said["message"]
     assert len(invocations(log)) == 1
 

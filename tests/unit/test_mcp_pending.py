@@ -33,3 +33,35 @@ def test_pending__an_unnamed_call_is_told_not_to_ask_again():
     ident = call_identity({}, 7, scope="mcp-abc", session="abc")
     assert not ident.named_by_host
     assert "Do not call the tool again" in _message(pending_result(ident, "running"))
+
+
+def test_proxy__the_database_failing_its_wait_answers_unanswered_not_an_error():
+    """The proxy's wait for a call it forwards met the database failing: it answered a
+    JSON-RPC error, and a model reading an error calls again, under a new request id where
+    the host names none, forwarded again: two charges (a cold review of the day's diff). It
+    answers the call not finished, ``unanswered``, told not to call again. (The subprocess
+    test in tests/integration/test_mcp.py meets the failure wherever the wait is; this one
+    meets it at the wait's read, every time.)"""
+    import anyio
+    import sqlalchemy as sa
+
+    from toolledger.mcp.proxy import Proxy
+
+    class Failing:
+        async def wait(self, *_a, **_kw):
+            raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
+
+    async def answer():
+        proxy = Proxy(
+            Failing(), None, None, [], None, anyio.Event(),  # type: ignore[arg-type]
+            scope="s", session="abc", approved_by="mcp", idempotent=set(), lease=30.0,
+            timeout=5.0, time_limit=60.0,
+        )  # fmt: skip
+        ident = call_identity({META_SCOPE: "s"}, 7, scope="s", session="abc")
+        return await proxy._answer(ident)
+
+    result = anyio.run(answer)
+    assert not result.is_error
+    said = result.structured_content
+    assert said["status"] == "unanswered" and said["finished"] is False
+    assert "Do not call the tool again" in said["message"]
