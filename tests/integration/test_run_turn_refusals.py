@@ -330,17 +330,10 @@ def test_run_turn__a_record_the_ledger_calls_corrupt_is_raised_not_said_unanswer
     wait = client.wait
 
     def corrupt(scope_: str, tool_call_id: str, **kwargs: Any) -> Any:
-        if tool_call_id == "k0":
+        if tool_call_id == "k_0":
             raise CorruptRecord("a terminal status without a result")
         return wait(scope_, tool_call_id, **kwargs)
 
     client.wait = corrupt  # type: ignore[method-assign]
-    calls = [
-        {"id": f"k{i}", "type": "function",
-         "function": {"name": "write_file",
-                      "arguments": json.dumps({"path": f"k{i}.txt", "content": "x"})}}
-        for i in range(2)
-    ]  # fmt: skip
-    message = {"role": "assistant", "content": None, "tool_calls": calls}
     with pytest.raises(CorruptRecord):
-        client.run_turn(scope, message, timeout=0.2)
+        client.run_turn(scope, openai_turn(2, "k"), timeout=0.2)
