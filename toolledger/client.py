@@ -555,28 +555,38 @@ class Client:
                 # read again now that a ring would reach us: one between the first read and
                 # the watch is not lost
                 view = _within(apart, grace, self.ledger.get, scope, tool_call_id)
+                answered = True  # did the last read answer (else view is an older answer)
                 while True:
                     status = view.operation.status.value
                     left = None if deadline is None else deadline - time.monotonic()
                     waited = time.monotonic() - started
-                    if (found := self._ended(view, by_poll, left, waited)) is not None:
+                    if (found := self._ended(view, by_poll, left, waited, answered)) is not None:
                         return found
                     wait = self._interval(left)
                     by_poll = not rung.wait(wait)
                     rung.clear()
                     if by_poll:
                         self.stats.add("fallback_reads")
-                    view = _within(apart, grace, self._reread, view, scope, tool_call_id, deadline)
+                    again = _within(apart, grace, self._reread, scope, tool_call_id, deadline)
+                    answered = again is not None
+                    view = view if again is None else again
         except _Unanswered:
             self.stats.add("timeouts")
             waited = time.monotonic() - started
             raise ReceiptTimeout(scope, tool_call_id, status, waited, unanswered=True) from None
 
     def _ended(
-        self, view: CallView, by_poll: bool, left: float | None, waited: float
+        self,
+        view: CallView,
+        by_poll: bool,
+        left: float | None,
+        waited: float,
+        answered: bool = True,
     ) -> Receipt | None:
         """A wait's look at what it read: the call's receipt if it has one (counted as found
-        by a poll or a wake-up), ``ReceiptTimeout`` if no time is ``left``, else None."""
+        by a poll or a wake-up), ``ReceiptTimeout`` if no time is ``left``, else None. When
+        the last read did not ``answer`` (``view`` is an older answer), the timeout says the
+        database did not answer and what it said last, not that the call still stands so."""
         found = receipt_of(view)
         if found is not None:
             self.stats.add("found_by_poll" if by_poll else "woken")
@@ -584,7 +594,9 @@ class Client:
         if left is not None and left <= 0:
             self.stats.add("timeouts")
             status = view.operation.status.value
-            raise ReceiptTimeout(view.scope, view.tool_call_id, status, waited)
+            raise ReceiptTimeout(
+                view.scope, view.tool_call_id, status, waited, unanswered=not answered
+            )
         return None
 
     def _interval(self, left: float | None) -> float:
@@ -592,10 +604,10 @@ class Client:
         return poll if left is None else max(0.0, min(left, poll))
 
     def _reread(
-        self, view: CallView, scope: str, tool_call_id: str, deadline: float | None = None
-    ) -> CallView:
-        """The call again; while the database does not answer (a restart, a failover) the
-        wait goes on with what it knew, until its timeout (a pause never runs past it)."""
+        self, scope: str, tool_call_id: str, deadline: float | None = None
+    ) -> CallView | None:
+        """The call again; None while the database does not answer (a restart, a failover):
+        the wait goes on with what it knew, until its timeout (a pause never runs past it)."""
         import sqlalchemy as sa
 
         try:
@@ -607,7 +619,7 @@ class Client:
             if deadline is not None:
                 pause = max(0.0, min(pause, deadline - time.monotonic()))
             time.sleep(pause)
-            return view
+            return None
 
     def run_turn(
         self,
@@ -787,11 +799,12 @@ class AsyncClient:
             by_poll = False
             with sync.notifier.watch(key, wake):
                 view = await read(sync.ledger.get, scope, tool_call_id)  # see Client.wait
+                answered = True
                 while True:
                     status = view.operation.status.value
                     left = None if deadline is None else deadline - loop.time()
                     waited = loop.time() - started
-                    if (found := sync._ended(view, by_poll, left, waited)) is not None:
+                    if (found := sync._ended(view, by_poll, left, waited, answered)) is not None:
                         return found
                     try:
                         await asyncio.wait_for(rung.wait(), sync._interval(left))
@@ -800,7 +813,9 @@ class AsyncClient:
                         by_poll = True
                         sync.stats.add("fallback_reads")
                     rung.clear()
-                    view = await read(sync._reread, view, scope, tool_call_id, deadline)
+                    again = await read(sync._reread, scope, tool_call_id, deadline)
+                    answered = again is not None
+                    view = view if again is None else again
         except _Unanswered:
             sync.stats.add("timeouts")
             waited = loop.time() - started

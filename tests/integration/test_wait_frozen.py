@@ -479,3 +479,55 @@ def test_async_run_turn__a_database_gone_during_the_waits_is_calls_waiting(
     assert isinstance(exc, CallsWaiting), (exc, out.get("error"))
     assert isinstance(exc.__cause__, sa.exc.OperationalError), exc.__cause__
     assert exc.waiting == {"h0": "unanswered", "h1": "unanswered"}
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_wait__a_server_gone_during_the_wait_times_out_unanswered(
+    frozen: Freezable, tmp_path: Path, side: str
+) -> None:
+    """A wait whose re-reads the database refused (it went away after the wait's reads) said
+    at its timeout "it is pending_approval", as if it had read that: now "the database did
+    not answer (it was pending_approval at its last answer)", ``unanswered`` set."""
+
+    def gone_after_two_reads(client: Client) -> None:
+        get, answered = client.ledger.get, []
+
+        def then_gone(*args: Any, **kwargs: Any) -> Any:
+            view = get(*args, **kwargs)
+            answered.append(view)
+            if len(answered) == 2:  # the wait has read, listens and read again
+                frozen.gone()
+            return view
+
+        client.ledger.get = then_gone  # type: ignore[method-assign]
+
+    def scenario() -> BaseException | None:
+        if side == "sync":
+            with Client(settings(frozen.url, tmp_path)) as client:
+                client.submit("fz", f"g{side}", "write_file", {"path": "g.txt", "content": "x"})
+                gone_after_two_reads(client)
+                try:
+                    client.wait("fz", f"g{side}", timeout=2.0)
+                except BaseException as exc:  # noqa: BLE001 - returned
+                    return exc
+                return None
+
+        async def run() -> BaseException | None:
+            async with AsyncClient(settings(frozen.url, tmp_path)) as client:
+                await client.submit("fz", f"g{side}", "write_file",
+                                    {"path": "g.txt", "content": "x"})  # fmt: skip
+                gone_after_two_reads(client.sync)
+                try:
+                    await client.wait("fz", f"g{side}", timeout=2.0)
+                except BaseException as exc:  # noqa: BLE001 - returned
+                    return exc
+                return None
+
+        return asyncio.run(run())
+
+    exc = in_thread(scenario)["value"]
+    assert isinstance(exc, ReceiptTimeout), exc
+    assert exc.unanswered and exc.status == "pending_approval", (exc.unanswered, exc.status)
+    assert str(exc).endswith(
+        "the database did not answer (it was pending_approval at its last answer)"
+    )
