@@ -645,6 +645,14 @@ class AsyncClient:
     ) -> None:
         self.sync = Client(settings, poll_interval=poll_interval)
 
+    @classmethod
+    def of(cls, client: Client) -> AsyncClient:
+        """The coroutines of an existing ``Client``: its ledger, listener and settings shared
+        (closing either closes both)."""
+        wrapped = cls.__new__(cls)
+        wrapped.sync = client
+        return wrapped
+
     @property
     def stats(self) -> Stats:
         return self.sync.stats

@@ -32,6 +32,7 @@ sends the same ToolCall ids: the receipts come back, and nothing runs twice.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
@@ -42,9 +43,17 @@ from langchain_core.messages import ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException
 
-from toolledger.client import UNANSWERED, Client, ReceiptTimeout
+from toolledger.client import (
+    UNANSWERED,
+    AsyncCallHandle,
+    AsyncClient,
+    CallHandle,
+    Client,
+    ReceiptTimeout,
+)
 from toolledger.ledger.errors import ConflictError, LedgerError
 from toolledger.ledger.identity import args_sha256
+from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
@@ -167,7 +176,7 @@ class LedgerTool(BaseTool):
     async def ainvoke(
         self, input: str | dict[str, Any] | Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> Any:
-        # (the executor that runs _run copies the context)
+        # (_arun's thread, as the executor that runs _run, copies the context)
         token = _MODEL_ARGS.set(self._check_call(input).get("args"))
         try:
             return await super().ainvoke(input, config, **kwargs)
@@ -185,6 +194,41 @@ class LedgerTool(BaseTool):
         return cast("dict[str, Any]", value)
 
     def _run(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
+        scope, call_id, handle = self._submit(config, kwargs)
+        try:
+            receipt = handle.result(timeout=self.timeout)
+        except ReceiptTimeout as exc:
+            raise _timed_out(scope, call_id, exc) from None
+        except Exception as exc:
+            if not database_failed(exc):  # a record the ledger calls corrupt, a bug: as is
+                raise
+            raise _unanswered(scope, call_id) from exc
+        return self._message(scope, call_id, receipt)
+
+    async def _arun(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
+        """As ``_run``, its wait on the event loop: a ToolNode's concurrent calls held an
+        executor thread each for their whole wait (the loop's default executor has
+        min(32, CPUs + 4)), and the calls past that many were not even submitted until an
+        earlier one's wait ended."""
+        # the checks, the policy (user code, maybe blocking) and the submit in a thread
+        # that copies this context (_MODEL_ARGS)
+        scope, call_id, handle = await asyncio.to_thread(self._submit, config, kwargs)
+        waiting = AsyncCallHandle(AsyncClient.of(self.client), handle)
+        try:
+            receipt = await waiting.result(timeout=self.timeout)
+        except ReceiptTimeout as exc:
+            raise _timed_out(scope, call_id, exc) from None
+        except Exception as exc:
+            if not database_failed(exc):  # a record the ledger calls corrupt, a bug: as is
+                raise
+            raise _unanswered(scope, call_id) from exc
+        return self._message(scope, call_id, receipt)
+
+    def _submit(
+        self, config: RunnableConfig, kwargs: dict[str, Any]
+    ) -> tuple[str, str, CallHandle]:
+        """The call checked and submitted: its scope, its id and its handle (raises
+        ``ToolCallsWaiting`` if a person decides, ``ToolException`` if it is refused)."""
         call_id = str(kwargs.pop(CALL_ID_FIELD))
         kwargs.pop("run_manager", None)
         scope = thread_id(config)
@@ -226,15 +270,9 @@ class LedgerTool(BaseTool):
             raise _unanswered(scope, call_id) from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
             raise ToolCallsWaiting(scope, {call_id: handle.status})
-        try:
-            receipt = handle.result(timeout=self.timeout)
-        except ReceiptTimeout as exc:
-            unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
-            raise ToolCallsWaiting(scope, {call_id: exc.status}, unanswered) from None
-        except Exception as exc:
-            if not database_failed(exc):  # a record the ledger calls corrupt, a bug: as is
-                raise
-            raise _unanswered(scope, call_id) from exc
+        return scope, call_id, handle
+
+    def _message(self, scope: str, call_id: str, receipt: Receipt) -> ToolMessage:
         return ToolMessage(
             content=receipt.text,
             tool_call_id=call_id,
@@ -242,6 +280,12 @@ class LedgerTool(BaseTool):
             status="error" if receipt.is_error else "success",
             artifact={**receipt.to_json(), "scope": scope, "tool_call_id": call_id},
         )
+
+
+def _timed_out(scope: str, call_id: str, exc: ReceiptTimeout) -> ToolCallsWaiting:
+    """No receipt within the tool's timeout: the run stops, naming where the call stands."""
+    unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
+    return ToolCallsWaiting(scope, {call_id: exc.status}, unanswered)
 
 
 def _unanswered(scope: str, call_id: str) -> ToolCallsWaiting:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ if not CI:  # under CI=true the extra must be installed: a missing one fails the
 from toolledger import Client
 from toolledger.config import Settings
 from toolledger.langchain import ledger_tools
+from toolledger.ledger.errors import NotFound
 from toolledger.ledger.identity import args_sha256
 from toolledger.recovery.transcript import repair_transcript
 from toolledger.registry import load_registry
@@ -116,3 +119,49 @@ def test_langchain__the_policy_gets_its_own_copy_of_the_arguments(
         with pytest.raises(CallsWaiting):
             tool.invoke(call, config)
     assert client.ledger.get(scope, "lc-stamp").operation.args == {"amount": 5}
+
+
+def test_langchain__concurrent_async_calls_wait_on_the_loop_not_a_thread_each(
+    client: Client, scope: str
+) -> None:
+    """``ainvoke`` ran the sync tool in the loop's default executor, whose thread it held for
+    the whole wait: a ToolNode's concurrent calls past the executor's threads (min(32, CPUs +
+    4)) were not even submitted until an earlier call's wait ended (carried from a cold
+    review). Here the executor has 2 threads and 4 calls wait (nobody runs them): all 4 are
+    recorded while every one still waits."""
+    (tool,) = ledger_tools(
+        client, registry=load_registry("tests.payment_tools"), approve=lambda *_: "policy",
+        tools=["charge"], timeout=60.0,
+    )  # fmt: skip
+    config = {"configurable": {"thread_id": scope}}
+    ids = [f"lc-conc-{i}" for i in range(4)]
+
+    def recorded() -> list[str]:
+        found = []
+        for call_id in ids:
+            with contextlib.suppress(NotFound):
+                found.append(client.ledger.get(scope, call_id).operation.status.value)
+        return found
+
+    async def scenario() -> tuple[list[str], list[bool]]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+
+        def call(call_id: str) -> dict[str, Any]:
+            return {"type": "tool_call", "id": call_id, "name": "charge", "args": {"amount": 1}}
+
+        calls = [asyncio.create_task(tool.ainvoke(call(call_id), config)) for call_id in ids]
+        seen: list[str] = []
+        for _ in range(300):  # up to ~15 s; a call held behind a wait is recorded after 60 s
+            seen = recorded()  # (read here: the executor's threads may all be held)
+            if len(seen) == len(ids):
+                break
+            await asyncio.sleep(0.05)
+        waiting = [not c.done() for c in calls]
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        return seen, waiting
+
+    seen, waiting = asyncio.run(scenario())
+    assert seen == ["approved"] * 4, seen  # every call submitted, none run
+    assert all(waiting), waiting  # and every one still waiting for its receipt
