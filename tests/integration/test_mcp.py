@@ -375,6 +375,46 @@ def test_serve__a_database_gone_at_the_submit_answers_unanswered_not_an_error(
     assert "did not answer" in said["message"] and "Do not call the tool again" in said["message"]
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("world", ["postgres"], indirect=True)
+def test_serve__a_database_gone_during_the_wait_answers_unanswered(world: Stack) -> None:
+    """The database gone once ``serve`` has submitted a call and waits for it (its re-reads
+    refused until the timeout): it answered "it is running", the wait's last answer given as
+    current; it answers ``unanswered`` now, and still says not to call again."""
+    from tests.integration.test_wait_frozen import Freezable
+
+    proxy = Freezable(world.db)
+    scope = scope_of("wgone")
+    args = {"path": "w.txt", "content": "wait", "hold_ms": 3000}
+
+    async def go() -> Any:
+        async with mcp_server(world, "serve", "--timeout", "2.5", TOOLLEDGER_DB=proxy.url) as s:
+            ledger = Ledger(world.db)  # the database itself, not the proxy serve reads through
+
+            async def recorded() -> None:
+                while not ledger.list_calls(scope=scope):
+                    await anyio.sleep(0.05)
+                await anyio.sleep(0.5)  # serve's wait has read it (ms after the submit)
+                proxy.gone()  # (gone before that, the wait's first read fails: unanswered too)
+
+            try:
+                with anyio.fail_after(30):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(recorded)
+                        return await s.call_tool("probe_write", args, meta={SCOPE: scope})
+            finally:
+                ledger.close()
+
+    try:
+        answer = run_async(go)
+    finally:
+        proxy.close()
+    assert not answer.is_error
+    said = text_of(answer)
+    assert said["status"] == "unanswered" and said["finished"] is False, said
+    assert "Do not call the tool again" in said["message"]
+
+
 # ------------------------------------------------------------------------------ proxy
 
 
@@ -687,10 +727,9 @@ def test_proxy__a_database_gone_mid_forward_answers_unanswered_not_an_error(
     """The proxy's database gone while it waits for a call it forwards: it answered a JSON-RPC
     error, and a model reading an error calls again, under a new request id where the host
     names none, forwarded again: two charges (a cold review of the day's diff). It answers
-    the call not finished, told not to call again; the upstream ran it once. ``unanswered``
-    if the failure met the wait's read, else the status the wait last read (its re-reads go
-    on with what they knew: which one is a race here; tests/unit/test_mcp_pending.py meets
-    the read every time)."""
+    the call not finished, ``unanswered`` (whether the failure met the wait's first read or
+    its re-reads, until 2026-12-07 said "running", the last answer), told not to call again;
+    the upstream ran it once."""
     # (Postgres only: a proxy in front of it is what can go away here)
     from tests.integration.test_wait_frozen import Freezable
 
@@ -724,7 +763,7 @@ def test_proxy__a_database_gone_mid_forward_answers_unanswered_not_an_error(
         _settle_running(world, scope)
     assert not answer.is_error
     said = text_of(answer)
-    assert said["status"] in ("unanswered", "running") and said["finished"] is False, said
+    assert said["status"] == "unanswered" and said["finished"] is False, said
     assert "Do not call the tool again" in said["message"]
     assert len(invocations(log)) == 1
 

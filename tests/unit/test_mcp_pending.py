@@ -65,3 +65,31 @@ def test_proxy__the_database_failing_its_wait_answers_unanswered_not_an_error():
     said = result.structured_content
     assert said["status"] == "unanswered" and said["finished"] is False
     assert "Do not call the tool again" in said["message"]
+
+
+def test_proxy__a_wait_the_database_stopped_answering_answers_unanswered():
+    """A wait that timed out while the database refused its re-reads (``ReceiptTimeout``
+    with ``unanswered``) was answered "it is running", the last answer given as current; it
+    is ``unanswered`` now, as a wait the database failed at once."""
+    import anyio
+
+    from toolledger.client import ReceiptTimeout
+    from toolledger.mcp.proxy import Proxy
+
+    class Unanswered:
+        async def wait(self, scope, tool_call_id, **_kw):
+            raise ReceiptTimeout(scope, tool_call_id, "running", 5.0, unanswered=True)
+
+    async def answer():
+        proxy = Proxy(
+            Unanswered(), None, None, [], None, anyio.Event(),  # type: ignore[arg-type]
+            scope="s", session="abc", approved_by="mcp", idempotent=set(), lease=30.0,
+            timeout=5.0, time_limit=60.0,
+        )  # fmt: skip
+        ident = call_identity({META_SCOPE: "s"}, 8, scope="s", session="abc")
+        return await proxy._answer(ident)
+
+    result = anyio.run(answer)
+    said = result.structured_content
+    assert not result.is_error and said["status"] == "unanswered", said
+    assert "Do not call the tool again" in said["message"]

@@ -370,8 +370,8 @@ class Proxy:
                 )
             if receipt is None:  # cut: where it stands (its receipt, if it came meanwhile)
                 receipt = await self.client.wait(ident.scope, ident.tool_call_id, timeout=0)
-        except ReceiptTimeout as exc:
-            return pending_result(ident, exc.status)
+        except ReceiptTimeout as exc:  # the database not answering it: where it is unknown
+            return pending_result(ident, UNANSWERED if exc.unanswered else exc.status)
         except sa.exc.SQLAlchemyError as exc:
             # recorded, and perhaps forwarded already: an error the model reads invites
             # another call, under a new request id where the host names none, forwarded

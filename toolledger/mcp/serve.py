@@ -190,8 +190,8 @@ def build_server(
                 receipt = await handle.result(timeout=timeout)
             if receipt is None:  # cut: where it stands (its receipt, if it came meanwhile)
                 receipt = await handle.result(timeout=0)
-        except ReceiptTimeout as exc:
-            return pending_result(ident, exc.status)
+        except ReceiptTimeout as exc:  # the database not answering it: where it is unknown
+            return pending_result(ident, UNANSWERED if exc.unanswered else exc.status)
         except sa.exc.SQLAlchemyError as exc:  # recorded: where it stands is not known
             log.warning("%s/%s: %s", ident.scope, ident.tool_call_id, _db_error(exc))
             return pending_result(ident, UNANSWERED)
