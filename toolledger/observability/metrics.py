@@ -519,16 +519,21 @@ def _leave(directory: str, pid: int) -> None:
 def use_multiprocess(directory: str | None = None, *, role: str = "worker") -> str:
     """Switch this process (and the children it will fork) to multiprocess counting in a
     directory of its own (removed when this process exits, not when a child does): a new
-    temporary one, or ``ROLE-HOST-PID`` inside ``directory`` (PROMETHEUS_MULTIPROC_DIR),
-    where the directories of this host's processes of that role that died without removing
-    theirs are removed first. Must run before any metric is built: prometheus_client picks
-    its value class from the environment."""
+    temporary one (``toolledger-ROLE-metrics-HOST-PID-…``), or ``ROLE-HOST-PID`` inside
+    ``directory`` (PROMETHEUS_MULTIPROC_DIR); either way the directories of this host's
+    processes of that role that died without removing theirs (SIGKILL) are removed first.
+    Must run before any metric is built: prometheus_client picks its value class from the
+    environment."""
     global _group_dir
     parent = directory or os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+    host = socket.gethostname()
     if parent is None:
-        path = Path(tempfile.mkdtemp(prefix=f"toolledger-{role}-metrics-"))
+        # every worker killed (chaos, the OOM killer) left its temporary directory behind
+        # (47 in /tmp after a morning of tests)
+        prefix = f"toolledger-{role}-metrics-{host}-"
+        _remove_dead_temporary(Path(tempfile.gettempdir()), prefix)
+        path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
     else:
-        host = socket.gethostname()
         _remove_dead(Path(parent), host, role)
         path = Path(parent) / f"{role}-{host}-{os.getpid()}"
         # A container's worker has the same pid each start: what is there is a run's that
@@ -554,6 +559,19 @@ def _remove_dead(parent: Path, host: str, role: str = "worker") -> None:
             pid = child.name.removeprefix(prefix)
             if child.name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(child, ignore_errors=True)
+
+
+def _remove_dead_temporary(parent: Path, prefix: str) -> None:
+    """Remove this user's ``PREFIX+PID-…`` temporary directories in ``parent`` whose process
+    is gone (another user's are left alone, as are names of any other shape)."""
+    with contextlib.suppress(OSError):
+        for child in parent.iterdir():
+            pid = child.name.removeprefix(prefix).partition("-")[0]
+            if not (child.name.startswith(prefix) and pid.isdigit()) or _alive(int(pid)):
+                continue
+            with contextlib.suppress(OSError):
+                if child.is_dir() and not child.is_symlink() and child.stat().st_uid == os.getuid():
+                    shutil.rmtree(child, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
