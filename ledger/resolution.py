@@ -640,7 +640,11 @@ class LedgerResolution(LedgerBase):
         if not inputs.check_text(evidence, "evidence", 10_000) or not evidence.strip():
             raise InvalidArguments("evidence: must not be empty")
         with self._write() as conn:
-            ex = self._require_execution(conn, execution_id)
+            # the call's row first, then the execution read under it: read before, a correction
+            # committed while this waited for the lock was not seen, and this review "confirmed"
+            # a status the row no longer held and settled the flag that correction raised (a
+            # cold review)
+            ex = self._lock_call_of(conn, execution_id)
             op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
             if op.review is None or ex.status not in TERMINAL:
                 raise StaleFence(execution_id, _nothing_to_resolve(execution_id, ex.status))

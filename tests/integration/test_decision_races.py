@@ -263,3 +263,38 @@ def test_a_flag_raised_while_a_review_of_another_is_on_its_way_is_not_lost(
     assert not isinstance(out["rita"], Exception) and out["sandbox"] is None, out
     assert ledger.get(scope, "c1").operation.review == Review.NOT_LANDED
     assert ledger.verify().ok
+
+
+def test_a_review_reads_the_execution_once_the_call_is_its_own(
+    pg_ledger: Ledger, pg_url: str, scope: str
+) -> None:
+    """Two reviews of a contradicted attempt 1 queue on the call's row: r1 corrects it to
+    succeeded (flagging both_ran: attempt 2 failed), r2 confirms carol's failed. r2 read the
+    execution before it waited for the lock, and "confirmed" failed on a row r1 had made
+    succeeded: it settled the both_ran flag and the history said failed where the row said
+    succeeded (a cold review). Read under the lock, r2's is a correction of r1's decision,
+    said as such."""
+    ledger = pg_ledger
+    first = unknown_attempt(ledger, scope)
+    ledger.resolve(first, Status.FAILED, by="carol", evidence="no charge in the dashboard")
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    assert second is not None
+    ledger.finish(second.execution_id, second.lease_token, Status.FAILED, {"error": "declined"})
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    in_turn(
+        pg_url,
+        scope,
+        lambda: ledger.review(first, Status.SUCCEEDED, by="r1", evidence="the receipt is real"),
+        lambda: ledger.review(first, Status.FAILED, by="r2", evidence="I trust carol"),
+    )
+    events = ledger.events(scope, "c1")
+    row = next(e for e in ledger.get(scope, "c1").executions if e.execution_id == first)
+    for said in [e for e in events if e.kind == "reviewed" and e.actor == "r2"]:
+        # what r2's review says it found is what the row holds once it was given
+        assert said.detail["status"] == row.status.value, (said.detail, row.status)
+        decided = [e for e in events if e.actor == "r2" and e.kind in ("succeeded", "failed")]
+        assert decided, "r2's review changed r1's decision without saying so"
+    assert ledger.verify().ok
