@@ -368,6 +368,10 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
                     Status.APPROVED,
                     f"a retry of {tool_call_id!r} (only unknown or failed)",
                 )
+            if op.review is not None:
+                raise InvalidTransition(
+                    op.status, Status.APPROVED, flagged_retry(tool_call_id, op.review)
+                )
             if seen is not None and (op.status, op.authorized_attempts) != (
                 seen.status,
                 seen.authorized_attempts,
@@ -421,6 +425,15 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
     def verify(self, page_size: int = 1000) -> VerifyReport:
         """Rebuild current state from the events alone and report every difference."""
         return verify(self.engine, page_size)
+
+
+def flagged_retry(tool_call_id: str, review: str) -> str:
+    """What a retry of a call a flag waits on is told (the person's and the API's alike)."""
+    return (
+        f"a retry of {tool_call_id!r}: its call is flagged {review}, and a flag waits for a "
+        "person's review before any new attempt (an earlier attempt may have taken effect): "
+        "review it first (show the call, then resolve --review); nothing changed"
+    )
 
 
 def _action_conflict(

@@ -197,7 +197,10 @@ class LedgerResolution(LedgerBase):
             self._move_operation(
                 conn, done.scope, done.idempotency_key, done.attempt, Status.UNKNOWN, status
             )
-            if retry and status is Status.FAILED:
+            # never past a flag: a person reviews the call first (an automatic attempt
+            # authorised on a call flagged both_ran ran once a review confirmed the earlier
+            # attempt's success, a second charge nobody authorised: a cold review)
+            if retry and status is Status.FAILED and op.review is None:
                 failed = self._operation(conn, done.scope, done.idempotency_key)
                 auto = {"retry": True, "automatic": True, "after": execution_id}
                 self._authorize_next(conn, failed, actor, {**auto, "evidence": evidence})
@@ -696,8 +699,31 @@ class LedgerResolution(LedgerBase):
                 self._after_correction(conn, ex, status, proof, by)
             if status is Status.SUCCEEDED:
                 decided = {"kind": "human", "by": by, "text": evidence, "review": True}
+                if proof is None:  # a confirmation is proof as a correction is: it beats
+                    # a later attempt's permission (attempt 3 authorised on the flagged call
+                    # stayed approved once the review confirmed attempt 1: a second charge)
+                    self._confirmation_beats_permission(conn, ex, decided, by)
                 self._proof_beats_failure(conn, ex, decided, by)
             return self._require_execution(conn, execution_id)
+
+    def _confirmation_beats_permission(
+        self, conn: sa.Connection, ex: ExecutionRecord, decided: dict[str, Any], by: str
+    ) -> None:
+        """A review confirming ``ex`` succeeded while a later attempt is authorised and not
+        claimed: that attempt is withdrawn, the call ``succeeded`` with ``ex``'s result (proof
+        beats permission, DESIGN §2 #11), as the proof that first said so would have done."""
+        op = self._locked_operation(conn, ex.scope, ex.idempotency_key)
+        if op.status is not Status.APPROVED or op.authorized_attempts <= ex.attempt:
+            return
+        claimed = conn.execute(
+            sa.select(executions.c.execution_id).where(
+                executions.c.scope == ex.scope,
+                executions.c.idempotency_key == ex.idempotency_key,
+                executions.c.attempt == op.authorized_attempts,
+            )
+        ).first()
+        if claimed is None:
+            self._withdraw(conn, op, Status.APPROVED, ex, decided, by)
 
     @staticmethod
     def _later_ended(conn: sa.Connection, ex: ExecutionRecord) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from toolledger.ledger.errors import InvalidTransition, StateError
 from toolledger.ledger.identity import PROXIED_PREFIX
-from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.ledger import Ledger, flagged_retry
 from toolledger.ledger.transitions import RETRYABLE, Status
 from toolledger.recovery.reconcile import NOT_APPLIED
 from toolledger.tools import Registry, UnknownTool
@@ -59,6 +59,8 @@ def retry(
         raise InvalidTransition(
             op.status, Status.APPROVED, f"a retry of {tool_call_id!r} (only unknown or failed)"
         )
+    if op.review is not None:  # before any advice on duplicates: a person reviews it first
+        raise InvalidTransition(op.status, Status.APPROVED, flagged_retry(tool_call_id, op.review))
     tool = registry.get(op.tool)
     # No duplicate when every attempt before is proven to have left nothing: a sandboxed
     # tool's that did not succeed by their own commit (the fence), and any the sweep proved

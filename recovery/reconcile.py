@@ -62,6 +62,9 @@ class ReconcileTally:
     from_reconciler: int = 0
     not_applied: int = 0
     auto_retried: int = 0
+    #: Proven not applied, its tool allowing an automatic retry, but its call flagged: no new
+    #: attempt, the call left as it is for the person who reviews the flag.
+    retry_held: int = 0
     still_unknown: int = 0
     #: Found after a person decided otherwise meanwhile: the call flagged contradicted.
     contradicted: int = 0
@@ -391,4 +394,11 @@ def _decide(
             metrics.transition(name, Status.APPROVED)
             tally.auto_retried += 1
             tally.to_publish.append((op.scope, op.idempotency_key, op.authorized_attempts))
+        elif op.review is not None and op.authorized_attempts == ex.attempt:
+            tally.retry_held += 1
+            log.info(
+                "%s: no automatic retry: its call is flagged %s, a person reviews it first",
+                ex.execution_id,
+                op.review,
+            )
     return "not_applied"

@@ -60,6 +60,8 @@ class SweepSummary:
     from_reconciler: int = 0
     not_applied: int = 0
     auto_retried: int = 0
+    #: Automatic retries not authorised because a flag waits on the call (a person first).
+    retry_held: int = 0
     landed: int = 0
     dropped: int = 0
     spooled_results: int = 0
@@ -252,6 +254,7 @@ def _sweep(
     )
     summary.not_applied, summary.auto_retried = tally.not_applied, tally.auto_retried
     summary.contradicted = tally.contradicted
+    summary.retry_held = tally.retry_held
     summary.reconciler_failures = tally.reconciler_failures
     summary.errors.extend(tally.errors)
     return summary

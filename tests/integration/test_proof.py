@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import run_cli
 from toolledger.builtin_tools import ContentArgs
-from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.errors import InvalidTransition, StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Review, Status
 from toolledger.recovery.sweep import sweep
@@ -766,4 +766,85 @@ def test_contradiction__one_fact_flags_once(ledger, scope):
     )
     assert again is False
     assert [e.kind for e in ledger.events(scope, "c1")].count("flagged") == 1
+    assert ledger.verify().ok
+
+
+# ---------------------------------------------------------------------------- retry of a flagged call
+
+
+def both_ran_then_failed(ledger: Ledger, scope: str) -> tuple[str, str]:
+    """Attempt 1 unknown, attempt 2 claimed; attempt 1's late result proves it succeeded
+    (both_ran), then attempt 2 fails: the call reads failed, flagged both_ran."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    assert second is not None
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    ledger.finish(second.execution_id, second.lease_token, Status.FAILED, {"error": "declined"})
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.FAILED, Review.BOTH_RAN)
+    return first, second.execution_id
+
+
+def test_retry__a_flagged_call_is_refused_until_a_person_reviews_it(cli, ledger, scope):
+    """Attempt 1 proven succeeded, attempt 2 failed: erin read "failed" and authorised attempt
+    3, accepting a duplicate; the review confirming attempt 1 then left attempt 3 approved,
+    and it ran: a second charge (a cold review). A retry waits for the flag's review."""
+    first, _ = both_ran_then_failed(ledger, scope)
+    before = kinds(ledger, scope)
+    with pytest.raises(InvalidTransition, match=r"flagged both_ran.*review it first"):
+        ledger.authorize_retry(scope, "c1", by="erin", accept_duplicate=True)
+    code, out, err = cli("retry", "--scope", scope, "--tool-call-id", "c1", "--by", "erin",
+                         "--accept-duplicate", "--attempt", "2")  # fmt: skip
+    assert (code, out) == (5, "") and err.count("\n") == 1, (code, out, err)
+    assert "flagged both_ran" in err and "resolve --review" in err, err
+    assert kinds(ledger, scope) == before  # nothing changed
+    # the review: attempt 1 did succeed; the call is succeeded with it, nothing left to run
+    ledger.review(first, Status.SUCCEEDED, by="dave", evidence="the processor shows it")
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    assert ledger.claim(scope, "notify:c1", 3, worker_id="w3") is None
+    assert ledger.verify().ok
+
+
+def test_sweep__no_automatic_retry_of_a_flagged_call(ledger, scope):
+    """Attempt 1 proven succeeded while attempt 2, claimed, was unknown (both_ran); the
+    sweep then proved attempt 2 never applied and authorised attempt 3 automatically; the
+    review confirming attempt 1 released it and it ran, authorised by nobody (a cold
+    review). The call stays as it is, for the person."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = unknown_retry(ledger, scope, 2)
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
+    absent = {"kind": "fence", "reconciler": {"absent": True}}
+    ledger.reconcile(second, Status.FAILED, {"applied": False}, evidence=absent, actor="sweep",
+                     retry=True)  # fmt: skip
+    op = ledger.get(scope, "c1").operation
+    assert (op.status, op.authorized_attempts) == (Status.FAILED, 2)
+    assert "approved" not in kinds(ledger, scope)[-2:]
+    ledger.review(first, Status.SUCCEEDED, by="dave", evidence="attempt 1 charged")
+    assert ledger.get(scope, "c1").operation.status is Status.SUCCEEDED
+    assert ledger.claim(scope, "notify:c1", 3, worker_id="w3") is None
+    assert ledger.verify().ok
+
+
+def test_review__confirming_success_withdraws_a_later_attempt_not_claimed(ledger, scope):
+    """A ledger written before a flagged call's retry was refused: attempt 3 authorised on
+    the call flagged both_ran. The review confirming attempt 1 succeeded is proof as the
+    late result was: attempt 3, unclaimed, is withdrawn, the call succeeded with attempt 1
+    (it stayed approved, and attempt 3 ran: a second charge)."""
+    first, _ = both_ran_then_failed(ledger, scope)
+    with ledger._write() as conn:  # what an earlier version let a person do
+        op = ledger._operation(conn, scope, "notify:c1")
+        ledger._authorize_next(conn, op, "erin", {"retry": True, "accept_duplicate": True})
+    assert ledger.get(scope, "c1").operation.status is Status.APPROVED
+    ledger.review(first, Status.SUCCEEDED, by="dave", evidence="attempt 1 charged")
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    assert (view.operation.authorized_attempts, kinds(ledger, scope)[-1]) == (1, "withdrawn")
+    assert ledger.claim(scope, "notify:c1", 3, worker_id="w3") is None
+    assert ledger.receipt(scope, "c1").content == {"notified": "ops"}
     assert ledger.verify().ok

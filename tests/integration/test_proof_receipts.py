@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from toolledger.client import receipt_of
-from toolledger.ledger.errors import StaleFence
+from toolledger.ledger.errors import InvalidTransition, StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.lightreads import LightReads
 from toolledger.ledger.receipts import DISPUTED_MESSAGE
@@ -209,8 +209,9 @@ def test_recon_vs_late__a_reconcilers_failed_contradicted_by_its_executor_goes_t
     assert flag.detail["reconciler"]["status"] == "failed"
     assert flag.detail["reconciler"]["evidence"] == said
     assert flag.detail["late"] == {"status": "succeeded", "result": {"charged": True}}
-    # a retry authorised meanwhile cannot be claimed until a person has reviewed the call
-    ledger.authorize_retry(SCOPE, CALL, by="bob", accept_duplicate=True)
+    # no retry is authorised until a person has reviewed the call: nothing to claim
+    with pytest.raises(InvalidTransition, match="flagged contradicted"):
+        ledger.authorize_retry(SCOPE, CALL, by="bob", accept_duplicate=True)
     assert ledger.claim(SCOPE, KEY, 2, worker_id="w2") is None
     assert ledger.verify().ok
 

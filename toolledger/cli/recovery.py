@@ -85,6 +85,7 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
                 "reconciled",
                 "not_applied",
                 "auto_retried",
+                "retry_held",
                 "still_unknown",
                 "contradicted",
                 "landed",
