@@ -322,6 +322,16 @@ class CallView:
         attempt = self.operation.authorized_attempts
         return next((e for e in self.executions if e.attempt == attempt), None)
 
+    @property
+    def last_attempt(self) -> int:
+        """The call's last attempt: its authorised one, or a later one claimed before a
+        withdrawal made an earlier attempt current again (``authorized_attempts`` went back
+        down then, and a retry decided on a page that showed attempt 1 at the start was taken
+        as decided on the call as it is: a cold review). A withdrawn attempt that nobody
+        claimed is not counted: it never ran, and the next retry takes its number."""
+        claimed = max((e.attempt for e in self.executions), default=0)
+        return max(self.operation.authorized_attempts, claimed)
+
     def to_json(self, receipt: Receipt | None) -> dict[str, Any]:
         op = self.operation
         return {
@@ -334,6 +344,7 @@ class CallView:
             "review": op.review,
             "args": op.args,
             "authorized_attempts": op.authorized_attempts,
+            "last_attempt": self.last_attempt,
             "decided_by": op.decided_by,
             "reason": op.reason,
             "created_at": _iso(op.created_at),

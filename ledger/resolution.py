@@ -673,8 +673,7 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is not the one its call is flagged for "
                     f"({flagged or op.review}): review that one",
                 )
-            if status is Status.SUCCEEDED and ex.status is Status.SUCCEEDED:
-                self._later_ended(conn, ex)  # a correction raises its own both_ran instead
+            self._later_ended(conn, ex)  # any review, confirming or correcting, to any status
             proof = (
                 self._correct(conn, ex, status, by, evidence) if status is not ex.status else None
             )
@@ -728,13 +727,15 @@ class LedgerResolution(LedgerBase):
     @staticmethod
     def _later_ended(conn: sa.Connection, ex: ExecutionRecord) -> None:
         """StaleFence while a later attempt of ``ex``'s call has not ended (running or
-        unknown): how it ends decides which receipt is the call's. A review confirming attempt
+        unknown): how it ends decides which receipt is the call's, so every review of ``ex``
+        waits for it, confirming or correcting, to either status. A review confirming attempt
         1 succeeded while attempt 2 still ran settled the flag (``both_ran``); attempt 2 then
-        failed, and the call was ``failed`` with no flag left to say attempt 1 had charged (a
-        cold review). Refused, the flag waits: the failure is said disputed, and the review,
-        taken once attempt 2 has ended, makes the call succeeded (``_proof_beats_failure``).
-        A review correcting attempt 1 to succeeded needs no refusal: the correction flags
-        ``both_ran`` anew, after the review, and that flag waits."""
+        failed, and the call was ``failed`` with no flag left to say attempt 1 had charged;
+        and a review correcting attempt 1 to failed, made current again by a withdrawal while
+        attempt 2 was unknown, left the call ``failed`` at attempt 1, attempt 2 unknown in no
+        list and no inbox (cold reviews). Resolving the later attempt is never refused for
+        this (``resolve`` of an unknown execution asks no review), nor is a running one's end:
+        the refusal says which to wait for."""
         later = conn.execute(
             sa.select(executions.c.execution_id, executions.c.attempt, executions.c.status)
             .where(

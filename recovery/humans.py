@@ -38,17 +38,21 @@ def retry(
     The first attempt may have taken effect (unknown) or partly taken effect (failed): for a
     tool that is not idempotent, a retry can apply the effect twice, and the person must say
     that they accept it. ``attempt``: the last attempt the person saw when they decided (the
-    console's page, ``show``); refused if there is a later one now (helper-91: a page showing
-    attempt 1 authorised attempt 3, accepting a duplicate of an attempt 2 nobody had seen).
+    console's page, ``show``'s ``last_attempt``); refused if there is a later one now
+    (helper-91: a page showing attempt 1 authorised attempt 3, accepting a duplicate of an
+    attempt 2 nobody had seen).
     """
     view = ledger.get(scope, tool_call_id)
     op = view.operation
-    if attempt is not None and attempt != op.authorized_attempts:
+    # against the last attempt, which a withdrawal does not lower (``CallView.last_attempt``):
+    # against ``authorized_attempts``, a page read before attempts 2 and 3 existed was taken
+    # as current once a withdrawal made attempt 1 current again (a cold review)
+    if attempt is not None and attempt != view.last_attempt:
         raise InvalidTransition(
             op.status,
             Status.APPROVED,
             f"a retry of {tool_call_id!r} decided on attempt {attempt}: it is attempt "
-            f"{op.authorized_attempts} ({op.status}) now; look again",
+            f"{view.last_attempt} ({op.status}) now; look again",
         )
     if op.tool.startswith(PROXIED_PREFIX):
         raise UnknownTool(

@@ -490,7 +490,7 @@ class Client:
         reason: str | None = None,
         attempt: int | None = None,
     ) -> dict[str, Any]:
-        """``attempt``: the call's ``authorized_attempts`` as the decision saw it (refused,
+        """``attempt``: the call's ``last_attempt`` as the decision saw it (refused,
         InvalidTransition, if there is a later attempt now)."""
         from toolledger.recovery import humans
 

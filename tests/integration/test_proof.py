@@ -137,11 +137,13 @@ def test_retry__after_a_withdrawal_the_next_attempt_is_numbered_past_every_claim
     and the call stayed approved for good, re-published every pass (a cold review)."""
     first = unknown_attempt(ledger, scope)
     ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
-    unknown_retry(ledger, scope, 2)
+    second = unknown_retry(ledger, scope, 2)
     ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
     ledger.resolve(first, Status.SUCCEEDED, by="dave", evidence="saw it in the ops channel")
     late = {"late_result": {"error": "boom"}, "proves": "failed"}
     ledger.record_late_result(first, late, actor="zombie", outcome=Status.FAILED)
+    # attempt 2 first: no review of attempt 1 while it is unknown
+    ledger.resolve(second, Status.FAILED, by="erin", evidence="nothing in the ops channel")
     ledger.resolve(
         first, Status.FAILED, by="erin", evidence="the late result shows it failed", review=True
     )
@@ -421,9 +423,10 @@ def test_review__the_inbox_shows_both_versions_and_a_review_corrects_the_decisio
 
 
 def test_review__a_flag_the_review_itself_raises_is_not_settled_by_it(ledger, scope):
-    """A review correcting attempt 1 to succeeded while attempt 2 was claimed flags both_ran;
-    the review's own ``reviewed`` event, appended after, settled that flag with the one it
-    answered: both ran, and nobody was asked (a cold review's repro)."""
+    """A review correcting attempt 1 to succeeded after attempt 2 ran flags both_ran; the
+    review's own ``reviewed`` event, appended after, settled that flag with the one it
+    answered: both ran, and nobody was asked (a cold review's repro). (While attempt 2 runs
+    the review is refused: how it ends decides which receipt is the call's.)"""
     a = unknown_attempt(ledger, scope)  # notify: not idempotent
     ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
     ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
@@ -431,6 +434,9 @@ def test_review__a_flag_the_review_itself_raises_is_not_settled_by_it(ledger, sc
     late = {"late_result": {"sent": 1}}
     ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
     assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    with pytest.raises(StaleFence, match="is running: review this one once it has ended"):
+        ledger.review(a, Status.SUCCEEDED, by="bob", evidence="the late result is right")
+    ledger.finish(b.execution_id, b.lease_token, Status.SUCCEEDED, {"sent": 2})
     ledger.review(a, Status.SUCCEEDED, by="bob", evidence="the late result is right")
     assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
     assert kinds(ledger, scope)[-3:] == ["succeeded", "reviewed", "flagged"]
@@ -848,3 +854,69 @@ def test_review__confirming_success_withdraws_a_later_attempt_not_claimed(ledger
     assert ledger.claim(scope, "notify:c1", 3, worker_id="w3") is None
     assert ledger.receipt(scope, "c1").content == {"notified": "ops"}
     assert ledger.verify().ok
+
+
+# ---------------------------------------------------------------------------- back to attempt 1
+
+
+def back_to_attempt_1(ledger: Ledger, scope: str) -> tuple[str, str]:
+    """Attempts 1 and 2 unknown, attempt 3 authorised; carol resolves attempt 1 succeeded
+    (attempt 3 withdrawn, the call succeeded at attempt 1, both_ran about attempt 2); attempt
+    1's executor then says it failed: contradicted."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = unknown_retry(ledger, scope, 2)
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    ledger.resolve(first, Status.SUCCEEDED, by="carol", evidence="dashboard shows it")
+    late = {"late_result": {"error": "declined"}, "status": "failed", "proves": "failed"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.FAILED)
+    op = ledger.get(scope, "c1").operation
+    assert (op.status, op.authorized_attempts) == (Status.SUCCEEDED, 1)
+    return first, second
+
+
+def test_review__refused_while_a_later_attempt_is_unknown_whatever_it_decides(cli, ledger, scope):
+    """dave corrected attempt 1 to failed while attempt 2 was unknown: the call was failed
+    at attempt 1, no flag, a plain failure for a call whose attempt 2 may have taken effect,
+    in no list and no inbox (a cold review). Every review waits for attempt 2's end; its
+    resolution is never refused for it."""
+    first, second = back_to_attempt_1(ledger, scope)
+    before = kinds(ledger, scope)
+    for status in (Status.FAILED, Status.SUCCEEDED):
+        with pytest.raises(StaleFence, match=f"attempt 2 \\({second}\\) is unknown: resolve it"):
+            ledger.review(first, status, by="dave", evidence="attempt 1 says declined")
+    code, out, err = cli("resolve", "--execution-id", first, "--as", "failed", "--by", "dave",
+                         "--evidence", "declined", "--review")  # fmt: skip
+    assert (code, out) == (5, "") and "resolve it" in err and err.count("\n") == 1, err
+    assert kinds(ledger, scope) == before
+    # attempt 2 resolved (never blocked), then the review is given
+    ledger.resolve(second, Status.FAILED, by="erin", evidence="nothing for attempt 2")
+    ledger.review(first, Status.FAILED, by="dave", evidence="attempt 1 says declined")
+    view = ledger.get(scope, "c1")
+    assert [e.status for e in view.executions] == [Status.FAILED, Status.FAILED]
+    assert ledger.verify().ok
+
+
+def test_retry__a_page_read_before_a_withdrawal_is_stale(cli, ledger, scope):
+    """frank's page showed attempt 1 (unknown) at the start; attempts 2 and 3 came, attempt
+    3 was withdrawn, a review made the call failed at attempt 1 again: his retry with
+    ``--attempt 1`` was accepted, a duplicate of an attempt 2 he never saw (a cold review).
+    The guard compares against the last attempt, which a withdrawal does not lower."""
+    first, second = back_to_attempt_1(ledger, scope)
+    ledger.resolve(second, Status.FAILED, by="erin", evidence="nothing for attempt 2")
+    ledger.review(first, Status.FAILED, by="dave", evidence="attempt 1 says declined")
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.FAILED, 1)
+    retry = ["retry", "--scope", scope, "--tool-call-id", "c1", "--by", "frank",
+             "--accept-duplicate"]  # fmt: skip
+    before = kinds(ledger, scope)
+    code, out, err = cli(*retry, "--attempt", "1")
+    assert (code, out) == (5, "") and "look again" in err, (code, out, err)
+    assert "decided on attempt 1: it is attempt 2 (failed) now" in err, err
+    assert kinds(ledger, scope) == before
+    # what a person (or a script) reads to pass --attempt: show's last_attempt
+    code, out, _ = cli("show", "--scope", scope, "--tool-call-id", "c1", "--json")
+    assert json.loads(out)["last_attempt"] == 2
+    code, out, err = cli(*retry, "--attempt", "2")
+    assert code == 0, err
+    assert ledger.get(scope, "c1").operation.authorized_attempts == 3

@@ -143,8 +143,9 @@ def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str, rev
 @click.option(
     "--attempt",
     type=click.IntRange(1, 2**31),
-    help="The call's last attempt as you saw it (show's authorized_attempts): refused, exit 5, "
-    "if there is a later one now.",
+    help="The call's last attempt as you saw it (show's last_attempt, its authorized_attempts "
+    "unless a withdrawal made an earlier one current): refused, exit 5, if there is a later "
+    "one now.",
 )
 @json_option
 @pass_ctx

@@ -176,7 +176,7 @@ async def reject(request: Request, who: Who, scope: str, tool_call_id: str) -> A
 @router.post("/calls/{scope}/{tool_call_id:path}/retry", openapi_extra=_body(RetryBody))
 async def retry(request: Request, who: Who, scope: str, tool_call_id: str) -> Any:
     """A new attempt under the same key; ``accept_duplicate`` for a tool that is not
-    idempotent; ``attempt``, the call's ``authorized_attempts`` as the decision saw it
+    idempotent; ``attempt``, the call's ``last_attempt`` as the decision saw it
     (409 if there is a later attempt now)."""
     require_suffix(request, "retry")
     who.require(Action.RETRY)

@@ -181,17 +181,19 @@ class Operator:
         if current is None:
             return 0
         if getattr(view.operation, "review", None):
-            if current.status is not Status.UNKNOWN:
+            # an unknown attempt (the current one, or a later one a withdrawal left behind)
+            # is resolved first: every review waits until the attempts after it have ended
+            unknown = [e for e in view.executions if e.status is Status.UNKNOWN]
+            if current.status is not Status.UNKNOWN and not unknown:
                 return self.review(job, view)
-            # a flag on an earlier attempt waits while the current one is unknown: that one
-            # is resolved first (a review confirming the earlier success is refused until
-            # the later attempt has ended), never retried (a flagged call waits for a person)
+            pending = current if current.status is Status.UNKNOWN else unknown[-1]
+            # never retried: a flagged call waits for a person
             present = self.looks_present(job)
             if present is None:
                 return 0
             status = Status.SUCCEEDED if present else Status.FAILED
             why = f"flagged, and its effect is there: {present}"
-            return self.resolve(job, current, status, why)
+            return self.resolve(job, pending, status, why)
         if row.status is Status.FAILED:
             return self.failed(job, current)
         present = self.looks_present(job)
