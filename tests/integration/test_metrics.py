@@ -620,7 +620,8 @@ def test_inbox_oldest__a_flagged_call_since_the_flag_it_carries_now(fresh_db_url
         a = unknown("c1")
         ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
         ledger.authorize_retry("s", "c1", by="carol", accept_duplicate=True)
-        assert ledger.claim("s", "notify:c1", 2, worker_id="w2") is not None
+        retried = ledger.claim("s", "notify:c1", 2, worker_id="w2")
+        assert retried is not None
         late = {"late_result": {"sent": 1}}
         ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
         first = flagged_at("c1")
@@ -628,7 +629,8 @@ def test_inbox_oldest__a_flagged_call_since_the_flag_it_carries_now(fresh_db_url
         contradicted(b)
         assert flagged_at("c2") > first
         assert state_counts(ledger)["oldest"] == {"contradicted": pytest.approx(first, abs=1e-3)}
-        # When c1's review finds both attempts ran: flagged again, both_ran
+        # When c1's review, once its retry has ended, finds both attempts ran: both_ran
+        ledger.finish(retried.execution_id, retried.lease_token, Status.SUCCEEDED, {"sent": 2})
         ledger.review(a, Status.SUCCEEDED, by="bob", evidence="the late result is right")
         assert ledger.get("s", "c1").operation.review == "both_ran"
         assert flagged_at("c1") > flagged_at("c2")
@@ -677,9 +679,10 @@ def test_approved_calls__by_whether_a_worker_may_claim_them(fresh_db_url):
         # a flagged call whose retry is approved: contradicted, no claim until reviewed
         a = unknown("flag", "notify", {"to": "x"})
         ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
+        # the retry authorised before the flag (one is refused while a flag waits)
+        ledger.authorize_retry("s", "flag", by="carol", accept_duplicate=True)
         late = {"late_result": {"sent": 1}}
         ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
-        ledger.authorize_retry("s", "flag", by="carol", accept_duplicate=True)
         assert ledger.get("s", "flag").operation.review == "contradicted"
 
         counts = state_counts(ledger)
