@@ -398,9 +398,12 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         by: str,
         evidence: str,
         review: bool = False,
+        seen: int | None = None,
     ) -> ExecutionRecord:
         """A human's resolution (see ``LedgerResolution.resolve``), counted as a transition."""
-        done = super().resolve(execution_id, status, by=by, evidence=evidence, review=review)
+        done = super().resolve(
+            execution_id, status, by=by, evidence=evidence, review=review, seen=seen
+        )
         if metrics.active() is not None:  # the tool is on the operation: read it only then
             metrics.transition(self.operation(done.scope, done.idempotency_key).tool, status)
         return done

@@ -15,7 +15,7 @@ from toolledger.ledger import db, inputs
 from toolledger.ledger.base import LedgerBase, event
 from toolledger.ledger.errors import InvalidArguments, InvalidTransition, StaleFence
 from toolledger.ledger.identity import check_text_id
-from toolledger.ledger.models import executions, operations, tool_calls
+from toolledger.ledger.models import execution_events, executions, operations, tool_calls
 from toolledger.ledger.reads import flag_events, last_event_detail, op_key
 from toolledger.ledger.records import ExecutionRecord, OperationRecord
 from toolledger.ledger.transitions import (
@@ -547,13 +547,15 @@ class LedgerResolution(LedgerBase):
         by: str,
         evidence: str,
         review: bool = False,
+        seen: int | None = None,
     ) -> ExecutionRecord:
         """A human's resolution of an unknown execution, or, with ``review``, their review of
         its flagged call (``review()``). ``review`` says the person saw the flag: a resolution
         decided on the unknown execution and sent after a flag was raised was taken as that
         flag's review, settled by someone who never saw it (a cold review: a contradicted
         call's blocked retry then ran, a second charge). Without it, an execution no longer
-        unknown gets this same resolution's replay, or StaleFence saying what happened."""
+        unknown gets this same resolution's replay, or StaleFence saying what happened.
+        ``seen``: the review's (``review()``)."""
         if status not in TERMINAL:
             raise InvalidTransition(Status.UNKNOWN, status, "a human resolution")
         check_text_id(execution_id, "execution_id", 64)
@@ -605,7 +607,7 @@ class LedgerResolution(LedgerBase):
                     ) from None
                 return current
             if review:
-                return self.review(execution_id, status, by=by, evidence=evidence)
+                return self.review(execution_id, status, by=by, evidence=evidence, seen=seen)
             if flag is None or current.status not in TERMINAL:
                 # review()'s own answer, without asking it to settle anything
                 stale = _nothing_to_resolve(execution_id, current.status)
@@ -625,7 +627,13 @@ class LedgerResolution(LedgerBase):
             ) from None
 
     def review(
-        self, execution_id: str, status: Status, *, by: str, evidence: str
+        self,
+        execution_id: str,
+        status: Status,
+        *,
+        by: str,
+        evidence: str,
+        seen: int | None = None,
     ) -> ExecutionRecord:
         """A human settles a flagged call: confirms ``status`` or corrects a decision that a
         human or a reconciler made (an executor's own result is a fact and stands), and
@@ -635,9 +643,19 @@ class LedgerResolution(LedgerBase):
         bytes by hand or chose to leave them; the sweep then removes them). A review that
         finds the execution succeeded while a later current attempt failed makes the call
         succeeded with it (``_proof_beats_failure``). StaleFence unless a flag waits on this
-        execution and it is so decided."""
+        execution and it is so decided.
+
+        ``seen``: the ``seq`` of the call's newest event the reviewer looked at. A review
+        settles every flag waiting on the execution, and one raised after the person looked
+        (a late result's ``contradicted``, the ``both_ran`` another reviewer's correction
+        raised) was settled by a decision that never saw it (a cold review): with ``seen``,
+        StaleFence ("look again") if a flag it would settle was raised since, or the call's
+        state changed since (a status, an attempt, another review). Without it, every flag
+        waiting on the execution is settled, as before."""
         if status not in TERMINAL:
             raise InvalidTransition(None, status, "a review")
+        if seen is not None and (type(seen) is not int or not 0 <= seen <= 2**62):
+            raise InvalidArguments("seen: the seq of the newest event you looked at")
         check_text_id(by, "reviewer", 256)
         # free text, as a resolution's (a two-line note was refused here: a cold review)
         if not inputs.check_text(evidence, "evidence", 10_000) or not evidence.strip():
@@ -673,6 +691,8 @@ class LedgerResolution(LedgerBase):
                     f"execution {execution_id} is not the one its call is flagged for "
                     f"({flagged or op.review}): review that one",
                 )
+            if seen is not None:
+                self._unchanged_since(conn, ex, seen)
             self._later_ended(conn, ex)  # any review, confirming or correcting, to any status
             proof = (
                 self._correct(conn, ex, status, by, evidence) if status is not ex.status else None
@@ -723,6 +743,39 @@ class LedgerResolution(LedgerBase):
         ).first()
         if claimed is None:
             self._withdraw(conn, op, Status.APPROVED, ex, decided, by)
+
+    @staticmethod
+    def _unchanged_since(conn: sa.Connection, ex: ExecutionRecord, seen: int) -> None:
+        """StaleFence if, after the event ``seen``, a flag was raised on ``ex`` (one this
+        review would settle) or the call's state changed: the review was decided on a page
+        that no longer says how the call stands."""
+        since = conn.execute(
+            sa.select(
+                execution_events.c.seq,
+                execution_events.c.kind,
+                execution_events.c.execution_id,
+                execution_events.c.detail,
+            )
+            .where(
+                execution_events.c.scope == ex.scope,
+                execution_events.c.idempotency_key == ex.idempotency_key,
+                execution_events.c.seq > seen,
+                execution_events.c.kind.in_(CHANGES),
+            )
+            .order_by(execution_events.c.seq)
+        ).all()
+        for row in since:
+            if row.kind == EventKind.FLAGGED and row.execution_id != ex.execution_id:
+                continue  # a flag on another execution: this review does not settle it
+            if row.kind == EventKind.FLAGGED:
+                what = f"it was flagged {(row.detail or {}).get('reason')} since (event {row.seq})"
+            else:
+                what = f"the call changed since ({row.kind}, event {row.seq})"
+            raise StaleFence(
+                ex.execution_id,
+                f"a review of {ex.execution_id} decided on the call as of event {seen}: {what}; "
+                "look again (show, events) and review what it says now; nothing changed",
+            )
 
     @staticmethod
     def _later_ended(conn: sa.Connection, ex: ExecutionRecord) -> None:
@@ -817,6 +870,23 @@ class LedgerResolution(LedgerBase):
         if op.status is not Status.FAILED or op.authorized_attempts <= ex.attempt:
             return
         self._withdraw(conn, op, Status.FAILED, ex, evidence, by)
+
+
+#: The events that change what a review decides on: a flag, a status, an attempt, a review.
+CHANGES = tuple(
+    k.value
+    for k in (
+        EventKind.FLAGGED,
+        EventKind.APPROVED,
+        EventKind.REJECTED,
+        EventKind.RUNNING,
+        EventKind.SUCCEEDED,
+        EventKind.FAILED,
+        EventKind.UNKNOWN,
+        EventKind.WITHDRAWN,
+        EventKind.REVIEWED,
+    )
+)
 
 
 def _nothing_to_resolve(execution_id: str, status: Status) -> str:

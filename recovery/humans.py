@@ -109,12 +109,15 @@ def resolve(
     by: str,
     evidence: str,
     review: bool = False,
+    seen: int | None = None,
 ) -> dict[str, Any]:
     """unknown -> succeeded/failed on a human's word, with the evidence they give; or, with
     ``review`` (the person saw the flag), the review of a call flagged for a human (which
     clears the flag). Without it, a flag is never settled by a resolution decided before it
-    was raised: StaleFence (``Ledger.resolve``)."""
-    done = ledger.resolve(execution_id, status, by=by, evidence=evidence, review=review)
+    was raised: StaleFence (``Ledger.resolve``). ``seen``: the ``seq`` of the call's newest
+    event the person looked at; the review is refused if a flag it would settle was raised
+    since, or the call changed (``Ledger.review``)."""
+    done = ledger.resolve(execution_id, status, by=by, evidence=evidence, review=review, seen=seen)
     return {
         "execution_id": execution_id,
         "scope": done.scope,

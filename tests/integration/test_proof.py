@@ -887,7 +887,7 @@ def test_review__refused_while_a_later_attempt_is_unknown_whatever_it_decides(cl
             ledger.review(first, status, by="dave", evidence="attempt 1 says declined")
     code, out, err = cli("resolve", "--execution-id", first, "--as", "failed", "--by", "dave",
                          "--evidence", "declined", "--review")  # fmt: skip
-    assert (code, out) == (5, "") and "resolve it" in err and err.count("\n") == 1, err
+    assert (code, out) == (5, "") and "resolve it" in err and err.count("error:") == 1, err
     assert kinds(ledger, scope) == before
     # attempt 2 resolved (never blocked), then the review is given
     ledger.resolve(second, Status.FAILED, by="erin", evidence="nothing for attempt 2")
@@ -920,3 +920,76 @@ def test_retry__a_page_read_before_a_withdrawal_is_stale(cli, ledger, scope):
     code, out, err = cli(*retry, "--attempt", "2")
     assert code == 0, err
     assert ledger.get(scope, "c1").operation.authorized_attempts == 3
+
+
+# ---------------------------------------------------------------------------- what a review saw
+
+
+def both_ran_attempt_2_failed(ledger: Ledger, scope: str) -> str:
+    """carol resolves attempt 1 succeeded while attempt 2 runs (both_ran); attempt 2 fails."""
+    first = unknown_attempt(ledger, scope)
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    assert second is not None
+    ledger.resolve(first, Status.SUCCEEDED, by="carol", evidence="dashboard shows a charge")
+    ledger.finish(second.execution_id, second.lease_token, Status.FAILED, {"error": "declined"})
+    assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
+    return first
+
+
+def test_review__seen_refuses_a_flag_raised_after_the_reviewer_looked(cli, ledger, scope):
+    """dave looked at the call flagged both_ran; attempt 1's executor then said it failed
+    (contradicted); his review, decided on the page he saw, settled both flags, and nobody
+    saw the executor's word (a cold review). With --seen it is refused: look again."""
+    first = both_ran_attempt_2_failed(ledger, scope)
+    code, out, _ = cli("show", "--scope", scope, "--tool-call-id", "c1", "--json")
+    looked = json.loads(out)["last_seq"]
+    assert looked == ledger.events(scope, "c1")[-1].seq
+    late = {"late_result": {"error": "declined"}, "status": "failed", "proves": "failed"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.FAILED)
+    before = kinds(ledger, scope)
+    argv = ["resolve", "--execution-id", first, "--as", "succeeded", "--by", "dave",
+            "--evidence", "both ran: carol saw the charge", "--review"]  # fmt: skip
+    code, out, err = cli(*argv, "--seen", str(looked))
+    assert (code, out) == (5, "") and err.count("\n") == 1, (code, out, err)
+    assert "flagged contradicted since" in err and "look again" in err, err
+    assert kinds(ledger, scope) == before
+    with pytest.raises(StaleFence, match="flagged contradicted since"):
+        ledger.review(first, Status.SUCCEEDED, by="dave", evidence="e", seen=looked)
+    # looked again: the review is given
+    code, out, _ = cli("show", "--scope", scope, "--tool-call-id", "c1", "--json")
+    code, out, err = cli(*argv, "--seen", str(json.loads(out)["last_seq"]))
+    assert code == 0 and "warning" not in err, err
+    assert ledger.get(scope, "c1").operation.review is None
+    # without --seen: today's behaviour, and a one-line warning that it settles every flag
+    ledger.record_late_result(first, late, actor="zombie2", outcome=Status.FAILED)
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    code, out, err = cli(*argv)
+    assert code == 0 and err.count("\n") == 1 and "without --seen settles every flag" in err
+    code, _, err = cli("resolve", "--execution-id", first, "--as", "failed", "--by", "dave",
+                       "--evidence", "e", "--seen", "1")  # fmt: skip
+    assert code == 2 and "--seen goes with --review" in err, err
+    assert ledger.verify().ok
+
+
+def test_review__two_reviewers_of_one_page_the_second_is_refused(ledger, scope):
+    """r1 and r2 looked at the same page (contradicted); r1 corrected attempt 1 to succeeded
+    (both_ran: attempt 2 had run); r2's review, decided on the page before, was taken as a
+    correction of r1's and settled the both_ran flag r2 never saw (a cold review)."""
+    first = unknown_attempt(ledger, scope)
+    ledger.resolve(first, Status.FAILED, by="carol", evidence="no charge")
+    ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True)
+    second = ledger.claim(scope, "notify:c1", 2, worker_id="w2")
+    assert second is not None
+    ledger.finish(second.execution_id, second.lease_token, Status.FAILED, {"error": "declined"})
+    late = {"late_result": {"charged": 100}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    page = ledger.events(scope, "c1")[-1].seq  # both load the page now
+    ledger.review(first, Status.SUCCEEDED, by="r1", evidence="receipt is real", seen=page)
+    assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
+    before = kinds(ledger, scope)
+    with pytest.raises(StaleFence, match="look again"):
+        ledger.review(first, Status.FAILED, by="r2", evidence="I trust carol", seen=page)
+    assert kinds(ledger, scope) == before
+    assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
+    assert ledger.verify().ok

@@ -1610,3 +1610,32 @@ def test_console__a_flag_is_settled_only_by_a_form_of_the_page_that_showed_it(
     assert r.status_code == 303, r.text
     view = ledger.get(scope, "s")
     assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+
+
+def test_console__a_review_form_says_what_its_page_showed(server: Any, scope: str) -> None:
+    """The flagged execution's form carries the page's newest event (``seen``): a flag
+    raised after the page was loaded is not settled by it (409, the flag waits); the page
+    reloaded settles it."""
+    client, ledger = server
+    eid = _contradicted_with_attempt_2_held(ledger, scope, "s")
+    login(client, "otto")
+    hidden = _hidden_fields(client.get(f"/calls/{scope}/s").text, eid)
+    assert int(hidden["seen"]) == ledger.events(scope, "s")[-1].seq
+    late = {"late_result": {"charged": 2}, "status": "succeeded", "proves": "succeeded"}
+    other = ledger.record_late_result(eid, late, actor="zombie2", outcome=Status.SUCCEEDED)
+    assert other > int(hidden["seen"])
+    assert ledger.events(scope, "s")[-1].kind == "flagged"  # contradicted, once more
+    r = client.post(
+        f"/calls/{scope}/s/resolve",
+        data={**hidden, "as": "succeeded", "evidence": "the late result: charged"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 409 and "look again" in r.text, r.text
+    assert ledger.get(scope, "s").operation.review == "contradicted"
+    hidden = _hidden_fields(client.get(f"/calls/{scope}/s").text, eid)
+    r = client.post(
+        f"/calls/{scope}/s/resolve",
+        data={**hidden, "as": "succeeded", "evidence": "the late result: charged"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 303, r.text

@@ -115,9 +115,13 @@ def _shown(reads: CallReads, scope: str, tool_call_id: str) -> dict[str, Any]:
     except StateError:
         receipt = None
     data = view.to_json(receipt)
+    data["last_seq"] = None
     if view.operation.review:  # both versions, side by side, from the flag's event
-        flags = [e for e in reads.events(scope, tool_call_id) if e.kind == "flagged"]
+        history = reads.events(scope, tool_call_id)
+        flags = [e for e in history if e.kind == "flagged"]
         data["review_detail"] = flags[-1].detail if flags else None
+        # what a review says it looked at (resolve --review --seen)
+        data["last_seq"] = history[-1].seq if history else None
     return data
 
 

@@ -12,6 +12,7 @@ import click
 from toolledger.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_USAGE,
     CliError,
     Context,
     Seconds,
@@ -114,17 +115,47 @@ def _publisher(c: Context) -> Any:
     help="Settle the flag on this execution's call, which you have looked at (show, list "
     "--review). Without it, an execution no longer unknown is refused, exit 5.",
 )
+@click.option(
+    "--seen",
+    type=click.IntRange(0, 2**62),
+    help="With --review: the seq of the call's newest event you looked at (show's last_seq, "
+    "events). Refused, exit 5, if a flag the review would settle was raised since or the "
+    "call changed since: look again. Without it, the review settles every flag waiting on "
+    "the execution, including one raised after you looked.",
+)
 @json_option
 @pass_ctx
-def resolve(c: Context, execution_id: str, as_: str, by: str, evidence: str, review: bool) -> None:
+def resolve(
+    c: Context,
+    execution_id: str,
+    as_: str,
+    by: str,
+    evidence: str,
+    review: bool,
+    seen: int | None,
+) -> None:
     """A human's resolution of an unknown execution, or review of a flagged call.
 
     Recorded with who decided and the evidence. A flagged call (list --review): look at it,
     then confirm or correct what a human or a reconciler decided, with --review. A call
     flagged not_landed: land its kept bytes by hand or leave them, then confirm its status
-    with --review; the sweep removes the bytes."""
+    with --review; the sweep removes the bytes. Give --seen (show's last_seq) with --review:
+    the review is then refused if the call changed after you looked."""
+    if seen is not None and not review:
+        raise CliError("--seen goes with --review: it says what the review saw", EXIT_USAGE)
+    if review and seen is None:
+        c.warn(
+            "a review without --seen settles every flag waiting on this execution, including "
+            "any raised after you looked: pass --seen with show's last_seq to be refused instead"
+        )
     out = resolve_call(
-        c.recorded_ledger, execution_id, Status(as_), by=by, evidence=evidence, review=review
+        c.recorded_ledger,
+        execution_id,
+        Status(as_),
+        by=by,
+        evidence=evidence,
+        review=review,
+        seen=seen,
     )
     c.emit(out, lambda d: f"{d['status']}: {execution_id} resolved by {by}")
 

@@ -60,6 +60,11 @@ class ResolveBody(BaseModel):
         description="Settle the flag on this execution's call, which you have looked at; "
         "without it, an execution no longer unknown is refused (409).",
     )
+    seen: int | None = Field(
+        default=None,
+        description="With review: the seq of the call's newest event you looked at; 409 if a "
+        "flag the review would settle was raised since, or the call changed since.",
+    )
 
 
 def _body(model: type[BaseModel]) -> dict[str, Any]:
@@ -125,19 +130,26 @@ async def submit(request: Request, who: Who) -> Any:
 async def resolve(request: Request, who: Who, execution_id: str) -> Any:
     """A person's resolution of an unknown execution, with the evidence; ``review``, their
     review of the flag on its call, which they have looked at (409 without it on an
-    execution no longer unknown: a stale resolution never settles a flag it never saw)."""
+    execution no longer unknown: a stale resolution never settles a flag it never saw);
+    ``seen``, the seq of the call's newest event the review was decided on (409 if a flag it
+    would settle was raised since, or the call changed)."""
     who.require(Action.RESOLVE)
     body = await read_body(request)
-    _fields(body, {"as", "evidence", "review"})
+    _fields(body, {"as", "evidence", "review", "seen"})
     as_, evidence = body.get("as"), body.get("evidence")
     if not isinstance(as_, str) or not isinstance(evidence, str):
         raise InvalidArguments("as and evidence are required strings")
     review = body.get("review", False)
     if not isinstance(review, bool):
         raise InvalidArguments("review must be true or false")
+    seen = body.get("seen")  # the newest event's seq the review was decided on
+    if seen is not None and (type(seen) is not int or not 0 <= seen <= 2**62):
+        raise InvalidArguments("seen must be an event's seq")
     return await _threaded(
         request,
-        lambda: desk_of(request).resolve(who, execution_id, as_, evidence, review=review),
+        lambda: desk_of(request).resolve(
+            who, execution_id, as_, evidence, review=review, seen=seen
+        ),
     )
 
 

@@ -509,13 +509,19 @@ async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
         if seen_flag not in (None, "yes"):
             raise InvalidArguments("the form's review field is yes or absent: reload the page")
         review = seen_flag == "yes"
+        seen: int | None = None
+        if review:  # the page's newest event: the review is refused if the call moved since
+            said = form.get("seen", "")
+            if not said.isdecimal() or int(said) > 2**62:
+                raise InvalidArguments("the page's newest event is missing: reload it")
+            seen = int(said)
 
         def work() -> Any:
             desk.check_visible(who, scope, tool_call_id)
             view = desk.ledger.get(scope, tool_call_id)
             if execution_id not in {e.execution_id for e in view.executions}:
                 raise InvalidArguments("that execution is not one of this call's")
-            return desk.resolve(who, execution_id, as_, evidence, review=review)
+            return desk.resolve(who, execution_id, as_, evidence, review=review, seen=seen)
 
         await run_in_threadpool(work)
     except LedgerError as exc:

@@ -212,6 +212,8 @@ class Desk:
         except StateError:
             receipt = None
         data = view.to_json(receipt)
+        # the newest event the page shows: what its review form says it saw (``seen``)
+        data["last_seq"] = history[-1].seq if history else None
         if view.operation.review:
             flags = [e for e in history if e.kind == "flagged"]
             data["review_detail"] = flags[-1].detail if flags else None
@@ -388,7 +390,14 @@ class Desk:
         )
 
     def resolve(
-        self, who: Token, execution_id: str, as_: str, evidence: str, *, review: bool = False
+        self,
+        who: Token,
+        execution_id: str,
+        as_: str,
+        evidence: str,
+        *,
+        review: bool = False,
+        seen: int | None = None,
     ) -> dict[str, Any]:
         who.require(Action.RESOLVE)
         check_text_id(execution_id, "execution_id", 64)
@@ -400,5 +409,11 @@ class Desk:
         if not isinstance(evidence, str) or not evidence.strip():
             raise InvalidArguments("evidence is required: what did you see that proves it?")
         return resolve_call(
-            self.ledger, execution_id, Status(as_), by=who.name, evidence=evidence, review=review
+            self.ledger,
+            execution_id,
+            Status(as_),
+            by=who.name,
+            evidence=evidence,
+            review=review,
+            seen=seen,
         )

@@ -55,6 +55,9 @@ PARTS = not LEGACY
 #: Since 2026-12-07 a review of a flag is asked for (``review=True``): a resolution alone is
 #: refused on an execution no longer unknown. An older version took it as the review.
 ASKS_REVIEW = "review" in inspect.signature(humans.resolve).parameters
+#: Later that day a review says what it saw (``seen``: the newest event's seq), and is refused
+#: ("look again") if a flag it would settle was raised since.
+ASKS_SEEN = "seen" in inspect.signature(humans.resolve).parameters
 
 OPEN = ("approved", "running", "pending_approval")
 
@@ -216,12 +219,13 @@ class Operator:
 
     def review(self, job: dict[str, Any], view: Any) -> int:
         """A flagged call: the flag names the execution a human or a reconciler decided."""
-        flags = [e for e in self.ledger.events(self.scope, job["cid"]) if e.kind == "flagged"]
+        history = self.ledger.events(self.scope, job["cid"])
+        flags = [e for e in history if e.kind == "flagged"]
         flagged = next(e for e in view.executions if e.execution_id == flags[-1].execution_id)
         present = self.looks_present(job)
         status = Status.SUCCEEDED if present is not False else Status.FAILED
         why = f"flagged {view.operation.review}: reviewed against the world ({present})"
-        return self.resolve(job, flagged, status, why, review=True)
+        return self.resolve(job, flagged, status, why, review=True, seen=history[-1].seq)
 
     def looks_present(self, job: dict[str, Any]) -> bool | None:
         """What a human sees: the file's bytes, the log's line, the service's receipt."""
@@ -253,13 +257,21 @@ class Operator:
         return True
 
     def resolve(
-        self, job: dict[str, Any], current: Any, status: Status, why: str, review: bool = False
+        self,
+        job: dict[str, Any],
+        current: Any,
+        status: Status,
+        why: str,
+        review: bool = False,
+        seen: int | None = None,
     ) -> int:
         """A resolution of an unknown execution; ``review``, of the flag the operator looked
-        at (passed only to a version that asks for it)."""
+        at, ``seen`` the newest event it read (each passed only to a version that asks)."""
         try:
             who: Any = self.sub.ledger if PARTS else self.sub  # the signature of its version
-            asked = {"review": True} if review and ASKS_REVIEW else {}
+            asked: dict[str, Any] = {"review": True} if review and ASKS_REVIEW else {}
+            if asked and seen is not None and ASKS_SEEN:
+                asked["seen"] = seen
             humans.resolve(
                 who,
                 current.execution_id,
@@ -272,6 +284,8 @@ class Operator:
             raise
         except Exception as exc:  # noqa: BLE001 - a sweep got there first, or it is refused
             if "how it ends decides" in str(exc):  # a later attempt still runs: look again
+                return 0
+            if "look again" in str(exc):  # the call moved after the operator read it
                 return 0
             self.act("gave_up", job["cid"], f"{why}; refused: {exc}")
             self.settled.add(job["cid"])
