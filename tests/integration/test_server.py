@@ -1639,3 +1639,32 @@ def test_console__a_review_form_says_what_its_page_showed(server: Any, scope: st
         follow_redirects=False,
     )
     assert r.status_code == 303, r.text
+
+
+def test_console__a_flagged_call_is_not_retried_until_reviewed(server: Any, scope: str) -> None:
+    """A call flagged contradicted (bob said failed; its executor says it charged) read
+    "failed", and a retry was authorised on it (a cold review: once reviewed, it ran, a
+    second charge). The API and the console's form are refused, 409, one line naming the
+    flag, nothing changed."""
+    client, ledger = server
+    ledger.submit(scope, "f", "notify", {"to": "x"}, approved_by="setup")
+    first = ledger.claim(scope, "notify:f", 1, worker_id="zombie")
+    assert first is not None
+    ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+    ledger.resolve(first.execution_id, Status.FAILED, by="bob", evidence="no charge")
+    late = {"late_result": {"charged": "x"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first.execution_id, late, actor="zombie", outcome=Status.SUCCEEDED)
+    before = [e.kind for e in ledger.events(scope, "f")]
+    r = client.post(
+        f"/api/calls/{scope}/f/retry",
+        json={"reason": "again", "accept_duplicate": True, "attempt": 1},
+        headers=bearer("otto"),
+    )
+    assert r.status_code == 409 and "flagged contradicted" in r.json()["error"], r.text
+    assert "review it first" in r.json()["error"]
+    login(client, "otto")
+    page = client.get(f"/calls/{scope}/f").text
+    form = {"reason": "again", "csrf": csrf_of(page), "attempt": "1", "accept_duplicate": "yes"}
+    r = client.post(f"/calls/{scope}/f/retry", data=form, follow_redirects=False)
+    assert r.status_code == 409 and "flagged contradicted" in r.text, r.text
+    assert [e.kind for e in ledger.events(scope, "f")] == before
