@@ -854,3 +854,29 @@ def test_sweep__the_time_limit_while_recording_a_finding_stops_the_pass_unsucces
         assert calls[1] == "write_file:c2"  # the next pass went on after c1
     finally:
         ledger.close()
+
+
+def test_sweep__a_flagged_calls_automatic_retry_is_held_for_a_person(ledger, scope, sandbox):
+    """Attempt 2 of a call flagged contradicted (bob resolved attempt 1 failed; its executor
+    says it succeeded) died before its tool ran, the file missing: the sweep proved it not
+    applied and authorised attempt 3 by itself, a retry nobody reviewed (a cold review). It
+    is failed, not applied, and the call left as it is for the person: counted."""
+    args = {"path": "c1.txt", "content": "done"}
+    ledger.submit(scope, "c1", "write_file", args, approved_by="alice")
+    first = ledger.claim(scope, "write_file:c1", 1, worker_id="zombie")
+    assert first is not None
+    ledger.mark_unknown(first.execution_id, reason="lease expired", actor="sweep")
+    ledger.resolve(first.execution_id, Status.FAILED, by="bob", evidence="no file")
+    ledger.authorize_retry(scope, "c1", by="bob")
+    second = ledger.claim(scope, "write_file:c1", 2, worker_id="dead", lease_seconds=0.05)
+    assert second is not None
+    late = {"late_result": {"written": "c1.txt"}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first.execution_id, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "c1").operation.review == "contradicted"
+    published: list[tuple[str, str, int]] = []
+    summary = run_sweep(ledger, sandbox, publish=lambda *a: published.append(a))
+    assert (summary.not_applied, summary.auto_retried, summary.retry_held) == (1, 0, 1)
+    op = ledger.get(scope, "c1").operation
+    assert (op.status, op.authorized_attempts, op.review) == (Status.FAILED, 2, "contradicted")
+    assert published == [] and summary.to_json()["retry_held"] == 1
+    assert ledger.verify().ok
