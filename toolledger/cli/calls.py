@@ -142,6 +142,8 @@ def _human_show(d: dict[str, Any]) -> str:
         lines.append(f"  receipt {json.dumps(d['receipt'], ensure_ascii=False)[:300]}")
     if d.get("review_detail"):
         lines.append(f"  review  {json.dumps(d['review_detail'], ensure_ascii=False)[:600]}")
+    if d.get("last_seq") is not None:  # what a review of it saw: resolve --review --seen
+        lines.append(f"  seen    {d['last_seq']} (the newest event: resolve --review --seen)")
     return "\n".join(lines)
 
 

@@ -189,7 +189,10 @@ def retry(
     reason: str | None,
     attempt: int | None,
 ) -> None:
-    """A new attempt under the same key (unknown or failed calls), authorised by a person."""
+    """A new attempt under the same key (unknown or failed calls), authorised by a person.
+
+    Refused, exit 5, while a flag waits on the call (list --review): review it first
+    (resolve --review)."""
     c.require_ledger()
     sub = c.submitter
     out = retry_call(
