@@ -564,7 +564,7 @@ def _receipt_that_calls_itself_a_persons(w: World) -> None:
 
 def _shared_path_older_while_the_last_is_contradicted(w: World) -> None:
     w.files["shared/a.txt"] = "s1 r1"
-    w.ops["chaos_write:s2"]["review"] = "contradicted"  # not "its bytes could not land"
+    _flagged(w, "s2", "contradicted")  # not "its bytes could not land"
 
 
 def _landed_bytes_not_the_calls(w: World) -> None:
@@ -583,7 +583,42 @@ def _verify_differs(w: World) -> Facts:
     return f
 
 
+def _flagged(w: World, cid: str, reason: str, explained: bool = True) -> Job:
+    """``cid``'s execution flagged ``reason``; ``explained``: revoked first, for a fault on it."""
+    j = next(j for j in w.jobs if j.cid == cid)
+    eid = f"e-{cid}-1"
+    if explained:
+        w.firings.append({"ref": eid, "point": "after_effect", "t": DURING})  # type: ignore[attr-defined]
+        w.event(j.key, eid, "unknown", reason="lease expired")
+    w.event(j.key, eid, "flagged", reason=reason)
+    w.ops[j.key]["review"] = reason
+    return j
+
+
+def _a_write_flagged_not_landed_lost(w: World) -> None:
+    # w1 committed; its bytes "could not land", though nothing in chaos makes a path unsafe:
+    # its file is absent, nothing landed (a cold review: it passed every check)
+    _flagged(w, "w1", "not_landed", explained=False)
+    w.landings[:] = [x for x in w.landings if x["execution_id"] != "e-w1-1"]
+    w.files["own/w1.txt"] = None
+
+
+def _a_charge_flagged_both_ran_never_made(w: World) -> None:
+    # the flag says an earlier attempt proved succeeded: no charge at the service at all
+    c1 = _flagged(w, "c1", "both_ran")
+    w.charges[:] = [c for c in w.charges if c["key"] != c1.key]
+
+
+def _a_flag_no_fault_explains(w: World) -> None:
+    _flagged(w, "c1", "both_ran", explained=False)  # never revoked: nothing contradicted
+
+
+def _a_flag_not_on_record(w: World) -> None:
+    w.ops["chaos_charge:c1"]["review"] = "contradicted"  # no flagged event of it
+
+
 ONE_EFFECT = "at most one effect per call (lines, charges, landings)"
+REVIEWS = "every flag for review lines up with a fault and holds in the world"
 RECEIPTS = "every receipt says what its call did"
 FAILURES = "every failure lines up with a fault on that execution"
 FOREIGN = "the world holds only the calls' own effects"
@@ -681,12 +716,19 @@ BREAKS = {
         _unknown_explained_only_by_a_firing_an_hour_later,
         _unknown_explained_only_by_a_crash,
     ],
+    REVIEWS: [
+        _a_write_flagged_not_landed_lost,
+        _a_charge_flagged_both_ran_never_made,
+        _a_flag_no_fault_explains,
+        _a_flag_not_on_record,
+    ],
     "verify: events rebuild state exactly": [_verify_differs],
 }
 #: Breakers that break another invariant too, by their nature: which.
 ALSO = {
     _landing_without_own_commit: set(),  # a zombie's landing also hides nothing: none
     _charged_again_under_another_key: {FOREIGN},  # a key no call has
+    _glued_lines: {REVIEWS},  # flagged not_landed so as to be judged only as foreign bytes
     _charge_with_other_terms: {RECEIPTS},  # the ledger's receipt is not the service's then
     # a landing without its own commit is one after its revocation, too
     _landing_of_an_execution_proven_not_applied: {"no effect of a revoked execution lands"},
@@ -950,13 +992,29 @@ def test_checker__a_reconciled_success_after_a_newer_commit_is_not_the_paths_tru
 
 def test_checker__a_shared_path_whose_last_success_waits_for_a_human_is_theirs():
     """s2 committed, its bytes could not land (flagged not_landed): the path holds s1's, and
-    the ledger already asked a human; the run failed on it all the same (a cold review)."""
+    the ledger already asked a human; the path's judge failed on it all the same (a cold
+    review). The flag is judged apart: nothing in chaos makes a path unsafe, so a not_landed
+    flag is a lost effect, unless something stands in the path's way (itself a foreign file)."""
     w = World()
-    w.ops["chaos_write:s2"]["review"] = "not_landed"
+    _flagged(w, "s2", "not_landed", explained=False)
     w.landings[:] = [x for x in w.landings if x["execution_id"] != "e-s2-1"]
     w.files["shared/a.txt"] = "s1 r1"
-    report = check(w.facts())
-    assert report["ok"], [i for i in report["invariants"] if not i["ok"]]
+    assert broken(w.facts()) == {REVIEWS}
+    f = w.facts()
+    f.stray_files = ["s/shared/a.txt (a symbolic link)"]  # what made it unsafe: a link
+    assert broken(f) == {FOREIGN}
+
+
+def test_checker__a_flag_with_its_cause_holding_in_the_world_passes():
+    """both_ran on an execution revoked for a fault on it, its effect there: the human's."""
+    for cid, reason in (("c1", "both_ran"), ("w1", "both_ran"), ("a1", "contradicted")):
+        w = World()
+        w.firings = []  # type: ignore[attr-defined]
+        _flagged(w, cid, reason)
+        f = w.facts()
+        f.firings = w.firings  # type: ignore[attr-defined]
+        report = check(f)
+        assert report["ok"], (cid, [i for i in report["invariants"] if not i["ok"]])
 
 
 def test_gather__a_childs_death_is_read_with_its_time(tmp_path):

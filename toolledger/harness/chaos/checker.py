@@ -380,6 +380,61 @@ def effects_never_hidden(f: Facts) -> Invariant:
     return _invariant("no effect hides behind failed, rejected or a pending retry", bad)
 
 
+def reviews_explained(f: Facts) -> Invariant:
+    """Every call waiting for a human's review lines up with a cause, and what its flag says
+    holds in the world: its flag is on record; a ``both_ran`` or ``contradicted`` flag is on an
+    execution that went unknown for a fault on it (the decisions they contradict are made on
+    revoked executions only), and a ``both_ran`` call's effect is there (the proof found it);
+    a ``not_landed`` one's path was made unsafe (a link or a file in its way, which no chaos
+    fault makes, itself judged a foreign file): else its effect is simply lost. A flag exempted
+    its call from every world check, and needed no cause (a cold review: a ``not_landed`` write
+    whose file was absent and a ``both_ran`` charge never made both passed)."""
+    jobs, execs = f.job_of_key(), f.exec_by_id()
+    bad = []
+    for key, op in f.ops.items():
+        reason = op.get("review")
+        if not reason:
+            continue
+        job = jobs.get(key)
+        cid = job.cid if job is not None else key
+        flags = [
+            e
+            for e in f.events
+            if e["idempotency_key"] == key
+            and e["kind"] == "flagged"
+            and e["detail"].get("reason") == reason
+        ]
+        if not flags:
+            bad.append(f"{cid}: flagged {reason}, with no flag of it on record")
+        for flag in flags:
+            ex = execs.get(flag["execution_id"] or "")
+            if ex is None:
+                bad.append(f"{cid}: flagged {reason} on {flag['execution_id']}, no execution")
+            elif reason == "not_landed":
+                path = (job.args.get("path") if job is not None else None) or ""
+                if not _made_unsafe(f, path):
+                    bad.append(f"{cid}: flagged not_landed, but nothing made {path} unsafe: "
+                               "its effect is lost")  # fmt: skip
+            else:
+                went = next((e for e in f.events_of(ex["execution_id"]) if e["kind"] == "unknown"),
+                            None)  # fmt: skip
+                if went is None or _cause(f, ex, went) is None:
+                    bad.append(f"{cid}: flagged {reason} on {ex['execution_id']}, which no "
+                               "fault on it explains")  # fmt: skip
+        if reason == "both_ran" and job is not None and not _effect_present(f, job):
+            bad.append(f"{cid}: flagged both_ran, its effect is absent")
+    return _invariant("every flag for review lines up with a fault and holds in the world", bad)
+
+
+def _made_unsafe(f: Facts, path: str) -> bool:
+    """Whether something no call wrote stands at ``path`` or under it (a link, a folder)."""
+    for stray in f.stray_files:
+        name = stray.split(" (", 1)[0]
+        if path and (name == path or name.endswith("/" + path) or name.startswith(path + "/")):
+            return True
+    return False
+
+
 def _effect_present(f: Facts, job: Job) -> bool:
     if job.kind == "append":
         return job.line in (f.files.get(job.group) or "").splitlines(keepends=True)
@@ -649,18 +704,19 @@ INVARIANTS: list[Callable[[Facts], Invariant]] = [
     receipts_match_the_world,
     nothing_proven_absent_took_effect,
     failures_explained,
+    reviews_explained,
 ]
 
 
 def check(f: Facts) -> dict[str, Any]:
-    dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work = (
+    dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work, flags = (
         fn(f) for fn in INVARIANTS
     )
     ended, lost, stuck = every_call_ended(f)
     explained, reasons = unknowns_explained(f)
     verified = _invariant("verify: events rebuild state exactly", f.verify)
     invariants = [dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work,
-                  ended, explained, verified]  # fmt: skip
+                  flags, ended, explained, verified]  # fmt: skip
     statuses = Counter(op["status"] for op in f.ops.values())
     inbox = [k for k, op in f.ops.items() if op["status"] in INBOX or op.get("review")]
     return {
@@ -673,6 +729,7 @@ def check(f: Facts) -> dict[str, Any]:
         "foreign_effects": foreign.count,
         "wrong_receipts": receipts.count,
         "proven_absent_effects": proven.count,
+        "unexplained_flags": flags.count,
         # a second request of a charged call, answered by the service's own deduplication
         "charge_replays": sum(1 for c in f.charges if c["kind"] == "replay"),
         "lost": lost,
