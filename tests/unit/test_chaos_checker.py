@@ -509,6 +509,20 @@ def _a_retry_superseded_that_no_fault_authorised(w: World) -> None:
     ex["result"] = {"error": "superseded"}
 
 
+def _a_call_rejected(w: World) -> None:
+    # the run's agent submits every call approved: a rejection is a bug no execution shows
+    c1 = next(j for j in w.jobs if j.cid == "c1")
+    w.ops[c1.key]["status"] = "rejected"
+    w.execs[:] = [e for e in w.execs if e["idempotency_key"] != c1.key]
+    w.events[:] = [e for e in w.events if e["idempotency_key"] != c1.key]
+    w.charges[:] = [c for c in w.charges if c["key"] != c1.key]
+
+
+def _a_call_failed_without_an_execution(w: World) -> None:
+    _a_call_rejected(w)
+    w.ops["chaos_charge:c1"]["status"] = "failed"
+
+
 def _landing_on_another_path(w: World) -> None:
     (landing,) = [x for x in w.landings if x["execution_id"] == "e-w1-1"]
     landing["path"] = "own/w2.txt"  # w1's bytes on w2's path, which w2 then overwrote
@@ -683,6 +697,8 @@ BREAKS = {
         _nothing_succeeded,
         _a_charge_failed_without_a_fault,
         _a_retry_superseded_that_no_fault_authorised,
+        _a_call_rejected,
+        _a_call_failed_without_an_execution,
     ],
     FOREIGN: [
         _landed_bytes_not_the_calls,

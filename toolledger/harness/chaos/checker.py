@@ -658,13 +658,21 @@ def failures_explained(f: Facts) -> Invariant:
     invariant, nothing duplicated, nothing hidden, and the chaos run exited 0 (a cold review).
     Judged elsewhere or explained by what came before: one revoked first (its unknown is
     judged), and an automatic retry that found the world moved on (``superseded``: its
-    predecessor's unknown is judged)."""
+    predecessor's unknown is judged). A call rejected, or failed with no execution, is a
+    failure no execution explains: the run's agent submits every call approved, so nothing in
+    it rejects, and a call fails by running (both were judged by nothing: a cold review)."""
+    ran = {e["idempotency_key"] for e in f.execs}
+    bad = [
+        f"{key}: {op['status']}, with no execution" if op["status"] == "failed" else
+        f"{key}: rejected, though every call of the run is submitted approved"
+        for key, op in f.ops.items()
+        if op["status"] == "rejected" or (op["status"] == "failed" and key not in ran)
+    ]  # fmt: skip
     automatic = {
         (e["idempotency_key"], e["detail"].get("attempt"))
         for e in f.events
         if e["kind"] == "approved" and e["detail"].get("automatic")
     }
-    bad = []
     for ex in f.execs:
         history = f.events_of(ex["execution_id"])
         if ex["status"] != "failed" or any(e["kind"] == "unknown" for e in history):
