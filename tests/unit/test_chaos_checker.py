@@ -166,6 +166,30 @@ def _landing_without_own_commit(w: World) -> None:
     w.firings.append({"ref": "e-s1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
 
 
+def _revoked_only(w: World, cid: str) -> None:
+    """``cid``'s only execution stopped after staging, revoked, then reconciled succeeded
+    (its effect found): no own commit, so nothing of it may land — yet its effect is in the
+    world, landed past the log (a cold review: only commit-to-landing was judged)."""
+    j = next(j for j in w.jobs if j.cid == cid)
+    eid = f"e-{cid}-1"
+    w.events[:] = [e for e in w.events if e["execution_id"] != eid]
+    w.landings[:] = [x for x in w.landings if x["execution_id"] != eid]
+    next(e for e in w.execs if e["execution_id"] == eid)["reconciled"] = True
+    w.event(j.key, eid, "running", attempt=1)
+    w.firings.append({"ref": eid, "point": "after_stage", "t": DURING, "action": "stop"})  # type: ignore[attr-defined]
+    w.event(j.key, eid, "unknown", reason="lease expired")
+    w.event(j.key, eid, "succeeded", reconciled=True, result=receipt_of(j),
+            evidence={"reconciler": "present"})  # fmt: skip
+
+
+def _append_of_a_revoked_execution_unlogged(w: World) -> None:
+    _revoked_only(w, "a1")
+
+
+def _write_of_a_revoked_execution_unlogged(w: World) -> None:
+    _revoked_only(w, "w1")
+
+
 def _landing_under_another_commits_seq(w: World) -> None:
     # w1's execution committed, but what landed carries another commit's seq
     (landing,) = [x for x in w.landings if x["execution_id"] == "e-w1-1"]
@@ -632,6 +656,7 @@ def _a_flag_not_on_record(w: World) -> None:
 
 
 ONE_EFFECT = "at most one effect per call (lines, charges, landings)"
+REVOKED = "no effect of a revoked execution lands"
 REVIEWS = "every flag for review lines up with a fault and holds in the world"
 RECEIPTS = "every receipt says what its call did"
 FAILURES = "every failure lines up with a fault on that execution"
@@ -653,6 +678,8 @@ BREAKS = {
         _own_commit_after_revocation,
         _appends_out_of_order_in_the_file,
         _an_append_first_logged_as_redo_out_of_order,
+        _append_of_a_revoked_execution_unlogged,
+        _write_of_a_revoked_execution_unlogged,
     ],
     "every shared path holds its last succeeded write": [
         _shared_path_older_while_the_last_is_contradicted,
@@ -745,6 +772,10 @@ ALSO = {
     _landing_without_own_commit: set(),  # a zombie's landing also hides nothing: none
     _charged_again_under_another_key: {FOREIGN},  # a key no call has
     _glued_lines: {REVIEWS},  # flagged not_landed so as to be judged only as foreign bytes
+    # effects in the world with no landing logged: of a revoked execution, for all it shows
+    _no_landing_logged: {REVOKED},
+    _write_landing_missing: {REVOKED},
+    _shared_written_though_none_succeeded: {REVOKED},
     _charge_with_other_terms: {RECEIPTS},  # the ledger's receipt is not the service's then
     # a landing without its own commit is one after its revocation, too
     _landing_of_an_execution_proven_not_applied: {"no effect of a revoked execution lands"},
@@ -1058,3 +1089,30 @@ def test_gather__a_childs_death_is_read_with_its_time(tmp_path):
     f = w.facts()
     f.deaths = {101: deaths[104]}
     assert "every unknown lines up with a fault on that execution" in broken(f)
+
+
+def test_checker__an_effect_whose_retry_landed_the_same_bytes_is_explained():
+    """The known limit of 'every effect in the world has a logged landing': w1's attempt 1
+    revoked (its bytes might have landed past the log), its retry committed and landed the
+    same bytes: the file cannot tell them apart, and the retry's landing explains it."""
+    w = World()
+    w.firings = []  # type: ignore[attr-defined]
+    w.events[:] = [e for e in w.events if e["execution_id"] != "e-w1-1"]
+    w.landings[:] = [x for x in w.landings if x["execution_id"] != "e-w1-1"]
+    _auto_retry(w, ["revoked", "proven", "retried"])
+    (first,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    first.update(status="failed", result={"error": "not_applied"}, reconciled=True)
+    w1 = w.jobs[0]
+    w.execs.append({**first, "execution_id": "e-w1-2", "attempt": 2, "status": "succeeded",
+                    "reconciled": False, "result": receipt_of(w1)})  # fmt: skip
+    w.ops[w1.key]["authorized_attempts"] = 2
+    w.event(w1.key, "e-w1-2", "running", attempt=2)
+    done = w.event(w1.key, "e-w1-2", "succeeded", reconciled=False, result=receipt_of(w1))
+    w.landings.append({"execution_id": "e-w1-2", "seq": done["seq"], "path": "own/w1.txt",
+                       "kind": "write", "redo": False})  # fmt: skip
+    f = w.facts()
+    f.firings = w.firings  # type: ignore[attr-defined]
+    report = check(f)
+    assert report["ok"], [i for i in report["invariants"] if not i["ok"]]
+    f.landings = [x for x in w.landings if x["execution_id"] != "e-w1-2"]
+    assert "no effect of a revoked execution lands" in broken(f)

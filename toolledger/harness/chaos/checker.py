@@ -281,7 +281,31 @@ def no_effect_after_revocation(f: Facts) -> Invariant:
             )
     bad += out_of_commit_order(f.landings)
     bad += appends_out_of_commit_order_in_files(f)
+    bad += effects_without_a_landing(f)
     return _invariant("no effect of a revoked execution lands", bad)
+
+
+def effects_without_a_landing(f: Facts) -> list[str]:
+    """Each call's effect that is in the world (a write's bytes on its path, an append's line
+    in its log) with no logged landing of an execution of that call whose own commit made it
+    official: only the commit-to-landing direction was judged, and an effect only a revoked
+    execution could have made, landed past the log, passed (a cold review). What it cannot
+    tell: a revoked attempt's bytes from its retry's, the same bytes, where the retry landed."""
+    ran_by: dict[str, set[str]] = defaultdict(set)
+    for ex in f.execs:
+        ran_by[ex["idempotency_key"]].add(ex["execution_id"])
+    landed = {x["execution_id"] for x in f.landings or [] if f.own_commit(x["execution_id"])}
+    bad = []
+    for job in (j for j in f.jobs if j.kind != "charge"):
+        path = job.args["path"]
+        if job.kind == "append":
+            there = job.line in (f.files.get(path) or "").splitlines(keepends=True)
+        else:
+            there = f.files.get(path) == job.args["content"]
+        if there and not ran_by[job.key] & landed:
+            bad.append(f"{job.cid}: its effect is in {path}, and no landing of a committed "
+                       "execution of it was logged")  # fmt: skip
+    return bad
 
 
 def inversions(seqs: Sequence[int]) -> list[tuple[int, int]]:
