@@ -494,6 +494,47 @@ def _charge_by_an_execution_proven_not_applied(w: World) -> None:
     revoked(w, c1.key, "e-c1-0")
 
 
+def _charge_asked_again_after(w: World, error: str) -> None:
+    """c1's attempt 1 charged, was stopped, revoked, and recorded failed with ``error``;
+    attempt 2 ran and asked for the charge again: the service answered a replay."""
+    c1 = next(j for j in w.jobs if j.cid == "c1")
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    w.events[:] = [e for e in w.events if e["execution_id"] != "e-c1-1"]
+    ex.update(status="failed", result={"error": error}, reconciled=True)
+    w.event(c1.key, "e-c1-1", "running", attempt=1)
+    w.firings.append({"ref": "e-c1-1", "point": "after_effect", "t": DURING, "action": "stop"})  # type: ignore[attr-defined]
+    w.event(c1.key, "e-c1-1", "unknown", reason="lease expired")
+    if error == "not_applied":  # the reconciler's word, and the sweep's retry on it
+        w.event(c1.key, "e-c1-1", "failed", reconciled=True, result=ex["result"],
+                evidence={"reconciler": "absent"})  # fmt: skip
+        w.event(c1.key, None, "approved", attempt=2, automatic=True, after="e-c1-1")
+    else:  # a person's word, and the operator's retry
+        w.event(c1.key, "e-c1-1", "failed", reconciled=True, result=ex["result"],
+                evidence={"kind": "human"})["actor"] = "chaos-operator"  # fmt: skip
+        w.event(c1.key, None, "approved", attempt=2)["actor"] = "chaos-operator"
+    r = receipt_of(c1)
+    w.execs.append({"execution_id": "e-c1-2", "idempotency_key": c1.key, "attempt": 2,
+                    "status": "succeeded", "reconciled": False, "result": r,
+                    "worker_id": "chaos-w1@h:101"})  # fmt: skip
+    w.event(c1.key, "e-c1-2", "running", attempt=2)
+    w.event(c1.key, "e-c1-2", "succeeded", reconciled=False, result=r)
+    w.ops[c1.key]["authorized_attempts"] = 2
+
+
+def _charge_asked_again_after_a_failed_that_charged(w: World) -> None:
+    # a person said attempt 1 failed though it charged; attempt 2 asked again: a replay
+    _charge_asked_again_after(w, "resolved failed by a person")
+    w.charges.append({"kind": "replay", "key": "chaos_charge:c1", "execution_id": "e-c1-2"})
+
+
+def _zombie_charge_request_of_an_execution_proven_not_applied(w: World) -> None:
+    # attempt 1 proven not applied, retried; attempt 2 charged; then attempt 1 (a zombie)
+    # sent its request: a replay, never judged (only kind "charge" was)
+    _charge_asked_again_after(w, "not_applied")
+    w.charges[[c["key"] for c in w.charges].index("chaos_charge:c1")]["execution_id"] = "e-c1-2"
+    w.charges.append({"kind": "replay", "key": "chaos_charge:c1", "execution_id": "e-c1-1"})
+
+
 def _landing_of_an_execution_proven_not_applied(w: World) -> None:
     w1 = next(j for j in w.jobs if j.cid == "w1")
     w.execs.append({"execution_id": "e-w1-0", "idempotency_key": w1.key, "attempt": 0,
@@ -668,6 +709,7 @@ BREAKS = {
         _charged_again_under_another_key,
         _one_write_landed_through_two_executions,
         _landed_twice,
+        _charge_asked_again_after_a_failed_that_charged,
     ],
     "no effect of a revoked execution lands": [
         _landing_without_own_commit,
@@ -719,6 +761,7 @@ BREAKS = {
     "nothing proven not applied took effect": [
         _charge_by_an_execution_proven_not_applied,
         _landing_of_an_execution_proven_not_applied,
+        _zombie_charge_request_of_an_execution_proven_not_applied,
     ],
     FAILURES: [
         _nothing_succeeded,
@@ -1116,3 +1159,33 @@ def test_checker__an_effect_whose_retry_landed_the_same_bytes_is_explained():
     assert report["ok"], [i for i in report["invariants"] if not i["ok"]]
     f.landings = [x for x in w.landings if x["execution_id"] != "e-w1-2"]
     assert "no effect of a revoked execution lands" in broken(f)
+
+
+def test_checker__a_charge_asked_again_is_counted_as_the_baseline_counts_it():
+    """A second request of a call's charge, answered as a replay by the service's dedupe, is
+    counted as the baseline counts its duplicate charges; where the charging execution went
+    unknown and its retry asked while its own request was on its way (the race the service's
+    key is for), it is no violation — the figure tells it."""
+    from toolledger.harness.chaos.report import markdown
+
+    assert check(World().facts())["charges_requested_again"] == 0
+    w = World()
+    w.firings = []  # type: ignore[attr-defined]
+    _charge_asked_again_after(w, "resolved failed by a person")
+    (first,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    first.update(status="unknown", result=None)  # still unknown: never said failed
+    w.events[:] = [e for e in w.events if not (e["execution_id"] == "e-c1-1" and
+                                               e["kind"] == "failed")]  # fmt: skip
+    w.charges.append({"kind": "replay", "key": "chaos_charge:c1", "execution_id": "e-c1-2"})
+    f = w.facts()
+    f.firings = w.firings  # type: ignore[attr-defined]
+    report = check(f)
+    assert report["ok"], [i for i in report["invariants"] if not i["ok"]]
+    assert report["charges_requested_again"] == 1
+    full = {**report, "scope": "s", "jobs": 8, "mix": {}, "workers": 1, "concurrency": 1,
+            "faults": {}, "fault_window_s": 1, "seed": 1, "lease_s": 1, "code": "x",
+            "recovered_s": 1, "duration_s": 1, "operator": {},
+            "baseline": {"duplicates": 3, "duplicate_charges": 2, "shared_path_mismatches": 0,
+                         "lost": 0}}  # fmt: skip
+    assert "| toolledger | 0 | 1 | 0 | 0 |" in markdown(full)
+    assert "| plain Celery tasks, acks_late, no ledger | 3 | 2 | 0 | 0 |" in markdown(full)

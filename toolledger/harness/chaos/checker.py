@@ -165,6 +165,7 @@ def one_effect_per_call(f: Facts) -> Invariant:
         owner.get(c.get("execution_id") or "", c["key"]) for c in f.charges if c["kind"] == "charge"
     )
     bad += [f"{key}: charged {n} times" for key, n in per_call.items() if n > 1]
+    bad += charges_requested_after_failed(f)
     appends = (x for x in f.landings or [] if x.get("kind") == "append" and not x.get("redo"))
     landed = Counter((x["execution_id"], x["path"]) for x in appends)
     bad += [f"{eid} landed on {path} {n} times" for (eid, path), n in landed.items() if n > 1]
@@ -181,6 +182,37 @@ def one_effect_per_call(f: Facts) -> Invariant:
         if len(eids) > 1
     ]
     return _invariant("at most one effect per call (lines, charges, landings)", bad)
+
+
+def charges_requested_again(f: Facts) -> int:
+    """Charge calls whose charge the service was asked for more than once (its first
+    request, and replays it answered with the first receipt, by any execution): the figure
+    the baseline counts as its duplicate charges, counted the same way (a service without the
+    deduplication by key would have charged each twice)."""
+    asked = Counter(c["key"] for c in f.charges if c["kind"] in ("charge", "replay"))
+    return sum(1 for j in f.jobs if j.kind == "charge" and asked[j.key] > 1)
+
+
+def charges_requested_after_failed(f: Facts) -> list[str]:
+    """A charge asked for again (a replay) by another execution of its call than the one that
+    charged, where the ledger records the charging one failed: it said the effect did not
+    happen, authorised another attempt on that word, and the tool ran again, its second
+    request hidden by the service's deduplication (never judged: a cold review). The charging
+    one proven not applied is judged by "nothing proven not applied took effect"; one that
+    went unknown and was retried while its request was on its way is the race the service's
+    key is for (counted, ``charges_requested_again``)."""
+    status = {e["execution_id"]: e for e in f.execs}
+    charged_by = {c["key"]: c.get("execution_id") for c in f.charges if c["kind"] == "charge"}
+    bad = []
+    for c in (c for c in f.charges if c["kind"] == "replay"):
+        first = status.get(charged_by.get(c["key"]) or "")
+        if first is None or c.get("execution_id") == first["execution_id"]:
+            continue
+        result = first.get("result") if isinstance(first.get("result"), dict) else {}
+        if first["status"] == "failed" and (result or {}).get("error") != "not_applied":
+            bad.append(f"{c['key']}: charged by {first['execution_id']}, which the ledger "
+                       f"records failed, and asked again by {c.get('execution_id')}")  # fmt: skip
+    return bad
 
 
 def only_the_calls_effects(f: Facts) -> Invariant:
@@ -665,8 +697,8 @@ def nothing_proven_absent_took_effect(f: Facts) -> Invariant:
     }
     bad = [
         f"{c['key']}: charged by {c['execution_id']}, which the ledger proved not applied"
-        for c in f.charges
-        if c["kind"] == "charge" and c.get("execution_id") in absent
+        for c in f.charges  # a request answered as a replay is one all the same
+        if c["kind"] in ("charge", "replay") and c.get("execution_id") in absent
     ]
     bad += [
         f"{x['execution_id']} landed on {x['path']}, which the ledger proved not applied"
@@ -764,6 +796,8 @@ def check(f: Facts) -> dict[str, Any]:
         "unexplained_flags": flags.count,
         # a second request of a charged call, answered by the service's own deduplication
         "charge_replays": sum(1 for c in f.charges if c["kind"] == "replay"),
+        # counted as the baseline counts its duplicate charges: asked for more than once
+        "charges_requested_again": charges_requested_again(f),
         "lost": lost,
         "stuck": stuck,
         "verify_ok": verified.ok,

@@ -32,6 +32,8 @@ def markdown(report: dict[str, Any]) -> str:
         "| result | count |",
         "|---|---|",
         f"| duplicates (a second line, a second charge) | {report['duplicates']} |",
+        f"| charges asked for again, answered as a replay by the service's dedupe | "
+        f"{report.get('charges_requested_again', '-')} |",
         f"| effects of revoked executions that landed | {_measured(report)} |",
         f"| revoked executions that went on and met the fence: not started, commit refused "
         f"(of which with staged bytes) | {fenced['not_started']}, {fenced['refused_at_commit']} "
@@ -72,12 +74,15 @@ def markdown(report: dict[str, Any]) -> str:
     if base:
         lines += [
             "",
-            "| same workload and faults | duplicates | shared paths wrong | lost |",
-            "|---|---|---|---|",
-            f"| toolledger | {report['duplicates']} | {report['shared_path_mismatches']} | "
-            f"{report['lost']} |",
+            "| same workload and faults | duplicates | charges asked for again (the service's "
+            "dedupe answered a replay) | shared paths wrong | lost |",
+            "|---|---|---|---|---|",
+            f"| toolledger | {report['duplicates']} | "
+            f"{report.get('charges_requested_again', '-')} | "
+            f"{report['shared_path_mismatches']} | {report['lost']} |",
             f"| plain Celery tasks, acks_late, no ledger | {base['duplicates']} | "
-            f"{base['shared_path_mismatches']} | {base['lost']} |",
+            f"{base.get('duplicate_charges', '-')} | {base['shared_path_mismatches']} | "
+            f"{base['lost']} |",
         ]
     return "\n".join(lines) + "\n"
 
