@@ -456,6 +456,24 @@ def _unknown_with_a_db_error_but_no_database_fault(w: World) -> None:
             error="OperationalError: server closed the connection")  # fmt: skip
 
 
+def _unknown_before_its_lease_expired(w: World) -> None:
+    # invariant 6: the sweep marked w1 unknown 15 s before its lease expired (database
+    # clock), while a freeze of its process was on (a cause, but a live executor revoked)
+    ev = w.event("chaos_write:w1", "e-w1-1", "unknown", reason="lease expired",
+                 lease_expired_at=(WENT_UNKNOWN + timedelta(seconds=15)).isoformat())  # fmt: skip
+    ev["at"] = WENT_UNKNOWN
+    w.faults.append({"kind": "zombie", "pids": [101], "target": "chaos-w1", "t": DURING,  # type: ignore[attr-defined]
+                     "frozen_s": 14.0})  # fmt: skip
+
+
+def _unknown_before_the_lease_its_row_holds(w: World) -> None:
+    # the same, where the event records no lease (an older version): the row's is the one
+    _unknown_before_its_lease_expired(w)
+    w.events[-1]["detail"].pop("lease_expired_at")
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    ex["lease_expires_at"] = WENT_UNKNOWN + timedelta(seconds=15)
+
+
 def _receipt_names_another_file(w: World) -> None:
     (ex,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
     ex["result"] = {**ex["result"], "path": "own/OTHER.txt"}
@@ -801,6 +819,8 @@ BREAKS = {
         _unknown_explained_only_by_a_death_an_hour_later,
         _unknown_explained_only_by_a_firing_an_hour_later,
         _unknown_explained_only_by_a_crash,
+        _unknown_before_its_lease_expired,
+        _unknown_before_the_lease_its_row_holds,
     ],
     REVIEWS: [
         _a_write_flagged_not_landed_lost,
@@ -1189,3 +1209,17 @@ def test_checker__a_charge_asked_again_is_counted_as_the_baseline_counts_it():
                          "lost": 0}}  # fmt: skip
     assert "| toolledger | 0 | 1 | 0 | 0 |" in markdown(full)
     assert "| plain Celery tasks, acks_late, no ledger | 3 | 2 | 0 | 0 |" in markdown(full)
+
+
+def test_checker__an_unknown_after_its_lease_expired_or_by_its_own_worker_is_no_early_one():
+    """Only the sweep's unknown for an expired lease waits for the lease: one at or after it
+    passes, and a worker that marks its own execution unknown (another reason) is legit."""
+    for at, reason in ((15, "lease expired"), (16, "lease expired"), (0, "the executor's own")):
+        w = World()
+        w.faults = []  # type: ignore[attr-defined]
+        _unknown_before_its_lease_expired(w)
+        w.events[-1]["at"] = WENT_UNKNOWN + timedelta(seconds=at)
+        w.events[-1]["detail"]["reason"] = reason
+        f = w.facts()
+        f.faults = w.faults  # type: ignore[attr-defined]
+        assert check(f)["ok"], (at, reason)

@@ -20,7 +20,7 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -535,12 +535,41 @@ def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
         went = [e for e in f.events_of(ex["execution_id"]) if e["kind"] == "unknown"]
         if not went:
             continue
+        early = _before_its_lease_expired(ex, went[0])
+        if early:
+            bad.append(f"{ex['execution_id']} ({ex['idempotency_key']}) {early}")
         cause = _cause(f, ex, went[0])
         if cause is None:
             bad.append(f"{ex['execution_id']} ({ex['idempotency_key']}) by {ex['worker_id']}")
         else:
             reasons[cause] += 1
     return _invariant("every unknown lines up with a fault on that execution", bad), reasons
+
+
+def _before_its_lease_expired(ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
+    """Invariant 6: the sweep marks a ``running`` unknown for an expired lease only once the
+    lease expired by the database clock (its event's ``at`` and the lease it records are both
+    the database's): one earlier revoked a live executor (judged by nothing: a cold review).
+    A worker that marks its own execution unknown says so by another reason."""
+    if unknown["detail"].get("reason") != "lease expired":
+        return None
+    expired = _utc(unknown["detail"].get("lease_expired_at") or ex.get("lease_expires_at"))
+    at = _utc(unknown.get("at"))
+    if expired is None or at is None or at >= expired:
+        return None
+    return f"marked unknown for an expired lease at {at.isoformat()}, its lease expired at " \
+        f"{expired.isoformat()}"  # fmt: skip
+
+
+def _utc(when: Any) -> datetime | None:
+    if isinstance(when, str):
+        try:
+            when = datetime.fromisoformat(when)
+        except ValueError:
+            return None
+    if not isinstance(when, datetime):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
 
 def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
