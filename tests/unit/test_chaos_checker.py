@@ -35,6 +35,11 @@ def job(cid: str, kind: str, **extra: Any) -> Job:
     return Job(cid, kind, tools[kind], args, group=group, line=line, **extra)
 
 
+def digest(j: Job) -> str:
+    """The SHA-256 of the call's bytes, as its landing logs it."""
+    return hashlib.sha256(j.args["content"].encode()).hexdigest()
+
+
 def receipt_of(j: Job) -> dict[str, Any]:
     """What the call's tool returns (the chaos tools' results)."""
     if j.kind == "charge":
@@ -101,7 +106,7 @@ class World:
         else:
             self.landings.append({"execution_id": eid, "seq": done["seq"], "path": j.group or
                                   j.args["path"], "kind": "append" if j.kind == "append" else
-                                  "write", "redo": False})  # fmt: skip
+                                  "write", "redo": False, "sha256": digest(j)})  # fmt: skip
         return eid
 
     def attempt(self, j: Job, eid: str, attempt: int, status: str, reconciled: bool,
@@ -162,7 +167,8 @@ def _landing_without_own_commit(w: World) -> None:
     w.attempt(s1, "e-s1-z", 2, "unknown", False, result=False)
     w.event(s1.key, "e-s1-z", "unknown", reason="lease expired")
     w.landings.append({"execution_id": "e-s1-z", "seq": 99, "path": "shared/a.txt",
-                       "kind": "write", "redo": False})  # fmt: skip
+                       "kind": "write", "redo": False,
+                       "sha256": digest(s1)})  # fmt: skip
     w.firings.append({"ref": "e-s1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
 
 
@@ -204,7 +210,8 @@ def _landing_of_a_reconciled_success(w: World) -> None:
     w.event(w1.key, "e-w1-z", "unknown", reason="lease expired")
     done = w.event(w1.key, "e-w1-z", "succeeded", reconciled=True, result=receipt_of(w1))
     w.landings.append({"execution_id": "e-w1-z", "seq": done["seq"], "path": "own/w1.txt",
-                       "kind": "write", "redo": False})  # fmt: skip
+                       "kind": "write", "redo": False,
+                       "sha256": digest(w1)})  # fmt: skip
     w.firings.append({"ref": "e-w1-z", "point": "after_stage", "t": DURING})  # type: ignore[attr-defined]
 
 
@@ -238,7 +245,8 @@ def _one_write_landed_through_two_executions(w: World) -> None:
     w.attempt(w1, "e-w1-2", 2, "succeeded", False)
     done = w.event(w1.key, "e-w1-2", "succeeded", reconciled=False, result=receipt_of(w1))
     w.landings.append({"execution_id": "e-w1-2", "seq": done["seq"], "path": "own/w1.txt",
-                       "kind": "write", "redo": False})  # fmt: skip
+                       "kind": "write", "redo": False,
+                       "sha256": digest(w1)})  # fmt: skip
 
 
 def _appends_out_of_order_in_the_file(w: World) -> None:
@@ -559,7 +567,8 @@ def _landing_of_an_execution_proven_not_applied(w: World) -> None:
                     "status": "failed", "reconciled": True, "worker_id": "chaos-w2@h:7",
                     "result": {"error": "not_applied"}})  # fmt: skip
     w.landings.insert(0, {"execution_id": "e-w1-0", "seq": 0, "path": "own/w1.txt",
-                          "kind": "write", "redo": False})  # fmt: skip
+                          "kind": "write", "redo": False,
+                          "sha256": digest(w1)})  # fmt: skip
     revoked(w, w1.key, "e-w1-0")
 
 
@@ -667,6 +676,11 @@ def _shared_path_older_while_the_last_is_contradicted(w: World) -> None:
 def _landed_bytes_not_the_calls(w: World) -> None:
     (landing,) = [x for x in w.landings if x["execution_id"] == "e-s1-1"]
     landing["sha256"] = "0" * 64  # foreign bytes on a shared path, overwritten since
+
+
+def _landing_without_a_digest(w: World) -> None:
+    (landing,) = [x for x in w.landings if x["execution_id"] == "e-s1-1"]
+    del landing["sha256"]  # foreign bytes on a shared path, overwritten since, untold
 
 
 def _one_write_landed_two_effects(w: World) -> None:
@@ -790,6 +804,7 @@ BREAKS = {
     ],
     FOREIGN: [
         _landed_bytes_not_the_calls,
+        _landing_without_a_digest,
         _one_write_landed_two_effects,
         _landing_on_another_path,
         _append_landed_as_a_write,
@@ -1172,7 +1187,8 @@ def test_checker__an_effect_whose_retry_landed_the_same_bytes_is_explained():
     w.event(w1.key, "e-w1-2", "running", attempt=2)
     done = w.event(w1.key, "e-w1-2", "succeeded", reconciled=False, result=receipt_of(w1))
     w.landings.append({"execution_id": "e-w1-2", "seq": done["seq"], "path": "own/w1.txt",
-                       "kind": "write", "redo": False})  # fmt: skip
+                       "kind": "write", "redo": False,
+                       "sha256": digest(w1)})  # fmt: skip
     f = w.facts()
     f.firings = w.firings  # type: ignore[attr-defined]
     report = check(f)
