@@ -111,7 +111,10 @@ class World:
 
     def attempt(self, j: Job, eid: str, attempt: int, status: str, reconciled: bool,
                 worker: str = "chaos-w2@h:7", result: bool = True) -> None:  # fmt: skip
-        """Another execution of ``j``'s call, as its row stands at the end."""
+        """Another execution of ``j``'s call, as its row stands at the end (an attempt after
+        the first approved by the run's operator, as every later attempt must be)."""
+        if attempt >= 2:
+            self.event(j.key, None, "approved", attempt=attempt)["actor"] = "chaos-operator"
         row = {"execution_id": eid, "idempotency_key": j.key, "attempt": attempt,
                "status": status, "reconciled": reconciled, "worker_id": worker}  # fmt: skip
         self.execs.append({**row, "result": receipt_of(j)} if result else row)
@@ -379,6 +382,17 @@ def _auto_retry_after_another_attempt(w: World) -> None:
         if e["kind"] == "approved" and e["detail"].get("automatic"):
             e["detail"]["attempt"] = 3
     w.event(w1.key, None, "approved", attempt=2)  # the operator's retry, asked
+
+
+def _attempt_without_any_approval(w: World) -> None:
+    # w1's attempt 2 ran and committed with no approval of it on record at all: the judge
+    # walked approvals only, and never saw it (a cold review)
+    w1 = next(j for j in w.jobs if j.cid == "w1")
+    w.execs.append({"execution_id": "e-w1-2", "idempotency_key": w1.key, "attempt": 2,
+                    "status": "unknown", "reconciled": False, "worker_id": "chaos-w1@h:101"})  # fmt: skip
+    w.event(w1.key, "e-w1-2", "running", attempt=2)
+    w.firings.append({"ref": "e-w1-2", "point": "after_claim", "t": DURING})  # type: ignore[attr-defined]
+    w.event(w1.key, "e-w1-2", "unknown", reason="lease expired")
 
 
 def _auto_retry_without_proof(w: World) -> None:
@@ -657,6 +671,7 @@ def _receipt_of_the_authorised_attempt_wrong(w: World) -> None:
     w.ops[w1.key]["authorized_attempts"] = 1
     (first,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
     first["result"] = {**first["result"], "path": "own/OTHER.txt"}
+    w.event(w1.key, None, "approved", attempt=2)["actor"] = "chaos-operator"
     w.execs.append({**first, "execution_id": "e-w1-2", "attempt": 2, "result": receipt_of(w1),
                     "reconciled": True})  # fmt: skip
     w.event(w1.key, "e-w1-2", "succeeded", reconciled=True, result=receipt_of(w1))
@@ -774,6 +789,7 @@ BREAKS = {
         _auto_retry_after_a_failure_that_may_have_applied,
         _later_attempt_neither_automatic_nor_asked,
         _auto_retry_after_another_attempt,
+        _attempt_without_any_approval,
     ],
     "every succeeded call's effect is in the world": [
         _write_absent,

@@ -662,6 +662,18 @@ def automatic_retries_proven(f: Facts) -> Invariant:
         if not (revoked and proven and revoked[0] < proven[0]):
             bad.append(f"{e['idempotency_key']} attempt {attempt}: "
                        f"revoked {revoked}, proven absent {proven}")  # fmt: skip
+    # an attempt no approval authorised at all: only approvals were walked (a cold review)
+    approved = {
+        (e["idempotency_key"], e["detail"].get("attempt"))
+        for e in f.events
+        if e["kind"] == "approved"
+    }
+    bad += [
+        f"{ex['idempotency_key']} attempt {ex['attempt']}: {ex['execution_id']} ran, no "
+        "approval of that attempt is on record"
+        for ex in f.execs
+        if ex["attempt"] >= 2 and (ex["idempotency_key"], ex["attempt"]) not in approved
+    ]
     return _invariant("automatic retries only after revocation and proof of absence", bad)
 
 
