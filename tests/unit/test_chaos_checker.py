@@ -743,6 +743,40 @@ def _a_flag_not_on_record(w: World) -> None:
     w.ops["chaos_charge:c1"]["review"] = "contradicted"  # no flagged event of it
 
 
+def _landing_by_a_charges_execution(w: World) -> None:
+    # the log says a charge's execution landed a file: no call's write
+    done = next(e for e in w.events if e["execution_id"] == "e-c1-1" and e["kind"] == "succeeded")
+    w.landings.append({"execution_id": "e-c1-1", "seq": done["seq"], "path": "own/zz.txt",
+                       "kind": "write", "redo": False, "sha256": "0" * 64})  # fmt: skip
+
+
+def _auto_retry_naming_another_calls_attempt(w: World) -> None:
+    # w1's automatic attempt 2 "after" w2's attempt 1, revoked and proven absent: not w1's
+    w1, w2 = (next(j for j in w.jobs if j.cid == c) for c in ("w1", "w2"))
+    w.firings.append({"ref": "e-w2-1", "point": "after_claim", "t": DURING})  # type: ignore[attr-defined]
+    w.event(w2.key, "e-w2-1", "unknown", reason="lease expired")
+    w.event(w2.key, "e-w2-1", "failed", result={"error": "not_applied"},
+            evidence={"reconciler": "absent"}, reconciled=True)  # fmt: skip
+    w.event(w1.key, None, "approved", attempt=2, automatic=True, after="e-w2-1")
+
+
+def _succeeded_with_no_succeeded_execution(w: World) -> None:
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    ex["status"] = "unknown"  # the call says succeeded; none of its executions did
+
+
+def _receipt_not_a_dict(w: World) -> None:
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    ex["result"] = "ok"
+
+
+def _unknown_with_a_db_error_while_another_host_was_cut(w: World) -> None:
+    # its own record of a database error; the partition fell on another worker's host
+    _unknown_with_a_db_error_but_no_database_fault(w)
+    w.faults.append({"kind": "partition", "pids": [7], "target": "chaos-w2", "t": DURING,  # type: ignore[attr-defined]
+                     "cut_s": 14.0})  # fmt: skip
+
+
 ONE_EFFECT = "at most one effect per call (lines, charges, landings)"
 REVOKED = "no effect of a revoked execution lands"
 REVIEWS = "every flag for review lines up with a fault and holds in the world"
@@ -790,6 +824,7 @@ BREAKS = {
         _later_attempt_neither_automatic_nor_asked,
         _auto_retry_after_another_attempt,
         _attempt_without_any_approval,
+        _auto_retry_naming_another_calls_attempt,
     ],
     "every succeeded call's effect is in the world": [
         _write_absent,
@@ -805,6 +840,8 @@ BREAKS = {
         _charge_receipt_not_the_services,
         _receipt_of_the_authorised_attempt_wrong,
         _receipt_that_calls_itself_a_persons,
+        _succeeded_with_no_succeeded_execution,
+        _receipt_not_a_dict,
     ],
     "nothing proven not applied took effect": [
         _charge_by_an_execution_proven_not_applied,
@@ -830,6 +867,7 @@ BREAKS = {
         _foreign_bytes,
         _charge_by_another_calls_execution,
         _charge_with_other_terms,
+        _landing_by_a_charges_execution,
         _stray_file,
         _stray_carriage_return,
     ],
@@ -852,6 +890,7 @@ BREAKS = {
         _unknown_explained_only_by_a_crash,
         _unknown_before_its_lease_expired,
         _unknown_before_the_lease_its_row_holds,
+        _unknown_with_a_db_error_while_another_host_was_cut,
     ],
     REVIEWS: [
         _a_write_flagged_not_landed_lost,
@@ -1019,6 +1058,12 @@ def test_checker__fenced_counts_what_revoked_executions_put_on_record():
     )  # never revoked
     assert check(w.facts())["fenced"] == {
         "not_started": 1, "refused_at_commit": 1, "staged_refused": 1,
+    }  # fmt: skip
+    # a refused commit with nothing staged counts as refused, not as staged bytes refused
+    w.event("chaos_write:w1", "e-w1-1", "evidence", worker_id=mine, late_result=None)
+    w.event("chaos_write:w1", "e-w1-1", "evidence", worker_id=mine, late_result=None, staged=[])
+    assert check(w.facts())["fenced"] == {
+        "not_started": 1, "refused_at_commit": 3, "staged_refused": 1,
     }  # fmt: skip
 
 
@@ -1255,3 +1300,76 @@ def test_checker__an_unknown_after_its_lease_expired_or_by_its_own_worker_is_no_
         f = w.facts()
         f.faults = w.faults  # type: ignore[attr-defined]
         assert check(f)["ok"], (at, reason)
+
+
+def test_child_deaths__every_death_of_a_reused_pid_is_kept(tmp_path):
+    """A pid is reused: each of its deaths is kept, in the order logged (only the last was)."""
+    from toolledger.harness.chaos.checker import child_deaths
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    line = "2026-12-02 04:00:0{} ERROR Process 'ForkPoolWorker-2' pid:101 exited with '{}'\n"
+    (logs / "w1.log").write_text(line.format(5, "signal 9 (SIGKILL)") +
+                                 line.format(9, "signal 15 (SIGTERM)"))  # fmt: skip
+    assert [how for how, _ in child_deaths(logs)[101]] == ["signal 9 (SIGKILL)",
+                                                          "signal 15 (SIGTERM)"]  # fmt: skip
+
+
+def test_gather__reads_the_runs_scope_and_every_fact_it_is_handed(tmp_path):
+    """gather's wiring: the run's scope's rows, events and landings only (another scope's are
+    another run's), a lease expired after the sweep, verify's differences, a link at a job's
+    path read as absent (never followed), and every log read: each dropped or mis-wired was
+    noticed by no test (a cold review's mutations)."""
+    import json
+
+    from toolledger.harness.chaos.checker import gather
+    from toolledger.harness.chaos.workload import Workload
+    from toolledger.ledger.ledger import Ledger
+    from toolledger.ledger.models import operations
+
+    w1, w2 = job("w1", "write"), job("w2", "write")
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger.upgrade()
+    try:
+        claimed = {}
+        for scope, lease in (("s", -5.0), ("other", 60.0)):
+            for j in (w1, w2):
+                ledger.submit(scope, j.cid, j.tool, j.args, approved_by="chaos-agent")
+            claim = ledger.claim(scope, w1.key, 1, worker_id="chaos-w1@h:101",
+                                 lease_seconds=lease)  # fmt: skip
+            assert claim is not None
+            claimed[scope] = claim.execution_id
+        with ledger.engine.begin() as conn:  # a row that its events no longer rebuild
+            conn.execute(operations.update().where(operations.c.scope == "s",
+                                                   operations.c.idempotency_key == w2.key)
+                         .values(status="rejected"))  # fmt: skip
+        root = tmp_path / "sandbox" / "s" / "own"
+        root.mkdir(parents=True)
+        (tmp_path / "elsewhere").write_text("w1 r1")
+        (root / "w1.txt").symlink_to(tmp_path / "elsewhere")
+        (root / "w2.txt").write_text("w2 r1")
+        landing = {"path": "own/w2.txt", "kind": "write", "seq": 1, "execution_id": "x"}
+        (tmp_path / "effects.log").write_text(
+            "".join(json.dumps({**landing, "scope": sc}) + "\n" for sc in ("s", "other"))
+        )
+        for name, entry in (("charges.log", {"kind": "charge", "key": "k"}),
+                            ("failpoints.log", {"ref": "e", "point": "after_claim"}),
+                            ("operator.log", {"action": "retry", "cid": "w1"})):  # fmt: skip
+            (tmp_path / name).write_text(json.dumps(entry) + "\n")
+        (tmp_path / "logs").mkdir()
+        (tmp_path / "logs" / "w.log").write_text(
+            "Process 'ForkPoolWorker-1' pid:101 exited with 'signal 9 (SIGKILL)'\n"
+        )
+        f = gather(ledger, "s", tmp_path, Workload([w1, w2]), [{"kind": "zombie"}],
+                   landings_logged=True)  # fmt: skip
+    finally:
+        ledger.close()
+    assert set(f.ops) == {w1.key, w2.key}
+    assert [e["execution_id"] for e in f.execs] == [claimed["s"]]
+    assert f.events and {e["scope"] for e in f.events} == {"s"}
+    assert f.stale_running == [claimed["s"]]  # its lease expired; other's holds
+    assert f.verify  # the row the events do not rebuild
+    assert f.files == {"own/w1.txt": None, "own/w2.txt": "w2 r1"}
+    assert f.landings == [{**landing, "scope": "s"}]
+    assert (len(f.charges), len(f.firings), len(f.operator)) == (1, 1, 1)
+    assert f.faults == [{"kind": "zombie"}] and f.deaths == {101: [("signal 9 (SIGKILL)", None)]}

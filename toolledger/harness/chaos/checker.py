@@ -973,11 +973,15 @@ def gather(
                 .order_by(execution_events.c.seq)
             )
         ]
-        now = conn.execute(sa.select(sa.func.now())).scalar_one()
+        # (SQLite's is naive, UTC: a test's ledger; Postgres's carries its zone)
+        now = _utc(conn.execute(sa.select(sa.func.now())).scalar_one())
     stale = [
         e["execution_id"]
         for e in execs
-        if e["status"] == "running" and e["lease_expires_at"] and e["lease_expires_at"] < now
+        if e["status"] == "running"
+        and now
+        and e["lease_expires_at"]
+        and e["lease_expires_at"] < now
     ]
     root = out / "sandbox" / scope
     paths = {j.args["path"] for j in workload.jobs if "path" in j.args}
