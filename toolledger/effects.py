@@ -396,17 +396,77 @@ def _same_file(fd: int, name: str | Path, dir_fd: int | None = None) -> bool:
     return (there.st_ino, there.st_dev) == (mine.st_ino, mine.st_dev)
 
 
+#: This process's open lock files (a path's, a sweep's removal), whichever thread opened them.
+#: A forked child (a tool that forks without exec, ``multiprocessing``, billiard's prefork
+#: children) gets a copy of each; an flock belongs to the open file, shared by the copies, so
+#: a lock the parent held or took later would stay held until the child died, and every later
+#: effect on that path would wait for an unrelated process (a cold review: PathBusy for as
+#: long as the child lived). O_CLOEXEC acts on exec only: the child closes them at fork.
+_lock_fds: set[int] = set()
+#: Held while a lock file is opened and made known to ``_lock_fds``, or closed and forgotten,
+#: and by a thread that forks: a child forked in between would keep a copy nobody closes (or
+#: close a number reused meanwhile by another file).
+_lock_fds_guard = threading.Lock()
+
+
+def _open_lock(path: str | Path, flags: int, mode: int = 0o644, dir_fd: int | None = None) -> int:
+    """Open a lock file (``_open_made``'s way when not under ``dir_fd``), known to
+    ``_lock_fds`` before any fork can copy it."""
+    with _lock_fds_guard:
+        if dir_fd is None:
+            fd = _open_made(Path(path), flags, mode)
+        else:
+            fd = os.open(path, flags, mode, dir_fd=dir_fd)
+        _lock_fds.add(fd)
+        return fd
+
+
+def _close_lock(fd: int) -> None:
+    """Close a lock file (releasing its flock: no child keeps a copy) and forget it."""
+    with _lock_fds_guard:
+        _lock_fds.discard(fd)
+        os.close(fd)
+
+
+def _lock_fds_before_fork() -> None:
+    _lock_fds_guard.acquire()
+
+
+def _lock_fds_after_fork_in_parent() -> None:
+    _lock_fds_guard.release()
+
+
+def _lock_fds_after_fork_in_child() -> None:
+    """Close the child's copies of the parent's lock files. Closing, not unlocking: an unlock
+    would let go of the parent's lock too; a close drops only this copy."""
+    global _lock_fds, _lock_fds_guard
+    for fd in _lock_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _lock_fds = set()
+    _lock_fds_guard = threading.Lock()  # held by the parent's forking thread (``before``)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_lock_fds_before_fork,
+        after_in_parent=_lock_fds_after_fork_in_parent,
+        after_in_child=_lock_fds_after_fork_in_child,
+    )
+
+
 def _remove_lock(sfd: int, name: str) -> int:
     """Remove the lock file ``name`` of the shard open as ``sfd`` if no lander holds it: 1 if
     it went. Never follows a symlink, never blocks on a FIFO."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+        fd = _open_lock(name, flags, dir_fd=sfd)
     except OSError:  # gone meanwhile, or not a file of ours
         return 0
     try:
         return _remove_if_free(fd, sfd, name)
     finally:
-        os.close(fd)
+        _close_lock(fd)
 
 
 def _remove_if_free(fd: int, sfd: int, name: str) -> int:
@@ -542,13 +602,14 @@ class Effects:
         path, sees so (the file there, if any, is another) and locks again. Whoever holds the
         lock holds the file at the path, so no two landers hold it at once. A symlink in the
         lock file's place is never followed (ELOOP), and the whole wait, locking again
-        included, is bounded by ``lock_wait``."""
+        included, is bounded by ``lock_wait``. A child forked meanwhile closes its copy of the
+        lock file at once (``_lock_fds``): it never keeps the path locked past its holder."""
         lock = self.paths_dir / h[:2] / f"{h}.lock"
         deadline = time.monotonic() + self.sandbox.lock_wait
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         again = 0
         while True:
-            fd = _open_made(lock, flags, 0o644)
+            fd = _open_lock(lock, flags, 0o644)
             try:
                 while True:
                     try:
@@ -561,9 +622,9 @@ class Effects:
                 if _same_file(fd, lock):
                     break
             except BaseException:
-                os.close(fd)
+                _close_lock(fd)
                 raise
-            os.close(fd)  # removed meanwhile by a holder: lock the file there now
+            _close_lock(fd)  # removed meanwhile by a holder: lock the file there now
             again += 1
             if time.monotonic() >= deadline:
                 log.warning("%s was not the file locked, %d times (a filesystem's?)", lock, again)
@@ -573,7 +634,7 @@ class Effects:
         try:
             yield
         finally:
-            os.close(fd)  # releases the flock
+            _close_lock(fd)  # releases the flock (a forked child closed its copy at fork)
 
     def state_format(self) -> int:
         """The format of this sandbox's state (``FORMAT``): 1 until ``upgrade`` wrote 2."""

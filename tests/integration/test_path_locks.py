@@ -446,3 +446,78 @@ def test_locks__a_file_never_the_one_locked_gives_up_at_lock_wait(tmp_path, monk
     lander.join(10)
     assert not lander.is_alive(), "still locking again after 10 s (lock_wait 0.3 s)"
     assert [type(e) for e in raised] == [PathBusy]
+
+
+def _fork_sleeper() -> int:
+    """A child that does nothing with any lock and lives until killed (a tool's forked helper,
+    a prefork child)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        time.sleep(60)
+        os._exit(0)
+    return pid
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def test_locks__a_child_forked_while_a_path_is_held_does_not_keep_its_lock(sandbox):
+    # A threads worker's tool forks (multiprocessing, fork) while another thread lands on a
+    # path: the child's copy of the lock file shared the flock, so the path stayed busy after
+    # the landing ended, for as long as the unrelated child lived (a cold review).
+    sandbox.lock_wait = 0.5
+    eff, h = effects_of(sandbox), path_hash("s1", "log")
+    inside, forked = threading.Event(), threading.Event()
+
+    def lander() -> None:
+        with eff._path_lock(h):
+            inside.set()
+            forked.wait(10)
+
+    thread = threading.Thread(target=lander)
+    thread.start()
+    assert inside.wait(10)
+    pid = _fork_sleeper()
+    try:
+        forked.set()
+        thread.join(10)
+        with eff._path_lock(h):  # free once the landing ended, the child alive
+            pass
+    finally:
+        _kill([pid])
+
+
+def test_locks__children_forked_while_paths_are_locked_and_unlocked_keep_none(sandbox):
+    # Forks racing the opening, locking and closing of lock files by other threads: whatever
+    # the moment of the fork, no child keeps a path's lock once its holder let go.
+    sandbox.lock_wait = 2.0
+    eff = effects_of(sandbox)
+    hashes = [path_hash("s1", f"f{i}") for i in range(4)]
+    stop = threading.Event()
+
+    def lander(h: str) -> None:
+        while not stop.is_set():
+            with eff._path_lock(h):
+                time.sleep(0.0005)
+
+    threads = [threading.Thread(target=lander, args=(h,)) for h in hashes]
+    for t in threads:
+        t.start()
+    pids: list[int] = []
+    try:
+        for _ in range(40):
+            pids.append(_fork_sleeper())
+            time.sleep(0.002)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        sandbox.lock_wait = 0.3
+        for h in hashes:
+            with eff._path_lock(h):
+                pass
+    finally:
+        stop.set()
+        _kill(pids)
