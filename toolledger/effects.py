@@ -69,7 +69,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -90,6 +90,9 @@ log = logging.getLogger("toolledger.effects")
 STATE_DIR = ".toolledger"
 #: How often a lander retries a busy path lock while it waits.
 LOCK_POLL_SECONDS = 0.01
+#: What became of an effect a lander took up (``Effects._land``): it reached its target, or it
+#: was set aside and its call flagged.
+LANDED, ASIDE = "landed", "aside"
 
 
 class Book(Protocol):
@@ -883,29 +886,45 @@ class Effects:
         return None
 
     def _land_in_order(self, pfd: int, steps: list[_Step], book: Book, landing: Landing) -> None:
+        """Land the path's committed effects in seq order. An effect older than the newest
+        write (an older write, an append) never lands: the write replaces it. It is dropped
+        once that write is about to land (every check passed, its rename next: a crash after
+        the rename must not find an older write still staged, which would land over it). If
+        the write cannot land (its target became a directory), it is set aside and flagged,
+        and so are the older ones it would have replaced (dropped before, a cold review found
+        a succeeded append's bytes gone and its call unflagged); a write left for the next
+        settle keeps them for it."""
         redo = [s for s in steps if s.file.kind == "applying"]  # decided before a crash
         rest = sorted((s for s in steps if s.file.kind != "applying"), key=_order)
-        newest_write = max((_order(s) for s in rest if s.file.kind == "write"), default=(0, -1))
-        todo: list[_Step] = []
-        for s in rest:
-            if _order(s) < newest_write:  # replaced by a newer write: its bytes never land
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(s.file.name, dir_fd=pfd)
-                    landing.discarded += 1
-            else:
-                todo.append(s)
-        steps = [*redo, *todo]
-        for i, s in enumerate(steps):
-            if not self._land(pfd, s, book, landing):
-                landing.left += len(steps) - i - 1  # after it, in commit order: it goes first
+        writes = [s for s in rest if s.file.kind == "write"]
+        newest = writes[-1] if writes else None
+        cut = rest.index(newest) if newest is not None else 0
+        older, todo = rest[:cut], [*redo, *rest[cut:]]
+        for i, s in enumerate(todo):
+            if self._land(pfd, s, book, landing, older if s is newest else []) is None:
+                landing.left += len(todo) - i - 1  # after it, in commit order: it goes first
                 return
 
-    def _land(self, pfd: int, s: _Step, book: Book, landing: Landing) -> bool:
-        """Land one effect, or set it aside; False if it is left for the next settle (an
-        error of a moment): then nothing newer on its path may land before it."""
+    def _land(
+        self, pfd: int, s: _Step, book: Book, landing: Landing, replaced: list[_Step]
+    ) -> str | None:
+        """Land one effect (LANDED), or set it aside (ASIDE); None if it is left for the next
+        settle (an error of a moment): then nothing newer on its path may land before it.
+        ``replaced``: the older effects a write replaces, dropped just before it lands, set
+        aside and flagged with it if it cannot."""
+        dropped = False
+
+        def drop() -> None:
+            nonlocal dropped
+            dropped = True
+            for old in replaced:  # replaced by a newer write: its bytes never land
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(old.file.name, dir_fd=pfd)
+                    landing.discarded += 1
+
         try:
             if s.file.kind == "write":
-                self._land_write(pfd, s)
+                self._land_write(pfd, s, drop)
             else:
                 self._land_append(pfd, s)
         except (PathRefused, OSError) as exc:
@@ -914,36 +933,64 @@ class Effects:
                 log.warning("%s (the next settle finishes it)", problem)
                 landing.problems.append(problem)
                 landing.unlanded.append(problem)
-                return False
-            # The flag first, then the bytes aside: a crash (or a ledger that cannot be told)
-            # between the two leaves the effect where it was, refused again by the next settle
-            # and flagged then; never bytes set aside that no flag names.
-            holder = self._holder(pfd, s.file)
-            kept = _aside_name(pfd, holder)
-            detail = {
-                "path": s.path,
-                "n": s.file.n,
-                "seq": s.seq,
-                "reason": str(exc),
-                # for a human; the sweep removes them once the call is reviewed
-                "kept": f"{STATE_DIR}/pending/{kept}",
-            }
-            try:
-                book.record_not_landed(s.file.execution_id, detail)
-            except Exception as flag_exc:  # noqa: BLE001 - the database: the next settle retries
-                problem = f"effect {s.file.name} on {s.path!r} refused, not yet flagged: {flag_exc}"
-                log.warning("%s (the next settle tries again)", problem)
-                landing.problems.append(problem)
-                return False
-            log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, exc)
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(holder.name, kept, src_dir_fd=pfd, dst_dir_fd=pfd)
-            landing.refused += 1
-            return True
+                return None
+            outcome = self._set_aside(pfd, s, book, landing, str(exc))
+            why = f"replaced by the write of seq {s.seq} on {s.path!r}, which could not land"
+            for old in replaced if outcome is not None else []:
+                if not dropped:
+                    outcome = self._set_aside(pfd, old, book, landing, why)
+                    if outcome is None:
+                        break
+                else:  # the write failed after the check (a directory made at that moment)
+                    self._flag_dropped(old, book, landing, why)
+            return outcome
         landing.landed += 1
-        return True
+        return LANDED
 
-    def _land_write(self, pfd: int, s: _Step) -> None:
+    def _flag_dropped(self, s: _Step, book: Book, landing: Landing, why: str) -> None:
+        detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": f"{why}; dropped"}
+        try:
+            book.record_not_landed(s.file.execution_id, detail)
+        except Exception as flag_exc:  # noqa: BLE001 - its bytes are gone: said in the log
+            problem = f"effect {s.file.name} on {s.path!r} dropped, not flagged: {flag_exc}"
+            log.error("%s", problem)
+            landing.problems.append(problem)
+
+    def _set_aside(
+        self, pfd: int, s: _Step, book: Book, landing: Landing, reason: str
+    ) -> str | None:
+        """Flag a committed effect that will not land, then keep its bytes aside: ASIDE, or
+        None if the ledger could not be told (left where it was for the next settle).
+
+        The flag first, then the bytes aside: a crash (or a ledger that cannot be told)
+        between the two leaves the effect where it was, refused again by the next settle and
+        flagged then; never bytes set aside that no flag names."""
+        holder = self._holder(pfd, s.file)
+        kept = _aside_name(pfd, holder)
+        detail = {
+            "path": s.path,
+            "n": s.file.n,
+            "seq": s.seq,
+            "reason": reason,
+            # for a human; the sweep removes them once the call is reviewed
+            "kept": f"{STATE_DIR}/pending/{kept}",
+        }
+        try:
+            book.record_not_landed(s.file.execution_id, detail)
+        except Exception as flag_exc:  # noqa: BLE001 - the database: the next settle retries
+            problem = f"effect {s.file.name} on {s.path!r} refused, not yet flagged: {flag_exc}"
+            log.warning("%s (the next settle tries again)", problem)
+            landing.problems.append(problem)
+            return None
+        log.error("effect %s on %r could not land (%s): kept aside", s.file.name, s.path, reason)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(holder.name, kept, src_dir_fd=pfd, dst_dir_fd=pfd)
+        landing.refused += 1
+        return ASIDE
+
+    def _land_write(self, pfd: int, s: _Step, checked: Callable[[], None]) -> None:
+        """Land a write; ``checked`` is called once its target passed every check, just
+        before the rename."""
         eid = s.file.execution_id
         failpoints.hit("before_publish", eid)
         self._log_effect(s, redo=False)
@@ -951,6 +998,7 @@ class Effects:
             assert parent is not None
             if self.sandbox.target_stat(parent, name, s.path) is None:  # a new name
                 refuse_alias(parent, name, f"path {s.path!r}")
+            checked()
             # rename replaces a symlink swapped in meanwhile, never follows it; on the
             # filesystems supported it leaves both directories in one journal transaction
             os.rename(s.file.name, name, src_dir_fd=pfd, dst_dir_fd=parent)

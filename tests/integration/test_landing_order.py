@@ -97,3 +97,108 @@ def test_order__a_commit_newer_than_the_first_answer_waits_for_one_not_listed(tm
     effects.settle(book)
     assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"w\ny\nx\nm\nn\n"  # seq 1 to 5
     assert not any(effects.pending_dir.iterdir())
+
+
+def _stage_as(sb: Sandbox, kind: str, data: bytes) -> tuple[str, list[Any]]:
+    eid = new_execution_id()
+    staging = effects_of(sb).staging(SCOPE, eid, None)
+    getattr(staging, "write_atomic" if kind == "write" else "append")(SCOPE, PATH, data)
+    return eid, staging.seal()
+
+
+class FlaggingBook:
+    """Every listed execution succeeded, in the order given; flags are noted."""
+
+    def __init__(self, staged: list[tuple[str, list[Any]]]) -> None:
+        self.states = {e: _succeeded(e, st, seq=i + 1) for i, (e, st) in enumerate(staged)}
+        self.flags: dict[str, list[dict[str, Any]]] = {}
+
+    def effect_states(self, execution_ids: list[str]) -> dict[str, EffectState]:
+        return {e: self.states[e] for e in execution_ids if e in self.states}
+
+    def record_not_landed(self, execution_id: str, detail: dict[str, Any]) -> None:
+        self.flags.setdefault(execution_id, []).append(detail)
+
+
+def test_order__effects_a_write_that_cannot_land_replaces_are_kept_aside_and_flagged(tmp_path):
+    # x writes, a appends, w writes the path, all committed; then the path became a folder
+    # (another call wrote PATH/x). The older x and a were dropped as replaced by w before w
+    # was known to land: w alone was kept aside and flagged, a's bytes gone, its call
+    # unflagged though it never took effect (a cold review).
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    x, a = _stage_as(sb, "write", b"X\n"), _stage_as(sb, "append", b"A-line\n")
+    w = _stage_as(sb, "write", b"W\n")
+    (tmp_path / "sb" / SCOPE / PATH).mkdir()
+    book = FlaggingBook([x, a, w])
+    effects = effects_of(sb)
+    landing = effects.settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 3)
+    assert sorted(book.flags) == sorted([x[0], a[0], w[0]])
+    assert "replaced by the write of seq 3" in book.flags[a[0]][0]["reason"]
+    kept = {p.name: p.read_bytes() for p in effects.pending_dir.iterdir()}
+    assert sorted(kept.values()) == [b"A-line\n", b"W\n", b"X\n"]
+    assert all(name.endswith(".refused") for name in kept)
+    effects.settle(book)  # nothing aside is taken up again
+    assert sum(len(f) for f in book.flags.values()) == 3
+
+
+def test_order__effects_a_landed_write_replaces_are_dropped_unflagged(tmp_path):
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "write", b"X\n"), _stage_as(sb, "append", b"A\n")]
+    staged += [_stage_as(sb, "write", b"W\n"), _stage_as(sb, "append", b"B\n")]
+    book = FlaggingBook(staged)
+    effects = effects_of(sb)
+    landing = effects.settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (2, 2, 0)
+    assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"W\nB\n"
+    assert not book.flags and not any(effects.pending_dir.iterdir())
+
+
+def test_order__a_write_left_for_later_keeps_the_effects_it_replaces(tmp_path, monkeypatch):
+    # an error of a moment before the write's checks: nothing is decided, nothing dropped
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W\n")]
+    book = FlaggingBook(staged)
+    effects = effects_of(sb)
+    real = sb.target_stat
+
+    def full(*args: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sb, "target_stat", full)
+    landing = effects.settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 0)
+    assert len(list(effects.pending_dir.iterdir())) == 2
+    monkeypatch.setattr(sb, "target_stat", real)
+    landing = effects.settle(book)
+    assert (landing.landed, landing.discarded) == (1, 1)
+    assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"W\n"
+
+
+def test_order__a_write_refused_after_its_check_flags_the_effects_it_replaced(
+    tmp_path, monkeypatch
+):
+    # the folder made between the write's check and its rename: the older effects were
+    # dropped already (so that a crash after the rename cannot land them); their calls are
+    # flagged all the same
+    import os
+
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W\n")]
+    book = FlaggingBook(staged)
+    real = os.rename
+
+    def racing(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == PATH:
+            raise IsADirectoryError(21, "Is a directory")
+        real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", racing)
+    landing = effects_of(sb).settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 1)
+    assert sorted(book.flags) == sorted(e for e, _ in staged)
+    assert "dropped" in book.flags[staged[0][0]][0]["reason"]
