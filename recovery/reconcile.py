@@ -122,11 +122,18 @@ class BadReconcilerAnswer(Exception):
 
 
 def ask_reconciler(
-    tool: Tool | None, sandbox: Sandbox, ex: ExecutionRecord, op: OperationRecord
+    tool: Tool | None,
+    sandbox: Sandbox,
+    ex: ExecutionRecord,
+    op: OperationRecord,
+    ledger: Ledger | None = None,
 ) -> Finding:
     if tool is None or tool.reconcile is None:
         return None
-    ctx = ToolContext(op.scope, sandbox, ex.execution_id, op.idempotency_key, ex.attempt)
+    states = ledger.effect_states if ledger is not None else None
+    ctx = ToolContext(
+        op.scope, sandbox, ex.execution_id, op.idempotency_key, ex.attempt, effect_states=states
+    )
     found = tool.reconcile(tool.parse(op.args), ctx)
     extra = {"kind": "reconciler", "tool": tool.name}
     # what a reconciler says is stored as a tool's result is: JSON, every string storable
@@ -193,7 +200,7 @@ def reconcile_unknown(
             last = _position(ex)
             with _observed(ex, op) as span:
                 events = evidence.get(ex.execution_id, [])
-                found = _findings(registry, sandbox, ex, op, events, tally)
+                found = _findings(ledger, registry, sandbox, ex, op, events, tally)
                 if tally.out_of_time:  # the pass stops; the next goes on after this row
                     tally.resume_after = last
                     return tally
@@ -244,6 +251,7 @@ def _observed(ex: ExecutionRecord, op: OperationRecord) -> Iterator[Any]:
 
 
 def _findings(
+    ledger: Ledger,
     registry: Registry,
     sandbox: Sandbox,
     ex: ExecutionRecord,
@@ -269,7 +277,7 @@ def _findings(
     if isinstance(own, Evidence):
         return tool, own, None
     try:
-        world = ask_reconciler(tool, sandbox, ex, op)
+        world = ask_reconciler(tool, sandbox, ex, op, ledger)
     except Exception as exc:  # noqa: BLE001 - a broken reconciler leaves the row for a human
         # (not a SystemExit: a prefork child's SIGTERM is one, billiard's, and a pass that
         # took it for a tool's failure went on reconciling after its worker was told to stop;

@@ -78,10 +78,10 @@ def reconcile_write_file(args: ContentArgs, ctx: ToolContext) -> Finding:
         # found missing, for bytes staged meanwhile. Asked only after the read (as it was),
         # a newer write that landed between the read and the question was seen by neither,
         # and the automatic retry's older bytes landed over it (a cold review).
-        waiting = effects.pending_on(ctx.scope, args.path)
+        waiting = effects.pending_on(ctx.scope, args.path, ctx.effect_states)
         found = ctx.sandbox.sha256(ctx.scope, args.path)
         if found is None and not waiting:
-            waiting = effects.pending_on(ctx.scope, args.path)
+            waiting = effects.pending_on(ctx.scope, args.path, ctx.effect_states)
     except (OSError, SandboxError):  # e.g. a hard link now: not what a write leaves; or the
         return None  # pending area cannot be looked at: cannot tell
     if waiting:

@@ -827,15 +827,40 @@ class Effects:
                 return f"bytes committed for {path!r} cannot land now ({exc})"
         return None  # not reached
 
-    def pending_on(self, scope: str, path: str) -> bool:
+    def pending_on(
+        self,
+        scope: str,
+        path: str,
+        states: Callable[[list[str]], dict[str, EffectState]] | None = None,
+    ) -> bool:
         """Whether bytes for this path wait in the pending area: staged by a running
         execution, or committed and not landed yet. While they do, the file as it stands does
         not say what the path will hold: a reconciler that finds it missing cannot call the
-        effect absent (an automatic retry would land after them, over a newer write)."""
+        effect absent (an automatic retry would land after them, over a newer write).
+
+        ``states``: the ledger's word on the executions that staged them (``effect_states``).
+        With it, bytes of an execution neither running nor committed (revoked, failed, decided
+        by a reconciler or a human) do not count: they never land (a settle drops them). A
+        revoked attempt's executor, frozen between its lease check and its stage, staged
+        after the sweep proved it absent, and its own automatic retry then ended
+        ``superseded`` because of them, the file never written (a cold review). Bytes of an
+        execution the ledger does not know, or a ledger that cannot answer, count (cannot
+        tell). Without ``states`` every staged byte counts."""
         if not self.pending_dir.is_dir():
             return False
         with self._pending() as pfd:
-            return bool(self._path_files(pfd, path_hash(scope, path)))
+            ids = sorted({f.execution_id for f in self._path_files(pfd, path_hash(scope, path))})
+        if not ids or states is None:
+            return bool(ids)
+        try:
+            known = states(ids)
+        except Exception as exc:  # noqa: BLE001 - the ledger away: cannot tell
+            log.warning("cannot ask the ledger about bytes staged for a path: %s", exc)
+            return True
+        return any(
+            (s := known.get(eid)) is None or s.status is Status.RUNNING or s.own_success
+            for eid in ids
+        )
 
     def _path_files(self, pfd: int, h: str) -> list[StageFile]:
         return [f for f in self._scan(pfd)[0] if f.h == h and f.kind != "refused"]

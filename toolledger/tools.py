@@ -46,6 +46,7 @@ import pydantic
 from toolledger.effects import LeaseWatch
 from toolledger.ledger.errors import InvalidArguments, NotFound
 from toolledger.ledger.identity import check_registered_name, service_key
+from toolledger.ledger.records import EffectState
 from toolledger.ledger.transitions import Status
 from toolledger.sandbox import Sandbox
 
@@ -82,6 +83,11 @@ class ToolContext:
     attempt: int = 0
     lease_lost: threading.Event = field(default_factory=threading.Event)
     lease: LeaseWatch | None = None
+    #: The ledger's word on executions whose bytes are staged in the sandbox
+    #: (``Ledger.effect_states``): a reconciler asking ``Effects.pending_on`` counts only the
+    #: bytes of executions running or committed, not a revoked one's, which never land. None
+    #: (a context built without a ledger): every staged byte counts.
+    effect_states: Callable[[list[str]], dict[str, EffectState]] | None = None
 
     @property
     def service_key(self) -> str | None:

@@ -300,7 +300,10 @@ class Executor:
             failpoints.hit("after_claim", eid)
             watch = self.leases.track(claim, sent_at)
             staging = effects_of(self.sandbox).staging(claim.scope, eid, watch)
-            ctx = ToolContext(claim.scope, staging, eid, key, attempt, watch.lost, watch)
+            ctx = ToolContext(
+                claim.scope, staging, eid, key, attempt, watch.lost, watch,
+                self.ledger.effect_states,
+            )  # fmt: skip
             if not watch.valid():  # frozen (or cut off) since the claim: never start the tool
                 try:
                     return self._not_started(claim, watch)

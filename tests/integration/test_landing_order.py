@@ -202,3 +202,33 @@ def test_order__a_write_refused_after_its_check_flags_the_effects_it_replaced(
     assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 1)
     assert sorted(book.flags) == sorted(e for e, _ in staged)
     assert "dropped" in book.flags[staged[0][0]][0]["reason"]
+
+
+def test_pending_on__counts_the_bytes_of_executions_running_or_committed_only(tmp_path):
+    # bytes a revoked (or failed, or reconciled) execution staged never land: with the
+    # ledger's word they do not make a path "pending" (its own automatic retry ended
+    # superseded on them: a cold review); running, committed, unknown to the ledger, or a
+    # ledger that cannot answer: they count (cannot tell)
+    from dataclasses import replace
+
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    eid, staged = _stage_as(sb, "write", b"Z\n")
+    effects = effects_of(sb)
+    done = _succeeded(eid, staged, seq=1)
+
+    def says(state: EffectState | None) -> Any:
+        return lambda ids: {} if state is None else {eid: state}
+
+    def away(ids: list[str]) -> dict[str, EffectState]:
+        raise OSError("the database is away")
+
+    for status in (Status.UNKNOWN, Status.FAILED):
+        assert not effects.pending_on(SCOPE, PATH, says(replace(done, status=status, seq=0)))
+    assert not effects.pending_on(SCOPE, PATH, says(replace(done, reconciled=True, seq=0)))
+    assert effects.pending_on(SCOPE, PATH, says(replace(done, status=Status.RUNNING, seq=0)))
+    assert effects.pending_on(SCOPE, PATH, says(done))
+    assert effects.pending_on(SCOPE, PATH, says(None))
+    assert effects.pending_on(SCOPE, PATH, away)
+    assert effects.pending_on(SCOPE, PATH)  # no ledger to ask: every staged byte counts
+    assert not effects.pending_on(SCOPE, "other.txt", away)

@@ -1891,6 +1891,32 @@ def test_auto_retry__a_write_staged_while_it_is_reconciled_stops_it(
         ledger.close()
 
 
+def test_auto_retry__its_revoked_predecessors_late_stage_does_not_stop_it(
+    fresh_db_url, scope, tmp_path
+):
+    """Attempt 1's executor, frozen between its lease check and its stage, woke after the
+    sweep revoked it, proved it absent and authorised attempt 2, and staged its write (its
+    check had passed). Attempt 2's reconciler counted those bytes as waiting on the path and
+    it ended ``superseded``, nothing written, its receipt saying the target changed (a cold
+    review). A revoked execution's bytes never land: they do not count, and are dropped."""
+    ledger = Ledger(fresh_db_url)
+    try:
+        executor = _builtin_executor(ledger, tmp_path)
+        _retried_by_the_sweep(executor, scope, "c1", "a.txt")
+        zombie = ledger.get(scope, "c1").executions[0]
+        assert zombie.status is not Status.RUNNING
+        staging = effects_of(executor.sandbox).staging(scope, zombie.execution_id, None)
+        staging.write_atomic(scope, "a.txt", b"old")
+        staging.seal()
+        outcome = executor.execute(scope, "write_file:c1", 2)
+        assert outcome.status is Status.SUCCEEDED, ledger.get(scope, "c1").current.result
+        assert (tmp_path / scope / "a.txt").read_text() == "old"
+        assert effects_of(executor.sandbox).settle(ledger).landed == 0
+        assert pending_files(executor.sandbox) == []  # the zombie's bytes dropped, not landed
+    finally:
+        ledger.close()
+
+
 def test_auto_retry__a_reconciler_failing_before_it_stops_it_and_keeps_its_text_at_debug(
     fresh_db_url, scope, tmp_path, monkeypatch, caplog
 ):
