@@ -958,6 +958,18 @@ class Effects:
                 log.warning("%s (the next settle finishes it)", problem)
                 landing.problems.append(problem)
                 landing.unlanded.append(problem)
+                if dropped and not isinstance(exc, _Unfinished):
+                    # dropped for a rename that then failed (ENOSPC, EIO): the next settle
+                    # lands the write, or sets it aside, without knowing what it replaced
+                    # (a cold review: a succeeded append's bytes gone, its call unflagged).
+                    # Flagged now, though the write may land then: a person confirms.
+                    why = (
+                        f"replaced by the write of seq {s.seq} on {s.path!r}, which did not "
+                        f"land when they were dropped ({exc}): it lands at a later settle or "
+                        "is set aside"
+                    )
+                    for old in replaced:
+                        self._flag_dropped(old, book, landing, why)
                 return None
             outcome = self._set_aside(pfd, s, book, landing, str(exc))
             why = f"replaced by the write of seq {s.seq} on {s.path!r}, which could not land"

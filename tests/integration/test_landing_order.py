@@ -8,6 +8,7 @@ appends)."""
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from toolledger.effects import Commit, effects_of
@@ -202,6 +203,38 @@ def test_order__a_write_refused_after_its_check_flags_the_effects_it_replaced(
     assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 1)
     assert sorted(book.flags) == sorted(e for e, _ in staged)
     assert "dropped" in book.flags[staged[0][0]][0]["reason"]
+
+
+def test_order__a_write_whose_rename_fails_for_a_moment_flags_the_effects_it_dropped(
+    tmp_path, monkeypatch
+):
+    # a cold review of the day's diff: the older effects dropped, the write's rename then
+    # failed with an error of a moment (ENOSPC): it was left for the next settle, which knew
+    # nothing of what it replaced; once its target was a folder only the write was flagged,
+    # the succeeded append's bytes gone and its call unflagged. Flagged at the failure now.
+    import os
+
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W\n")]
+    book = FlaggingBook(staged)
+    real = os.rename
+
+    def full(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == PATH:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", full)
+    landing = effects_of(sb).settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 0)
+    assert list(book.flags) == [staged[0][0]]  # the append's call; the write waits
+    assert "did not land" in book.flags[staged[0][0]][0]["reason"]
+    monkeypatch.setattr(os, "rename", real)
+    (tmp_path / "sb" / SCOPE / PATH).mkdir()  # then its target is a folder
+    later = effects_of(sb).settle(book)
+    assert (later.landed, later.refused) == (0, 1)
+    assert sorted(book.flags) == sorted(e for e, _ in staged)  # both calls told
 
 
 def test_pending_on__counts_the_bytes_of_executions_running_or_committed_only(tmp_path):
