@@ -966,6 +966,15 @@ def test_review__seen_refuses_a_flag_raised_after_the_reviewer_looked(cli, ledge
     assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
     code, out, err = cli(*argv)
     assert code == 0 and err.count("\n") == 1 and "without --seen settles every flag" in err
+    # refused, it is one line on stderr, the error alone: the warning comes once it is given
+    # (it came first, and a script reading one JSON line of stderr read the warning: a cold
+    # review); under --json it is the output's "warning"
+    code, out, err = cli(*argv, "--json")
+    assert code == 5 and out == "" and err.count("\n") == 1 and "warning" not in err, err
+    ledger.record_late_result(first, late, actor="zombie3", outcome=Status.FAILED)
+    code, out, err = cli(*argv, "--json")
+    assert code == 0 and err == "", err
+    assert "without --seen settles every flag" in json.loads(out)["warning"]
     code, _, err = cli("resolve", "--execution-id", first, "--as", "failed", "--by", "dave",
                        "--evidence", "e", "--seen", "1")  # fmt: skip
     assert code == 2 and "--seen goes with --review" in err, err
@@ -993,3 +1002,43 @@ def test_review__two_reviewers_of_one_page_the_second_is_refused(ledger, scope):
     assert kinds(ledger, scope) == before
     assert ledger.get(scope, "c1").operation.review == Review.BOTH_RAN
     assert ledger.verify().ok
+
+
+def test_show__last_seq_covers_nothing_the_page_does_not_show(ledger, scope):
+    """``show`` read the call, then its events: a correction committed between the two reads
+    was in ``last_seq`` but not on the page (contradicted, attempt 1 failed), and a review
+    ``--seen`` that seq settled the both_ran flag the correction raised (a cold review of the
+    day's diff). The history is read first now: the page holds everything ``last_seq``
+    covers."""
+    from toolledger.cli.calls import _shown
+
+    ledger.submit(scope, "c1", "append_file", {"path": "a.txt", "content": "l\n"},
+                  approved_by="al")  # fmt: skip
+    a = ledger.claim(scope, "append_file:c1", 1, worker_id="z").execution_id
+    ledger.mark_unknown(a, reason="lease expired", actor="sweep")
+    ledger.resolve(a, Status.FAILED, by="bob", evidence="nothing sent")
+    ledger.authorize_retry(scope, "c1", by="carol", accept_duplicate=True)
+    b = ledger.claim(scope, "append_file:c1", 2, worker_id="w2")
+    late = {"late_result": {"sent": 1}}
+    ledger.record_late_result(a, late, actor="zombie", outcome=Status.SUCCEEDED)
+    ledger.finish(b.execution_id, b.lease_token, Status.SUCCEEDED, {"sent": 2})
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+
+    class Reads:  # what the CLI hands _shown; alice's correction commits after its first read
+        corrected = False
+
+        def get(self, s: str, c: str) -> Any:
+            view = ledger.get(s, c)
+            if not self.corrected:
+                self.corrected = True
+                ledger.review(a, Status.SUCCEEDED, by="alice", evidence="the late result holds")
+            return view
+
+        def events(self, s: str, c: str) -> Any:
+            return ledger.events(s, c)
+
+    page = _shown(Reads(), scope, "c1")  # type: ignore[arg-type]
+    now = ledger.get(scope, "c1")
+    assert page["last_seq"] == ledger.events(scope, "c1")[-1].seq
+    assert page["review"] == now.operation.review
+    assert [e["status"] for e in page["executions"]] == [e.status.value for e in now.executions]

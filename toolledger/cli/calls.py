@@ -110,14 +110,21 @@ def show(c: Context, scope: str, tool_call_id: str) -> None:
 
 def _shown(reads: CallReads, scope: str, tool_call_id: str) -> dict[str, Any]:
     view = reads.get(scope, tool_call_id)
+    history = None
+    if view.operation.review:
+        # the history first, then the call as it stands: last_seq then covers nothing the
+        # page does not show (read the other way, a correction committed between the two
+        # reads was in last_seq but not on the page, and a review --seen it let through
+        # settled the flag that correction raised: a cold review)
+        history = reads.events(scope, tool_call_id)
+        view = reads.get(scope, tool_call_id)
     try:  # from the view just read, as Ledger.receipt would after reading it again
         receipt: Receipt | None = receipt_for(view.operation, view.current, flags=view.flags)
     except StateError:
         receipt = None
     data = view.to_json(receipt)
     data["last_seq"] = None
-    if view.operation.review:  # both versions, side by side, from the flag's event
-        history = reads.events(scope, tool_call_id)
+    if history is not None:  # both versions, side by side, from the flag's event
         flags = [e for e in history if e.kind == "flagged"]
         data["review_detail"] = flags[-1].detail if flags else None
         # what a review says it looked at (resolve --review --seen)

@@ -143,11 +143,6 @@ def resolve(
     the review is then refused if the call changed after you looked."""
     if seen is not None and not review:
         raise CliError("--seen goes with --review: it says what the review saw", EXIT_USAGE)
-    if review and seen is None:
-        c.warn(
-            "a review without --seen settles every flag waiting on this execution, including "
-            "any raised after you looked: pass --seen with show's last_seq to be refused instead"
-        )
     out = resolve_call(
         c.recorded_ledger,
         execution_id,
@@ -157,7 +152,14 @@ def resolve(
         review=review,
         seen=seen,
     )
+    if review and seen is None:  # once it is given: a refusal stays one line on stderr
+        out["warning"] = (
+            "a review without --seen settles every flag waiting on this execution, including "
+            "any raised after you looked: pass --seen with show's last_seq to be refused instead"
+        )
     c.emit(out, lambda d: f"{d['status']}: {execution_id} resolved by {by}")
+    if out.get("warning") and not c.json:  # on stderr, once (in the JSON under --json)
+        c.warn(out["warning"])
 
 
 @click.command()
