@@ -408,8 +408,9 @@ def _same_file(fd: int, name: str | Path, dir_fd: int | None = None) -> bool:
 _lock_fds: set[int] = set()
 #: Held while a lock file is opened and made known to ``_lock_fds``, or closed and forgotten,
 #: and by a thread that forks: a child forked in between would keep a copy nobody closes (or
-#: close a number reused meanwhile by another file).
-_lock_fds_guard = threading.Lock()
+#: close a number reused meanwhile by another file). Reentrant: a signal handler that forks
+#: while its thread is inside ``_open_lock`` waited for itself for ever (a cold review).
+_lock_fds_guard = threading.RLock()
 
 
 def _open_lock(path: str | Path, flags: int, mode: int = 0o644, dir_fd: int | None = None) -> int:
@@ -447,7 +448,7 @@ def _lock_fds_after_fork_in_child() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _lock_fds = set()
-    _lock_fds_guard = threading.Lock()  # held by the parent's forking thread (``before``)
+    _lock_fds_guard = threading.RLock()  # held by the parent's forking thread (``before``)
 
 
 if hasattr(os, "register_at_fork"):

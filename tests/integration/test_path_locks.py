@@ -521,3 +521,28 @@ def test_locks__children_forked_while_paths_are_locked_and_unlocked_keep_none(sa
     finally:
         stop.set()
         _kill(pids)
+
+
+def test_locks__a_fork_by_the_thread_inside_a_lock_files_opening_does_not_wait_for_itself():
+    """A signal handler that forks while its own thread holds the lock files' guard (inside
+    ``_open_lock``) waited for that guard at the fork, for ever (a cold review of the day's
+    diff): the guard is reentrant. In a child process, given 30 s, so that a hang fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from toolledger import effects\n"
+        "with effects._lock_fds_guard:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "print('forked')\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=30)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the fork waited for the guard its own thread held") from None
+    assert out.stdout.strip() == "forked", out.stderr
