@@ -46,12 +46,16 @@ def test_only_dead_processes_directories_of_the_prefix_are_removed(tmp_path: Pat
     live = tmp_path / f"{prefix}{os.getpid()}-abc"
     other_role = tmp_path / f"toolledger-serve-metrics-host-{gone}-abc"
     other_shape = tmp_path / f"{prefix}notapid-abc"
+    # another host whose name starts with this one's ("host-N" beside "host", N a dead pid
+    # here): its process is this one, alive
+    other_host = tmp_path / f"{prefix}{gone}-{os.getpid()}-abc"
     target = tmp_path / "elsewhere"
-    for d in (dead, live, other_role, other_shape, target):
+    for d in (dead, live, other_role, other_shape, other_host, target):
         d.mkdir()
     linked = tmp_path / f"{prefix}{gone}-link"
     linked.symlink_to(target, target_is_directory=True)
     _remove_dead_temporary(tmp_path, prefix)
     assert not dead.exists()
     assert live.is_dir() and other_role.is_dir() and other_shape.is_dir()
+    assert other_host.is_dir()
     assert linked.is_symlink() and target.is_dir()  # a link is not followed nor removed

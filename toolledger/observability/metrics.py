@@ -566,8 +566,11 @@ def _remove_dead_temporary(parent: Path, prefix: str) -> None:
     is gone (another user's are left alone, as are names of any other shape)."""
     with contextlib.suppress(OSError):
         for child in parent.iterdir():
-            pid = child.name.removeprefix(prefix).partition("-")[0]
-            if not (child.name.startswith(prefix) and pid.isdigit()) or _alive(int(pid)):
+            # PREFIX + PID + "-" + mkdtemp's suffix, which has no "-": another host's name
+            # that starts with this one's ("app-5" beside "app") never parses as one of ours
+            pid, dash, suffix = child.name.removeprefix(prefix).partition("-")
+            ours = child.name.startswith(prefix) and pid.isdigit() and dash and "-" not in suffix
+            if not ours or _alive(int(pid)):
                 continue
             with contextlib.suppress(OSError):
                 if child.is_dir() and not child.is_symlink() and child.stat().st_uid == os.getuid():
