@@ -1668,3 +1668,29 @@ def test_console__a_flagged_call_is_not_retried_until_reviewed(server: Any, scop
     r = client.post(f"/calls/{scope}/f/retry", data=form, follow_redirects=False)
     assert r.status_code == 409 and "flagged contradicted" in r.text, r.text
     assert [e.kind for e in ledger.events(scope, "f")] == before
+
+
+def test_console__a_hidden_number_out_of_any_range_is_refused_not_a_500(
+    server: Any, scope: str
+) -> None:
+    """The retry form's ``attempt`` and the review form's ``seen`` were read with
+    ``str.isdecimal`` then ``int``: 5,000 digits passed the first and raised in the second
+    (Python's 4,300-digit limit), a 500; another script's digits (``\\u0661``) were taken as
+    a number. Each is refused, 422, nothing changed."""
+    client, ledger = server
+    client._transport.raise_server_exceptions = False  # a 500 is the finding, not a raise
+    eid = unknown(ledger, scope, "h")
+    flagged = _contradicted_with_attempt_2_held(ledger, scope, "f")
+    login(client, "otto")
+    token = csrf_of(client.get(f"/calls/{scope}/h").text)
+    hidden = _hidden_fields(client.get(f"/calls/{scope}/f").text, flagged)
+    before = {c: [e.seq for e in ledger.events(scope, c)] for c in ("h", "f")}
+    for bad in ("9" * 5000, "\u0661", "1 ", "+1", "-1", "0x1", "1.0", "9" * 21):
+        retry = {"reason": "again", "csrf": token, "attempt": bad}
+        r = client.post(f"/calls/{scope}/h/retry", data=retry, follow_redirects=False)
+        assert r.status_code == 422 and "reload" in r.text, (bad, r.status_code)
+        review = {**hidden, "seen": bad, "as": "succeeded", "evidence": "charged"}
+        r = client.post(f"/calls/{scope}/f/resolve", data=review, follow_redirects=False)
+        assert r.status_code == 422 and "reload" in r.text, (bad, r.status_code)
+    assert {c: [e.seq for e in ledger.events(scope, c)] for c in ("h", "f")} == before
+    assert eid and ledger.get(scope, "f").operation.review == "contradicted"

@@ -195,6 +195,19 @@ def _media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
+def _form_number(text: str, low: int, high: int) -> int | None:
+    """A number a page wrote in a hidden field (ASCII digits, ``low``..``high``), else None.
+    ``str.isdecimal`` let 5,000 digits through to ``int``, which raised past Python's 4,300
+    and answered 500; and it took other scripts' digits (``\u0661``), which no page writes."""
+    if not _DIGITS.fullmatch(text):
+        return None
+    number = int(text)
+    return number if low <= number <= high else None
+
+
+_DIGITS = re.compile(r"[0-9]{1,20}")
+
+
 class CsrfRefused(LedgerError):
     """The form did not carry this session's CSRF token: nothing was done."""
 
@@ -453,10 +466,10 @@ async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> 
             done = "approved" if approve else "rejected"
         elif action == "retry":
             accept = form.get("accept_duplicate") == "yes"
-            seen = form.get("attempt", "")  # the attempt the page showed
-            if not seen.isdecimal() or not 1 <= int(seen) <= 2**31:
+            # the attempt the page showed
+            attempt = _form_number(form.get("attempt", ""), 1, 2**31)
+            if attempt is None:
                 raise InvalidArguments("the page's attempt is missing: reload it")
-            attempt = int(seen)
 
             def work() -> Any:
                 return desk.retry(
@@ -511,10 +524,9 @@ async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
         review = seen_flag == "yes"
         seen: int | None = None
         if review:  # the page's newest event: the review is refused if the call moved since
-            said = form.get("seen", "")
-            if not said.isdecimal() or int(said) > 2**62:
+            seen = _form_number(form.get("seen", ""), 0, 2**62)
+            if seen is None:
                 raise InvalidArguments("the page's newest event is missing: reload it")
-            seen = int(said)
 
         def work() -> Any:
             desk.check_visible(who, scope, tool_call_id)
