@@ -1694,3 +1694,28 @@ def test_console__a_hidden_number_out_of_any_range_is_refused_not_a_500(
         assert r.status_code == 422 and "reload" in r.text, (bad, r.status_code)
     assert {c: [e.seq for e in ledger.events(scope, c)] for c in ("h", "f")} == before
     assert eid and ledger.get(scope, "f").operation.review == "contradicted"
+
+
+def test_api_and_console__seen_without_review_is_refused(server: Any, scope: str) -> None:
+    """``seen`` says what a review looked at; sent without ``review`` it was dropped without a
+    word and the post taken as a plain resolution (the CLI refuses ``--seen`` without
+    ``--review``): a client that meant its resolution guarded got one that was not. 422,
+    nothing changed, in the API and in the console's form alike."""
+    client, ledger = server
+    eid = unknown(ledger, scope, "u")
+    before = [e.seq for e in ledger.events(scope, "u")]
+    url, otto = f"/api/executions/{eid}/resolve", bearer("otto")
+    for body in ({"seen": before[-1]}, {"seen": before[-1], "review": False}):
+        r = client.post(url, json={"as": "failed", "evidence": "none", **body}, headers=otto)
+        assert r.status_code == 422 and "seen goes with review" in r.json()["error"], r.text
+    login(client, "otto")
+    token = csrf_of(client.get(f"/calls/{scope}/u").text)
+    form = {"csrf": token, "execution_id": eid, "as": "failed", "evidence": "none"}
+    r = client.post(
+        f"/calls/{scope}/u/resolve", data={**form, "seen": str(before[-1])}, follow_redirects=False
+    )
+    assert r.status_code == 422 and "reload" in r.text, r.text
+    assert [e.seq for e in ledger.events(scope, "u")] == before
+    assert ledger.get(scope, "u").operation.status is Status.UNKNOWN
+    r = client.post(f"/calls/{scope}/u/resolve", data=form, follow_redirects=False)
+    assert r.status_code == 303  # the unknown execution's own form, as the page writes it

@@ -145,6 +145,8 @@ async def resolve(request: Request, who: Who, execution_id: str) -> Any:
     seen = body.get("seen")  # the newest event's seq the review was decided on
     if seen is not None and (type(seen) is not int or not 0 <= seen <= 2**62):
         raise InvalidArguments("seen must be an event's seq")
+    if seen is not None and not review:  # as the CLI's --seen without --review
+        raise InvalidArguments("seen goes with review: true (it says what the review saw)")
     return await _threaded(
         request,
         lambda: desk_of(request).resolve(
