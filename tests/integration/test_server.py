@@ -1719,3 +1719,29 @@ def test_api_and_console__seen_without_review_is_refused(server: Any, scope: str
     assert ledger.get(scope, "u").operation.status is Status.UNKNOWN
     r = client.post(f"/calls/{scope}/u/resolve", data=form, follow_redirects=False)
     assert r.status_code == 303  # the unknown execution's own form, as the page writes it
+
+
+def test_head__answered_as_get_without_a_body(server: Any, scope: str) -> None:
+    """A HEAD of a call, the list or a console page was 405 (FastAPI's routes name GET
+    only; RFC 9110 asks a server taking GET to take HEAD): now the GET's status and headers,
+    no body, nothing changed; a route that takes no GET is 405 still, and the token's role
+    and scope hold as for GET."""
+    client, ledger = server
+    pending(ledger, scope, "h")
+    for path, headers in (
+        (f"/api/calls/{scope}/h", bearer("vera")),
+        ("/api/calls", bearer("vera")),
+        (f"/api/calls/{scope}/h/events", bearer("vera")),
+        ("/login", {}),
+    ):
+        got, head = client.get(path, headers=headers), client.head(path, headers=headers)
+        assert head.status_code == got.status_code == 200, (path, head.status_code)
+        assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+        assert head.headers["content-length"] == got.headers["content-length"]
+    assert client.head(f"/api/calls/{scope}/h").status_code == 401
+    assert client.head(f"/api/calls/{scope}/h", headers=bearer("scoped")).status_code == 404
+    # a HEAD is a GET: of the call "h/approve", which does not exist; nothing is approved
+    r = client.head(f"/api/calls/{scope}/h/approve", headers=bearer("ann"))
+    assert r.status_code == 404
+    assert client.head("/api/executions/x/resolve", headers=bearer("otto")).status_code == 405
+    assert ledger.get(scope, "h").operation.status is Status.PENDING_APPROVAL

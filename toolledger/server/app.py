@@ -22,6 +22,7 @@ from toolledger.server import api, console
 from toolledger.server.auth import LOCAL, Authenticator, Throttled, Token
 from toolledger.server.deps import (
     BodyLimit,
+    HeadAsGet,
     LoopbackOnly,
     StrictPath,
     error_response,
@@ -81,6 +82,7 @@ def create_app(
     app.state.secure_cookies = secure_cookies
     app.include_router(api.router)
     app.include_router(console.router)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimit, api_limit=max_body_for(settings))
     app.add_middleware(StrictPath)
     if app.state.local is not None:

@@ -259,6 +259,28 @@ class StrictPath:
         await self.app(scope, receive, send)
 
 
+class HeadAsGet:
+    """HEAD answered as GET without its body (RFC 9110: a server that takes GET takes HEAD):
+    FastAPI's routes name GET only, so ``curl -I`` and a monitor's HEAD of a page or a call
+    were 405 (a cold review). The GET's headers, its Content-Length included, are sent as
+    they are; nothing else changes (HEAD, as GET, changes nothing)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def require_suffix(request: Request, suffix: str) -> None:
     """A POST to an escaped id ending in ``/suffix`` names no action: never this one."""
     if not suffixed(request, suffix):
