@@ -522,8 +522,6 @@ async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
         if seen_flag not in (None, "yes"):
             raise InvalidArguments("the form's review field is yes or absent: reload the page")
         review = seen_flag == "yes"
-        if not review and "seen" in form:  # only a flag's form says what its page showed
-            raise InvalidArguments("the form's seen field goes with its review: reload the page")
         seen: int | None = None
         if review:  # the page's newest event: the review is refused if the call moved since
             seen = _form_number(form.get("seen", ""), 0, 2**62)
