@@ -1739,3 +1739,28 @@ def test_head__answered_as_get_without_a_body(server: Any, scope: str) -> None:
     assert r.status_code == 404
     assert client.head("/api/executions/x/resolve", headers=bearer("otto")).status_code == 405
     assert ledger.get(scope, "h").operation.status is Status.PENDING_APPROVAL
+
+
+@pytest.mark.parametrize("who", ["vera", "agent-7", "ann"])
+def test_console__a_role_that_may_not_is_403_whatever_the_form(
+    server: Any, scope: str, who: str
+) -> None:
+    """The API answers a role that may not with 403 whatever its body (helper-91); the
+    console's forms checked their fields first: a viewer's approval without a reason, or a
+    retry or resolution from an approver with a field missing, was 422 saying what to fix,
+    as if fixing it would do. Each is 403, nothing changed; the CSRF check still comes first."""
+    client, ledger = server
+    pending(ledger, scope, "p")
+    unknown(ledger, scope, "u")
+    login(client, who)
+    token = csrf_of(client.get("/").text)
+    posts = [(f"/calls/{scope}/u/retry", {}), (f"/calls/{scope}/u/resolve", {"as": "x"})]
+    if who != "ann":  # an approver may decide: its empty reason is its own 422
+        posts += [(f"/calls/{scope}/p/approve", {}), (f"/calls/{scope}/p/reject", {})]
+    before = {c: [e.seq for e in ledger.events(scope, c)] for c in ("p", "u")}
+    for path, form in posts:
+        r = client.post(path, data={**form, "csrf": token}, follow_redirects=False)
+        assert r.status_code == 403 and "may not" in r.text, (path, r.status_code)
+        r = client.post(path, data={**form, "csrf": "forged"}, follow_redirects=False)
+        assert r.status_code == 403 and "may not" not in r.text, path  # the CSRF's refusal
+    assert {c: [e.seq for e in ledger.events(scope, c)] for c in ("p", "u")} == before

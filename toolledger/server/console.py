@@ -454,6 +454,9 @@ async def _act(request: Request, scope: str, tool_call_id: str, action: str) -> 
     desk = desk_of(request)
     try:
         form = await _form(request, who)
+        # a role that may not: 403 whatever else the form says, as the API answers (a
+        # viewer's approval without a reason was 422 "a reason is required")
+        who.require(Action.RETRY if action == "retry" else Action.DECIDE)
         reason = form.get("reason", "").strip()
         if not reason:
             raise InvalidArguments("a reason is required")
@@ -513,6 +516,7 @@ async def resolve(request: Request, scope: str, tool_call_id: str) -> Response:
     desk = desk_of(request)
     try:
         form = await _form(request, who)
+        who.require(Action.RESOLVE)  # before the form's fields, as the API (and _act)
         execution_id, as_ = form.get("execution_id", ""), form.get("as", "")
         evidence = form.get("evidence", "")
         # the page's form for a flagged execution says "yes": it showed the flag. A post
