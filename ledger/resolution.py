@@ -748,7 +748,20 @@ class LedgerResolution(LedgerBase):
     def _unchanged_since(conn: sa.Connection, ex: ExecutionRecord, seen: int) -> None:
         """StaleFence if, after the event ``seen``, a flag was raised on ``ex`` (one this
         review would settle) or the call's state changed: the review was decided on a page
-        that no longer says how the call stands."""
+        that no longer says how the call stands. A ``seen`` past the call's newest event is
+        no seq a page showed (a count, a typo, 2**62): it guarded nothing, every later flag
+        passing unseen, and is refused (a cold review of the HTTP surface)."""
+        newest = conn.execute(
+            sa.select(sa.func.max(execution_events.c.seq)).where(
+                execution_events.c.scope == ex.scope,
+                execution_events.c.idempotency_key == ex.idempotency_key,
+            )
+        ).scalar()
+        if newest is None or seen > newest:
+            raise InvalidArguments(
+                f"seen {seen} is past the call's newest event ({newest}): give the seq of the "
+                "newest event you looked at (show's last_seq); nothing changed"
+            )
         since = conn.execute(
             sa.select(
                 execution_events.c.seq,

@@ -1764,3 +1764,31 @@ def test_console__a_role_that_may_not_is_403_whatever_the_form(
         r = client.post(path, data={**form, "csrf": "forged"}, follow_redirects=False)
         assert r.status_code == 403 and "may not" not in r.text, path  # the CSRF's refusal
     assert {c: [e.seq for e in ledger.events(scope, c)] for c in ("p", "u")} == before
+
+
+def test_api_and_console__a_seen_past_the_calls_newest_event_is_refused(
+    server: Any, scope: str
+) -> None:
+    """A review's ``seen`` past the call's newest event (2**62, a count, a typo) is no seq a
+    page showed, and guarded nothing: every flag raised later was below it, and the review
+    settled them unseen (200). 422, nothing changed; the page's own ``last_seq`` settles it."""
+    client, ledger = server
+    eid = _contradicted_with_attempt_2_held(ledger, scope, "s")
+    before = [e.seq for e in ledger.events(scope, "s")]
+    url, otto = f"/api/executions/{eid}/resolve", bearer("otto")
+    review = {"as": "succeeded", "evidence": "the late result: charged", "review": True}
+    for past in (before[-1] + 1, before[-1] + 10_000, 2**62):
+        r = client.post(url, json={**review, "seen": past}, headers=otto)
+        assert r.status_code == 422 and "past the call's newest event" in r.json()["error"], r.text
+    login(client, "otto")
+    hidden = _hidden_fields(client.get(f"/calls/{scope}/s").text, eid)
+    form = {**hidden, "as": "succeeded", "evidence": "the late result: charged"}
+    r = client.post(
+        f"/calls/{scope}/s/resolve", data={**form, "seen": str(2**62)}, follow_redirects=False
+    )
+    assert r.status_code == 422 and "past the call&#39;s newest event" in r.text, r.status_code
+    assert [e.seq for e in ledger.events(scope, "s")] == before
+    assert ledger.get(scope, "s").operation.review == "contradicted"
+    r = client.post(url, json={**review, "seen": before[-1]}, headers=otto)
+    assert r.status_code == 200, r.text
+    assert ledger.get(scope, "s").operation.review is None
