@@ -1792,3 +1792,31 @@ def test_api_and_console__a_seen_past_the_calls_newest_event_is_refused(
     r = client.post(url, json={**review, "seen": before[-1]}, headers=otto)
     assert r.status_code == 200, r.text
     assert ledger.get(scope, "s").operation.review is None
+
+
+def test_console__a_review_without_seen_or_a_retry_without_attempt_is_refused(
+    server: Any, scope: str
+) -> None:
+    """A hand-made post of the review form (``review=yes``) without the page's ``seen``, or
+    with an empty one, and a retry form without ``attempt``: 422 "reload", nothing changed
+    (the page always writes both; without them the guard they carry would be skipped)."""
+    client, ledger = server
+    eid = _contradicted_with_attempt_2_held(ledger, scope, "f")
+    unknown(ledger, scope, "u")
+    login(client, "otto")
+    hidden = _hidden_fields(client.get(f"/calls/{scope}/f").text, eid)
+    token = hidden["csrf"]
+    before = {c: [e.seq for e in ledger.events(scope, c)] for c in ("f", "u")}
+    review = {k: v for k, v in hidden.items() if k != "seen"}
+    review.update({"as": "succeeded", "evidence": "charged"})
+    for seen in (None, ""):
+        form = review if seen is None else {**review, "seen": seen}
+        r = client.post(f"/calls/{scope}/f/resolve", data=form, follow_redirects=False)
+        assert r.status_code == 422 and "newest event is missing" in r.text, r.status_code
+    for attempt in (None, ""):
+        form = {"csrf": token, "reason": "again"}
+        if attempt is not None:
+            form["attempt"] = attempt
+        r = client.post(f"/calls/{scope}/u/retry", data=form, follow_redirects=False)
+        assert r.status_code == 422 and "attempt is missing" in r.text, r.status_code
+    assert {c: [e.seq for e in ledger.events(scope, c)] for c in ("f", "u")} == before
