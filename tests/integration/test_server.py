@@ -1820,3 +1820,33 @@ def test_console__a_review_without_seen_or_a_retry_without_attempt_is_refused(
         r = client.post(f"/calls/{scope}/u/retry", data=form, follow_redirects=False)
         assert r.status_code == 422 and "attempt is missing" in r.text, r.status_code
     assert {c: [e.seq for e in ledger.events(scope, c)] for c in ("f", "u")} == before
+
+
+def test_api_and_console__a_scope_segment_with_an_escaped_slash_is_refused(
+    server: Any, scope: str
+) -> None:
+    """A scope holds no "/"; the router splits the unescaped path, so ``{scope}%2Fp`` (the
+    scope "S/p", no call) was answered with the call p of scope S, and ``…%2Fp/approve``
+    approved it. 422 for the API and the console alike, nothing changed; an id's escaped "/"
+    is still the id's (``a%2Fb``)."""
+    client, ledger = server
+    pending(ledger, scope, "p")
+    pending(ledger, scope, "a/b", path="ab.txt")
+    ann = bearer("ann")
+    for bad in ("%2F", "%2f"):
+        r = client.get(f"/api/calls/{scope}{bad}p", headers=ann)
+        assert r.status_code == 422 and "a scope holds no '/'" in r.json()["error"], r.text
+        r = client.post(f"/api/calls/{scope}{bad}p/approve", json={"reason": "x"}, headers=ann)
+        assert r.status_code == 422, r.text
+        r = client.get(f"/api/calls/{scope}{bad}p/events", headers=ann)
+        assert r.status_code == 422, r.text
+    login(client, "ann")
+    token = csrf_of(client.get(f"/calls/{scope}/p").text)
+    assert client.get(f"/calls/{scope}%2Fp").status_code == 422
+    r = client.post(
+        f"/calls/{scope}%2Fp/approve", data={"csrf": token, "reason": "x"}, follow_redirects=False
+    )
+    assert r.status_code == 422
+    assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
+    r = client.get(f"/api/calls/{scope}/a%2Fb", headers=ann)
+    assert r.status_code == 200 and r.json()["tool_call_id"] == "a/b"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from typing import Any
 
@@ -238,11 +239,17 @@ class LoopbackOnly:
         return None
 
 
+#: A path whose scope segment (``/api/calls/SCOPE/…``, ``/calls/SCOPE/…``) holds an escaped "/".
+_ESCAPED_SLASH_IN_SCOPE = re.compile(rb"^(?:/api)?/calls/[^/]*%2[fF]")
+
+
 class StrictPath:
     """Refuses (422, nothing read or changed) a request whose path's escapes are not UTF-8:
     the router read them leniently, as U+FFFD, so many malformed paths named one call, and
     ``POST /api/calls/acme/bad%FE/approve`` approved the call ``bad\ufffd`` (a cold review).
-    Bodies were strict UTF-8 already."""
+    Bodies were strict UTF-8 already. And one whose scope segment holds an escaped "/": a
+    scope holds none, and the router, splitting the unescaped path, answered
+    ``GET /api/calls/acme%2Fx`` with the call x of scope acme."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -250,10 +257,16 @@ class StrictPath:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             raw: bytes = scope.get("raw_path") or b""
+            why = None
             try:
                 urllib.parse.unquote_to_bytes(raw).decode("utf-8")
             except UnicodeDecodeError as exc:
                 why = f"the request's path is not UTF-8 once unescaped (byte {exc.start})"
+            if why is None and _ESCAPED_SLASH_IN_SCOPE.match(raw):
+                # the router splits on the unescaped path: ".../calls/acme%2Fx/approve" was
+                # the call x of scope acme, where the client named the scope "acme/x"
+                why = "a scope holds no '/': the path's scope segment has an escaped one"
+            if why is not None:
                 await error_response(InvalidArguments(why))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
