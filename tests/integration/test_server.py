@@ -1850,3 +1850,26 @@ def test_api_and_console__a_scope_segment_with_an_escaped_slash_is_refused(
     assert ledger.get(scope, "p").operation.status is Status.PENDING_APPROVAL
     r = client.get(f"/api/calls/{scope}/a%2Fb", headers=ann)
     assert r.status_code == 200 and r.json()["tool_call_id"] == "a/b"
+
+
+def test_docs__swagger_ui_is_one_release_checked_by_the_browser(server: Any) -> None:
+    """FastAPI's /docs loaded ``swagger-ui-dist@5`` from a CDN, any 5.x release, unchecked:
+    a bad release or a CDN serving other bytes ran as the console's origin, with the person's
+    session cookie (a cold review of the HTTP surface). Every file it loads now names one
+    release and carries its digest (Subresource Integrity); nothing comes from elsewhere."""
+    import re
+
+    from toolledger.server.docs import SCRIPT, STYLE, SWAGGER_UI_VERSION
+
+    client, _ = server
+    r = client.get("/docs")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    loaded = re.findall(r"<(?:script|link)\b[^>]*?(?:src|href)=\"(https?://[^\"]+)\"[^>]*>", page)
+    assert sorted(loaded) == sorted([SCRIPT[0], STYLE[0]]), loaded  # no icon, nothing else
+    for url, digest in (SCRIPT, STYLE):
+        tag = next(t for t in re.findall(r"<(?:script|link)\b[^>]*>", page) if url in t)
+        assert f'integrity="{digest}"' in tag and 'crossorigin="anonymous"' in tag, tag
+        assert f"swagger-ui-dist@{SWAGGER_UI_VERSION}/" in url and digest.startswith("sha384-")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", SWAGGER_UI_VERSION)  # one release, not a range
+    assert "/openapi.json" in page and client.get("/openapi.json").status_code == 200

@@ -28,6 +28,7 @@ from toolledger.server.deps import (
     error_response,
     max_body_for,
 )
+from toolledger.server.docs import swagger_page
 from toolledger.server.state import Desk
 from toolledger.worker.submit import Submitter
 
@@ -70,7 +71,7 @@ def create_app(
         title="toolledger",
         summary="Side-effecting tool calls of AI agents, at most once: the humans' side.",
         version="1",
-        docs_url="/docs",
+        docs_url=None,  # /docs below: FastAPI's loads any 5.x Swagger UI, unchecked
         redoc_url=None,
         # no route is "not found" (the API's 404 with the CLI's exit code 4), never a bare 307
         # to the path with a slash added: "/api/calls/s1" went on to ".../s1/" (a cold review)
@@ -82,6 +83,11 @@ def create_app(
     app.state.secure_cookies = secure_cookies
     app.include_router(api.router)
     app.include_router(console.router)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return swagger_page("/openapi.json", f"{app.title} - Swagger UI")
+
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimit, api_limit=max_body_for(settings))
     app.add_middleware(StrictPath)
