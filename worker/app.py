@@ -31,7 +31,7 @@ from toolledger.worker import (
     broker,  # registers the embedded transport
     redis_transport,
 )
-from toolledger.worker.tasks import publish, register_tasks
+from toolledger.worker.tasks import GuardedTask, publish, register_tasks
 
 log = logging.getLogger("toolledger.worker")
 
@@ -190,7 +190,13 @@ def create_app(settings: Settings | None = None) -> Celery:
     broker.register()
     if settings.broker.startswith(f"{broker.ALIAS}+"):
         Path(settings.broker.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-    app = Celery("toolledger", broker=settings.broker, include=INCLUDE, set_as_current=False)
+    app = Celery(
+        "toolledger",
+        broker=settings.broker,
+        include=INCLUDE,
+        set_as_current=False,
+        task_cls=GuardedTask,  # a malformed message is dropped, never a worker stopped
+    )
     app.conf.update(celery_config(settings))
     # What a task registered from elsewhere (the sweep) needs from this app.
     app.toolledger_settings = settings

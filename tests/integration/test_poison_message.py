@@ -1,0 +1,96 @@
+"""A malformed message on the job queue (a body Celery cannot make a request of, no task id):
+refused and dropped, the worker consuming on — never stopped, never restarting its consumer
+for ever. Before 2026-12-07 a body ``"x"`` stopped the worker ("Unrecoverable error:
+ValueError"), a message without an id restarted its consumer once a second; either way the
+message was restored, unacked, for the next worker to take: one message stopped the fleet.
+Real worker, real Redis, raw messages published beside the job's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Queue
+
+from toolledger.harness.processes import service_env, stop_all, toolledger_argv, worker_process
+
+QUEUE = "toolledger"
+
+
+def _headers(**change: Any) -> dict[str, Any]:
+    headers = {"lang": "py", "task": "toolledger.execute", "id": str(uuid.uuid4()),
+               "root_id": None, "parent_id": None, "group": None, "retries": 0, "eta": None,
+               "expires": None, "timelimit": [None, None], "argsrepr": "", "kwargsrepr": "",
+               "origin": "test", "ignore_result": True}  # fmt: skip
+    headers.update(change)
+    return headers
+
+
+_GOOD = json.dumps([["s", "k", 1], {}, {"callbacks": None, "errbacks": None}])
+POISON = {
+    "a string body": ('"hello"', _headers()),
+    "two parts": (json.dumps([1, 2]), _headers()),
+    "no task id": (_GOOD, {k: v for k, v in _headers().items() if k != "id"}),
+}
+
+
+def _publish(broker: str, prefix: str, body: str, headers: dict[str, Any]) -> None:
+    exchange = Exchange(QUEUE, type="direct")
+    with Connection(broker, transport_options={"global_keyprefix": prefix}) as conn:
+        conn.Producer().publish(
+            body.encode(), exchange=exchange, routing_key=QUEUE,
+            declare=[Queue(QUEUE, exchange, routing_key=QUEUE)],
+            content_type="application/json", content_encoding="utf-8", headers=headers,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
+    redis_server: str, redis_prefix: str, tmp_path: Path, pool: str
+) -> None:
+    env = service_env(
+        db=f"sqlite:///{tmp_path / 'ledger.db'}",
+        broker=redis_server,
+        broker_prefix=redis_prefix,
+        sandbox=str(tmp_path / "sandbox"),
+        home=str(tmp_path / "home"),
+        metrics="off",
+        queue=QUEUE,
+    )
+
+    def cli(*argv: str) -> dict:
+        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    worker = worker_process("poison", env, tmp_path / "logs", pool=pool, concurrency=2)
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        for body, headers in POISON.values():
+            _publish(redis_server, redis_prefix, body, headers)
+        args = json.dumps({"path": "a.txt", "content": "after"})
+        cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+            "--args", args, "--approved-by", "al")  # fmt: skip
+        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "20")
+        assert got["status"] == "succeeded", (got, worker.log_text()[-3000:])
+        time.sleep(1.5)  # a consumer restart (the KeyError) comes a second after the last
+        log = worker.log_text()
+        assert worker.alive(), log[-3000:]
+        assert "Unrecoverable error" not in log
+        assert "Connection to broker lost" not in log, log[-3000:]
+        assert log.count("Received invalid task message: malformed") == len(POISON), log[-3000:]
+        client = redis.Redis.from_url(redis_server)
+        try:  # dropped, not restored to the queue for the next worker
+            assert client.llen(f"{redis_prefix}{QUEUE}") == 0
+        finally:
+            client.close()
+    finally:
+        stop_all([worker])
