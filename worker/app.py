@@ -74,6 +74,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_transport_options": transport,
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": int(settings.visibility_timeout),
+        # a message Celery cannot read is refused, never a worker stopped (worker.consumer)
+        "worker_consumer": "toolledger.worker.consumer:Consumer",
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,

@@ -8,8 +8,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, Task
-from celery.exceptions import InvalidTaskError
-from kombu.exceptions import ContentDisallowed, DecodeError
 
 from toolledger.config import Settings
 from toolledger.ledger.errors import InputError, InvalidArguments
@@ -66,62 +64,10 @@ def parse_message(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, s
     return scope, key, check_attempt(attempt, "message: attempt")
 
 
-def malformed(message: Any) -> str | None:
-    """What makes a message no task of any version could be built from, or None: a task
-    id that is not text, a protocol 2 body that is not ``[args, kwargs, embed]``. A body
-    that does not decode is Celery's to report (it raises ``DecodeError``)."""
-    headers = message.headers
-    if isinstance(headers, dict) and "task" in headers:  # protocol 2 (1 keeps all in the body)
-        if not isinstance(headers.get("id"), str):
-            return "its task id is missing or not text"
-        payload = message.payload
-        if isinstance(payload, dict):  # a hybrid body ({"args": …}): Celery's to read
-            return None
-        if not isinstance(payload, list | tuple) or len(payload) != 3:
-            return "its body is not [args, kwargs, embed]"
-        args, kwargs, embed = payload
-        if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
-            return "its body is not [args, kwargs, embed]"
-        if embed is not None and not isinstance(embed, dict):
-            return "its body is not [args, kwargs, embed]"
-    return None
-
-
-def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:
-    """Celery's default strategy, refusing a message it cannot make a request of.
-
-    Celery's consumer turns such a message (a body ``"x"`` or ``[1, 2]``, no task id) into
-    an exception out of its loop: a ``ValueError`` stopped the worker ("Unrecoverable
-    error"), a ``KeyError`` restarted its consumer once a second, for ever; either way the
-    message, unacked, was restored to the queue, and the next worker to take it went the
-    same way — one message stopped a whole fleet (a review, 2026-12-07). Refused here as an
-    invalid task (``InvalidTaskError``: logged, acked, dropped): a job's message is only a
-    pointer, and a call it may have named is still approved in the ledger, re-published by
-    the sweep's outbox."""
-    from celery.worker.strategy import default  # a worker's module: not for producers
-
-    handle = default(task, app, consumer, **options)
-
-    def on_message(
-        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
-    ) -> Any:
-        why = malformed(message)
-        if why is None:
-            try:
-                return handle(message, body, ack, reject, callbacks, **kw)
-            except (InvalidTaskError, DecodeError, ContentDisallowed):
-                raise  # Celery's consumer reports and drops these itself
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
-        raise InvalidTaskError(f"malformed {task.name} message: {why}")
-
-    return on_message
-
-
 class GuardedTask(Task):  # type: ignore[misc]
     """The base of this app's tasks (the sweep's too): a malformed message is refused."""
 
-    Strategy = f"{__name__}:guarded_strategy"
+    Strategy = "toolledger.worker.consumer:guarded_strategy"
 
 
 def register_tasks(app: Celery, settings: Settings) -> None:

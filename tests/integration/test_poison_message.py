@@ -1,9 +1,10 @@
-"""A malformed message on the job queue (a body Celery cannot make a request of, no task id):
-refused and dropped, the worker consuming on — never stopped, never restarting its consumer
-for ever. Before 2026-12-07 a body ``"x"`` stopped the worker ("Unrecoverable error:
-ValueError"), a message without an id restarted its consumer once a second; either way the
-message was restored, unacked, for the next worker to take: one message stopped the fleet.
-Real worker, real Redis, raw messages published beside the job's."""
+"""A malformed message on the job queue (a body Celery cannot make a request of, no task id,
+a task name that is not text): refused and dropped, the worker consuming on — never stopped,
+never restarting its consumer for ever. Before 2026-12-07 a body ``"x"`` or a list for a task
+name stopped the worker ("Unrecoverable error"), a message without an id restarted its
+consumer once a second; either way the message was restored, unacked, for the next worker to
+take: one message stopped the fleet. Real worker, real Redis, raw messages published beside
+the job's."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ POISON = {
     "a string body": ('"hello"', _headers()),
     "two parts": (json.dumps([1, 2]), _headers()),
     "no task id": (_GOOD, {k: v for k, v in _headers().items() if k != "id"}),
+    "a list for a task name": (_GOOD, _headers(task=["toolledger.execute"])),
 }
+#: Refused as an invalid task (the others: an unknown message, "Wrong destination")
+INVALID = 3
 
 
 def _publish(broker: str, prefix: str, body: str, headers: dict[str, Any]) -> None:
@@ -86,7 +90,8 @@ def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
         assert worker.alive(), log[-3000:]
         assert "Unrecoverable error" not in log
         assert "Connection to broker lost" not in log, log[-3000:]
-        assert log.count("Received invalid task message: malformed") == len(POISON), log[-3000:]
+        assert log.count("Received invalid task message: malformed") == INVALID, log[-3000:]
+        assert "Received and deleted unknown message" in log
         client = redis.Redis.from_url(redis_server)
         try:  # dropped, not restored to the queue for the next worker
             assert client.llen(f"{redis_prefix}{QUEUE}") == 0

@@ -1,0 +1,96 @@
+"""The worker's consumer side of Celery, hardened against messages it cannot read.
+
+Celery's consumer turns some malformed messages into an exception out of its loop: a task
+name that is not text (``TypeError: unhashable``) or a body it cannot make a request of (a
+``"x"`` or ``[1, 2]`` body: ``ValueError``) stopped the worker ("Unrecoverable error"); no
+task id (``KeyError``) restarted its consumer once a second, for ever. Either way the message,
+unacked, was restored to the queue and did the same to the next worker that took it: one
+publish stopped a whole fleet, every approved call left waiting (a review, 2026-12-07).
+Here such a message is refused (logged, acked, dropped): a job's message is only a pointer,
+and a call it may have named is still approved in the ledger, re-published by the sweep's
+outbox. Imported by the worker only (Celery's ``worker_consumer`` setting and the tasks'
+``Strategy``, both by name), never by a producer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery, Task
+from celery.exceptions import InvalidTaskError
+from celery.worker.consumer import Consumer as CeleryConsumer
+from celery.worker.strategy import default
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+
+class Consumer(CeleryConsumer):  # type: ignore[misc]
+    """Celery's consumer, refusing a message whose task name is not text before Celery
+    looks it up (an unhashable name raised out of its loop)."""
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        handle = super().create_task_handler(*args, **kwargs)
+
+        def on_task_received(message: Any) -> Any:
+            if not _name_is_text(message):
+                return self.on_unknown_message(None, message)
+            return handle(message)
+
+        return on_task_received
+
+
+def _name_is_text(message: Any) -> bool:
+    """False if the message names its task by anything but text (a list, a mapping)."""
+    headers = message.headers
+    if isinstance(headers, dict) and "task" in headers:  # protocol 2
+        name = headers["task"]
+    else:  # protocol 1: the name is in the body (one that does not decode is Celery's)
+        try:
+            payload = message.payload
+        except Exception:  # noqa: BLE001 - Celery reports it as it always did
+            return True
+        if not isinstance(payload, dict) or "task" not in payload:
+            return True  # Celery's own "unknown message"
+        name = payload["task"]
+    return name is None or isinstance(name, str)
+
+
+def malformed(message: Any) -> str | None:
+    """What makes a message no task of any version could be built from, or None: a task
+    id that is not text, a protocol 2 body that is not ``[args, kwargs, embed]``. A body
+    that does not decode is Celery's to report (it raises ``DecodeError``)."""
+    headers = message.headers
+    if isinstance(headers, dict) and "task" in headers:  # protocol 2 (1 keeps all in the body)
+        if not isinstance(headers.get("id"), str):
+            return "its task id is missing or not text"
+        payload = message.payload
+        if isinstance(payload, dict):  # a hybrid body ({"args": …}): Celery's to read
+            return None
+        if not isinstance(payload, list | tuple) or len(payload) != 3:
+            return "its body is not [args, kwargs, embed]"
+        args, kwargs, embed = payload
+        if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+            return "its body is not [args, kwargs, embed]"
+        if embed is not None and not isinstance(embed, dict):
+            return "its body is not [args, kwargs, embed]"
+    return None
+
+
+def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:
+    """Celery's default strategy, refusing a message it cannot make a request of (a body
+    not ``[args, kwargs, embed]``, no task id) as an invalid task: logged, acked, dropped."""
+    handle = default(task, app, consumer, **options)
+
+    def on_message(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any
+    ) -> Any:
+        why = malformed(message)
+        if why is None:
+            try:
+                return handle(message, body, ack, reject, callbacks, **kw)
+            except (InvalidTaskError, DecodeError, ContentDisallowed):
+                raise  # Celery's consumer reports and drops these itself
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        raise InvalidTaskError(f"malformed {task.name} message: {why}")
+
+    return on_message
