@@ -14,6 +14,7 @@ outbox. Imported by the worker only (Celery's ``worker_consumer`` setting and th
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from celery import Celery, Task
@@ -56,12 +57,17 @@ def _name_is_text(message: Any) -> bool:
 
 def malformed(message: Any) -> str | None:
     """What makes a message no task of any version could be built from, or None: a task
-    id that is not text, a protocol 2 body that is not ``[args, kwargs, embed]``. A body
-    that does not decode is Celery's to report (it raises ``DecodeError``)."""
+    id that is not text, time limits Celery cannot apply, a protocol 2 body that is not
+    ``[args, kwargs, embed]``. A body that does not decode is Celery's to report (it raises
+    ``DecodeError``)."""
     headers = message.headers
     if isinstance(headers, dict) and "task" in headers:  # protocol 2 (1 keeps all in the body)
         if not isinstance(headers.get("id"), str):
             return "its task id is missing or not text"
+        if not _time_limits(headers.get("timelimit")):
+            # a prefork pool read ["a", "b"] only once a child had the job: a ValueError
+            # out of the worker's loop ("Unrecoverable error")
+            return "its time limits are not [seconds or null, seconds or null]"
         payload = message.payload
         if isinstance(payload, dict):  # a hybrid body ({"args": …}): Celery's to read
             return None
@@ -73,6 +79,19 @@ def malformed(message: Any) -> str | None:
         if embed is not None and not isinstance(embed, dict):
             return "its body is not [args, kwargs, embed]"
     return None
+
+
+def _time_limits(value: Any) -> bool:
+    """Whether a message's ``timelimit`` header is one Celery can apply: null, or a pair of
+    null or finite non-negative seconds (a task sent from a finalized app carries the app's
+    own limits: the sweep's re-publications do)."""
+    if value is None:
+        return True
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        return False
+    return all(
+        v is None or (type(v) in (int, float) and math.isfinite(v) and v >= 0) for v in value
+    )
 
 
 def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:

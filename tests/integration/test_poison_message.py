@@ -1,10 +1,10 @@
 """A malformed message on the job queue (a body Celery cannot make a request of, no task id,
-a task name that is not text): refused and dropped, the worker consuming on — never stopped,
-never restarting its consumer for ever. Before 2026-12-07 a body ``"x"`` or a list for a task
-name stopped the worker ("Unrecoverable error"), a message without an id restarted its
-consumer once a second; either way the message was restored, unacked, for the next worker to
-take: one message stopped the fleet. Real worker, real Redis, raw messages published beside
-the job's."""
+a task name that is not text, time limits that are not seconds): refused and dropped, the worker
+consuming on — never stopped, never restarting its consumer for ever. Before 2026-12-07 a body
+``"x"``, a list for a task name or a time limit ``["a", "b"]`` (prefork) stopped the worker
+("Unrecoverable error"), a message without an id restarted its consumer once a second; either
+way the message was restored, unacked, for the next worker to take: one message stopped the
+fleet. Real worker, real Redis, raw messages published beside the job's."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 
+from toolledger.config import Settings
 from toolledger.harness.processes import service_env, stop_all, toolledger_argv, worker_process
+from toolledger.worker.app import create_app
 
 QUEUE = "toolledger"
 
@@ -38,10 +40,11 @@ POISON = {
     "a string body": ('"hello"', _headers()),
     "two parts": (json.dumps([1, 2]), _headers()),
     "no task id": (_GOOD, {k: v for k, v in _headers().items() if k != "id"}),
+    "time limits of text": (_GOOD, _headers(timelimit=["a", "b"])),
     "a list for a task name": (_GOOD, _headers(task=["toolledger.execute"])),
 }
 #: Refused as an invalid task (the others: an unknown message, "Wrong destination")
-INVALID = 3
+INVALID = 4
 
 
 def _publish(broker: str, prefix: str, body: str, headers: dict[str, Any]) -> None:
@@ -56,7 +59,11 @@ def _publish(broker: str, prefix: str, body: str, headers: dict[str, Any]) -> No
 
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
-    redis_server: str, redis_prefix: str, tmp_path: Path, pool: str
+    redis_server: str,
+    redis_prefix: str,
+    tmp_path: Path,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     env = service_env(
         db=f"sqlite:///{tmp_path / 'ledger.db'}",
@@ -83,6 +90,15 @@ def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
         args = json.dumps({"path": "a.txt", "content": "after"})
         cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
             "--args", args, "--approved-by", "al")  # fmt: skip
+        # and the same job again from a finalized app, as the sweep's re-publication is sent:
+        # Celery adds the app's own time limits to it, which a worker must take
+        for name, value in env.items():
+            if name.startswith("TOOLLEDGER_"):
+                monkeypatch.setenv(name, value)
+        app = create_app(Settings.from_env())
+        app.loader.import_default_modules()
+        app.finalize()
+        app.toolledger_publish("s", "write_file:c1", 1)
         got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "20")
         assert got["status"] == "succeeded", (got, worker.log_text()[-3000:])
         time.sleep(1.5)  # a consumer restart (the KeyError) comes a second after the last
@@ -92,6 +108,7 @@ def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
         assert "Connection to broker lost" not in log, log[-3000:]
         assert log.count("Received invalid task message: malformed") == INVALID, log[-3000:]
         assert "Received and deleted unknown message" in log
+        assert "write_file:c1#1: not claimed" in log, log[-3000:]  # the finalized app's copy
         client = redis.Redis.from_url(redis_server)
         try:  # dropped, not restored to the queue for the next worker
             assert client.llen(f"{redis_prefix}{QUEUE}") == 0
