@@ -33,8 +33,9 @@ sends the same ToolCall ids: the receipts come back, and nothing runs twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Annotated, Any, cast
 
@@ -195,14 +196,8 @@ class LedgerTool(BaseTool):
 
     def _run(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
         scope, call_id, handle = self._submit(config, kwargs)
-        try:
+        with _waiting(scope, call_id):
             receipt = handle.result(timeout=self.timeout)
-        except ReceiptTimeout as exc:
-            raise _timed_out(scope, call_id, exc) from None
-        except Exception as exc:
-            if not database_failed(exc):  # a record the ledger calls corrupt, a bug: as is
-                raise
-            raise _unanswered(scope, call_id) from exc
         return self._message(scope, call_id, receipt)
 
     async def _arun(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
@@ -214,14 +209,8 @@ class LedgerTool(BaseTool):
         # that copies this context (_MODEL_ARGS)
         scope, call_id, handle = await asyncio.to_thread(self._submit, config, kwargs)
         waiting = AsyncCallHandle(AsyncClient.of(self.client), handle)
-        try:
+        with _waiting(scope, call_id):
             receipt = await waiting.result(timeout=self.timeout)
-        except ReceiptTimeout as exc:
-            raise _timed_out(scope, call_id, exc) from None
-        except Exception as exc:
-            if not database_failed(exc):  # a record the ledger calls corrupt, a bug: as is
-                raise
-            raise _unanswered(scope, call_id) from exc
         return self._message(scope, call_id, receipt)
 
     def _submit(
@@ -282,10 +271,20 @@ class LedgerTool(BaseTool):
         )
 
 
-def _timed_out(scope: str, call_id: str, exc: ReceiptTimeout) -> ToolCallsWaiting:
-    """No receipt within the tool's timeout: the run stops, naming where the call stands."""
-    unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
-    return ToolCallsWaiting(scope, {call_id: exc.status}, unanswered)
+@contextlib.contextmanager
+def _waiting(scope: str, call_id: str) -> Iterator[None]:
+    """Around a wait for the call's receipt (sync or async): no receipt within the tool's
+    timeout stops the run, naming where the call stands; the database failing, as
+    ``_unanswered``; anything else (a record the ledger calls corrupt, a bug) as it is."""
+    try:
+        yield
+    except ReceiptTimeout as exc:
+        unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
+        raise ToolCallsWaiting(scope, {call_id: exc.status}, unanswered) from None
+    except Exception as exc:
+        if not database_failed(exc):
+            raise
+        raise _unanswered(scope, call_id) from exc
 
 
 def _unanswered(scope: str, call_id: str) -> ToolCallsWaiting:

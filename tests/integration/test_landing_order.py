@@ -9,6 +9,8 @@ appends)."""
 from __future__ import annotations
 
 import errno
+import os
+from pathlib import Path
 from typing import Any
 
 from toolledger.effects import Commit, effects_of
@@ -179,26 +181,35 @@ def test_order__a_write_left_for_later_keeps_the_effects_it_replaces(tmp_path, m
     assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"W\n"
 
 
+def _append_then_write(tmp_path: Path) -> tuple[Sandbox, list[Any], FlaggingBook]:
+    """An append, then a write, committed on PATH: the write replaces the append."""
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W\n")]
+    return sb, staged, FlaggingBook(staged)
+
+
+def _rename_to_path_fails(monkeypatch: Any, error: OSError) -> Any:
+    """``os.rename`` onto PATH raises ``error`` (after the write's checks); the real one."""
+    real = os.rename
+
+    def failing(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == PATH:
+            raise error
+        real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", failing)
+    return real
+
+
 def test_order__a_write_refused_after_its_check_flags_the_effects_it_replaced(
     tmp_path, monkeypatch
 ):
     # the folder made between the write's check and its rename: the older effects were
     # dropped already (so that a crash after the rename cannot land them); their calls are
     # flagged all the same
-    import os
-
-    sb = Sandbox(tmp_path / "sb").prepare()
-    (tmp_path / "sb" / SCOPE).mkdir()
-    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W\n")]
-    book = FlaggingBook(staged)
-    real = os.rename
-
-    def racing(src: Any, dst: Any, **kw: Any) -> None:
-        if dst == PATH:
-            raise IsADirectoryError(21, "Is a directory")
-        real(src, dst, **kw)
-
-    monkeypatch.setattr(os, "rename", racing)
+    sb, staged, book = _append_then_write(tmp_path)
+    _rename_to_path_fails(monkeypatch, IsADirectoryError(21, "Is a directory"))
     landing = effects_of(sb).settle(book)
     assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 1)
     assert sorted(book.flags) == sorted(e for e, _ in staged)
@@ -212,20 +223,8 @@ def test_order__a_write_whose_rename_fails_for_a_moment_flags_the_effects_it_dro
     # failed with an error of a moment (ENOSPC): it was left for the next settle, which knew
     # nothing of what it replaced; once its target was a folder only the write was flagged,
     # the succeeded append's bytes gone and its call unflagged. Flagged at the failure now.
-    import os
-
-    sb = Sandbox(tmp_path / "sb").prepare()
-    (tmp_path / "sb" / SCOPE).mkdir()
-    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W\n")]
-    book = FlaggingBook(staged)
-    real = os.rename
-
-    def full(src: Any, dst: Any, **kw: Any) -> None:
-        if dst == PATH:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(src, dst, **kw)
-
-    monkeypatch.setattr(os, "rename", full)
+    sb, staged, book = _append_then_write(tmp_path)
+    real = _rename_to_path_fails(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     landing = effects_of(sb).settle(book)
     assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 0)
     assert list(book.flags) == [staged[0][0]]  # the append's call; the write waits
