@@ -358,9 +358,16 @@ class Document:
 
 
 def _apply(text: str, edits: list[tuple[int, str]]) -> str:
-    for pos, piece in sorted(edits, key=lambda e: e[0], reverse=True):
-        text = text[:pos] + piece + text[pos:]
-    return text
+    """``text`` with each piece inserted at its position (pieces at one position in their
+    order), built in one pass: splicing them one by one copied the whole text per receipt, and
+    a transcript of 12 MB missing 10,000 results took 73 s here (a cold review)."""
+    parts: list[str] = []
+    done = 0
+    for pos, piece in sorted(edits, key=lambda e: e[0]):
+        parts += (text[done:pos], piece)
+        done = pos
+    parts.append(text[done:])
+    return "".join(parts)
 
 
 # -------------------------------------------------------------------------- the ledger's side
