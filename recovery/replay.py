@@ -406,6 +406,10 @@ def anthropic_calls(
         roles.append(role)
         last[runs[-1]] = i
         blocks = _anthropic_blocks(it, role, w)
+        if isinstance(it["content"], str) and it["content"]:
+            # text: a text block of the combined turn, which no result then opens (a result
+            # after it counted, exit 0, a transcript the API refuses: a cold review)
+            leading = False
         # the API reads the tool_result blocks that open the turn after the calls' turn (an
         # assistant's: a tool_use block elsewhere is refused)
         before = runs[runs[-1] - 1] if runs[-1] else None

@@ -138,6 +138,22 @@ MISPLACED: list[tuple[str, bytes, str]] = [
         r"message 2 content\[1\]: the result for tool_call_id 'call_ok' is out of place",
     ),
     (
+        # a user item whose content is text is a text block of the combined turn: the
+        # results after it do not open the turn (they counted, and a result inserted for
+        # call_ok2 landed before the text, leaving call_ok's after it: exit 0, a transcript
+        # the API refuses, a cold review)
+        "anthropic-result-after-a-text-item-of-the-same-turn",
+        as_json(
+            "anthropic",
+            [
+                *calls("anthropic", "call_ok", "call_ok2"),
+                {"role": "user", "content": "and then"},
+                an_turn(an_result("call_ok")),
+            ],
+        ),
+        r"message 3 content\[0\]: the result for tool_call_id 'call_ok' is out of place",
+    ),
+    (
         "anthropic-second-result",
         as_json(
             "anthropic",
