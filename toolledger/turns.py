@@ -10,6 +10,8 @@ every ``tool_result`` block.
 
 A call whose result is among the items given (a Responses turn passed with its outputs) is
 answered already: it is neither submitted nor answered again.
+Chat or Anthropic items holding two turns whose calls have no result are refused: the
+results come back as one list, which goes right after one turn.
 
 Every call of the turn is checked (its arguments, tool, schema and paths) and every approval
 asked before the first is submitted: a turn refused for any of its calls records none.
@@ -99,6 +101,17 @@ def parse_turn(message: dict[str, Any] | list[Any]) -> tuple[Format, list[Call]]
     calls, batches = fmt.calls(items, lambda i: f"item {i + 1}")
     if not calls:
         raise TranscriptError("the message holds no tool call")
+    if len(batches) > 1 and fmt.name != "responses":
+        # the results come back as one list, to append after the turn: a chat tool message
+        # or an Anthropic tool_result goes right after its own turn, so those of an earlier
+        # turn were handed back out of place (the transcript then refused by the API; a Responses
+        # output goes anywhere after its call)
+        raise TranscriptError(
+            f"the items hold {len(batches)} turns whose calls have no result "
+            f"({', '.join(b.calls[0].at for b in batches)}): run_turn answers one turn, "
+            "whose results go right after it; pass one turn, or repair the whole transcript "
+            "(toolledger repair)"
+        )
     unanswered = {c.id for batch in batches for c in batch.calls}
     return fmt, [c for c in calls if c.id in unanswered]
 

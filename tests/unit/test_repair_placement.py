@@ -444,3 +444,25 @@ def test_run_turn_parse__leaves_a_custom_tool_call_to_its_caller() -> None:
 
     fmt, turn = parse_turn([*calls("responses", "call_ok"), CUSTOM])
     assert fmt.name == "responses" and [c.id for c in turn] == ["call_ok"]
+
+
+@pytest.mark.parametrize("fmt", ["openai", "anthropic"])
+def test_run_turn_parse__two_turns_without_results__refused(fmt: str) -> None:
+    """run_turn hands back one list of results, appended after the turn: given two turns
+    without results, those of the first were handed back to go after the second, out of
+    place (the API refuses the transcript). Refused, nothing submitted; a Responses list is
+    answered, as its outputs go anywhere after their calls."""
+    from toolledger.turns import parse_turn
+
+    items = [*calls(fmt, "call_ok"), USER, *calls(fmt, "call_ok2")]
+    with pytest.raises(InputError, match=r"^the items hold 2 turns whose calls have no result"):
+        parse_turn(items)
+    answered_first = [
+        *calls(fmt, "call_ok"),
+        *results(fmt, "call_ok"),
+        USER,
+        *calls(fmt, "call_ok2"),
+    ]
+    assert [c.id for c in parse_turn(answered_first)[1]] == ["call_ok2"]
+    responses = [*calls("responses", "call_ok"), USER, *calls("responses", "call_ok2")]
+    assert [c.id for c in parse_turn(responses)[1]] == ["call_ok", "call_ok2"]
