@@ -52,6 +52,7 @@ from toolledger.ledger.errors import (
     InputError,
     LedgerError,
     NotFound,
+    StateError,
 )
 from toolledger.ledger.identity import args_sha256, check_scope, check_text_id
 from toolledger.ledger.ledger import Ledger
@@ -71,7 +72,14 @@ from toolledger.recovery.replay import (
     show,
 )
 
-__all__ = ["RepairError", "RepairReport", "TranscriptError", "repair_file", "repair_transcript"]
+__all__ = [
+    "RepairError",
+    "RepairReport",
+    "TranscriptChanged",
+    "TranscriptError",
+    "repair_file",
+    "repair_transcript",
+]
 
 _WS = " \t\r\n"
 ITEM_KEYS = ("messages", "input", "items", "output")
@@ -82,6 +90,10 @@ _LINE_ENDS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\
 
 class RepairError(LedgerError):
     """Repair would have written a transcript it cannot read back; nothing was written."""
+
+
+class TranscriptChanged(StateError):
+    """The transcript changed while repair read the ledger; nothing was written."""
 
 
 @dataclass
@@ -575,7 +587,17 @@ def repair_file(
     Nothing is written when nothing is missing and the target is the file itself."""
     target = out or path
     check_writable(target)
-    report = repair_transcript(read_transcript(path), ledger, scope, fmt, name=str(path))
+    data = read_transcript(path)
+    report = repair_transcript(data, ledger, scope, fmt, name=str(path))
+    if target == path and report.changed and read_transcript(path) != data:
+        # written to meanwhile (an agent restarted while repair read the ledger): replacing
+        # it dropped what was added, an assistant turn among it, whose calls the model was
+        # then asked for again, under new ids (exit 0: a cold review). A write after this
+        # look is still lost: repair a transcript that its agent no longer writes
+        raise TranscriptChanged(
+            f"{path}: the transcript changed while repair read the ledger (is its agent "
+            "running?); nothing was written: repair it again once nothing writes it"
+        )
     if report.changed or target != path:
         _write_atomic(target, report.text)
     return report

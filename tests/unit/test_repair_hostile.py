@@ -36,7 +36,7 @@ from tests.unit.repair_support import (
     text_item,
     wrap,
 )
-from toolledger.ledger.errors import CorruptRecord, InputError
+from toolledger.ledger.errors import CorruptRecord, InputError, StateError
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import Status
@@ -721,3 +721,37 @@ def test_huge_transcript_of_dangling_turns__repaired_in_linear_time(
     # Anthropic transcript searched every item for each turn's last (20,000 turns: 46 s)
     assert len(report.inserted) == turns
     assert took < 10, f"{took:.1f} s"
+
+
+def test_in_place__a_transcript_written_meanwhile_is_not_replaced(
+    ledger: Ledger, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, sqlite_url: str
+) -> None:
+    # Given a JSONL transcript whose call has no result, and an agent that appends its next
+    # turn while repair reads the ledger
+    path = tmp_path / "t.jsonl"
+    data = as_jsonl([USER, *oa("call_ok")])
+    path.write_bytes(data)
+    appended = json.dumps({"role": "assistant", "content": "a turn written meanwhile"}) + "\n"
+    read = transcript._receipt
+
+    def agent_appends(*args: Any) -> Receipt:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(appended)
+        return read(*args)
+
+    monkeypatch.setattr(transcript, "_receipt", agent_appends)
+    # When it is repaired in place, Then nothing is written, with exit 5 and one line: the
+    # agent's turn is kept (replacing the file dropped it)
+    with pytest.raises(StateError, match="changed while repair read"):
+        repair_file(path, ledger, SCOPE)
+    assert path.read_bytes() == data + appended.encode()
+    path.write_bytes(data)
+    code, out, err = cli(capsys, sqlite_url, str(path))
+    assert (code, out) == (5, "") and err.count("\n") == 1, err
+    assert path.read_bytes() == data + appended.encode()
+    # and a repair to another file, or of a transcript nobody writes, goes on
+    path.write_bytes(data)
+    assert repair_file(path, ledger, SCOPE, out=tmp_path / "o.jsonl").changed
+    monkeypatch.setattr(transcript, "_receipt", read)
+    assert repair_file(path, ledger, SCOPE).changed
+    assert only_insertions(data, path.read_bytes())
