@@ -587,9 +587,10 @@ def repair_file(
     Nothing is written when nothing is missing and the target is the file itself."""
     target = out or path
     check_writable(target)
+    in_place = target == path or (target.exists() and os.path.samefile(target, path))
     data = read_transcript(path)
     report = repair_transcript(data, ledger, scope, fmt, name=str(path))
-    if target == path and report.changed and read_transcript(path) != data:
+    if in_place and report.changed and read_transcript(path) != data:
         # written to meanwhile (an agent restarted while repair read the ledger): replacing
         # it dropped what was added, an assistant turn among it, whose calls the model was
         # then asked for again, under new ids (exit 0: a cold review). A write after this
@@ -598,7 +599,7 @@ def repair_file(
             f"{path}: the transcript changed while repair read the ledger (is its agent "
             "running?); nothing was written: repair it again once nothing writes it"
         )
-    if report.changed or target != path:
+    if report.changed or not in_place:
         _write_atomic(target, report.text)
     return report
 

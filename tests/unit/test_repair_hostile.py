@@ -749,6 +749,11 @@ def test_in_place__a_transcript_written_meanwhile_is_not_replaced(
     code, out, err = cli(capsys, sqlite_url, str(path))
     assert (code, out) == (5, "") and err.count("\n") == 1, err
     assert path.read_bytes() == data + appended.encode()
+    # (named by --out another way, it is still the file itself)
+    path.write_bytes(data)
+    with pytest.raises(StateError, match="changed while repair read"):
+        repair_file(path, ledger, SCOPE, out=tmp_path / "." / ".." / tmp_path.name / path.name)
+    assert path.read_bytes() == data + appended.encode()
     # and a repair to another file, or of a transcript nobody writes, goes on
     path.write_bytes(data)
     assert repair_file(path, ledger, SCOPE, out=tmp_path / "o.jsonl").changed
