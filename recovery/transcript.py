@@ -457,8 +457,11 @@ def repair_transcript(
     report = RepairReport(form.name if form else None, doc.container, text=bom + text)
     if form is None:
         return report
-    every, batches = _calls(doc, form, name)
+    # the format named checked against the one detected before the text is read in it: read
+    # first, an OpenAI call's "content": null failed as a malformed Anthropic message, an
+    # error that named no format (a cold review of the README)
     _check_chosen(found, form, name)
+    every, batches = _calls(doc, form, name)
     dangling = sum(len(b.calls) for b in batches)
     report.calls, report.answered_before = len(every), len(every) - dangling
     planned = [(b, [(c, _receipt(ledger, scope, c, name)) for c in b.calls]) for b in batches]

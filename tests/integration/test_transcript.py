@@ -319,15 +319,19 @@ def test_repair__a_responses_request_with_its_output_repairs_the_outputs_calls(l
         repair_transcript(both, ledger, scope)
 
 
+@pytest.mark.parametrize("content", [None, ""])
 @pytest.mark.parametrize("chosen", ["responses", "anthropic"])
 def test_repair__a_format_chosen_that_finds_no_call_where_another_does_is_refused(
-    ledger, scope, chosen
+    ledger, scope, chosen, content
 ):
     """``--format`` naming a format the transcript is not in: "0 calls", exit 0, the calls
-    left unanswered (a cold review). Refused now, saying which format it reads as."""
+    left unanswered (a cold review). Refused now, saying which format it reads as, before
+    the transcript is read in the format named: an OpenAI call message's ``"content": null``
+    (what models send) read as Anthropic's was refused as a malformed line ("'content' must
+    be a string or an array, not null"), which named no format (a cold review of the README)."""
     in_state(ledger, scope, "c1", Status.SUCCEEDED)
     items = build("openai", [("user", "go"), ("calls", [call("c1")])])
-    items[-1]["content"] = ""  # (null content is refused as Anthropic's before anything)
+    items[-1]["content"] = content
     text = serialise(items, "json", "openai")
     with pytest.raises(TranscriptError, match="it reads as openai"):
         repair_transcript(text, ledger, scope, chosen)
