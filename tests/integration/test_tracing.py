@@ -370,3 +370,27 @@ def test_logs__every_line_a_json_worker_writes_to_stderr_is_json(tmp_path):
     parsed = [json.loads(line) for line in lines]  # each a JSON object
     if os.geteuid() == 0:  # Celery warns only then
         assert any("superuser privileges" in p["message"] for p in parsed), lines
+
+
+def test_trace__console_spans_never_reach_stdout_a_commands_output(tmp_path):
+    """``OTEL_TRACES_EXPORTER=console`` (documented): the SDK's console exporter wrote each
+    span, pretty-printed over 40 lines, to stdout, after ``toolledger --json submit``'s own
+    JSON (a reader of the output got two documents) and into ``mcp serve``'s JSON-RPC stream
+    (its host read lines that are no message: a cold review of the README). Spans are
+    diagnostics: one JSON line each on stderr, beside the warnings. The embedded default."""
+    import subprocess
+
+    from toolledger.harness.processes import toolledger_argv
+
+    env = service_env(home=str(tmp_path / "home"), sandbox=str(tmp_path / "sandbox"))
+    env.update({"TOOLLEDGER_METRICS": "off", "OTEL_TRACES_EXPORTER": "console"})
+    args = '{"path": "a.txt", "content": "x"}'
+    done = subprocess.run(
+        [*toolledger_argv(), "--json", "submit", "--scope", "s", "--tool-call-id", "c1",
+         "--tool", "write_file", "--args", args, "--approved-by", "alice"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tool_call_id"] == "c1"  # the output alone
+    spans = [json.loads(line) for line in done.stderr.splitlines()]  # each line one object
+    assert [s["name"] for s in spans] == ["submit_tool write_file"], done.stderr

@@ -121,13 +121,20 @@ def _exporter(name: str) -> Any:
         if name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            return ConsoleSpanExporter()
+            # stderr, one JSON line a span: the SDK's default, stdout pretty-printed, mixed
+            # spans into a command's --json output and into `mcp serve`'s JSON-RPC stream
+            return ConsoleSpanExporter(out=sys.stderr, formatter=_span_line)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter()
     except ImportError:
         log.warning("the %s span exporter is not installed (extra 'otel'): no traces", name)
         return None
+
+
+def _span_line(finished: Any) -> str:
+    """A finished span as one line of JSON (the SDK's ``to_json`` indents it over ~40)."""
+    return str(finished.to_json(indent=None)) + "\n"
 
 
 @contextlib.contextmanager
