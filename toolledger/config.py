@@ -585,13 +585,19 @@ _positive_int, _non_negative_int = _bounded(_integer, zero=False), _bounded(_int
 MAX_SETTING_SECONDS = 365 * 86_400.0
 
 
+def _figure(bound: float) -> str:
+    """A bound as a setting would take it: a whole number in full (``:g`` wrote 1 GiB as
+    "1.07374e+09", which is not it), else as ``:g`` writes it (0.1)."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
 def _at_most(read: Callable[[Any], Any], high: float, what: str) -> Callable[[Any], Any]:
     """``read`` (a number bounded below), then refused past ``high`` seconds."""
 
     def check(value: Any) -> Any:
         number = read(value)
         if number > high:
-            raise ValueError(f"Input should be at most {high:g} seconds ({what})")
+            raise ValueError(f"Input should be at most {_figure(high)} seconds ({what})")
         return number
 
     return check
@@ -611,7 +617,7 @@ def _within(read: Callable[[Any], Any], low: float, high: float, unit: str) -> C
     def check(value: Any) -> Any:
         number = read(value)
         if not low <= number <= high:
-            raise ValueError(f"Input should be from {low:g} to {high:g} {unit}")
+            raise ValueError(f"Input should be from {_figure(low)} to {_figure(high)} {unit}")
         return number
 
     return check

@@ -290,8 +290,10 @@ def test_settings__a_sqlite_file_at_the_sandboxs_top_is_no_scopes(tmp_path):
         ({"TOOLLEDGER_BROKER": "redis://127.0.0.1:6379/0/"}, "its database '0/' is not a"),
         ({"TOOLLEDGER_DB": "sqlitex:///x.db"}, "scheme 'sqlitex' is not one of"),
         ({"TOOLLEDGER_DB": "postgresql+psycopg2://u@h/d"}, "scheme 'postgresql+psycopg2'"),
-        ({"TOOLLEDGER_MAX_CONTENT_BYTES": "1e30"}, "from 1 to 1.07374e+09 bytes"),
-        ({"TOOLLEDGER_MAX_ARGS_BYTES": str(2**40)}, "bytes (64 MiB)"),
+        # the bound exactly as a setting takes it: "1.07374e+09", "6.71089e+07" were neither
+        ({"TOOLLEDGER_MAX_CONTENT_BYTES": "1e30"}, "from 1 to 1073741824 bytes (1 GiB)"),
+        ({"TOOLLEDGER_MAX_ARGS_BYTES": str(2**40)}, "from 1 to 67108864 bytes (64 MiB)"),
+        ({"TOOLLEDGER_SWEEP_GRACE": "1e12"}, "at most 31536000 seconds (a year)"),
         ({"TOOLLEDGER_SWEEP_INTERVAL": "0.01"}, "from 0.1 to 86400 seconds"),
     ],
 )
