@@ -514,13 +514,25 @@ class Client:
         by: str,
         evidence: str,
         review: bool = False,
+        seen: int | None = None,
     ) -> dict[str, Any]:
         """A human's resolution of an unknown execution; ``review=True`` to settle the flag
-        on its call that the person has looked at (``humans.resolve``)."""
+        on its call that the person has looked at (``humans.resolve``). ``seen``, with
+        ``review`` (as the CLI's ``--seen``): the ``seq`` of the call's newest event the
+        person looked at; the review is refused (``StaleFence``, "look again") if a flag it
+        would settle was raised since or the call changed."""
         from toolledger.recovery import humans
 
+        if seen is not None and not review:  # as the CLI's and the API's refusal
+            raise InputError("seen goes with review=True: it says what the review saw")
         return humans.resolve(
-            self.ledger, execution_id, Status(status), by=by, evidence=evidence, review=review
+            self.ledger,
+            execution_id,
+            Status(status),
+            by=by,
+            evidence=evidence,
+            review=review,
+            seen=seen,
         )
 
     def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:
@@ -744,9 +756,16 @@ class AsyncClient:
         by: str,
         evidence: str,
         review: bool = False,
+        seen: int | None = None,
     ) -> dict[str, Any]:
         return await self._run(
-            self.sync.resolve, execution_id, status, by=by, evidence=evidence, review=review
+            self.sync.resolve,
+            execution_id,
+            status,
+            by=by,
+            evidence=evidence,
+            review=review,
+            seen=seen,
         )
 
     async def receipt(self, scope: str, tool_call_id: str) -> Receipt | None:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import run_cli
 from toolledger.builtin_tools import ContentArgs
-from toolledger.ledger.errors import InvalidTransition, StaleFence
+from toolledger.ledger.errors import InputError, InvalidTransition, StaleFence
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Review, Status
 from toolledger.recovery.sweep import sweep
@@ -978,6 +978,43 @@ def test_review__seen_refuses_a_flag_raised_after_the_reviewer_looked(cli, ledge
     code, _, err = cli("resolve", "--execution-id", first, "--as", "failed", "--by", "dave",
                        "--evidence", "e", "--seen", "1")  # fmt: skip
     assert code == 2 and "--seen goes with --review" in err, err
+    assert ledger.verify().ok
+
+
+def test_review__the_python_clients_take_seen_as_the_cli_does(ledger, db_url, scope, tmp_path):
+    """The README says ``client.approve / reject / retry / resolve`` do what the CLI's
+    commands do, and ``resolve --review --seen SEQ`` refuses a review decided before a flag
+    it would settle was raised; ``Client.resolve`` and ``AsyncClient.resolve`` took no
+    ``seen``, so a review desk in Python could only settle every flag, seen or not (a cold
+    review of the README)."""
+    import asyncio
+
+    from toolledger.client import AsyncClient, Client
+    from toolledger.config import Settings
+    from toolledger.tools import Registry
+
+    first = unknown_attempt(ledger, scope)
+    ledger.resolve(first, Status.FAILED, by="carol", evidence="no charge")
+    looked = ledger.events(scope, "c1")[-1].seq  # dave's page: carol's failed, no flag
+    late = {"late_result": {"charged": 100}, "status": "succeeded", "proves": "succeeded"}
+    ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED)
+    assert ledger.get(scope, "c1").operation.review == Review.CONTRADICTED
+    settings = Settings(db=db_url, home=str(tmp_path / "home"), sandbox=str(tmp_path / "sb"))
+    with Client(settings, registry=Registry()) as client:
+        before = kinds(ledger, scope)
+        with pytest.raises(StaleFence, match="look again"):
+            client.resolve(first, "failed", by="dave", evidence="e", review=True, seen=looked)
+        with pytest.raises(InputError, match="seen goes with review"):
+            client.resolve(first, "failed", by="dave", evidence="e", seen=looked)
+        assert kinds(ledger, scope) == before
+        newest = ledger.events(scope, "c1")[-1].seq
+        done = asyncio.run(
+            AsyncClient.of(client).resolve(
+                first, "succeeded", by="dave", evidence="the charge", review=True, seen=newest
+            )
+        )
+    assert done["status"] == "succeeded"
+    assert ledger.get(scope, "c1").operation.review is None
     assert ledger.verify().ok
 
 
