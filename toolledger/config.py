@@ -187,21 +187,26 @@ class Settings:
 
     def check(self) -> None:
         """Refuse inconsistent limits (DESIGN §7): soft < hard < lease < visibility timeout."""
-        if not 0 < self.soft_time_limit < self.time_limit < self.lease_seconds:
+        # named as the variables a user sets (a refusal said "visibility_timeout",
+        # "soft_time_limit": no setting of the README's table)
+        soft, hard, lease = self.soft_time_limit, self.time_limit, self.lease_seconds
+        if not 0 < soft < hard < lease:
             raise ConfigError(
-                f"need 0 < soft_time_limit ({self.soft_time_limit}) < time_limit "
-                f"({self.time_limit}) < lease_seconds ({self.lease_seconds})"
+                f"need 0 < {PREFIX}SOFT_TIME_LIMIT ({_figure(soft)}) < {PREFIX}TIME_LIMIT "
+                f"({_figure(hard)}) < {PREFIX}LEASE_SECONDS ({_figure(lease)}) (the time "
+                "limits default to 2/3 and 5/6 of the lease)"
             )
-        if self.visibility_timeout <= self.lease_seconds + self.time_limit:
+        if self.visibility_timeout <= lease + hard:
             raise ConfigError(
-                f"visibility_timeout ({self.visibility_timeout}) must exceed lease_seconds + "
-                f"time_limit ({self.lease_seconds + self.time_limit}): Redis would redeliver "
-                "a task that is still running"
+                f"{PREFIX}VISIBILITY_TIMEOUT ({_figure(self.visibility_timeout)}) must exceed "
+                f"{PREFIX}LEASE_SECONDS + {PREFIX}TIME_LIMIT ({_figure(lease + hard)}): "
+                "Redis would redeliver a task that is still running"
             )
-        if self.db_timeout * 2 > self.lease_seconds:
+        if self.db_timeout * 2 > lease:
             raise ConfigError(
-                f"db_timeout ({self.db_timeout}) must be at most half of lease_seconds "
-                f"({self.lease_seconds}): a hung renewal must leave time for another"
+                f"{PREFIX}DB_TIMEOUT ({_figure(self.db_timeout)}) must be at most half of "
+                f"{PREFIX}LEASE_SECONDS ({_figure(lease)}): a hung renewal must leave time "
+                "for another"
             )
 
     def with_(self, **changes: Any) -> Settings:

@@ -86,6 +86,35 @@ def test_settings__inconsistent_limits_refused(kw):
         redis_settings(**kw).check()
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        # only the soft limit set: the hard one is the lease's 5/6 (25 s), which it must name
+        (
+            {"TOOLLEDGER_SOFT_TIME_LIMIT": "25"},
+            "need 0 < TOOLLEDGER_SOFT_TIME_LIMIT (25) < TOOLLEDGER_TIME_LIMIT (25) < "
+            "TOOLLEDGER_LEASE_SECONDS (30)",
+        ),
+        (
+            {"TOOLLEDGER_VISIBILITY_TIMEOUT": "10"},
+            "TOOLLEDGER_VISIBILITY_TIMEOUT (10) must exceed TOOLLEDGER_LEASE_SECONDS + "
+            "TOOLLEDGER_TIME_LIMIT (55)",
+        ),
+        (
+            {"TOOLLEDGER_LEASE_SECONDS": "4", "TOOLLEDGER_DB_TIMEOUT": "3"},
+            "TOOLLEDGER_DB_TIMEOUT (3) must be at most half of TOOLLEDGER_LEASE_SECONDS (4)",
+        ),
+    ],
+)
+def test_settings__inconsistent_limits_name_the_variables_set(env, says):
+    """A worker refused to start saying ``visibility_timeout (10.0) must exceed
+    lease_seconds + time_limit``: names no variable a user sets (a cold review of the
+    README, which says a refusal names the setting, as ``beat --interval``'s does)."""
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env(env).check()
+    assert says in str(err.value)
+
+
 def test_settings__defaults_are_consistent_and_read_from_env():
     redis_settings().check()
     s = Settings.from_env({"TOOLLEDGER_LEASE_SECONDS": "12", "TOOLLEDGER_HOME": "/tmp/h"})
