@@ -397,7 +397,9 @@ def _receipt(ledger: Ledger, scope: str, call: Call, name: str) -> Receipt:
     except NotFound:
         raise NotFound(
             f"{where} is not in the ledger of scope {scope!r}: recovery stops "
-            "here; the transcript is unchanged"
+            "here; the transcript is unchanged (a read-only tool's call is never recorded: "
+            "run the read again and put its result in the transcript, then repair the rest; "
+            "else, is --scope right?)"
         ) from None
     args = call.args
     try:
