@@ -151,6 +151,15 @@ class Settings:
                 "TOOLLEDGER_DB: an in-memory SQLite ledger forgets every call when the process "
                 "ends: give it a file (sqlite:///path/ledger.db)"
             )
+        for name, url, file in (
+            ("TOOLLEDGER_DB", self.db, "ledger.db"),
+            ("TOOLLEDGER_BROKER", self.broker, "broker.db"),
+        ):  # a folder given for the file: "unable to open database file", exit 1, unnamed
+            if (path := _sqlite_file(url)) and Path(path).is_dir():
+                raise ConfigError(
+                    f"{name}: {path} is a directory: the URL names the SQLite file itself "
+                    f"({url.partition(':///')[0]}:///{path.rstrip('/')}/{file}?)"
+                )
         if not _QUEUE_NAME.fullmatch(self.queue):
             raise ConfigError(
                 f"TOOLLEDGER_QUEUE={self.queue!r}: a queue name is 1-200 of [A-Za-z0-9._-] "

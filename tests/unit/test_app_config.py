@@ -268,6 +268,10 @@ def test_settings__frozen_comparable_and_never_showing_a_url():
         ({"DB": "sqlite://"}, "in-memory SQLite ledger"),
         ({"DB": "sqlite:///:memory:"}, "in-memory SQLite ledger"),
         ({"DB": "sqlite:///x.db?mode=memory&uri=true"}, "in-memory SQLite ledger"),
+        # a directory where the file goes (--db sqlite:///.toolledger): "database unavailable:
+        # unable to open database file", exit 1, as if a server were down, the path unnamed
+        ({"DB": "sqlite:///{t}/sb"}, "TOOLLEDGER_DB: {t}/sb is a directory"),
+        ({"BROKER": "embedded+sqlite:///{t}/sb"}, "TOOLLEDGER_BROKER: {t}/sb is a directory"),
         # a queue Celery reads as a list: jobs published to 'jobs,fast', consumed from neither
         ({"QUEUE": "jobs,fast"}, "TOOLLEDGER_QUEUE='jobs,fast'"),
         ({"QUEUE": "a b"}, "TOOLLEDGER_QUEUE"),
