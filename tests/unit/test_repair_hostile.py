@@ -693,7 +693,9 @@ def test_forced_format_that_does_not_fit__refused(capsys, sqlite_url, ledger, tm
     data = as_json("openai", [USER, *oa("call_ok")])
     path.write_bytes(data)
     code, _, err = cli(capsys, sqlite_url, str(path), "--format", "anthropic")
-    assert code == 6 and "'content' must be a string or an array, not null" in err
+    # the format named is refused as such, before the text is read in it: it said "'content'
+    # must be a string or an array, not null" of the OpenAI call, naming no format
+    assert code == 6 and "--format anthropic, but it reads as openai" in err, err
     assert path.read_bytes() == data
 
 
