@@ -634,6 +634,45 @@ def test_stdin_closed__a_call_still_running_is_answered_its_status_and_the_serve
         assert code == 0
 
 
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_reinitialize__after_a_call_is_refused_so_request_ids_never_name_two_calls(
+    world: Stack, command: str, tmp_path: Path
+) -> None:
+    """A call the host does not name is ``rpc-<session>-<request id>``. The SDK accepted a
+    second ``initialize`` on one connection, and a host's new session counts its ids again:
+    its first call, id 3 with the same arguments, was answered the earlier call's result,
+    nothing run (a cold review). Once a call has been made, a second handshake is refused
+    (-32600, its own id) and the session goes on; before any call it is harmless, answered."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("reinit")
+    if command == "serve":
+        argv, tool = ["serve", "--scope", scope], "append_file"
+        args: dict[str, Any] = {"path": "r.txt", "content": "x\n"}
+    else:
+        argv, tool, args = ["proxy", "--scope", scope, *proxy_argv()[1:]], "charge", {"amount": 5}
+    again = json.loads(HELLO)
+    call = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": tool, "arguments": args}}  # fmt: skip
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log)}
+    with raw_host(world, argv, env, kill_after=60) as host:
+        host.send(HELLO, {**again, "id": 2}, INITIALIZED)  # before any call: answered
+        assert [host.reply()["id"], host.reply()["id"]] == [1, 2]
+        host.send(call)
+        first = host.reply()
+        host.send({**again, "id": 4})
+        refused = host.reply()
+        host.send('{"jsonrpc":"2.0","id":5,"method":"ping"}', close=True)
+        rest = host.rest()
+    assert first["id"] == 3 and not first["result"]["isError"], first
+    assert refused["id"] == 4 and refused["error"]["code"] == -32600, refused
+    assert "initialized" in refused["error"]["message"], refused
+    assert {"jsonrpc": "2.0", "id": 5, "result": {}} in rest, rest
+    if command == "proxy":
+        assert len(invocations(log)) == 1
+    else:
+        assert (world.sandbox / scope / "r.txt").read_text() == "x\n"
+
+
 def test_proxy__forwards_once_with_the_key_and_replays_the_upstream_result(
     world: Stack, tmp_path: Path
 ) -> None:

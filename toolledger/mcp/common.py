@@ -413,13 +413,22 @@ async def answering_malformed(
     """The host's messages, each line that is no JSON-RPC message answered as JSON-RPC 2.0
     asks — an error with id null: -32700 for text that is not JSON, -32600 for JSON that is no
     message — where the SDK's server drops it without a word (a host waiting on a reply to a
-    request it mangled waited forever)."""
+    request it mangled waited forever); and a second ``initialize`` once a tool was called
+    refused (``_initialized_already``)."""
     send, receive = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    called = False  # a tools/call has been passed on: its id is spent on this connection
 
     async def pump() -> None:
+        nonlocal called
         async with send:
             async for item in read:
                 if not isinstance(item, Exception):
+                    request = item.message
+                    if isinstance(request, types.JSONRPCRequest):
+                        if request.method == "initialize" and called:
+                            await write.send(_initialized_already(request.id))
+                            continue
+                        called = called or request.method == "tools/call"
                     await send.send(item)
                     continue
                 errors = item.errors() if isinstance(item, ValidationError) else []
@@ -447,3 +456,22 @@ async def answering_malformed(
             yield receive
         finally:
             pumping.cancel_scope.cancel()
+
+
+def _initialized_already(request_id: types.RequestId) -> SessionMessage:
+    """The answer to an ``initialize`` on a connection whose tools were called already. A
+    host's new session counts its request ids again, and a call it does not name
+    (``rpc-<session>-<id>``) was taken for the earlier call of that id: the same arguments got
+    that call's result, nothing run (the SDK accepted the second handshake; a cold review).
+    Refused as the TypeScript SDK refuses one ("Server already initialized"): a new session
+    is a new server process."""
+    error = types.ErrorData(
+        code=types.INVALID_REQUEST,
+        message=(
+            "Invalid Request: this connection is initialized and has called tools already: a "
+            "new session's request ids would name its earlier calls; start a new server "
+            "process for a new session"
+        ),
+    )
+    log.warning("a second initialize, after tools were called, refused")
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
