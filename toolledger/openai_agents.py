@@ -56,6 +56,7 @@ from toolledger.client import UNANSWERED, AsyncCallHandle, AsyncClient, Client, 
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, LedgerError, StateError
 from toolledger.ledger.transitions import Status
+from toolledger.mcp import META_SCOPE, META_TOOL_CALL_ID
 from toolledger.tools import Registry, Tool
 from toolledger.turns import CallsWaiting, database_failed
 
@@ -171,6 +172,32 @@ def _unanswered(scope: str, tool_call_id: str) -> CallsWaiting:
     new id, a second effect (a cold review)."""
     waiting = {tool_call_id: UNANSWERED}
     return CallsWaiting(scope, waiting, frozenset(waiting))
+
+
+def mcp_call_meta(scope: Scope | None = None) -> Callable[[Any], dict[str, str]]:
+    """A ``tool_meta_resolver`` for the SDK's own MCP client in front of ``toolledger mcp
+    serve`` or ``mcp proxy`` (``MCPServerStdio(..., tool_meta_resolver=mcp_call_meta())``):
+    each call carries the SDK's tool call id in ``_meta["toolledger/tool_call_id"]`` (and
+    ``scope``, a string or a function of the run context, in ``_meta["toolledger/scope"]``
+    if given). The SDK retries a call that timed out (``max_retry_attempts``; its
+    ``client_session_timeout_seconds`` is 5 s by default) as a new JSON-RPC request: without
+    the id, a new call, and the tool ran twice (a cold review); with it, the same call,
+    answered from the ledger."""
+
+    def resolve(context: Any) -> dict[str, str]:
+        run_context = context.run_context
+        call_id = getattr(run_context, "tool_call_id", None)
+        if not isinstance(call_id, str) or not call_id:
+            raise TypeError(
+                f"mcp_call_meta: the run context of {context.tool_name!r} has no tool call "
+                "id to name the call by"
+            )
+        meta = {META_TOOL_CALL_ID: call_id}
+        if scope is not None:
+            meta[META_SCOPE] = scope if isinstance(scope, str) else scope(run_context)
+        return meta
+
+    return resolve
 
 
 def ledger_function_tools(

@@ -1042,6 +1042,56 @@ def test_proxy__a_recorded_call_of_a_tool_the_upstream_no_longer_lists_is_replay
     assert [c["tool"] for c in invocations(log)] == ["charge"]  # sent once, never again
 
 
+def test_proxy__the_agents_sdks_retry_of_a_call_named_by_mcp_call_meta_is_sent_once(
+    world: Stack, tmp_path: Path
+) -> None:
+    """The OpenAI Agents SDK's own MCP client gives a request 5 s by default and, with
+    ``max_retry_attempts``, sends a call that timed out again as a new JSON-RPC request: to
+    the proxy a new call, and the upstream charged twice (a cold review). Named by
+    ``mcp_call_meta`` (the SDK's tool call id in ``_meta``), the retry is the same call: sent
+    upstream once, and the run gets its result."""
+    pytest.importorskip("agents")
+    from agents.mcp import MCPServerStdio
+    from agents.mcp.util import MCPUtil
+    from agents.tool_context import ToolContext
+
+    from toolledger.openai_agents import mcp_call_meta
+
+    log, release = tmp_path / "upstream.log", tmp_path / "release"
+    scope = scope_of("agents-mcp")
+    env = {
+        **world.env(),
+        "MCP_UPSTREAM_LOG": str(log),
+        "MCP_UPSTREAM_RELEASE": str(release),
+        "MCP_UPSTREAM_CANCELS": str(tmp_path / "cancels"),
+    }
+    params = {"command": sys.executable, "args": [*toolledger_argv()[1:], "mcp", *proxy_argv()],
+              "env": env, "cwd": str(ROOT)}  # fmt: skip
+
+    async def go() -> Any:
+        server = MCPServerStdio(
+            params=params,  # type: ignore[arg-type]
+            client_session_timeout_seconds=2,  # the SDK's 5 s, shorter
+            max_retry_attempts=1,
+            retry_backoff_seconds_base=1.0,
+            tool_meta_resolver=mcp_call_meta(scope),
+        )
+        async with server:
+            (tool,) = [t for t in await server.list_tools() if t.name == "wait_charge"]
+            ctx = ToolContext(context=None, tool_name="wait_charge", tool_call_id="call_1",
+                              tool_arguments='{"amount": 3}')  # fmt: skip
+            # released after the first request timed out: the retry waits for the result
+            threading.Timer(4, release.touch).start()
+            with anyio.fail_after(60):
+                return await MCPUtil.invoke_mcp_tool(server, tool, ctx, '{"amount": 3}')
+
+    out = run_async(go)
+    calls = invocations(log)
+    assert len(calls) == 1, calls  # twice without the id: the retry was a new call
+    assert calls[0]["meta"]["toolledger/service_key"] == f"{scope}/mcp.wait_charge:call_1"
+    assert "charged 3" in json.dumps(out, default=str)
+
+
 def test_proxy__a_call_cancelled_by_its_host_is_still_sent_once_recorded(
     world: Stack, tmp_path: Path
 ) -> None:
