@@ -330,7 +330,8 @@ def test_serve__a_call_not_finished_in_time_answers_its_status_then_its_receipt(
     assert not early.is_error
     status = text_of(early)
     assert status["finished"] is False and status["status"] in ("approved", "running")
-    assert "same toolledger/tool_call_id" in status["message"]
+    # named: the host may ask again with its id; the model is never invited to call again
+    assert "Do not make a new call" in status["message"] and "'slow_1'" in status["message"]
     # a call the host did not name: asking again would be a new call, and the answer says so
     told = text_of(unnamed)["message"]
     assert "Do not call the tool again" in told and "same toolledger/tool_call_id" not in told

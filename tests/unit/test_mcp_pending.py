@@ -29,6 +29,21 @@ def test_pending__a_scope_the_host_or_the_server_fixed_needs_no_more():
         assert "will not run again" in said and "After a reconnect" not in said
 
 
+def test_pending__a_named_call_never_invites_the_model_to_call_again():
+    """The text is the model's, and a model's next call has a new id: a new call. "Call the
+    tool again with the same toolledger/tool_call_id" invited it, and with a host naming
+    calls by the model's ids (``mcp_call_meta``) the tool ran a second time."""
+    for meta, scope in (
+        ({META_TOOL_CALL_ID: "call_1"}, "mcp-abc"),  # the connection's own scope
+        ({META_TOOL_CALL_ID: "call_1", META_SCOPE: "mine"}, "mcp-abc"),
+    ):
+        ident = call_identity(meta, 7, scope=scope, session="abc")
+        for status in ("running", "unanswered"):
+            said = _message(pending_result(ident, status))
+            assert "Call the tool again" not in said, said
+            assert "Do not make a new call of the tool" in said and "'call_1'" in said, said
+
+
 def test_pending__an_unnamed_call_is_told_not_to_ask_again():
     ident = call_identity({}, 7, scope="mcp-abc", session="abc")
     assert not ident.named_by_host

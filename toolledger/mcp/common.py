@@ -132,22 +132,26 @@ UNANSWERED = "unanswered"
 
 def pending_result(ident: CallIdentity, status: str) -> types.CallToolResult:
     """No receipt yet: the call's status, never an invented result. Not an error: the call
-    goes on, and the same tool_call_id later gets its receipt. Asking again is safe only for
-    a call the host named (``_meta``): for any other, a second request is a second call, and
-    the answer says so instead of inviting it. ``UNANSWERED``: the database failed the submit
-    or the wait, and whether the call was recorded is not known."""
-    if ident.named_by_host and ident.session_scope:  # a promise only this connection keeps
+    goes on, and the same tool_call_id later gets its receipt. Only the host can ask with that
+    id: the text is the model's, and a model told to "call the tool again with the same
+    toolledger/tool_call_id" can only make a new tool call, under a new id; with a host that
+    names calls by the model's ids (``mcp_call_meta``) that is a new call, and the tool ran a
+    second time (a cold review). So the text never invites a new call, named or not.
+    ``UNANSWERED``: the database failed the submit or the wait, and whether the call was
+    recorded is not known."""
+    if ident.named_by_host:
         again = (
-            "Call the tool again with the same toolledger/tool_call_id to get its result; "
-            f"it will not run again. After a reconnect, also send _meta {META_SCOPE!r} = "
-            f"{ident.scope!r}: this connection's calls are kept in that scope, and a new "
-            "connection has a scope of its own (where the same id would be a new call)."
+            "Do not make a new call of the tool for it: a new tool call is a new action and "
+            f"runs again. Asked with this call's own toolledger/tool_call_id "
+            f"({ident.tool_call_id!r}) again, the server answers its result: it will not run "
+            "again."
         )
-    elif ident.named_by_host:
-        again = (
-            "Call the tool again with the same toolledger/tool_call_id to get its result; "
-            "it will not run again."
-        )
+        if ident.session_scope:  # a promise only this connection keeps
+            again += (
+                f" After a reconnect, also send _meta {META_SCOPE!r} = {ident.scope!r}: this "
+                "connection's calls are kept in that scope, and a new connection has a scope "
+                "of its own (where the same id would be a new call)."
+            )
     else:
         again = (
             f"Do not call the tool again for it: without a toolledger/tool_call_id of yours "
