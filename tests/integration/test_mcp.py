@@ -656,8 +656,11 @@ def test_reinitialize__after_a_call_is_refused_so_request_ids_never_name_two_cal
             "params": {"name": tool, "arguments": args}}  # fmt: skip
     env = {**world.env(), "MCP_UPSTREAM_LOG": str(log)}
     with raw_host(world, argv, env, kill_after=60) as host:
-        host.send(HELLO, {**again, "id": 2}, INITIALIZED)  # before any call: answered
-        assert [host.reply()["id"], host.reply()["id"]] == [1, 2]
+        # a call before any handshake (refused by the SDK), then two: both answered
+        host.send({**call, "id": 0}, HELLO, {**again, "id": 2}, INITIALIZED)
+        early = [host.reply() for _ in range(3)]
+        assert [r["id"] for r in early] == [0, 1, 2] and "error" in early[0], early
+        assert all("result" in r for r in early[1:]), early
         host.send(call)
         first = host.reply()
         host.send({**again, "id": 4})

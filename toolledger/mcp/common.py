@@ -420,10 +420,12 @@ async def answering_malformed(
     request it mangled waited forever); and a second ``initialize`` once a tool was called
     refused (``_initialized_already``)."""
     send, receive = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-    called = False  # a tools/call has been passed on: its id is spent on this connection
+    # a tools/call was passed on in a session: its id is spent on this connection (one sent
+    # before any handshake, refused by the SDK, spends nothing)
+    initialized = called = False
 
     async def pump() -> None:
-        nonlocal called
+        nonlocal initialized, called
         async with send:
             async for item in read:
                 if not isinstance(item, Exception):
@@ -432,7 +434,8 @@ async def answering_malformed(
                         if request.method == "initialize" and called:
                             await write.send(_initialized_already(request.id))
                             continue
-                        called = called or request.method == "tools/call"
+                        called = called or (initialized and request.method == "tools/call")
+                        initialized = initialized or request.method == "initialize"
                     await send.send(item)
                     continue
                 errors = item.errors() if isinstance(item, ValidationError) else []
