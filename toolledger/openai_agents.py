@@ -182,7 +182,9 @@ def mcp_call_meta(scope: Scope | None = None) -> Callable[[Any], dict[str, str]]
     if given). The SDK retries a call that timed out (``max_retry_attempts``; its
     ``client_session_timeout_seconds`` is 5 s by default) as a new JSON-RPC request: without
     the id, a new call, and the tool ran twice (a cold review); with it, the same call,
-    answered from the ledger."""
+    answered from the ledger. Give ``scope`` or run the server with ``--scope``: without
+    either, a call is kept in its connection's own scope, which a restarted server does not
+    share."""
 
     def resolve(context: Any) -> dict[str, str]:
         run_context = context.run_context
