@@ -108,3 +108,12 @@ def test_proxy__a_wait_the_database_stopped_answering_answers_unanswered():
     said = result.structured_content
     assert not result.is_error and said["status"] == "unanswered", said
     assert "Do not call the tool again" in said["message"]
+
+
+def test_serve_instructions__never_invite_a_new_call_for_one_not_finished():
+    """The server's instructions may reach the model (hosts put them in its context): "ask
+    again with the same id" invites a call the model can only make under a new id."""
+    from toolledger.mcp.serve import INSTRUCTIONS
+
+    assert "ask again with the same id" not in INSTRUCTIONS
+    assert "a new tool call (a new id) would run the tool again" in INSTRUCTIONS

@@ -61,8 +61,10 @@ INSTRUCTIONS = (
     "Every tool call runs at most once through the toolledger ledger. Send "
     f"_meta[{META_TOOL_CALL_ID!r}] with the model's tool call id (and optionally "
     f"_meta[{META_SCOPE!r}]): calling again with the same id returns the same result instead "
-    "of running the tool again. A result that says it has not finished is not a failure: "
-    "ask again with the same id. Unless the server was started with a scope, a call sent "
+    "of running the tool again. A result that says it has not finished is not a failure, "
+    "and the call goes on: the host asks again with the same id for its result; a new tool "
+    "call (a new id) would run the tool again. Unless the server was started with a scope, "
+    "a call sent "
     f"without _meta[{META_SCOPE!r}] is kept in this connection's own scope: after a "
     "reconnect, send the scope its result named (_meta) with the same id."
 )
