@@ -976,6 +976,52 @@ def test_proxy__an_upstream_gone_answers_the_calls_in_flight_and_exits_with_stdi
     assert [c["tool"] for c in invocations(log)] == ["slow_charge"]
 
 
+def test_proxy__an_upstream_gone_a_recorded_call_asked_again_gets_its_receipt(
+    world: Stack, tmp_path: Path
+) -> None:
+    """Once its upstream has exited, the proxy answers the calls in flight before it stops.
+    A call asked again meanwhile that had run was answered a JSON-RPC error, "the upstream
+    server has exited: nothing was sent to it": untrue of that call, and an error a model
+    reads invites the action again under a new id (a cold review). It is answered its
+    receipt; a new call is still refused."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("gone-replay")
+    ledger = Ledger(world.db)
+    try:  # a call another proxy holds: asked, it keeps this one's session in flight
+        ledger.submit(scope, "held", "mcp.charge", {"amount": 1}, approved_by="test")
+        claim = ledger.claim(scope, "mcp.charge:held", 1, worker_id="test", lease_seconds=120)
+        assert claim is not None
+    finally:
+        ledger.close()
+
+    def call(rid: int, name: str, call_id: str, amount: int | None = None) -> dict[str, Any]:
+        args = {} if amount is None else {"amount": amount}
+        meta = {ID: call_id, SCOPE: scope}
+        return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                "params": {"name": name, "arguments": args, "_meta": meta}}  # fmt: skip
+
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log)}
+    with raw_host(world, proxy_argv("--timeout", "15"), env) as host:
+        host.hello()
+        host.send(call(2, "charge", "done", 5))
+        done = host.reply()
+        host.send(call(3, "charge", "held", 1), call(4, "crash", "boom"))
+        replies = {r["id"]: r for r in (host.reply(),)}  # the crash: unknown
+        time.sleep(1.5)  # the upstream seen gone (its exit is polled, its stdout drained)
+        host.send(call(5, "charge", "done", 5), call(6, "charge", "new", 7))
+        for _ in range(3):
+            reply = host.reply()
+            replies[reply["id"]] = reply
+        code = host.proc.wait(60)
+    assert code == 1
+    assert done["id"] == 2 and not done["result"]["isError"], done
+    assert "result" in replies[5], replies[5]  # its receipt, not an error
+    assert replies[5]["result"] == done["result"]
+    assert replies[6]["error"]["message"].startswith("the upstream server has exited"), replies
+    assert json.loads(replies[3]["result"]["content"][0]["text"])["finished"] is False
+    assert [c["tool"] for c in invocations(log)] == ["charge", "crash"]
+
+
 def test_proxy__an_upstream_that_dies_while_its_child_holds_its_stdout_is_seen_gone(
     world: Stack, tmp_path: Path
 ) -> None:

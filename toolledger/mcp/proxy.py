@@ -313,7 +313,9 @@ class Proxy:
     ) -> types.CallToolResult:
         if params.name not in self.tools:
             return await self._replay_unlisted(ctx, params)
-        self._check_upstream()
+        if self.gone.is_set():  # nothing more is sent: a recorded call gets its receipt (an
+            # error in its place, "nothing was sent", told a call that had run it had not)
+            return await self._replay_unlisted(ctx, params, _upstream_gone())
         try:
             ident = call_identity(
                 params.meta, ctx.request_id, scope=self.scope, session=self.session
@@ -382,14 +384,18 @@ class Proxy:
         return reply(receipt)
 
     async def _replay_unlisted(
-        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+        self,
+        ctx: ServerRequestContext[Any],
+        params: types.CallToolRequestParams,
+        refused: MCPError | None = None,
     ) -> types.CallToolResult:
         """A tool the upstream does not list (no more, since an upgrade): the call is answered
         from the ledger if it is recorded (same id, key and arguments), as ``mcp serve``
         answers one of a tool gone from its registry; refused "unknown tool" before, a call
-        that ran read as one that never did (a cold review). Only a new call is refused.
-        Nothing is sent upstream, nor claimed: the upstream has no such tool to send it to."""
-        unknown = MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
+        that ran read as one that never did (a cold review). Only a new call is refused
+        (``refused``, else "unknown tool"). Nothing is sent upstream, nor claimed: the
+        upstream has no such tool to send it to (or has exited)."""
+        unknown = refused or MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
         try:
             ident = call_identity(
                 params.meta, ctx.request_id, scope=self.scope, session=self.session
@@ -472,9 +478,7 @@ class Proxy:
 
     def _check_upstream(self) -> None:
         if self.gone.is_set():
-            raise MCPError(
-                types.INTERNAL_ERROR, "the upstream server has exited: nothing was sent to it"
-            )
+            raise _upstream_gone()
 
     # ------------------------------------------------------------------ the forward
 
@@ -808,6 +812,10 @@ def _check_arguments(
 def _db_error(exc: sa.exc.SQLAlchemyError) -> str:
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     return one_line(f"ledger unavailable: {detail[0] if detail else type(exc).__name__}")
+
+
+def _upstream_gone() -> MCPError:
+    return MCPError(types.INTERNAL_ERROR, "the upstream server has exited: nothing was sent to it")
 
 
 def _version() -> str:
