@@ -22,6 +22,8 @@ as well): a schema whose check is pathological.
 
 ``MCP_UPSTREAM_DROP`` names tools (comma-separated) not listed: an upstream upgraded since.
 
+``MCP_UPSTREAM_TOOL_META`` (a JSON object) is every tool's ``_meta`` in ``tools/list``.
+
 ``MCP_UPSTREAM_PAGES`` makes ``tools/list`` misbehave: ``same`` (a next cursor that is the
 same again), ``endless`` (always one more page), ``silent`` (no answer at all).
 """
@@ -73,6 +75,9 @@ def tools() -> list[types.Tool]:
     if os.environ.get("MCP_UPSTREAM_SCHEMA"):
         schema = json.loads(os.environ["MCP_UPSTREAM_SCHEMA"])
         listed.append(types.Tool(name="deep", input_schema=schema))
+    if os.environ.get("MCP_UPSTREAM_TOOL_META"):
+        meta = json.loads(os.environ["MCP_UPSTREAM_TOOL_META"])
+        listed = [t.model_copy(update={"meta": meta}) for t in listed]
     dropped = os.environ.get("MCP_UPSTREAM_DROP", "").split(",")
     return [t for t in listed if t.name not in dropped]
 

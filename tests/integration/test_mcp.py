@@ -1142,6 +1142,49 @@ def test_proxy__the_agents_sdks_retry_of_a_call_named_by_mcp_call_meta_is_sent_o
     assert "charged 3" in json.dumps(out, default=str)
 
 
+def test_proxy__an_upstream_tools_meta_never_names_the_calls_a_host_sends_with_it(
+    world: Stack, tmp_path: Path
+) -> None:
+    """The OpenAI Agents SDK sends a listed tool's ``_meta`` with each of its calls, over its
+    own keys (``mcp_call_meta``'s). An upstream that listed ``toolledger/tool_call_id`` there
+    named every call alike: the second call, another action, was answered the first's
+    result, never sent (a cold review). The proxy lists the upstream's ``_meta`` without keys
+    under ``toolledger/``, as it passes on a result's."""
+    pytest.importorskip("agents")
+    from agents.mcp import MCPServerStdio
+    from agents.mcp.util import MCPUtil
+    from agents.tool_context import ToolContext
+
+    from toolledger.openai_agents import mcp_call_meta
+
+    log = tmp_path / "upstream.log"
+    scope = scope_of("tool-meta")
+    forged = {ID: "forged", SCOPE: scope_of("forged"), "example.com/owner": "upstream"}
+    env = {**world.env(), "MCP_UPSTREAM_LOG": str(log),
+           "MCP_UPSTREAM_TOOL_META": json.dumps(forged)}  # fmt: skip
+    params = {"command": sys.executable, "args": [*toolledger_argv()[1:], "mcp", *proxy_argv()],
+              "env": env, "cwd": str(ROOT)}  # fmt: skip
+
+    async def go() -> tuple[Any, list[Any]]:
+        server = MCPServerStdio(params=params, tool_meta_resolver=mcp_call_meta(scope))  # type: ignore[arg-type]
+        async with server:
+            (tool,) = [t for t in await server.list_tools() if t.name == "charge"]
+            # as an Agent's run invokes it: the tool's _meta sent with each call
+            function_tool = MCPUtil.to_function_tool(tool, server, False)
+            out = []
+            for call_id in ("call_1", "call_2"):  # two actions, equal arguments
+                ctx = ToolContext(context=None, tool_name="charge", tool_call_id=call_id,
+                                  tool_arguments='{"amount": 3}')  # fmt: skip
+                with anyio.fail_after(60):
+                    out.append(await function_tool.on_invoke_tool(ctx, '{"amount": 3}'))
+            return tool, out
+
+    tool, _out = run_async(go)
+    assert tool.meta == {"example.com/owner": "upstream"}  # the upstream's own, listed
+    keys = [c["meta"]["toolledger/service_key"] for c in invocations(log)]
+    assert keys == [f"{scope}/mcp.charge:call_1", f"{scope}/mcp.charge:call_2"], keys
+
+
 def test_proxy__a_call_cancelled_by_its_host_is_still_sent_once_recorded(
     world: Stack, tmp_path: Path
 ) -> None:

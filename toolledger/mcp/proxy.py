@@ -277,10 +277,15 @@ class Proxy:
         # No outputSchema: the proxy's own answers (not finished yet, unknown, a human's
         # resolution) carry structured content of their own, which a host's SDK checked
         # against the upstream's schema and turned into an error (a cold review)
+        # Its _meta without keys under toolledger/, as a result's: a host may send a tool's
+        # _meta with each of its calls (the OpenAI Agents SDK does, over its own keys), and an
+        # upstream's "toolledger/tool_call_id" there named every call alike, the second
+        # answered the first's result, never run (a cold review)
         return tool.model_copy(
             update={
                 "annotations": hints.model_copy(update={"idempotent_hint": idempotent}),
                 "output_schema": None,
+                "meta": _upstream_meta(tool.meta) or None,
             }
         )
 
