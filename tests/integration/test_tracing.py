@@ -394,3 +394,58 @@ def test_trace__console_spans_never_reach_stdout_a_commands_output(tmp_path):
     assert json.loads(done.stdout)["tool_call_id"] == "c1"  # the output alone
     spans = [json.loads(line) for line in done.stderr.splitlines()]  # each line one object
     assert [s["name"] for s in spans] == ["submit_tool write_file"], done.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_trace__a_collector_down_costs_a_command_one_warning_line(
+    tmp_path: Path, as_json: bool
+) -> None:
+    """A collector down (OTEL_EXPORTER_OTLP_ENDPOINT at a closed port): a one-shot command
+    waited out the exporter's 10 s of retries after its work was done, then wrote four lines,
+    the last "toolledger: error: Failed to export spans batch" under exit 0 (a cold review of
+    the README). Its export is bounded (2 s), and what it says is one warning line."""
+    import socket
+    import subprocess
+
+    from toolledger.harness.processes import toolledger_argv
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = service_env(home=str(tmp_path / "home"), sandbox=str(tmp_path / "sandbox"))
+    env.update(
+        {"TOOLLEDGER_METRICS": "off", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+    )
+    args = '{"path": "a.txt", "content": "x"}'
+    done = subprocess.run(
+        [*toolledger_argv(), *(["--json"] if as_json else []), "submit", "--scope", "s",
+         "--tool-call-id", "c1", "--tool", "write_file", "--args", args, "--approved-by", "al"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "spans not exported" in lines[0], done.stderr
+    if as_json:
+        assert set(json.loads(lines[0])) == {"warning", "logger"}
+    else:
+        assert lines[0].startswith("toolledger: warning: "), done.stderr
+
+
+def test_trace__one_shot_commands_bound_their_export_long_running_ones_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from toolledger.cli import cli
+    from toolledger.observability import tracing
+
+    for name, one_shot in [("worker", False), ("serve", False), ("show", True), ("sweep", True)]:
+        monkeypatch.setattr(tracing, "_one_shot", False)
+        with cli.make_context("toolledger", ["--help"], resilient_parsing=True) as ctx:
+            cli.resolve_command(ctx, [name])
+        assert tracing._one_shot is one_shot, name
+    monkeypatch.setattr(tracing, "_one_shot", True)
+    assert tracing._export_timeout({}) == tracing.ONE_SHOT_EXPORT_SECONDS
+    # the user's own bound wins (the exporter reads it)
+    assert tracing._export_timeout({"OTEL_EXPORTER_OTLP_TIMEOUT": "30"}) is None
+    assert tracing._export_timeout({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30"}) is None
+    monkeypatch.setattr(tracing, "_one_shot", False)
+    assert tracing._export_timeout({}) is None

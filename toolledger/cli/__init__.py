@@ -100,6 +100,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Commands that run until stopped: their spans are exported as the SDK does (every other
+#: command is one-shot: ``tracing.for_one_shot``).
+LONG_RUNNING = frozenset({"worker", "beat", "serve", "mcp", "demo", "chaos", "bench"})
+
+
 def load_command(name: str) -> click.Command:
     """The command ``name`` of ``COMMANDS``, its module imported now."""
     module, _, attribute = COMMANDS[name][0].partition(":")
@@ -120,6 +125,16 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Interrupted from None
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if name is not None and name not in LONG_RUNNING:
+            from toolledger.observability import tracing
+
+            tracing.for_one_shot()  # its spans exported at its exit in bounded time
+        return name, command, rest
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)

@@ -28,6 +28,23 @@ _ENDPOINTS = (
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
 )
 _configured_pid: int | None = None
+#: Seconds a one-shot command's spans may take to reach the collector, all retries included,
+#: unless OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT says otherwise (``for_one_shot``).
+ONE_SHOT_EXPORT_SECONDS = 2.0
+_TIMEOUTS = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+_OTLP_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+_one_shot = False
+
+
+def for_one_shot() -> None:
+    """This process runs one command and exits (``toolledger submit``, ``show``…): its spans
+    are exported at its exit within ``ONE_SHOT_EXPORT_SECONDS``, and a collector that cannot
+    take them is one warning line. With the exporter's own bound (10 s) and retries, a
+    collector down held every command 10 s after its work was done, then wrote four lines
+    to stderr, the last "toolledger: error: Failed to export spans batch" under a command
+    that had succeeded (exit 0: a cold review)."""
+    global _one_shot
+    _one_shot = True
 
 
 def _trace() -> Any:
@@ -63,7 +80,9 @@ def configure(env: Mapping[str, str] | None = None) -> bool:
     current = trace.get_tracer_provider()
     if _configured_pid is None and not isinstance(current, trace.ProxyTracerProvider):
         return False  # the application's own provider wins
-    exporter = _exporter(env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")[0].strip())
+    exporter = _exporter(
+        env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")[0].strip(), _export_timeout(env)
+    )
     if exporter is None:
         return False
     provider = TracerProvider(resource=Resource.create({}))  # OTEL_SERVICE_NAME, _RESOURCE_…
@@ -116,7 +135,15 @@ def flush(timeout_millis: int = FLUSH_MILLIS) -> None:
         log.warning("spans not exported at exit: %s", failed[0])
 
 
-def _exporter(name: str) -> Any:
+def _export_timeout(env: Mapping[str, str]) -> float | None:
+    """The OTLP exporter's bound for this process: a one-shot command's, unless the
+    variables set one (None: the exporter's own, from the variables or its 10 s)."""
+    return ONE_SHOT_EXPORT_SECONDS if _one_shot and not any(map(env.get, _TIMEOUTS)) else None
+
+
+def _exporter(name: str, timeout: float | None = None) -> Any:
+    """The span exporter ``name`` (``console`` or OTLP over HTTP). ``timeout``: the OTLP
+    exporter's bound on an export, retries included, and its retries said as one warning."""
     try:
         if name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -126,10 +153,24 @@ def _exporter(name: str) -> Any:
             return ConsoleSpanExporter(out=sys.stderr, formatter=_span_line)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter()
+        if timeout is None:
+            return OTLPSpanExporter()
+        logging.getLogger(_OTLP_LOGGER).addFilter(_one_warning)
+        return OTLPSpanExporter(timeout=timeout)
     except ImportError:
         log.warning("the %s span exporter is not installed (extra 'otel'): no traces", name)
         return None
+
+
+def _one_warning(record: logging.LogRecord) -> bool:
+    """The OTLP exporter's records for a one-shot command: its retries unsaid, its failure
+    one warning (the command's own outcome is its exit code: an "error" line under exit 0
+    read as the command's failure)."""
+    if record.levelno < logging.ERROR:
+        return False
+    record.msg, record.args = f"spans not exported: {record.getMessage()}", None
+    record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 def _span_line(finished: Any) -> str:
