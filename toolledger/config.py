@@ -490,6 +490,11 @@ def _check_url(name: str, value: str) -> None:
         raise ValueError(f"scheme {parts.scheme!r} is not one of {', '.join(schemes)}")
     if "\x00" in value:
         raise ValueError("holds a NUL character")
+    if parts.netloc.count("@") > 1 and (name == "db" or scheme.startswith("sqla+")):
+        # SQLAlchemy ends the password at its first "@", urllib (the check above) at the
+        # last: "u:p@ss@host" connected to the host "ss@host", and every error and worker
+        # log line then quoted the password's tail ("failed to resolve host 'ss@host'")
+        raise ValueError("its user name or password holds an '@': write it percent-encoded, as %40")
     if name == "broker" and scheme in ("redis", "rediss") and ";" not in value:
         # redis://HOST:PORT/N: N a database number, as kombu reads it (one leading slash off,
         # then int()): a worker with /abc crashed at its first connection, exit 0, three

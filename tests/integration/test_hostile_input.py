@@ -363,6 +363,10 @@ def test_config__a_tool_module_that_does_not_load_is_exit_2_for_submit_and_worke
         ("TOOLLEDGER_DB", "postgresql://u:secret@127.0.0.1:notaport/x", "port is not a number"),
         ("TOOLLEDGER_DB", "postgresql://u:secret/x", "port is not a number"),  # no @host
         ("TOOLLEDGER_DB", "mysql://u@h/x", "scheme 'mysql'"),
+        # an '@' in the password: SQLAlchemy took "secret@127.0.0.1" for the host, and every
+        # error quoted it ("failed to resolve host 'secret@127.0.0.1'")
+        ("TOOLLEDGER_DB", "postgresql://u:p@secret@127.0.0.1:5432/x", "percent-encoded, as %40"),
+        ("TOOLLEDGER_BROKER", "sqla+postgresql://u:p@secret@127.0.0.1/x", "as %40"),
         ("TOOLLEDGER_BROKER", "redis://:secret@127.0.0.1:99999/0", "from 0 to 65535"),
         ("TOOLLEDGER_BROKER", "redis://[::1/0", "does not parse"),
         ("TOOLLEDGER_BROKER", "http://example", "scheme 'http'"),
