@@ -413,18 +413,26 @@ def _ip_address(text: str) -> bool:
 def _warn_misspelt(env: Mapping[str, str]) -> None:
     """Say once, on stderr, that a TOOLLEDGER_* variable close to a setting's name is not
     one (``TOOLLEDGER_LEASE_SECOND`` was ignored without a word: the lease stayed 30 s).
-    Only close names: other TOOLLEDGER_* variables have readers of their own."""
+    Only close names: other TOOLLEDGER_* variables have readers of their own. Close names
+    under a misspelt prefix too (``TOOLEDGER_DB``, ``TOOL_LEDGER_DB``), and a TOOLLEDGER_*
+    variable holding a ledger's or a broker's URL however it is named
+    (``TOOLLEDGER_DATABASE_URL``): each was ignored in silence, and every process took the
+    embedded ledger of its working directory instead (a review)."""
     unknown = []
     for variable in env:
         upper = variable.upper()
         rest = upper.removeprefix(PREFIX)
+        if variable in _warned:
+            continue
+        if rest == upper:  # not our prefix: one that reads like it, misspelt, is asked about
+            if "LEDGER" in upper:
+                unknown.append(variable)
+            continue
         if not (
-            rest == upper
-            or rest.lower() in FIELDS
+            rest.lower() in FIELDS
             or rest in OTHER_VARIABLES
             or rest in FROM_FILE.values()
             or rest.startswith(("TEST_", "CHAOS_"))
-            or variable in _warned
         ):
             unknown.append(variable)
     if not unknown:
@@ -433,10 +441,22 @@ def _warn_misspelt(env: Mapping[str, str]) -> None:
 
     names = [PREFIX + name.upper() for name in FIELDS]
     for variable in unknown:
-        close = difflib.get_close_matches(variable.upper(), names, n=1, cutoff=0.85)
+        # a URL of ours says what it is meant for better than the name does
+        meant = _url_setting(env[variable]) if variable.upper().startswith(PREFIX) else None
+        close = [meant] if meant else difflib.get_close_matches(variable.upper(), names, 1, 0.85)
         if close:
             _warned.add(variable)
             _tell(f"{variable} is not a setting (did you mean {close[0]}?): ignored")
+
+
+def _url_setting(value: str) -> str | None:
+    """The variable a value belongs in if it is a ledger's or a broker's URL (never echoed)."""
+    scheme, sep, _rest = value.strip().partition("://")
+    if not sep:
+        return None
+    if scheme.lower() in _DB_SCHEMES:
+        return PREFIX + "DB"
+    return PREFIX + "BROKER" if scheme.lower() in _BROKER_SCHEMES else None
 
 
 def _checked(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -385,6 +385,31 @@ def test_settings__a_misspelt_variable_is_named_once_other_variables_are_not(cap
     )
 
 
+def test_settings__a_ledger_url_under_another_name_or_prefix_is_named(capsys):
+    """``TOOLLEDGER_DATABASE_URL`` (no close name) and ``TOOLEDGER_DB`` (a misspelt prefix)
+    were ignored without a word: every process took the embedded ledger of its working
+    directory, the Postgres named nowhere used. Never their values (a password)."""
+    env = {
+        "TOOLLEDGER_HOME": "/tmp/h",
+        "TOOLLEDGER_DATABASE_URL": "postgresql://app:s3cret@db:5432/ledger",
+        "TOOLLEDGER_QUEUE_URL": "redis://:s3cret@redis:6379/0",
+        "TOOLEDGER_DB": "postgresql://app:s3cret@db:5432/ledger",
+        "TOOLLEDGER_SOMETHING_ELSE_ENTIRELY": "https://example.com/",  # no URL of ours
+        "MYAPP_LEDGER_URL": "postgresql://app:s3cret@db:5432/theirs",  # another prefix, not close
+    }
+    assert Settings.from_env(env).db.startswith("sqlite:")
+    err = capsys.readouterr().err
+    assert sorted(err.splitlines()) == [
+        "toolledger: warning: TOOLEDGER_DB is not a setting (did you mean TOOLLEDGER_DB?): ignored",
+        "toolledger: warning: TOOLLEDGER_DATABASE_URL is not a setting "
+        "(did you mean TOOLLEDGER_DB?): ignored",
+        "toolledger: warning: TOOLLEDGER_QUEUE_URL is not a setting "
+        "(did you mean TOOLLEDGER_BROKER?): ignored",
+    ]
+    Settings.from_env(env)
+    assert capsys.readouterr().err == ""  # once
+
+
 def test_settings__the_database_and_broker_urls_from_secret_files(tmp_path, capsys):
     """A URL with a password sat in the environment (``docker inspect``, /proc/PID/environ,
     every child): ``TOOLLEDGER_DB_FILE`` / ``TOOLLEDGER_BROKER_FILE`` name a file holding it,
