@@ -143,6 +143,11 @@ class Settings:
                     f"{name}: {where} inside the sandbox ({self.sandbox}): the agents' tools "
                     "could write over the ledger; put the sandbox and the ledger apart"
                 )
+        _refuse_dangling("TOOLLEDGER_HOME", self.home)
+        _refuse_dangling("TOOLLEDGER_SANDBOX", self.sandbox)
+        for name, url in (("TOOLLEDGER_DB", self.db), ("TOOLLEDGER_BROKER", self.broker)):
+            if (path := _sqlite_file(url)) is not None and not Path(path).is_dir():
+                _refuse_dangling(name, Path(path).parent)  # a directory: refused below
         scheme, _, rest = self.db.partition("://")
         if scheme.startswith("sqlite") and (
             rest in ("", "/", "/:memory:") or "mode=memory" in rest or rest.startswith("/?")
@@ -241,6 +246,21 @@ class Settings:
 
 
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+def _refuse_dangling(name: str, folder: Path) -> None:
+    """ConfigError if ``folder`` or a folder above it is a symbolic link to nothing (its
+    target missing, or a loop): making the folder failed with "File exists: PATH" or "Too many
+    levels of symbolic links", exit 1, a failure named as if the link were a file."""
+    for place in (folder, *folder.parents):
+        if place.is_symlink() and not place.exists():
+            target = os.readlink(place)
+            raise ConfigError(
+                f"{name}: {place} is a symbolic link to {target}, which does not exist "
+                "(or is a loop)"
+            )
+        if place.exists():
+            return  # every folder above an existing one exists
 
 
 def _real(path: Path) -> Path:

@@ -410,6 +410,44 @@ def test_settings__a_ledger_url_under_another_name_or_prefix_is_named(capsys):
     assert capsys.readouterr().err == ""  # once
 
 
+def test_settings__a_home_that_links_to_nothing_or_a_ledger_that_is_a_folder_is_refused(
+    tmp_path,
+):
+    """A home, sandbox or ledger's folder that is a symbolic link to nothing failed "File
+    exists: HOME" or "Too many levels of symbolic links", exit 1; a ledger file that is a
+    folder was "database unavailable", exit 1, and a worker waited for it: each a setting
+    to mend (exit 2), named."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "folder").mkdir()
+    for env, says in [
+        ({"TOOLLEDGER_HOME": str(tmp_path / "dangling")}, "TOOLLEDGER_HOME: .* does not exist"),
+        ({"TOOLLEDGER_HOME": str(tmp_path / "loop" / "h")}, "TOOLLEDGER_HOME: .*loop"),
+        (
+            {"TOOLLEDGER_HOME": str(tmp_path / "h"), "TOOLLEDGER_SANDBOX": str(tmp_path / "loop")},
+            "TOOLLEDGER_SANDBOX: .*symbolic link",
+        ),
+        (
+            {
+                "TOOLLEDGER_HOME": str(tmp_path / "h"),
+                "TOOLLEDGER_DB": f"sqlite:///{tmp_path}/folder",
+            },
+            "TOOLLEDGER_DB: .* is a directory: the URL names the SQLite file itself",
+        ),
+        (
+            {
+                "TOOLLEDGER_HOME": str(tmp_path / "h"),
+                "TOOLLEDGER_DB": f"sqlite:///{tmp_path}/dangling/x/ledger.db",
+            },
+            "TOOLLEDGER_DB: .*dangling is a symbolic link",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            Settings.from_env(env)
+    ok = Settings.from_env({"TOOLLEDGER_HOME": str(tmp_path / "new" / "home")})
+    assert ok.home == tmp_path / "new" / "home"  # a home not made yet is no link to nothing
+
+
 def test_settings__the_database_and_broker_urls_from_secret_files(tmp_path, capsys):
     """A URL with a password sat in the environment (``docker inspect``, /proc/PID/environ,
     every child): ``TOOLLEDGER_DB_FILE`` / ``TOOLLEDGER_BROKER_FILE`` name a file holding it,
