@@ -351,11 +351,34 @@ class Submitter:
                 "enqueue of %s/%s failed (the sweep will re-enqueue it): %s", scope, key, exc
             )
             if stamped:
-                self.ledger.clear_enqueued(scope, key, attempt)
+                self._stamp(self.ledger.clear_enqueued, scope, key, attempt)
             return {"enqueued": False, "enqueue_error": f"{type(exc).__name__}: {exc}"}
         if not stamped:
-            self.ledger.mark_enqueued(scope, key, attempt)
+            self._stamp(self.ledger.mark_enqueued, scope, key, attempt)
         return {"enqueued": True}
+
+    @staticmethod
+    def _stamp(
+        write: Callable[[str, str, int], object], scope: str, key: str, attempt: int
+    ) -> None:
+        """Keep the outbox's stamp after a publish, or log that it could not be kept: the
+        call is recorded (and decided) whatever the stamp says, and a stamp left stale only
+        moves the sweep's re-publication (``TOOLLEDGER_REQUEUE_AFTER`` after it). Raised, it
+        made ``submit`` of a recorded call exit 1 with no answer on stdout (a ledger on a full
+        disk, its broker on the same: a review)."""
+        import sqlalchemy as sa
+
+        try:
+            write(scope, key, attempt)
+        except sa.exc.SQLAlchemyError as exc:
+            said = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            log.warning(
+                "the outbox stamp of %s/%s could not be written (the sweep re-publishes it "
+                "after TOOLLEDGER_REQUEUE_AFTER): %s",
+                scope,
+                key,
+                said,
+            )
 
     def close(self) -> None:
         if self._ledger is not None and self._ledger_factory is None:

@@ -112,6 +112,33 @@ def test_submit__approved_with_broker_down_is_recorded_and_says_so(run, ledger, 
     assert ledger.get(scope, "c1").operation.enqueued_at is None
 
 
+def test_submit__recorded_when_its_outbox_stamp_cannot_be_cleared_exits_0(
+    run, ledger, scope, monkeypatch, caplog
+):
+    """The broker down and the ledger failing the clearing of the stamp (a full disk under
+    both, the embedded default): the call was recorded, approved, yet ``submit`` exited 1,
+    "database error", no answer on stdout. The stamp left only delays the sweep's
+    re-publication."""
+    import sqlalchemy as sa
+
+    from toolledger.ledger.ledger import Ledger
+
+    def full(*_args: Any) -> None:
+        raise sa.exc.OperationalError("UPDATE", {}, Exception("database or disk is full"))
+
+    monkeypatch.setattr(Ledger, "clear_enqueued", full)
+    code, out, err = submit(
+        run, scope, "c1", "write_file", {"path": "a", "content": "x"}, "--approved-by", "al",
+        "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["status"] == "approved" and data["enqueued"] is False
+    said = [r.getMessage() for r in caplog.records if r.name == "toolledger.submit"]
+    assert any("outbox stamp" in m and "disk is full" in m for m in said), said
+    assert ledger.get(scope, "c1").operation.status is Status.APPROVED
+
+
 def test_submit__under_json_its_warnings_are_json_lines_too(db_url, tmp_path, scope):
     """Under ``--json`` every line a command writes to stderr is a JSON object, its warnings
     included (a failed enqueue the outbox retries): it was a plain line among them, which a
