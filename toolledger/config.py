@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from toolledger.ledger.identity import MAX_ARGS_BYTES
 
@@ -261,6 +261,18 @@ def _refuse_dangling(name: str, folder: Path) -> None:
             )
         if place.exists():
             return  # every folder above an existing one exists
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be shown (a log, a terminal): its password, if it has one, as ***."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "(a URL that does not parse)"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def _real(path: Path) -> Path:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolledger.config import Settings
+from toolledger.config import Settings, shown_url
 from toolledger.harness.processes import (
     ManagedProcess,
     beat_process,
@@ -211,7 +211,9 @@ def run_demo(settings: Settings, out: Callable[[str], None] = print) -> dict[str
     demo.expects = {e.tool_call_id: e for e in _expectations()}
     sub = Submitter(settings)
     try:
-        demo.step(f"starting 2 workers and the beat on {settings.db} (scope {demo.scope})")
+        # never the password a ledger's URL may hold (it was printed as given)
+        ledger = shown_url(settings.db)
+        demo.step(f"starting 2 workers and the beat on {ledger} (scope {demo.scope})")
         demo.start()
         _script(demo, sub)
     finally:

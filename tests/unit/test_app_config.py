@@ -448,6 +448,32 @@ def test_settings__a_home_that_links_to_nothing_or_a_ledger_that_is_a_folder_is_
     assert ok.home == tmp_path / "new" / "home"  # a home not made yet is no link to nothing
 
 
+def test_demo__never_prints_the_password_of_its_ledgers_url(tmp_path, monkeypatch):
+    """``toolledger demo --db postgresql://app:PW@…`` printed the URL as given, password and
+    all, in its first line."""
+    from toolledger import demo
+    from toolledger.config import shown_url
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_HOME": str(tmp_path / "h"),
+            "TOOLLEDGER_DB": "postgresql://app:s3cret@127.0.0.1:1/ledger",
+        }
+    )
+
+    def stop_here(_self: object) -> None:
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(demo.Demo, "start", stop_here)
+    lines: list[str] = []
+    with pytest.raises(RuntimeError):
+        demo.run_demo(settings, lines.append)
+    assert "postgresql://app:***@127.0.0.1:1/ledger" in lines[0]
+    assert not [line for line in lines if "s3cret" in line]
+    assert shown_url("sqlite:///a/b.db") == "sqlite:///a/b.db"
+    assert shown_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+
+
 def test_settings__the_database_and_broker_urls_from_secret_files(tmp_path, capsys):
     """A URL with a password sat in the environment (``docker inspect``, /proc/PID/environ,
     every child): ``TOOLLEDGER_DB_FILE`` / ``TOOLLEDGER_BROKER_FILE`` name a file holding it,
