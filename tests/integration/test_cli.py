@@ -1123,3 +1123,25 @@ def test_cli__events_pages_through_a_long_history(run, scope):
     )
     code, _, err = run("events", "--scope", scope, "--tool-call-id", "c3", "--limit", "-1")
     assert code == 2 and "--limit" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("worker", "--workdir", "/tmp"), "No such option '--workdir'"),
+        (("worker", "--concurrency"), "requires an argument"),
+        (("worker", "stray"), "unexpected extra argument (stray)"),
+        (("beat", "--bogus"), "No such option '--bogus'"),
+    ],
+)
+def test_cli__a_celery_option_that_does_not_exist_makes_no_ledger(
+    capsys, tmp_path, monkeypatch, argv, says
+):
+    """Celery parsed its options after the start's checks, which had made the embedded
+    ledger: a mistyped option, exit 2, left a new ``ledger.db`` behind, and ``list`` there
+    then answered "no calls" instead of "no ledger at"."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(home))
+    code, _out, err = run_cli(capsys, *argv)
+    assert code == 2 and says in err and err.count("\n") == 1, err
+    assert not home.exists()

@@ -137,6 +137,23 @@ def _help_with_celerys(ctx: click.Context) -> None:
             raise
 
 
+def _refuse_unknown_celery_args(ctx: click.Context, which: str, args: tuple[str, ...]) -> None:
+    """A Celery option that does not exist (or lacks its value, or an extra argument) is a
+    usage error said before anything is made: Celery's own parsing came after the start's
+    checks, which had made the embedded ledger (``worker --workdir X`` in a folder with no
+    ledger left a new one there, and ``list`` then answered "no calls", not "no ledger at")."""
+    if which == "worker":
+        from celery.bin.worker import worker as command
+    else:
+        from celery.bin.beat import beat as command
+    try:
+        _opts, extra, _order = command.make_parser(click.Context(command)).parse_args(list(args))
+    except click.UsageError as exc:
+        raise click.UsageError(exc.format_message(), ctx=ctx) from None
+    if extra:
+        raise click.UsageError(f"Got unexpected extra argument ({' '.join(extra)})", ctx=ctx)
+
+
 @click.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     add_help_option=False,
@@ -157,6 +174,7 @@ def worker(ctx: click.Context, log_format: str | None, celery_args: tuple[str, .
     from toolledger.worker.app import check_worker_start, create_app
 
     c = context_of(ctx)
+    _refuse_unknown_celery_args(ctx, "worker", celery_args)
     _use_log_format(log_format)
     settings = c.settings
     check_worker_start(settings)
@@ -191,6 +209,7 @@ def beat(
     through). Run exactly one; two are safe, only wasteful."""
     from toolledger.worker.app import check_worker_start, create_app
 
+    _refuse_unknown_celery_args(click.get_current_context(), "beat", celery_args)
     _use_log_format(log_format)
     settings = c.settings.with_(sweep_interval=interval)
     check_worker_start(settings)
