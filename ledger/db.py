@@ -54,14 +54,19 @@ def normalize_url(url: str) -> str:
 
 _MISCONFIGURED = re.compile(
     r"invalid connection option \"|invalid \w+ value: |missing \"=\" after \""
+    # the server's refusal, at connect, of a setting the URL sends (?options=-c foo=bar): not
+    # an ERROR of a statement, which names no setting of the user's
+    r"|FATAL:\s+(?:unrecognized configuration parameter|invalid value for parameter) \""
 )
 
 
 def misconfigured(exc: BaseException) -> str | None:
     """libpq's word that the URL's own options are wrong (``sslmode=bogus``, an unknown
-    option), said before any connection is tried: a setting to mend (exit 2), not a database
-    to wait for. It was "database unavailable", exit 1, and workers waited on it for ever
-    (a review). The message quotes the bad value, never the URL."""
+    option), said before any connection is tried, or the server's at connect that a setting
+    the URL sends is (``?options=-c foo=bar``: it was "database unavailable", exit 1, and a
+    worker waited on it): a setting to mend (exit 2), not a database to wait for. It was
+    "database unavailable", exit 1, and workers waited on it for ever (a review). The message
+    quotes the bad value, never the URL."""
     text = str(getattr(exc, "orig", exc)).strip()
     first = text.splitlines()[0] if text else ""
     return first if _MISCONFIGURED.search(first) else None

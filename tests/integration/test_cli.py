@@ -918,7 +918,15 @@ def test_cli__another_applications_database_or_an_empty_file_is_never_made_a_led
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("option", ["sslmode=bogus", "foo=bar"])
+@pytest.mark.parametrize(
+    "option",
+    [
+        "sslmode=bogus",
+        "foo=bar",
+        "options=-c%20foo%3Dbar",  # refused by the server: was "database unavailable", waited on
+        "options=-c%20statement_timeout%3Dabc",
+    ],
+)
 def test_cli__a_postgres_url_whose_options_libpq_refuses_is_a_setting_to_mend(
     pg_server, tmp_path, capsys, option
 ):

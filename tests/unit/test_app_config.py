@@ -515,12 +515,17 @@ def test_misconfigured__libpqs_word_on_the_urls_options_and_nothing_else():
         'invalid connection option "foo"',
         'connection is bad: invalid target_session_attrs value: "xx"',
         'missing "=" after "x" in connection info string',
+        'connection failed: connection to server at "127.0.0.1", port 5432 failed: FATAL:  '
+        'unrecognized configuration parameter "foo"',
+        'connection failed: connection to server at "127.0.0.1", port 5432 failed: FATAL:  '
+        'invalid value for parameter "statement_timeout": "abc"',
     ):
         assert misconfigured(Exception(said)) == said
     for said in (
         'invalid input value for enum status: "bogus"',
         "connection failed: connection refused",
         'invalid input syntax for type integer: "x"',
+        'unrecognized configuration parameter "transaction_timeout"',  # a statement's ERROR
     ):
         assert misconfigured(Exception(said)) is None
 
