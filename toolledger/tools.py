@@ -44,7 +44,7 @@ from typing import Any, TypeVar, get_type_hints
 import pydantic
 
 from toolledger.effects import LeaseWatch
-from toolledger.ledger.errors import InvalidArguments, NotFound
+from toolledger.ledger.errors import InputError, InvalidArguments, NotFound
 from toolledger.ledger.identity import check_registered_name, service_key
 from toolledger.ledger.records import EffectState
 from toolledger.ledger.transitions import Status
@@ -119,6 +119,28 @@ class Absent:
 Finding = Evidence | Absent | None
 
 
+#: What a tool's own validators and checks raise on arguments they cannot take (pydantic makes
+#: a validator's ValueError and AssertionError a ValidationError, and nothing else).
+ARGUMENT_ERRORS = (
+    TypeError,
+    ValueError,
+    LookupError,
+    AttributeError,
+    ArithmeticError,
+    AssertionError,
+)
+
+
+def _said(exc: BaseException) -> str:
+    """An exception's class and text on one line, at most 500 characters."""
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:  # noqa: BLE001 - a tool's exception class is the tool's code
+        text = "(could not be shown)"
+    said = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return said if len(said) <= 500 else said[:499] + "…"
+
+
 A = TypeVar("A", bound=pydantic.BaseModel)
 RunFn = Callable[[Any, ToolContext], dict[str, Any]]
 ReconcileFn = Callable[[Any, ToolContext], Finding]
@@ -143,7 +165,12 @@ class Tool:
             raise TypeError(f"{self.name}: auto_retry needs a reconciler to prove absence")
 
     def parse(self, args: dict[str, Any]) -> pydantic.BaseModel:
-        """Validate ``args`` against the schema; InvalidToolArguments in one line if not."""
+        """Validate ``args`` against the schema; InvalidToolArguments in one line if not.
+
+        A validator of the tool's own model that raises on the model's arguments what pydantic
+        does not make a ValidationError (``datetime.fromisoformat(5)``'s TypeError, a KeyError)
+        refuses them the same way: it went out as "internal error", exit 1, at submit (an
+        exception the agent's client does not expect), for arguments a model may well send."""
         try:
             return self.args_model.model_validate(args)
         except pydantic.ValidationError as exc:
@@ -151,6 +178,24 @@ class Tool:
                 f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidToolArguments(f"invalid arguments for {self.name}: {problems}") from None
+        except ARGUMENT_ERRORS as exc:
+            raise InvalidToolArguments(f"invalid arguments for {self.name}: {_said(exc)}") from None
+
+    def refuse(self, args: pydantic.BaseModel, ctx: ToolContext) -> None:
+        """The tool's submit-time ``check`` of parsed arguments. Whatever it raises to refuse
+        them (an InputError, a ToolError, a ValueError, a KeyError, …) is InvalidToolArguments:
+        nothing is recorded, exit 6; other failures (an OSError of the sandbox) go on."""
+        if self.check is None:
+            return
+        try:
+            self.check(args, ctx)
+        except InputError:
+            raise
+        except ToolError as exc:
+            message = exc.message if isinstance(exc.message, str) else _said(exc)
+            raise InvalidToolArguments(f"{self.name} refused its arguments: {message}") from None
+        except ARGUMENT_ERRORS as exc:
+            raise InvalidToolArguments(f"{self.name} refused its arguments: {_said(exc)}") from None
 
     def json_schema(self) -> dict[str, Any]:
         schema = self.args_model.model_json_schema()

@@ -148,8 +148,7 @@ class Submitter:
             check_new_tool_call_id(tool_call_id)
             spec = self.registry.get(tool)
             parsed = spec.parse(args)
-            if spec.check is not None:
-                spec.check(parsed, ToolContext(scope, self.sandbox))
+            spec.refuse(parsed, ToolContext(scope, self.sandbox))
         except (InputError, UnknownTool):
             if replay and self._recorded_as(scope, tool_call_id, tool, key, sha):
                 return PreparedCall(scope, tool_call_id, tool, args, key, sha, False)

@@ -325,6 +325,57 @@ def tool_modules(tmp_path, monkeypatch):
     return mods
 
 
+#: A tool of a user's whose own validator and check raise what pydantic does not make a
+#: ValidationError, for arguments a model may well send (a number for a date, a name unknown).
+STAMP_TOOL = """
+from datetime import datetime
+from typing import Any
+from pydantic import BaseModel, field_validator
+from toolledger.tools import tool
+
+
+class When(BaseModel):
+    path: str
+    when: datetime
+
+    @field_validator("when", mode="before")
+    @classmethod
+    def iso(cls, v: Any) -> datetime:
+        return datetime.fromisoformat(v)
+
+
+def known(args: When, ctx: Any) -> None:
+    {"ok.txt": 1}[args.path]
+
+
+@tool(check=known, sandboxed=True)
+def stamp(args: When, ctx: Any) -> dict[str, Any]:
+    \"\"\"Write a date.\"\"\"
+    ctx.sandbox.write_atomic(ctx.scope, args.path, args.when.isoformat().encode())
+    return {"path": args.path}
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ('{"path": "ok.txt", "when": 5}', "invalid arguments for stamp: TypeError: fromisoformat"),
+        ('{"path": "no.txt", "when": "2020-01-02"}', "stamp refused its arguments: KeyError"),
+    ],
+)
+def test_cli__a_user_tools_validator_or_check_raising_is_exit_6_not_internal(
+    cli, ledger, tool_modules, monkeypatch, args, says
+):
+    (tool_modules / "tl_stamp.py").write_text(STAMP_TOOL)
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "tl_stamp")
+    before = row_counts(ledger.engine)
+    argv = ("submit", "--scope", "hostile", "--tool-call-id", "st1", "--tool", "stamp")
+    code, out, err = cli(*argv, "--args", args, "--approved-by", "al")
+    assert (code, out) == (6, ""), err
+    assert err.startswith(f"toolledger: error: {says}") and err.count("\n") == 1, err
+    assert row_counts(ledger.engine) == before
+
+
 @pytest.mark.parametrize(
     ("module", "says"),
     [
