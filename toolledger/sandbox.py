@@ -355,7 +355,9 @@ class Sandbox:
             return fd
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                found = kind_of(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+                mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+                # a file where a folder should be is one: it said "not a regular file"
+                found = "a regular file" if stat.S_ISREG(mode) else kind_of(mode)
                 raise PathRefused(f"path {path!r} goes through {name!r}, {found}") from None
             raise
 

@@ -101,6 +101,23 @@ def test_sandbox__attack_refused_nothing_written_outside(world, name, path, op):
     assert pending_files(sb) == []  # nothing staged either
 
 
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("ok/inside.txt/x", "path 'ok/inside.txt/x' goes through 'inside.txt', a regular file"),
+        ("fifo/x", "path 'fifo/x' goes through 'fifo', a FIFO"),
+        ("dir_link/x", "path 'dir_link/x' goes through 'dir_link', a symlink"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["write", "append", "read"])
+def test_sandbox__a_path_through_what_is_no_folder_says_what_it_is(world, path, says, kind):
+    """A file where a folder should be is named one: it was said to be 'not a regular file'."""
+    sb, _, _ = world
+    with pytest.raises(PathRefused) as caught:
+        sb.check("me", path, kind=kind)
+    assert str(caught.value) == says
+
+
 @pytest.mark.parametrize("scope", ["a/b", "..", "../other", ".", "other/../me", ""])
 def test_sandbox__scope_name_with_slash_or_dotdot_refused(world, scope):
     sb, tmp_path, _ = world
