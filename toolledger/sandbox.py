@@ -146,6 +146,10 @@ def split_path(path: str) -> list[str]:
         raise PathRefused(f"path {path!r} contains a backslash; components are separated by '/'")
     if forbidden := sorted(WINDOWS_FORBIDDEN.intersection(path)):
         raise PathRefused(f"path {path!r} contains {''.join(forbidden)!r}, which Windows forbids")
+    try:  # a name os.listdir gave (an undecodable byte, escaped) is one; a lone surrogate is not
+        path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise PathRefused(f"path {path!a} is not valid Unicode (a lone surrogate)") from None
     parts = path.split("/")
     if len(parts) > MAX_DEPTH:
         raise PathRefused(f"path {path!r} is deeper than {MAX_DEPTH} components")

@@ -118,6 +118,18 @@ def test_sandbox__a_path_through_what_is_no_folder_says_what_it_is(world, path, 
     assert str(caught.value) == says
 
 
+@pytest.mark.parametrize("kind", ["write", "append", "read"])
+def test_sandbox__a_lone_surrogate_in_a_path_is_refused_not_a_unicode_error(world, kind):
+    """What a tool of one's own may pass (the submit's input rules refuse it for a model):
+    a UnicodeEncodeError escaped ``check`` and ``read``, not a refusal."""
+    sb, _, _ = world
+    with pytest.raises(PathRefused, match="not valid Unicode"):
+        sb.check("me", "ok/x\ud800", kind=kind)
+    with pytest.raises(PathRefused, match="not valid Unicode"):
+        sb.read("me", "\ud800")
+    assert sb.read("me", "x\udcff") is None  # a name os.listdir gives: looked for, absent
+
+
 @pytest.mark.parametrize("scope", ["a/b", "..", "../other", ".", "other/../me", ""])
 def test_sandbox__scope_name_with_slash_or_dotdot_refused(world, scope):
     sb, tmp_path, _ = world
