@@ -192,7 +192,7 @@ class Tool:
         except InputError:
             raise
         except ToolError as exc:
-            message = exc.message if isinstance(exc.message, str) else _said(exc)
+            message = " ".join(exc.message.split()) if isinstance(exc.message, str) else _said(exc)
             raise InvalidToolArguments(f"{self.name} refused its arguments: {message}") from None
         except ARGUMENT_ERRORS as exc:
             raise InvalidToolArguments(f"{self.name} refused its arguments: {_said(exc)}") from None

@@ -48,7 +48,7 @@ def test_parse__pydantics_own_refusals_are_unchanged() -> None:
     [
         (KeyError("x\ny"), "stamp refused its arguments: KeyError: 'x\\ny'"),
         (ValueError("too\n  far"), "stamp refused its arguments: ValueError: too far"),
-        (ToolError("no such account"), "stamp refused its arguments: no such account"),
+        (ToolError("no such\naccount"), "stamp refused its arguments: no such account"),
         (TypeError(), "stamp refused its arguments: TypeError"),
     ],
 )
