@@ -9,7 +9,7 @@ from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.models import operations
 from toolledger.ledger.reads import op_key
 from toolledger.ledger.transitions import Status
-from toolledger.ledger.types import db_now, db_now_plus
+from toolledger.ledger.types import db_now, db_now_plus, in_batch, materialized
 
 
 class LedgerOutbox(LedgerBase):
@@ -62,12 +62,16 @@ class LedgerOutbox(LedgerBase):
             .order_by(operations.c.enqueued_at)
             .limit(limit)
             .with_for_update(skip_locked=True)
+            .cte("due")
         )
+        due = materialized(due)
+        key = (operations.c.scope, operations.c.idempotency_key)
         with self._write() as conn:
             rows = conn.execute(
                 operations.update()
+                .add_cte(due)
                 .where(
-                    sa.tuple_(operations.c.scope, operations.c.idempotency_key).in_(due),
+                    in_batch(self.engine.dialect.name, key, due),
                     operations.c.status == Status.APPROVED,
                     last < deadline,
                     not_flagged,

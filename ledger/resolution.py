@@ -27,7 +27,7 @@ from toolledger.ledger.transitions import (
     check_transition,
     fold_flags,
 )
-from toolledger.ledger.types import db_now, db_now_plus
+from toolledger.ledger.types import db_now, db_now_plus, in_batch, materialized
 
 
 class LedgerResolution(LedgerBase):
@@ -77,15 +77,16 @@ class LedgerResolution(LedgerBase):
             .order_by(executions.c.lease_expires_at)
             .limit(limit)
             .with_for_update(skip_locked=True)
-            .scalar_subquery()
+            .cte("expired")
         )
+        expired = materialized(expired)
         where = [
-            executions.c.execution_id.in_(expired),
+            in_batch(self.engine.dialect.name, [executions.c.execution_id], expired),
             executions.c.status == Status.RUNNING,
             executions.c.lease_expires_at < deadline,
         ]
         with self._write() as conn:
-            return self._mark_unknown(conn, where, "lease expired", actor)
+            return self._mark_unknown(conn, where, "lease expired", actor, expired)
 
     def _mark_unknown(
         self,
@@ -93,11 +94,15 @@ class LedgerResolution(LedgerBase):
         where: Sequence[sa.ColumnElement[bool]],
         reason: str,
         actor: str,
+        cte: sa.CTE | None = None,
     ) -> list[ExecutionRecord]:
         # RETURNING gives the new row; the heartbeat and lease columns are not changed by
         # this UPDATE, so they are the last ones the executor wrote.
+        update = executions.update()
+        if cte is not None:  # the rows ``where`` reads them from (mark_expired's batch)
+            update = update.add_cte(cte)
         rows = conn.execute(
-            executions.update().where(*where).values(status=Status.UNKNOWN).returning(*executions.c)
+            update.where(*where).values(status=Status.UNKNOWN).returning(*executions.c)
         ).all()
         marked = [ExecutionRecord.from_row(r) for r in rows]
         events = []

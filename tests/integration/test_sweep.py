@@ -23,7 +23,7 @@ from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.reads import last_event_detail
 from toolledger.ledger.transitions import Status
 from toolledger.ledger.types import db_now, db_now_plus
-from toolledger.recovery.sweep import sweep
+from toolledger.recovery.sweep import requeue_lost, sweep
 from toolledger.registry import load_registry
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Evidence, Registry, make_tool
@@ -856,11 +856,13 @@ def test_sweep__the_time_limit_while_recording_a_finding_stops_the_pass_unsucces
         ledger.close()
 
 
-def test_sweep__a_flagged_calls_automatic_retry_is_held_for_a_person(ledger, scope, sandbox):
+def test_sweep__a_flagged_calls_automatic_retry_is_held_for_a_person(fresh_db_url, scope, sandbox):
     """Attempt 2 of a call flagged contradicted (bob resolved attempt 1 failed; its executor
     says it succeeded) died before its tool ran, the file missing: the sweep proved it not
     applied and authorised attempt 3 by itself, a retry nobody reviewed (a cold review). It
-    is failed, not applied, and the call left as it is for the person: counted."""
+    is failed, not applied, and the call left as it is for the person: counted. (A ledger of
+    its own: on the module's, the sweep also counted what earlier tests left expired.)"""
+    ledger = Ledger(fresh_db_url)
     args = {"path": "c1.txt", "content": "done"}
     ledger.submit(scope, "c1", "write_file", args, approved_by="alice")
     first = ledger.claim(scope, "write_file:c1", 1, worker_id="zombie")
@@ -880,3 +882,83 @@ def test_sweep__a_flagged_calls_automatic_retry_is_held_for_a_person(ledger, sco
     assert (op.status, op.authorized_attempts, op.review) == (Status.FAILED, 2, "contradicted")
     assert published == [] and summary.to_json()["retry_held"] == 1
     assert ledger.verify().ok
+    ledger.close()
+
+
+# ------------------------------------------------- one statement takes at most its batch
+
+
+def _burst(ledger: Ledger, n: int, *, running: bool) -> None:
+    """``n`` approved calls (``running``: each claimed by a worker that died, its lease long
+    expired) written in one statement, after the planner's statistics were taken on a
+    ledger holding none: a burst of lost work on a big ledger, which autovacuum has not
+    re-analysed yet (its threshold is a share of the whole table)."""
+    with ledger.engine.connect() as conn:
+        if ledger.engine.dialect.name == "postgresql":
+            conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("ANALYZE")
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            operations.insert(),
+            [
+                {
+                    "scope": "burst",
+                    "idempotency_key": f"k{i}",
+                    "tool": "write_file",
+                    "args": {"path": f"p{i}", "content": "x"},
+                    "args_sha256": f"{i:064x}",
+                    "status": Status.RUNNING if running else Status.APPROVED,
+                    "authorized_attempts": 1,
+                    "decided_at": datetime(2026, 1, 1, tzinfo=UTC),
+                    "created_at": datetime(2026, 1, 1, tzinfo=UTC),
+                }
+                for i in range(n)
+            ],
+        )
+        if running:
+            conn.execute(
+                executions.insert(),
+                [
+                    {
+                        "execution_id": new_execution_id(),
+                        "scope": "burst",
+                        "idempotency_key": f"k{i}",
+                        "attempt": 1,
+                        "status": Status.RUNNING,
+                        "worker_id": "dead",
+                        "lease_token": f"t{i}",
+                        "lease_expires_at": datetime(2026, 1, 1, tzinfo=UTC),
+                        "started_at": datetime(2026, 1, 1, tzinfo=UTC),
+                        "reconciled": False,
+                    }
+                    for i in range(n)
+                ],
+            )
+
+
+def test_sweep__republishing_takes_its_batch_at_a_time_not_every_lost_call(
+    fresh_db_url: str,
+) -> None:
+    """Postgres ran the batch's ``IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)`` once per
+    candidate row when its statistics said few calls were approved (a nested loop): each run
+    skipped the rows the UPDATE had already changed and took the next ones, so one statement
+    stamped and locked every lost call, not ``limit`` of them, in time quadratic in their
+    number (8,000 lost calls: 16 s holding all their rows, which workers' claims wait for;
+    past the beat's soft time limit every pass, nothing re-published)."""
+    ledger = Ledger(fresh_db_url)
+    _burst(ledger, 60, running=False)
+    taken = ledger.take_due_for_enqueue(older_than_seconds=0, limit=25)
+    assert len(taken) == 25
+    published: list[tuple[str, str, int]] = []
+    assert requeue_lost(ledger, lambda *a: published.append(a), 3600, 25, []) == 35
+    assert sorted(published + taken) == sorted(("burst", f"k{i}", 1) for i in range(60))
+    ledger.close()
+
+
+def test_sweep__marking_expired_leases_takes_its_batch_at_a_time(fresh_db_url: str) -> None:
+    """The same for ``running -> unknown``: one statement marked every expired lease."""
+    ledger = Ledger(fresh_db_url)
+    _burst(ledger, 60, running=True)
+    assert len(ledger.mark_expired(limit=25)) == 25
+    assert len(ledger.mark_expired(limit=25)) == 25
+    assert len(ledger.mark_expired(limit=25)) == 10
+    ledger.close()
