@@ -59,7 +59,11 @@ class LedgerOutbox(LedgerBase):
             # (flag cleared) it is due at the next pass
             .where(operations.c.status == Status.APPROVED, last < deadline, not_flagged)
             .where(not_proxied)
-            .order_by(operations.c.enqueued_at)
+            # due longest first: a call never published (no stamp) before one published long
+            # ago, and what this pass stamped last. By enqueued_at alone, Postgres put the
+            # never published after the rest (NULLS LAST), and a pass under a threshold
+            # shorter than itself never reached them (sweep --requeue-after 0)
+            .order_by(last, operations.c.scope, operations.c.idempotency_key)
             .limit(limit)
             .with_for_update(skip_locked=True)
             .cte("due")

@@ -276,13 +276,15 @@ def requeue_lost(
     """Publish again what was approved but never claimed and not published recently.
 
     The rows are stamped before the publish: if the publish fails, the next sweep past the
-    threshold tries again; a message published twice is harmless (the claim decides)."""
+    threshold tries again; a message published twice is harmless (the claim decides). Each
+    due call once a pass: a threshold shorter than the pass hands back what it stamped, after
+    every call due longer (``take_due_for_enqueue``'s order), and the pass ends there — having
+    published the rest of that batch, which it stamped too (they were stamped and dropped)."""
     published, seen = 0, set[tuple[str, str, int]]()
     while due := ledger.take_due_for_enqueue(older_than_seconds=older_than, limit=batch):
-        if seen.intersection(due):  # a tiny threshold can hand back what we just stamped
-            break
+        again = seen.intersection(due)  # a tiny threshold hands back what we just stamped
         seen.update(due)
-        for scope, key, attempt in due:
+        for scope, key, attempt in (d for d in due if d not in again):
             try:
                 publish(scope, key, attempt)
                 published += 1
@@ -290,6 +292,6 @@ def requeue_lost(
                 errors.append(f"requeue of {scope}/{key} failed: {exc}")
                 log.warning("requeue of %s/%s failed: %s", scope, key, exc)
                 return published
-        if len(due) < batch:
+        if again or len(due) < batch:
             break
     return published

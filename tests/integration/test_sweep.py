@@ -962,3 +962,27 @@ def test_sweep__marking_expired_leases_takes_its_batch_at_a_time(fresh_db_url: s
     assert len(ledger.mark_expired(limit=25)) == 25
     assert len(ledger.mark_expired(limit=25)) == 10
     ledger.close()
+
+
+def test_sweep__a_pass_republishes_every_due_call_the_never_published_first(
+    fresh_db_url: str,
+) -> None:
+    """``sweep --requeue-after 0`` (or a threshold shorter than a pass) with more lost calls
+    than a batch: the next batch handed back rows the pass had just stamped, and the pass
+    stopped there. Postgres put the calls never published (no stamp: NULLS LAST) behind them,
+    pass after pass: "requeued 1000", exit 0, and the 5 surely lost never re-published; on
+    SQLite the batch's other rows were stamped as published and were not."""
+    ledger = Ledger(fresh_db_url)
+    for cid in ("old1", "old2", "never"):
+        ledger.submit("s", cid, "write_file", {"path": cid, "content": "x"}, approved_by="al")
+    ledger.mark_enqueued("s", "write_file:old1", 1)
+    ledger.mark_enqueued("s", "write_file:old2", 1)
+    time.sleep(0.1)
+    every = sorted(("s", f"write_file:{c}", 1) for c in ("old1", "old2", "never"))
+    published: list[tuple[str, str, int]] = []
+    for _ in range(2):  # each pass, every due call once
+        published.clear()
+        errors: list[str] = []
+        assert requeue_lost(ledger, lambda *a: published.append(a), 0, 2, errors) == 3
+        assert sorted(published) == every and errors == []
+    ledger.close()
