@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import sqlalchemy as sa
 
 from toolledger.ledger.base import LedgerBase
@@ -30,16 +32,22 @@ class LedgerOutbox(LedgerBase):
 
     def clear_enqueued(self, scope: str, key: str, attempt: int) -> None:
         """The publish stamped at commit failed: leave it visibly unpublished."""
+        self.clear_enqueued_all([(scope, key, attempt)])
+
+    def clear_enqueued_all(self, jobs: Sequence[tuple[str, str, int]]) -> None:
+        """``clear_enqueued`` for each ``(scope, key, attempt)``, in one transaction (what a
+        sweep stamped and could not publish: due again at the next pass)."""
         with self._write() as conn:
-            conn.execute(
-                operations.update()
-                .where(
-                    op_key(scope, key),
-                    operations.c.status == Status.APPROVED,
-                    operations.c.authorized_attempts == attempt,
+            for scope, key, attempt in jobs:
+                conn.execute(
+                    operations.update()
+                    .where(
+                        op_key(scope, key),
+                        operations.c.status == Status.APPROVED,
+                        operations.c.authorized_attempts == attempt,
+                    )
+                    .values(enqueued_at=None)
                 )
-                .values(enqueued_at=None)
-            )
 
     def take_due_for_enqueue(
         self, *, older_than_seconds: float, limit: int = 1000

@@ -275,8 +275,10 @@ def requeue_lost(
 ) -> int:
     """Publish again what was approved but never claimed and not published recently.
 
-    The rows are stamped before the publish: if the publish fails, the next sweep past the
-    threshold tries again; a message published twice is harmless (the claim decides). Each
+    The rows are stamped before the publish: if a publish fails (the broker down), the pass
+    stops publishing and clears the stamps of the batch's rows it did not publish, due again
+    at the next pass (they stayed stamped as published, not due for another threshold after
+    the broker was back); a message published twice is harmless (the claim decides). Each
     due call once a pass: a threshold shorter than the pass hands back what it stamped, after
     every call due longer (``take_due_for_enqueue``'s order), and the pass ends there — having
     published the rest of that batch, which it stamped too (they were stamped and dropped)."""
@@ -284,14 +286,25 @@ def requeue_lost(
     while due := ledger.take_due_for_enqueue(older_than_seconds=older_than, limit=batch):
         again = seen.intersection(due)  # a tiny threshold hands back what we just stamped
         seen.update(due)
-        for scope, key, attempt in (d for d in due if d not in again):
+        todo = [d for d in due if d not in again]
+        for i, (scope, key, attempt) in enumerate(todo):
             try:
                 publish(scope, key, attempt)
                 published += 1
             except Exception as exc:  # noqa: BLE001 - the broker is down: next sweep retries
                 errors.append(f"requeue of {scope}/{key} failed: {exc}")
                 log.warning("requeue of %s/%s failed: %s", scope, key, exc)
+                _unstamp(ledger, todo[i:], errors)
                 return published
         if again or len(due) < batch:
             break
     return published
+
+
+def _unstamp(ledger: Ledger, jobs: list[tuple[str, str, int]], errors: list[str]) -> None:
+    """What this pass stamped and did not publish: unstamped, due at the next pass."""
+    try:
+        ledger.clear_enqueued_all(jobs)
+    except sa.exc.SQLAlchemyError as exc:  # then due once the threshold has passed again
+        errors.append(f"clearing the stamps of {len(jobs)} unpublished calls failed: {exc}")
+        log.warning("clearing the stamps of %d unpublished calls failed: %s", len(jobs), exc)

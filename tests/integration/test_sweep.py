@@ -986,3 +986,25 @@ def test_sweep__a_pass_republishes_every_due_call_the_never_published_first(
         assert requeue_lost(ledger, lambda *a: published.append(a), 0, 2, errors) == 3
         assert sorted(published) == every and errors == []
     ledger.close()
+
+
+def test_sweep__calls_a_failed_publish_left_unpublished_are_due_at_the_next_pass(
+    fresh_db_url: str,
+) -> None:
+    """The broker down: the batch was stamped as published, the first publish failed, and
+    the pass stopped, every call of the batch (1000 a statement) stamped as if published,
+    so none was due again until the threshold had passed once more (120 s by default) after
+    the broker was back. Unpublished, each is due at the next pass."""
+    ledger = Ledger(fresh_db_url)
+    _burst(ledger, 3, running=False)  # approved long ago, their messages lost
+
+    def down(*_: Any) -> None:
+        raise ConnectionError("broker down")
+
+    errors: list[str] = []
+    assert requeue_lost(ledger, down, 0, 1000, errors) == 0
+    assert len(errors) == 1 and "broker down" in errors[0]
+    published: list[tuple[str, str, int]] = []
+    assert requeue_lost(ledger, lambda *a: published.append(a), 60, 1000, errors) == 3
+    assert sorted(published) == [("burst", f"k{i}", 1) for i in range(3)]
+    ledger.close()
