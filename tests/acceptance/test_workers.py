@@ -212,4 +212,4 @@ def test_workers__refuses_to_start_with_inconsistent_limits(stack):
     proc.start()
     assert proc.wait(60)
     assert proc.proc.returncode == 2
-    assert "time_limit (20.0) < lease_seconds (10.0)" in proc.log_text()
+    assert "TOOLLEDGER_TIME_LIMIT (20) < TOOLLEDGER_LEASE_SECONDS (10)" in proc.log_text()
