@@ -101,7 +101,15 @@ def db_downgrade(c: Context, revision: str) -> None:
     with _known_revision(revision):
         ledger_db.downgrade(c.unchecked_ledger.engine, revision)
     current = ledger_db.current_revision(c.unchecked_ledger.engine)
-    c.emit({"revision": current}, lambda d: f"schema at revision {d['revision']}")
+    c.emit({"revision": current}, _said_revision)
+
+
+def _said_revision(d: dict[str, object]) -> str:
+    """Where the schema stands, in words: at base (null under --json) there is none (it said
+    "schema at revision None", Python's word for the JSON's null: a cold review)."""
+    if d["revision"] is None:
+        return "schema at base: no table of the ledger's is left"
+    return f"schema at revision {d['revision']}"
 
 
 def _revision_given(revision: str) -> None:
