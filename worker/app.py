@@ -191,14 +191,19 @@ def exit_when_stuck(
     should (SIGTERM to the main process alone), however long their tasks, is left alone."""
 
     def leave() -> None:
-        begun.event.wait()
-        seen: dict[int, Any] = {}  # every child seen: a dead one may leave the pool's list
+        # The pool's children as last seen before the shutdown began: a child the same group
+        # signal killed may be reaped and out of the pool's list by the first look after it
+        # (the test failed so once in CI), and its status is read from what was seen here.
+        seen: dict[int, Any] = {}
+        while not begun.event.wait(tick):
+            seen = {id(p): p for p in _pool_processes(worker)}
         killed_at: float | None = None
         while killed_at is None or time.monotonic() - killed_at < grace:
-            time.sleep(tick)
+            # every child seen since: a dead one may leave the pool's list
             seen.update((id(p), p) for p in _pool_processes(worker))
             if killed_at is None and any(_killed(p) for p in seen.values()):
                 killed_at = time.monotonic()
+            time.sleep(tick)
         log.warning(
             "a child of the worker's pool was killed by a signal %g s ago and the worker's "
             "main process is still here, waiting for a lock of the pool's queues the child "

@@ -84,6 +84,15 @@ SCRIPT = textwrap.dedent(
     worker = SimpleNamespace(pool=SimpleNamespace(_pool=SimpleNamespace(_pool=[proc])))
     begun = ShutdownBegun()
     exit_when_stuck(worker, begun, grace=0.5, tick=0.05)
+    if how == "reaped":  # killed by the group's signal, reaped and out of the pool's list
+        time.sleep(0.3)  # (billiard's) before the watcher's first look after the shutdown
+        os.kill(pid, signal.SIGTERM)
+        proc._popen.returncode = -(os.waitpid(pid, 0)[1] & 0x7F)
+        worker.pool._pool._pool = []
+        begun.set(3)
+        time.sleep(6)
+        print("still here")
+        sys.exit(0)
     if how != "running":
         begun.set(3)  # the shutdown began
     time.sleep(0.3)
@@ -101,6 +110,7 @@ SCRIPT = textwrap.dedent(
     ("how", "code", "said"),
     [
         ("killed", 3, ""),  # a child killed in the shutdown: leaves, with its exit code
+        ("reaped", 3, ""),  # killed with it and gone from the pool's list before a look
         ("live", 0, "still here"),  # children alive (running their tasks): stays
         ("running", 0, "still here"),  # a child killed with no shutdown begun: none of its own
     ],
@@ -112,5 +122,5 @@ def test_exit_when_stuck__leaves_only_once_a_child_was_killed(
         [sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=60
     )
     assert (proc.returncode, proc.stdout.strip()) == (code, said), proc.stderr[-2000:]
-    if how == "killed":  # left in its grace, not after the 6 s it stayed: exit 3, not 0
+    if code == 3:  # left in its grace, not after the 6 s it stayed: exit 3, not 0
         assert "killed by a signal" in proc.stderr
