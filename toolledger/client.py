@@ -43,6 +43,7 @@ from toolledger.ledger.transitions import RECEIPT_STATUSES, Status
 
 if TYPE_CHECKING:
     from toolledger.tools import Registry
+    from toolledger.turns import CallsWaiting
     from toolledger.worker.submit import PreparedCall
 
 log = logging.getLogger("toolledger.client")
@@ -885,3 +886,36 @@ class AsyncCallHandle:
         if self.handle._immediate is not None:
             return self.handle._immediate
         return await self.client.wait(self.scope, self.tool_call_id, timeout=timeout)
+
+
+# ---------------------------------------------------------------- for the adapters
+
+
+def unanswered(scope: str, call_id: str, raises: type[CallsWaiting] | None = None) -> CallsWaiting:
+    """What an adapter's tool raises when the database failed (``database_failed``) once the
+    submit may have committed: the call may be in flight, so the run stops as for a timeout,
+    the model told nothing. As an ordinary error, the model called again under a new id, and
+    the effect happened twice (a cold review). ``raises``: the adapter's own CallsWaiting."""
+    from toolledger.turns import CallsWaiting
+
+    return (raises or CallsWaiting)(scope, {call_id: UNANSWERED}, frozenset({call_id}))
+
+
+@contextlib.contextmanager
+def waiting_on(
+    scope: str, call_id: str, raises: type[CallsWaiting] | None = None
+) -> Iterator[None]:
+    """Around an adapter's wait for one call's receipt (sync or async): no receipt within the
+    timeout stops the run, naming where the call stands (``raises``); the database failing,
+    as ``unanswered``; anything else (a record the ledger calls corrupt, a bug) as it is."""
+    from toolledger.turns import CallsWaiting, database_failed
+
+    try:
+        yield
+    except ReceiptTimeout as exc:
+        waiting = frozenset({call_id}) if exc.unanswered else frozenset()
+        raise (raises or CallsWaiting)(scope, {call_id: exc.status}, waiting) from None
+    except Exception as exc:
+        if not database_failed(exc):
+            raise
+        raise unanswered(scope, call_id, raises) from exc

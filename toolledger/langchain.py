@@ -33,9 +33,8 @@ sends the same ToolCall ids: the receipts come back, and nothing runs twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Annotated, Any, cast
 
@@ -45,12 +44,12 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, InjectedToolCallId, ToolException
 
 from toolledger.client import (
-    UNANSWERED,
     AsyncCallHandle,
     AsyncClient,
     CallHandle,
     Client,
-    ReceiptTimeout,
+    unanswered,
+    waiting_on,
 )
 from toolledger.ledger.errors import ConflictError, LedgerError
 from toolledger.ledger.identity import args_sha256
@@ -196,7 +195,7 @@ class LedgerTool(BaseTool):
 
     def _run(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
         scope, call_id, handle = self._submit(config, kwargs)
-        with _waiting(scope, call_id):
+        with waiting_on(scope, call_id, ToolCallsWaiting):
             receipt = handle.result(timeout=self.timeout)
         return self._message(scope, call_id, receipt)
 
@@ -209,7 +208,7 @@ class LedgerTool(BaseTool):
         # that copies this context (_MODEL_ARGS)
         scope, call_id, handle = await asyncio.to_thread(self._submit, config, kwargs)
         waiting = AsyncCallHandle(AsyncClient.of(self.client), handle)
-        with _waiting(scope, call_id):
+        with waiting_on(scope, call_id, ToolCallsWaiting):
             receipt = await waiting.result(timeout=self.timeout)
         return self._message(scope, call_id, receipt)
 
@@ -256,7 +255,7 @@ class LedgerTool(BaseTool):
         except Exception as exc:
             if not database_failed(exc):
                 raise
-            raise _unanswered(scope, call_id) from exc
+            raise unanswered(scope, call_id, ToolCallsWaiting) from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
             raise ToolCallsWaiting(scope, {call_id: handle.status})
         return scope, call_id, handle
@@ -269,30 +268,6 @@ class LedgerTool(BaseTool):
             status="error" if receipt.is_error else "success",
             artifact={**receipt.to_json(), "scope": scope, "tool_call_id": call_id},
         )
-
-
-@contextlib.contextmanager
-def _waiting(scope: str, call_id: str) -> Iterator[None]:
-    """Around a wait for the call's receipt (sync or async): no receipt within the tool's
-    timeout stops the run, naming where the call stands; the database failing, as
-    ``_unanswered``; anything else (a record the ledger calls corrupt, a bug) as it is."""
-    try:
-        yield
-    except ReceiptTimeout as exc:
-        unanswered = frozenset({call_id}) if exc.unanswered else frozenset()
-        raise ToolCallsWaiting(scope, {call_id: exc.status}, unanswered) from None
-    except Exception as exc:
-        if not database_failed(exc):
-            raise
-        raise _unanswered(scope, call_id) from exc
-
-
-def _unanswered(scope: str, call_id: str) -> ToolCallsWaiting:
-    """What the tool raises when the database failed (``database_failed``) once the submit may
-    have committed: where the call stands is not known, and the model is told nothing. A ToolNode
-    with ``handle_tool_errors=True`` turned such an error into one the model read; it called
-    again under a new id, and the effect happened twice (a cold review)."""
-    return ToolCallsWaiting(scope, {call_id: UNANSWERED}, frozenset({call_id}))
 
 
 def ledger_tool(

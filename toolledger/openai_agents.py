@@ -52,7 +52,7 @@ from typing import Any
 from agents import FunctionTool, RunContextWrapper
 from agents.tool_context import ToolContext
 
-from toolledger.client import UNANSWERED, AsyncCallHandle, AsyncClient, Client, ReceiptTimeout
+from toolledger.client import AsyncCallHandle, AsyncClient, Client, unanswered, waiting_on
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, LedgerError, StateError
 from toolledger.ledger.transitions import Status
@@ -140,8 +140,12 @@ class _Ledger:
         except Exception as exc:
             if not database_failed(exc):
                 raise
-            raise _unanswered(scope, tool_call_id) from exc
-        try:
+            raise unanswered(scope, tool_call_id) from exc
+        # recorded: the database failing now leaves where the call stands unknown, and the
+        # model is told nothing; a LedgerError (a record the ledger calls corrupt) or a bug is
+        # raised as it is, and ends the run (it was handed to the model as an "error:", a
+        # refusal of a call that had been recorded)
+        with waiting_on(scope, tool_call_id):
             if handle.status == Status.PENDING_APPROVAL.value and by is not None and sdk_approved:
                 # recorded earlier, waiting for a person; this run's approval is that decision
                 with contextlib.suppress(StateError):  # decided meanwhile: that stands
@@ -151,27 +155,7 @@ class _Ledger:
                 receipt = await AsyncCallHandle(self.client, handle).result(timeout)
             else:
                 receipt = await asyncio.to_thread(handle.result, timeout)
-        except ReceiptTimeout as exc:
-            unanswered = frozenset({tool_call_id}) if exc.unanswered else frozenset()
-            raise CallsWaiting(scope, {tool_call_id: exc.status}, unanswered) from None
-        except Exception as exc:
-            # recorded: the database failing now leaves where the call stands unknown, and the
-            # model is told nothing; a LedgerError (a record the ledger calls corrupt) or a
-            # bug is raised as it is, and ends the run (it was handed to the model as an
-            # "error:", a refusal of a call that had been recorded)
-            if not database_failed(exc):
-                raise
-            raise _unanswered(scope, tool_call_id) from exc
         return receipt.text
-
-
-def _unanswered(scope: str, tool_call_id: str) -> CallsWaiting:
-    """An error once the submit may have committed (a database that stopped answering during
-    or after it): the call may be in flight, so the run stops as for a timeout, where
-    ``calls_waiting`` finds it. As an ordinary error nothing said so, and the run again made a
-    new id, a second effect (a cold review)."""
-    waiting = {tool_call_id: UNANSWERED}
-    return CallsWaiting(scope, waiting, frozenset(waiting))
 
 
 def mcp_call_meta(scope: Scope | None = None) -> Callable[[Any], dict[str, str]]:
