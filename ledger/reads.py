@@ -24,6 +24,7 @@ from toolledger.ledger.records import (
     Receipt,
 )
 from toolledger.ledger.transitions import EventKind, Flag, Status, fold_flags
+from toolledger.ledger.types import db_now_plus
 
 #: Rows ``list`` returns unless told otherwise.
 LIST_LIMIT = 1000
@@ -330,6 +331,26 @@ class LedgerReads:
             and bool(detail.get("automatic"))
             and detail.get("attempt") == claim.attempt
         )
+
+    def authorised_within(self, scope: str, key: str, seconds: float) -> bool:
+        """Whether the call's newest authorisation (its approval, or a retry's) is at most
+        ``seconds`` old by the database's clock: through the (scope, key, seq) index."""
+        newest = (
+            sa.select(execution_events.c.at)
+            .where(
+                execution_events.c.scope == scope,
+                execution_events.c.idempotency_key == key,
+                execution_events.c.kind == EventKind.APPROVED.value,
+            )
+            .order_by(execution_events.c.seq.desc())
+            .limit(1)
+            .subquery()
+        )
+        with self._read() as conn:
+            recent = conn.execute(
+                sa.select(sa.func.count()).where(newest.c.at >= db_now_plus(-seconds))
+            ).scalar_one()
+        return bool(recent)
 
     def evidence_of(self, execution_id: str) -> list[EventRecord]:
         """The evidence events of one execution, oldest first."""

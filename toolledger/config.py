@@ -41,6 +41,9 @@ class Settings:
     sweep_interval      seconds between beat sweeps (TOOLLEDGER_SWEEP_INTERVAL, 10)
     sweep_grace         extra seconds past lease expiry before unknown (TOOLLEDGER_SWEEP_GRACE, 5)
     requeue_after       re-publish approved work unclaimed this long (TOOLLEDGER_REQUEUE_AFTER, 120)
+    tool_wait           seconds a worker that does not load a call's tool leaves it approved for
+                        one that does, from its authorisation (TOOLLEDGER_TOOL_WAIT, 900; 0:
+                        it fails the call at once, "unknown tool")
     tools               module with user tools to import (TOOLLEDGER_TOOLS, none)
     queue               the queue tool jobs travel on (TOOLLEDGER_QUEUE, "toolledger")
     failpoints          crash windows to open, DESIGN §5 (TOOLLEDGER_FAILPOINTS, none)
@@ -69,6 +72,7 @@ class Settings:
     sweep_interval: float
     sweep_grace: float
     requeue_after: float
+    tool_wait: float
     tools: str
     queue: str
     failpoints: str
@@ -717,6 +721,7 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "sweep_interval": (_within(_number, 0.1, MAX_LEASE_SECONDS, "seconds"), 10.0),
     "sweep_grace": (_year_at_most(_non_negative), 5.0),
     "requeue_after": (_year_at_most(_positive), 120.0),
+    "tool_wait": (_year_at_most(_non_negative), 900.0),
     "tools": (_text, ""),
     "queue": (_text, "toolledger"),
     "failpoints": (_failpoints, ""),

@@ -38,8 +38,8 @@ from toolledger.effects import (
     lock_keys,
 )
 from toolledger.ledger import metrics
-from toolledger.ledger.errors import StaleFence
-from toolledger.ledger.identity import new_execution_id, new_lease_token
+from toolledger.ledger.errors import NotFound, StaleFence
+from toolledger.ledger.identity import PROXIED_PREFIX, new_execution_id, new_lease_token
 from toolledger.ledger.inputs import storable_object, valid_line
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import Claim
@@ -69,7 +69,7 @@ TERMINAL_BACKOFF_SECONDS = 0.2
 #: could have expired at the database, whatever the clocks' rates.
 SELF_FENCE_MARGIN = 0.2
 
-State = Literal["finished", "lost", "unknown", "stale", "unrecorded", "unsure"]
+State = Literal["finished", "lost", "left", "unknown", "stale", "unrecorded", "unsure"]
 #: Statuses an ``execute_tool`` span ends in error with (its status ERROR).
 _NOT_FINE = (Status.FAILED, Status.UNKNOWN)
 
@@ -78,8 +78,10 @@ _NOT_FINE = (Status.FAILED, Status.UNKNOWN)
 class Outcome:
     """What one delivery of a job did.
 
-    lost: not claimed, nothing ran · unsure: whether the claim committed could not be
-    learned; the tool did not run (spooled, the sweep settles it) · finished: the terminal
+    lost: not claimed, nothing ran · left: not claimed, this worker does not load the call's
+    tool (a rolling deploy): left approved for one that does, re-published by the sweep ·
+    unsure: whether the claim committed could not be learned; the tool did not run
+    (spooled, the sweep settles it) · finished: the terminal
     write is recorded · unknown: the executor declared it unknown · stale: revoked before
     its commit, the late result is evidence and nothing of it landed · unrecorded: the
     terminal write could not be made; the result is spooled on disk for the next settle
@@ -226,9 +228,11 @@ class Executor:
         worker_id: str,
         lease_seconds: float,
         leases: LeaseKeeper | None = None,
+        tool_wait: float = 0.0,
     ) -> None:
         self.ledger, self.registry, self.sandbox = ledger, registry, sandbox
         self.worker_id, self.lease_seconds = worker_id, lease_seconds
+        self.tool_wait = tool_wait
         self.leases = leases or LeaseKeeper(ledger, lease_seconds)
         effects_of(sandbox).check_format()  # before any claim: a later version's sandbox
 
@@ -242,11 +246,14 @@ class Executor:
         published_at: float | None = None,
         parent: Any = None,
         report: Callable[[Outcome], None] | None = None,
+        tool: str | None = None,
     ) -> Outcome:
         """Run attempt ``attempt`` of ``scope``/``key`` if this delivery wins its claim.
 
         ``tool_call_id`` and ``published_at`` (Unix time), when the message carried them,
-        label the span and the schedule-to-start histogram; ``parent``: the trace context
+        label the span and the schedule-to-start histogram; ``tool``, the call's tool as the
+        message named it (a label too: the claim reads the tool it runs from the ledger), lets
+        a worker that does not load it leave the call without a read; ``parent``: the trace context
         the message carried (the submitter's span); ``report`` is called with the outcome
         while the span is current and the call's ids are bound (its log lines carry them)."""
         ids = {
@@ -260,16 +267,55 @@ class Executor:
             tracing.span("execute_tool", ids, parent=parent) as span,
             logs.bind(scope=scope, idempotency_key=key, attempt=attempt, tool_call_id=tool_call_id),
         ):
-            outcome = self._execute(scope, key, attempt, span, tool_call_id, published_at)
+            outcome = (
+                Outcome("left")
+                if self._leaves(scope, key, tool)
+                else self._execute(scope, key, attempt, span, tool_call_id, published_at)
+            )
             status = outcome.status.value if outcome.status else None
             tracing.annotate(
                 span, {"toolledger.status": status, "toolledger.outcome": outcome.state}
             )
-            if outcome.state not in ("finished", "lost") or outcome.status in _NOT_FINE:
+            if outcome.state not in ("finished", "lost", "left") or outcome.status in _NOT_FINE:
                 tracing.failed(span, f"{outcome.state}: {status}")  # a lost claim ran nothing
             if report is not None:
                 report(outcome)
             return outcome
+
+    def _leaves(self, scope: str, key: str, tool: str | None) -> bool:
+        """Whether this delivery is left unclaimed: this worker does not load the call's tool
+        (a worker not yet restarted in a rolling deploy that added it) and the call was
+        authorised less than ``tool_wait`` ago. The call stays approved; the sweep re-publishes
+        it after ``requeue_after`` for any worker, which runs it if it loads the tool. Past the
+        wait the claim goes ahead and the call fails, "unknown tool", as it did before
+        2026-12-07 at once: a call no worker can run is not left waiting for ever.
+
+        A message that names a tool this worker loads costs nothing here; one that names none
+        (the sweep's re-publish, a retry, an older producer's) costs a read of the call's
+        tool. An upstream's tool recorded by the MCP proxy is no worker's: never left."""
+        if self.tool_wait <= 0 or (tool is not None and tool in self.registry):
+            return False
+        try:
+            if tool is None:
+                tool = self.ledger.operation(scope, key).tool
+                if tool in self.registry:
+                    return False
+            if tool.startswith(PROXIED_PREFIX):
+                return False
+            waiting = self.ledger.authorised_within(scope, key, self.tool_wait)
+        except (NotFound, sa.exc.SQLAlchemyError):
+            return False  # the claim decides, and says why, as for any other call
+        if waiting:
+            log.warning(
+                "%s/%s: this worker does not load tool %r: left approved for a worker that "
+                "does (re-published by the sweep; failed as unknown if none has run it %g s "
+                "after it was authorised)",
+                scope,
+                key,
+                tool,
+                self.tool_wait,
+            )
+        return waiting
 
     def _execute(
         self,

@@ -56,6 +56,7 @@ class Runtime:
             worker_id=worker_id or default_worker_id(),
             lease_seconds=self.settings.lease_seconds,
             leases=self.leases,
+            tool_wait=self.settings.tool_wait,
         )
 
     def close(self) -> None:

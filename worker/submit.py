@@ -240,13 +240,22 @@ class Submitter:
         if op.status is Status.APPROVED and submitted.outcome == "created":
             out.update(
                 self.enqueue(
-                    op.scope, op.idempotency_key, attempt, stamped=True, tool_call_id=call_id
+                    op.scope,
+                    op.idempotency_key,
+                    attempt,
+                    stamped=True,
+                    tool_call_id=call_id,
+                    tool=op.tool,
                 )
             )
         elif not _a_workers(op):
             pass  # a proxy's call (a proxy sends it), or one flagged (no claim takes it)
         elif op.status is Status.APPROVED and not op.enqueued_at:
-            out.update(self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=call_id))
+            out.update(
+                self.enqueue(
+                    op.scope, op.idempotency_key, attempt, tool_call_id=call_id, tool=op.tool
+                )
+            )
         elif (again := self.publish_if_lost(op, call_id)) is not None:
             out.update(again)
         return out
@@ -263,7 +272,9 @@ class Submitter:
         if left is None or left >= 0:
             return None
         attempt = op.authorized_attempts
-        return self.enqueue(op.scope, op.idempotency_key, attempt, tool_call_id=tool_call_id)
+        return self.enqueue(
+            op.scope, op.idempotency_key, attempt, tool_call_id=tool_call_id, tool=op.tool
+        )
 
     def _read_only(self, call: PreparedCall) -> dict[str, Any]:
         from toolledger.worker.pipeline import Executor
@@ -316,6 +327,7 @@ class Submitter:
                     op.authorized_attempts,
                     stamped=True,
                     tool_call_id=tool_call_id,
+                    tool=op.tool,
                 )
             )
         return out
@@ -328,10 +340,12 @@ class Submitter:
         *,
         stamped: bool = False,
         tool_call_id: str | None = None,
+        tool: str | None = None,
     ) -> dict[str, Any]:
         """Publish the job and keep the outbox stamp true; a failure is reported, not raised.
 
-        ``stamped``: the commit that made it approved already stamped enqueued_at."""
+        ``stamped``: the commit that made it approved already stamped enqueued_at; ``tool``
+        and ``tool_call_id`` are labels the message carries (headers)."""
         from toolledger.worker.tasks import publish
 
         try:
@@ -343,6 +357,7 @@ class Submitter:
                     key,
                     attempt,
                     tool_call_id=tool_call_id,
+                    tool=tool,
                     producer=producer,
                 )
         except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry

@@ -30,6 +30,9 @@ _FIELDS = ("scope", "idempotency_key", "attempt")
 #: W3C ``traceparent``/``tracestate`` headers carry the submitter's trace context.
 PUBLISHED_AT = "toolledger_published_at"
 TOOL_CALL_ID = "toolledger_tool_call_id"
+#: The call's tool, as its producer knew it: a worker that does not load it leaves the call
+#: for one that does without a read (Executor._leaves). A label: the claim reads the tool.
+TOOL = "toolledger_tool"
 
 
 def message_headers(request: Any) -> dict[str, Any]:
@@ -84,9 +87,20 @@ def register_tasks(app: Celery, settings: Settings) -> None:
         call_id = headers.get(TOOL_CALL_ID)  # a label only, never trusted: a bounded string
         if not isinstance(call_id, str) or not 0 < len(call_id) <= 256:
             call_id = None
+        tool = headers.get(TOOL)  # the same
+        if not isinstance(tool, str) or not 0 < len(tool) <= 256:
+            tool = None
 
         def report(outcome: Outcome) -> None:  # inside the span: the line carries its ids
-            if outcome.state == "lost":
+            if outcome.state == "left":
+                log.info(
+                    "%s %s/%s#%s: not claimed (a tool this worker does not load): nothing ran",
+                    EXECUTE,
+                    scope,
+                    idempotency_key,
+                    attempt,
+                )
+            elif outcome.state == "lost":
                 log.info(
                     "%s %s/%s#%s: not claimed (not approved, or already claimed): nothing ran",
                     EXECUTE,
@@ -117,6 +131,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
                 published_at=headers.get(PUBLISHED_AT),
                 parent=tracing.extract(headers),
                 report=report,
+                tool=tool,
             )
         )
         return outcome.state
@@ -149,12 +164,15 @@ def publish(
     attempt: int,
     *,
     tool_call_id: str | None = None,
+    tool: str | None = None,
     **options: Any,
 ) -> None:
     """Send one job; a few quick retries, then the error goes to the caller (the outbox)."""
     headers: dict[str, Any] = {PUBLISHED_AT: time.time()}
     if tool_call_id is not None:
         headers[TOOL_CALL_ID] = tool_call_id
+    if tool is not None:
+        headers[TOOL] = tool
     tracing.inject(headers)
     args = (scope, key, attempt)
     app.send_task(

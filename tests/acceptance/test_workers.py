@@ -10,7 +10,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from tests.acceptance.conftest import landed, wait_until
+from tests.acceptance.conftest import Stack, landed, toolledger, wait_until
 from tests.helpers import pending_files
 from toolledger.harness.processes import process_state
 from toolledger.ledger.errors import ConflictError
@@ -213,3 +213,29 @@ def test_workers__refuses_to_start_with_inconsistent_limits(stack):
     assert proc.wait(60)
     assert proc.proc.returncode == 2
     assert "TOOLLEDGER_TIME_LIMIT (20) < TOOLLEDGER_LEASE_SECONDS (10)" in proc.log_text()
+
+
+def test_rolling_deploy__a_worker_without_the_tool_leaves_the_call_for_one_with_it(
+    world: Stack,
+) -> None:
+    """A worker not yet restarted in a rolling deploy that added a tool is handed a call to
+    it: it leaves the call approved (until 2026-12-07 it failed it, "unknown tool", its id
+    spent); the sweep re-publishes it and a worker of the new release runs it, once."""
+    world.workers[0].stop(warm=False)
+    old = world.worker("old", tools="")  # the release before the tool's module
+    sub, ledger = world.submitter(), world.ledger()
+    args = {"path": "f", "content": "new tool"}
+    sub.submit(sub.prepare("roll", "c1", "probe_write", args), approved_by="al")
+    wait_until(lambda: "does not load tool 'probe_write'" in old.log_text(), 60, "left")
+    assert ledger.get("roll", "c1").operation.status is Status.APPROVED
+    assert not ledger.get("roll", "c1").executions
+    # When the new release's worker is up and the sweep re-publishes the call
+    world.worker("new")
+    old.stop(warm=False)
+    code, _, err = toolledger(world, "sweep", "--requeue-after", "0", "--json")
+    assert code == 0, err
+    # Then it runs, once, and its bytes land
+    wait_until(lambda: ledger.get("roll", "c1").operation.status is Status.SUCCEEDED, 60, "run")
+    assert len(ledger.get("roll", "c1").executions) == 1
+    assert landed(world.sandbox / "roll" / "f") == "new tool"
+    sub.close()
