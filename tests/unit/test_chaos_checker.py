@@ -567,6 +567,37 @@ def _charge_asked_again_after_a_failed_that_charged(w: World) -> None:
     w.charges.append({"kind": "replay", "key": "chaos_charge:c1", "execution_id": "e-c1-2"})
 
 
+def _one_execution_asked_for_its_charge_twice(w: World) -> None:
+    # c1's one execution sent its request twice (its tool ran twice under one claim): the
+    # service's dedupe answered the second a replay, which only another execution's was
+    # judged by (an append landed twice by one execution fails; a charge asked twice passed)
+    w.charges.append({"kind": "replay", "key": "chaos_charge:c1", "execution_id": "e-c1-1"})
+
+
+def _claimed_after_an_earlier_attempt_proven_succeeded(w: World) -> None:
+    """c1's attempt 1 charged, was stopped and revoked; the operator retried (attempt 2);
+    the reconciler then proved attempt 1 succeeded, which withdraws the unclaimed attempt 2
+    (invariant 11), but attempt 2 was claimed after the proof and asked the service again."""
+    c1 = next(j for j in w.jobs if j.cid == "c1")
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    w.events[:] = [e for e in w.events if e["execution_id"] != "e-c1-1"]
+    w.event(c1.key, "e-c1-1", "running", attempt=1)
+    w.firings.append({"ref": "e-c1-1", "point": "after_effect", "t": DURING, "action": "stop"})  # type: ignore[attr-defined]
+    w.event(c1.key, "e-c1-1", "unknown", reason="lease expired")
+    w.event(c1.key, None, "approved", attempt=2)["actor"] = "chaos-operator"
+    r = receipt_of(c1)
+    ex.update(reconciled=True)
+    w.event(c1.key, "e-c1-1", "succeeded", reconciled=True, result=r,
+            evidence={"reconciler": "downstream receipt under the key"})  # fmt: skip
+    w.execs.append({"execution_id": "e-c1-2", "idempotency_key": c1.key, "attempt": 2,
+                    "status": "succeeded", "reconciled": False, "result": r,
+                    "worker_id": "chaos-w1@h:101"})  # fmt: skip
+    w.event(c1.key, "e-c1-2", "running", attempt=2)
+    w.event(c1.key, "e-c1-2", "succeeded", reconciled=False, result=r)
+    w.charges.append({"kind": "replay", "key": c1.key, "execution_id": "e-c1-2"})
+    w.ops[c1.key]["authorized_attempts"] = 2
+
+
 def _zombie_charge_request_of_an_execution_proven_not_applied(w: World) -> None:
     # attempt 1 proven not applied, retried; attempt 2 charged; then attempt 1 (a zombie)
     # sent its request: a replay, never judged (only kind "charge" was)
@@ -783,6 +814,7 @@ REVIEWS = "every flag for review lines up with a fault and holds in the world"
 RECEIPTS = "every receipt says what its call did"
 FAILURES = "every failure lines up with a fault on that execution"
 FOREIGN = "the world holds only the calls' own effects"
+PROOF = "no attempt is claimed after an earlier one was proven succeeded"
 BREAKS = {
     ONE_EFFECT: [
         _duplicate_line,
@@ -791,7 +823,9 @@ BREAKS = {
         _one_write_landed_through_two_executions,
         _landed_twice,
         _charge_asked_again_after_a_failed_that_charged,
+        _one_execution_asked_for_its_charge_twice,
     ],
+    PROOF: [_claimed_after_an_earlier_attempt_proven_succeeded],
     "no effect of a revoked execution lands": [
         _landing_without_own_commit,
         _landing_under_another_commits_seq,
@@ -910,6 +944,8 @@ ALSO = {
     _write_landing_missing: {REVOKED},
     _shared_written_though_none_succeeded: {REVOKED},
     _charge_with_other_terms: {RECEIPTS},  # the ledger's receipt is not the service's then
+    # an attempt 2 claimed after attempt 1 committed its success: a retry after the proof
+    _attempt_without_any_approval: {PROOF},
     # a landing without its own commit is one after its revocation, too
     _landing_of_an_execution_proven_not_applied: {"no effect of a revoked execution lands"},
 }
@@ -1373,3 +1409,25 @@ def test_gather__reads_the_runs_scope_and_every_fact_it_is_handed(tmp_path):
     assert f.landings == [{**landing, "scope": "s"}]
     assert (len(f.charges), len(f.firings), len(f.operator)) == (1, 1, 1)
     assert f.faults == [{"kind": "zombie"}] and f.deaths == {101: [("signal 9 (SIGKILL)", None)]}
+
+
+def test_checker__a_claim_before_the_proof_or_after_it_was_overturned_is_no_claim_after_it():
+    """The race a ``both_ran`` flag is for (attempt 2 claimed, then attempt 1 proven) and a
+    retry after a review found the proven attempt failed are no claim after a proof."""
+    w = World()
+    w.firings = []  # type: ignore[attr-defined]
+    _claimed_after_an_earlier_attempt_proven_succeeded(w)
+    running = next(e for e in w.events if e["execution_id"] == "e-c1-2" and e["kind"] == "running")
+    proof = next(e for e in w.events if e["execution_id"] == "e-c1-1" and e["kind"] == "succeeded")
+    f = w.facts()
+    f.firings = w.firings  # type: ignore[attr-defined]
+    assert PROOF in broken(f)
+    running["seq"], proof["seq"] = proof["seq"], running["seq"]  # claimed first: the race
+    f.events.sort(key=lambda e: e["seq"])
+    assert PROOF not in broken(f)
+    running["seq"], proof["seq"] = proof["seq"], running["seq"]
+    f.events.sort(key=lambda e: e["seq"])
+    review = {**proof, "seq": proof["seq"] + 0.5, "kind": "failed"}  # a review overturned it
+    f.events.append(review)
+    f.events.sort(key=lambda e: e["seq"])
+    assert PROOF not in broken(f)

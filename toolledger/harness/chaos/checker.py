@@ -165,6 +165,15 @@ def one_effect_per_call(f: Facts) -> Invariant:
         owner.get(c.get("execution_id") or "", c["key"]) for c in f.charges if c["kind"] == "charge"
     )
     bad += [f"{key}: charged {n} times" for key, n in per_call.items() if n > 1]
+    # each execution runs its tool once: a second request of its own, answered by the
+    # service's dedupe as a replay, is the tool run twice under one claim (an append landed
+    # twice by one execution failed; a charge asked twice by one passed: a cold review)
+    asked = Counter(
+        c["execution_id"] for c in f.charges if c["kind"] in ("charge", "replay")
+        and c.get("execution_id")
+    )  # fmt: skip
+    bad += [f"{eid} asked the service for its charge {n} times" for eid, n in asked.items()
+            if n > 1]  # fmt: skip
     bad += charges_requested_after_failed(f)
     appends = (x for x in f.landings or [] if x.get("kind") == "append" and not x.get("redo"))
     landed = Counter((x["execution_id"], x["path"]) for x in appends)
@@ -182,6 +191,40 @@ def one_effect_per_call(f: Facts) -> Invariant:
         if len(eids) > 1
     ]
     return _invariant("at most one effect per call (lines, charges, landings)", bad)
+
+
+def no_claim_after_proof(f: Facts) -> Invariant:
+    """Proof beats permission (invariant 11): once an attempt of a call is on record as
+    succeeded (its own commit, a reconciler's proof, a person's word), a later attempt not
+    yet claimed is withdrawn in the same transaction, so no later attempt's claim (its
+    ``running``) comes after it in the ledger's order, unless a later decision on the proven
+    attempt (a review that found it failed) overturned it first. A later attempt claimed
+    before the proof is the race a ``both_ran`` flag is for. Judged by nothing: a retry
+    claimed after the proof, its charge a replay of the service's dedupe and its write the
+    same bytes, passed every check (a cold review)."""
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for ex in f.execs:
+        by_key[ex["idempotency_key"]].append(ex)
+    bad = []
+    for key, runs in by_key.items():
+        for ex in runs:
+            claim = next(
+                (e["seq"] for e in f.events_of(ex["execution_id"]) if e["kind"] == "running"),
+                None,
+            )
+            if claim is None:
+                continue
+            for earlier in (p for p in runs if p["attempt"] < ex["attempt"]):
+                decided = [
+                    e
+                    for e in f.events_of(earlier["execution_id"])
+                    if e["kind"] in ("succeeded", "failed", "unknown") and e["seq"] < claim
+                ]
+                if decided and decided[-1]["kind"] == "succeeded":
+                    bad.append(f"{key} attempt {ex['attempt']}: {ex['execution_id']} claimed at "
+                               f"seq {claim}, after attempt {earlier['attempt']} was recorded "
+                               f"succeeded at seq {decided[-1]['seq']}")  # fmt: skip
+    return _invariant("no attempt is claimed after an earlier one was proven succeeded", bad)
 
 
 def charges_requested_again(f: Facts) -> int:
@@ -813,18 +856,19 @@ INVARIANTS: list[Callable[[Facts], Invariant]] = [
     nothing_proven_absent_took_effect,
     failures_explained,
     reviews_explained,
+    no_claim_after_proof,
 ]
 
 
 def check(f: Facts) -> dict[str, Any]:
-    dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work, flags = (
+    dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work, flags, proof = (
         fn(f) for fn in INVARIANTS
     )
     ended, lost, stuck = every_call_ended(f)
     explained, reasons = unknowns_explained(f)
     verified = _invariant("verify: events rebuild state exactly", f.verify)
     invariants = [dup, after, shared, hidden, auto, absent, foreign, receipts, proven, work,
-                  flags, ended, explained, verified]  # fmt: skip
+                  flags, proof, ended, explained, verified]  # fmt: skip
     statuses = Counter(op["status"] for op in f.ops.values())
     inbox = [k for k, op in f.ops.items() if op["status"] in INBOX or op.get("review")]
     return {
