@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -1431,3 +1432,64 @@ def test_checker__a_claim_before_the_proof_or_after_it_was_overturned_is_no_clai
     f.events.append(review)
     f.events.sort(key=lambda e: e["seq"])
     assert PROOF not in broken(f)
+
+
+def test_checker__each_fault_counts_whether_it_met_an_execution_in_flight():
+    """A fault that struck while nothing it could cut off was held tested nothing (a run of
+    400 jobs, seed 3: every kill, child kill, zombie, crash and terminate of 40 met idle or
+    already-stopped workers, and its report said only "injected"). Each kind that can cut
+    an execution off counts the faults that struck one in flight: a process's kinds on its
+    pids (a partition, its host too), a database's on any; the broker's are not measured."""
+    w = World()
+    for e in w.events:  # every execution ended 20 s after its claim
+        e["at"] = WENT_UNKNOWN
+    hour = DURING + 3600
+    faults = [
+        {"kind": "zombie", "pids": [101], "target": "chaos-w1", "t": DURING, "frozen_s": 14.0},
+        {"kind": "zombie", "pids": [555], "target": "chaos-w2", "t": DURING, "frozen_s": 14.0},
+        {"kind": "kill_main", "pids": [101], "target": "chaos-w1", "t": hour},
+        {"kind": "kill_child", "pids": [101], "target": "chaos-w1", "t": DURING - 60},
+        {"kind": "partition", "pids": [], "target": "chaos-w1", "t": DURING - 30, "cut_s": 40},
+        {"kind": "pg_crash", "pids": [9], "target": "postgres", "t": DURING, "down_s": 2.0},
+        {"kind": "pg_terminate", "pids": [], "target": "postgres", "t": hour},
+        {"kind": "redis_flush", "pids": [], "target": "redis", "t": DURING},
+    ]
+    f = w.facts()
+    f.faults = faults
+    report = check(f)
+    assert report["faults_met_work"] == {
+        "kill_child": 0, "kill_main": 0, "partition": 1, "pg_crash": 1, "pg_terminate": 0,
+        "redis_flush": None, "zombie": 1,
+    }  # fmt: skip
+    assert report["ok"]  # reported, not judged: a run's faults may all meet nothing by chance
+    from toolledger.harness.chaos.report import markdown
+
+    full = {**report, "scope": "s", "jobs": 8, "mix": {}, "workers": 1, "concurrency": 1,
+            "faults": {"zombie": 2, "kill_main": 1, "redis_flush": 1, "failpoint:after_claim": 1},
+            "faults_not_injected": {"kill_main": 2, "partition": 5}, "fault_window_s": 1,
+            "seed": 1, "lease_s": 1, "code": "x", "recovered_s": 1, "duration_s": 1,
+            "operator": {}}  # fmt: skip
+    text = markdown(full)
+    assert "| zombie | 2 | 1 |" in text
+    assert "| kill_main | 1 | 0 (2 more scheduled, no target) |" in text
+    assert "| redis_flush | 1 | not measured |" in text
+    assert "| partition | **0 of 5 scheduled: no target** | - |" in text
+
+
+def test_chaos_run__a_fault_that_found_no_target_is_counted_not_dropped(tmp_path, monkeypatch):
+    """A scheduled fault whose kind found no target until its deadline (every worker
+    stopped, frozen or restarting) was dropped without a word: the report listed what was
+    injected, and a kind scheduled five times and injected never looked like one not asked
+    for. It is counted, by kind."""
+    from toolledger.harness.chaos import harness
+
+    monkeypatch.setattr(harness, "FREEZE_PAST_LEASE", 0.0)
+    monkeypatch.setattr(harness, "PARENT_HOLD", 0.0)
+    cfg = harness.ChaosConfig(out=tmp_path, db="postgresql://x", broker="redis://x", jobs=10,
+                              duration=0.2, faults=3, lease_seconds=0.05,
+                              kinds=("zombie", "kill_main"), progress=lambda _: None)  # fmt: skip
+    run = harness.ChaosRun(cfg)
+    run.began = time.time()
+    run._inject()  # no worker at all: nothing to freeze or kill
+    assert run.faults == []
+    assert run.missed == {"zombie": 2, "kill_main": 1}  # the schedule takes kinds in turn

@@ -57,6 +57,8 @@ def run_chaos(cfg: ChaosConfig, *, baseline: bool = False) -> dict[str, Any]:
         "lease_s": cfg.lease_seconds,
         "faults": dict(sorted(faults_by_kind.items())),
         "fault_kinds_skipped": sorted(set(cfg.kinds) - set(run.kinds)),
+        # scheduled, but no target was there until its deadline: not injected
+        "faults_not_injected": dict(sorted(run.missed.items())),
         "duration_s": round(time.time() - began, 1),
         "fault_window_s": cfg.duration,
         "recovered_s": outcome["recovered_s"],

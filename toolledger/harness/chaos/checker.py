@@ -902,10 +902,55 @@ def check(f: Facts) -> dict[str, Any]:
         ),
         "executions": len(f.execs),
         "fenced": fenced(f),
+        # per fault kind: its faults that struck an execution in flight they could cut off
+        "faults_met_work": faults_met_work(f),
         "landings": None if f.landings is None else len(f.landings),
         "invariants": [i.to_json() for i in invariants],
         "ok": all(i.ok for i in invariants),
     }
+
+
+def faults_met_work(f: Facts) -> dict[str, int | None]:
+    """Per fault kind, how many of its faults struck while an execution they could cut off
+    was held (claimed, not yet ended, by the ledger's record of both): a kind of a process's
+    (a kill, a freeze, a cut) on one its pids held, a partition on one its host held, a
+    database's on any; the broker's kinds (a flush, a duplicate publication) are not
+    measured (None). A fault that met nothing in flight tested nothing: a run's report said
+    only how many were injected, and in one of 400 jobs every kill, freeze, crash and
+    terminate struck workers that held nothing (a cold review)."""
+    ends: dict[str, datetime | None] = {}
+    for ex in f.execs:
+        last = next(
+            (e for e in f.events_of(ex["execution_id"])
+             if e["kind"] in ("succeeded", "failed", "unknown")),
+            None,
+        )  # fmt: skip
+        ends[ex["execution_id"]] = _utc(last.get("at")) if last is not None else None
+    met: dict[str, int | None] = {}
+    for fault in f.faults:
+        kind = KINDS.get(fault["kind"])
+        if kind is None or not (kind.blames or kind.database):
+            met[fault["kind"]] = None
+            continue
+        t = fault.get("t")
+        lasted = float(fault.get(kind.lasts, 0.0) or 0.0) if kind.lasts else 0.0
+        hit = False
+        for ex in f.execs:
+            began, until = _utc(ex.get("started_at")), ends.get(ex["execution_id"])
+            if t is None or began is None or began.timestamp() > t + lasted:
+                continue
+            if until is not None and until.timestamp() < t:
+                continue
+            pid, host = _pid(ex.get("worker_id")), _host(ex.get("worker_id"))
+            if (
+                kind.blames is None
+                or pid in fault.get("pids", [])
+                or (kind.blames == "pid_or_host" and host == fault.get("target"))
+            ):
+                hit = True
+                break
+        met[fault["kind"]] = (met.get(fault["kind"]) or 0) + hit
+    return dict(sorted(met.items()))
 
 
 def fenced(f: Facts) -> dict[str, int]:

@@ -52,9 +52,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"| operator actions | {_counts(report['operator']) or 0} |",
         f"| verify | {'ok' if report['verify_ok'] else 'DIFFERENCES'} |",
         "",
-        "| fault | injected |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in sorted(report["faults"].items())],
+        "| fault | injected | struck an execution in flight |",
+        "|---|---|---|",
+        *[f"| {k} | {v} | {_met(report, k)} |" for k, v in sorted(report["faults"].items())],
+        *[
+            f"| {k} | **0 of {n} scheduled: no target** | - |"
+            for k, n in sorted(report.get("faults_not_injected", {}).items())
+            if k not in report["faults"]
+        ],
         "",
         "| went unknown, because of | executions |",
         "|---|---|",
@@ -85,6 +90,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"{base['lost']} |",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _met(report: dict[str, Any], kind: str) -> str:
+    """How many faults of ``kind`` met an execution in flight: a failpoint fires in one, the
+    broker's kinds are not measured; ``(n not injected)`` where some found no target."""
+    missed = report.get("faults_not_injected", {}).get(kind)
+    also = f" ({missed} more scheduled, no target)" if missed else ""
+    if kind.startswith(("failpoint:", "stop:")):
+        return "each (it fires in one)"
+    met = report.get("faults_met_work", {}).get(kind)
+    return ("not measured" if met is None else str(met)) + also
 
 
 def _measured(report: dict[str, Any]) -> str:
