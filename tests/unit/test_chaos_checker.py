@@ -1493,3 +1493,40 @@ def test_chaos_run__a_fault_that_found_no_target_is_counted_not_dropped(tmp_path
     run._inject()  # no worker at all: nothing to freeze or kill
     assert run.faults == []
     assert run.missed == {"zombie": 2, "kill_main": 1}  # the schedule takes kinds in turn
+
+
+def test_operator__reviews_the_flag_still_waiting_not_the_last_one_raised(monkeypatch):
+    """A call flagged twice (``both_ran`` on attempt 1, then on attempt 3), the later flag
+    reviewed: the operator reviewed the last flag raised, which the ledger refuses ("not the
+    one its call is flagged for … review that one"), every pass, and the call stayed in the
+    inbox for ever (a run of 400 jobs, seed 3: 7 refusals, 1 call left for humans)."""
+    import importlib
+    import sys
+    from types import SimpleNamespace as NS
+
+    from toolledger.harness.chaos.harness import PLUGIN
+    from toolledger.ledger.transitions import Flag
+
+    monkeypatch.syspath_prepend(str(PLUGIN))
+    roles = importlib.import_module("toolledger_chaos_roles")
+    try:
+        history = [NS(kind="flagged", execution_id="e1", seq=10),
+                   NS(kind="flagged", execution_id="e3", seq=20),
+                   NS(kind="reviewed", execution_id="e3", seq=30)]  # fmt: skip
+        view = NS(operation=NS(review="both_ran"),
+                  executions=[NS(execution_id=e) for e in ("e1", "e2", "e3")],
+                  flags=(Flag("e1", "both_ran"),))  # fmt: skip
+        op = roles.Operator.__new__(roles.Operator)
+        op.scope, op.ledger = "s", NS(events=lambda scope, cid: history)
+        reviewed: list[tuple[str, int | None]] = []
+        op.looks_present = lambda job: True  # type: ignore[method-assign]
+        op.resolve = lambda job, ex, status, why, review=False, seen=None: (  # type: ignore[method-assign]
+            reviewed.append((ex.execution_id, seen)) or 1
+        )
+        op.review({"cid": "c"}, view)
+        assert reviewed == [("e1", 30)]
+        # a version whose view has no waiting flags: the last one raised, as before
+        op.review({"cid": "c"}, NS(operation=view.operation, executions=view.executions))
+        assert reviewed[-1] == ("e3", 30)
+    finally:
+        sys.modules.pop("toolledger_chaos_roles", None)

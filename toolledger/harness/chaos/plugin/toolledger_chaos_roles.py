@@ -218,10 +218,14 @@ class Operator:
         return 0
 
     def review(self, job: dict[str, Any], view: Any) -> int:
-        """A flagged call: the flag names the execution a human or a reconciler decided."""
+        """A flagged call: the flag names the execution a human or a reconciler decided. The
+        first flag still waiting (the view's, in versions that fold them): the last one
+        raised may be reviewed already while an earlier one waits, which the ledger refuses
+        to settle by a review of another execution, every pass (a call left in the inbox)."""
         history = self.ledger.events(self.scope, job["cid"])
-        flags = [e for e in history if e.kind == "flagged"]
-        flagged = next(e for e in view.executions if e.execution_id == flags[-1].execution_id)
+        waiting = [f.execution_id for f in getattr(view, "flags", ()) or ()]
+        named = (waiting or [e.execution_id for e in history if e.kind == "flagged"][-1:])[0]
+        flagged = next(e for e in view.executions if e.execution_id == named)
         present = self.looks_present(job)
         status = Status.SUCCEEDED if present is not False else Status.FAILED
         why = f"flagged {view.operation.review}: reviewed against the world ({present})"
