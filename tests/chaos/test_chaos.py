@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
 KEYS = ("faults", "duplicates", "effects_after_revocation", "shared_path_mismatches",
         "hidden_effects", "absent_effects", "foreign_effects", "lost", "stuck", "inbox", "unknown", "operator", "auto_retries", "fenced", "stopped_and_woken",
-        "statuses", "recovered_s", "duration_s")  # fmt: skip
+        "statuses", "recovered_s", "duration_s", "faults_met_work",
+        "faults_not_injected")  # fmt: skip
 
 
 def assert_clean(report: dict, *, prefork: bool = True) -> None:

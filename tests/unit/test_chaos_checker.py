@@ -1530,3 +1530,20 @@ def test_operator__reviews_the_flag_still_waiting_not_the_last_one_raised(monkey
         assert reviewed[-1] == ("e3", 30)
     finally:
         sys.modules.pop("toolledger_chaos_roles", None)
+
+
+def test_report__a_fault_kind_skipped_is_in_the_markdown():
+    """A kind the run could not inject at all (no partitions without root and ``ip netns``,
+    no Postgres crash without a cluster of its own, no child to kill on threads) is in the
+    JSON's ``fault_kinds_skipped``; the Markdown report, what a person reads, named only
+    what was injected, and a run with no partition read like one that asked for none."""
+    from toolledger.harness.chaos.report import markdown
+
+    report = check(World().facts())
+    full = {**report, "scope": "s", "jobs": 8, "mix": {}, "workers": 1, "concurrency": 1,
+            "faults": {"zombie": 2}, "fault_kinds_skipped": ["partition", "pg_crash"],
+            "fault_window_s": 1, "seed": 1, "lease_s": 1, "code": "x", "recovered_s": 1,
+            "duration_s": 1, "operator": {}}  # fmt: skip
+    text = markdown(full)
+    assert "| partition | **skipped: this run could not inject it** | - |" in text
+    assert "| pg_crash | **skipped: this run could not inject it** | - |" in text

@@ -60,6 +60,10 @@ def markdown(report: dict[str, Any]) -> str:
             for k, n in sorted(report.get("faults_not_injected", {}).items())
             if k not in report["faults"]
         ],
+        *[
+            f"| {k} | **skipped: this run could not inject it** | - |"
+            for k in report.get("fault_kinds_skipped", [])
+        ],
         "",
         "| went unknown, because of | executions |",
         "|---|---|",
