@@ -599,6 +599,26 @@ def _claimed_after_an_earlier_attempt_proven_succeeded(w: World) -> None:
     w.ops[c1.key]["authorized_attempts"] = 2
 
 
+def _operator_retry_while_the_attempt_before_ran(w: World) -> None:
+    """The operator's retry of c1 authorised while attempt 1 still ran (neither unknown nor
+    failed: a retry is of those only, and revokes them): both attempts live at once, attempt
+    2 asking the service again, a replay its dedupe hid. Only automatic retries were judged
+    against the attempt before them."""
+    c1 = next(j for j in w.jobs if j.cid == "c1")
+    w.events[:] = [e for e in w.events if e["execution_id"] != "e-c1-1"]
+    r = receipt_of(c1)
+    w.event(c1.key, "e-c1-1", "running", attempt=1)
+    w.event(c1.key, None, "approved", attempt=2)["actor"] = "chaos-operator"
+    w.execs.append({"execution_id": "e-c1-2", "idempotency_key": c1.key, "attempt": 2,
+                    "status": "succeeded", "reconciled": False, "result": r,
+                    "worker_id": "chaos-w1@h:101"})  # fmt: skip
+    w.event(c1.key, "e-c1-2", "running", attempt=2)
+    w.event(c1.key, "e-c1-1", "succeeded", reconciled=False, result=r)
+    w.event(c1.key, "e-c1-2", "succeeded", reconciled=False, result=r)
+    w.charges.append({"kind": "replay", "key": c1.key, "execution_id": "e-c1-2"})
+    w.ops[c1.key]["authorized_attempts"] = 2
+
+
 def _zombie_charge_request_of_an_execution_proven_not_applied(w: World) -> None:
     # attempt 1 proven not applied, retried; attempt 2 charged; then attempt 1 (a zombie)
     # sent its request: a replay, never judged (only kind "charge" was)
@@ -860,6 +880,7 @@ BREAKS = {
         _auto_retry_after_another_attempt,
         _attempt_without_any_approval,
         _auto_retry_naming_another_calls_attempt,
+        _operator_retry_while_the_attempt_before_ran,
     ],
     "every succeeded call's effect is in the world": [
         _write_absent,

@@ -681,6 +681,14 @@ def automatic_retries_proven(f: Facts) -> Invariant:
                 who = e.get("actor")
                 bad.append(f"{e['idempotency_key']} attempt {attempt}: approved by {who}, "
                            "neither automatic nor the operator's retry")  # fmt: skip
+            # a person retries a call unknown or failed only: the attempt before it ended or
+            # was revoked first. A retry while it still ran let two attempts live at once, a
+            # charge's second request hidden by the service's dedupe; only automatic retries
+            # were judged against it (a cold review). (One after a success, claimed, is
+            # judged by "no attempt is claimed after an earlier one was proven succeeded".)
+            if _last_decision(f, e["idempotency_key"], attempt - 1, e["seq"]) == "running":
+                bad.append(f"{e['idempotency_key']} attempt {attempt}: retried while attempt "
+                           f"{attempt - 1} still ran (neither unknown nor failed)")  # fmt: skip
             continue
         before = e["detail"].get("after")
         ex = execs.get(before or "")
@@ -718,6 +726,21 @@ def automatic_retries_proven(f: Facts) -> Invariant:
         if ex["attempt"] >= 2 and (ex["idempotency_key"], ex["attempt"]) not in approved
     ]
     return _invariant("automatic retries only after revocation and proof of absence", bad)
+
+
+def _last_decision(f: Facts, key: str, attempt: int, seq: int) -> str:
+    """What the ledger had last recorded of ``key``'s ``attempt`` before ``seq``: its last
+    ``succeeded``, ``failed`` or ``unknown``, ``running`` if none yet, ``unclaimed`` if it
+    has no execution."""
+    ex = next((x for x in f.execs if x["idempotency_key"] == key and x["attempt"] == attempt), None)
+    if ex is None:
+        return "unclaimed"
+    decided = [
+        e["kind"]
+        for e in f.events_of(ex["execution_id"])
+        if e["kind"] in ("succeeded", "failed", "unknown") and e["seq"] < seq
+    ]
+    return decided[-1] if decided else "running"
 
 
 def receipts_match_the_world(f: Facts) -> Invariant:
