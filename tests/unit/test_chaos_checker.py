@@ -1568,3 +1568,30 @@ def test_report__a_fault_kind_skipped_is_in_the_markdown():
     text = markdown(full)
     assert "| partition | **skipped: this run could not inject it** | - |" in text
     assert "| pg_crash | **skipped: this run could not inject it** | - |" in text
+
+
+def test_chaos_run__only_the_first_worker_stops_at_the_fence_points(tmp_path):
+    """The fleet's first hit of each point where a stop meets the fence stops its process
+    until the sweep revoked its execution (a prefork child's parent with it): every job hits
+    them in the first seconds, so both workers of a run stood stopped for its first ~35 s, no
+    call ended, and the external faults, waiting for a target, then struck a fleet that held
+    nothing (seed 7, 300 jobs, 60 s: kills, partitions and crashes 0 of 3 each met an
+    execution in flight). Only the first worker stops; the others' chain never fires its
+    stop and shares the kill's ``first+`` marker, so the fleet still kills at every point."""
+    from toolledger import failpoints
+    from toolledger.harness.chaos import harness
+
+    cfg = harness.ChaosConfig(out=tmp_path, db="postgresql://x", broker="redis://x", jobs=100,
+                              progress=lambda _: None)  # fmt: skip
+    run = harness.ChaosRun(cfg)
+    first, other = run.worker_failpoints(0), run.worker_failpoints(1)
+    for spec, stops in ((first, True), (other, False)):
+        actions = failpoints.parse(spec)
+        for point in harness.STOPPABLE:
+            head = actions[point]
+            assert head.kind == "stop"
+            assert head.first is stops and (head.probability > 0 or stops) is stops
+            assert head.then is not None and head.then.kind == "kill" and head.then.first
+            assert head.then.index == 1  # the same marker on every worker
+        assert all(actions[p].kind == "kill" and actions[p].first for p in actions
+                   if p not in harness.STOPPABLE)  # fmt: skip

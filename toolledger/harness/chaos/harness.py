@@ -258,20 +258,29 @@ class ChaosRun:
         base.setdefault("PYTHONUNBUFFERED", "1")
         return base
 
-    def _failpoints(self) -> str:
+    def worker_failpoints(self, index: int) -> str:
+        """The failpoints of the run's ``index``-th worker: only the first one stops at the
+        fence's points. Every job hits them in its first seconds, and a stop holds its process
+        (a prefork child's parent with it) until the sweep revoked its execution: stops on
+        every worker stood the whole fleet still for the first ~35 s of a run, no call ended,
+        and the external faults, waiting for a target, struck a fleet holding nothing."""
+        return self._failpoints(stops=index == 0)
+
+    def _failpoints(self, *, stops: bool = True) -> str:
         pct = self.cfg.failpoint_percent
         # first+: the fleet's first hit of each point fires for sure, then pct of the rest; a
         # short run then covers every window instead of hoping the percentage reaches each.
         first = "first+" if self.code.first_failpoints() else ""
-        stops = self.code.chained_failpoints()  # older baselines: kills only
+        chained = self.code.chained_failpoints()  # older baselines: kills only
 
         def spec(point: str) -> str:
             kill = f"{first}{pct}%kill"
-            return (
-                f"first+{self.cfg.stop_percent}%stop->{kill}"
-                if stops and point in STOPPABLE
-                else kill
-            )
+            if not chained or point not in STOPPABLE:
+                return kill
+            # a worker that does not stop never fires its chain's head (nor takes its
+            # first+ marker), and its kill is the chain's second, sharing that marker
+            head = f"first+{self.cfg.stop_percent}%stop" if stops else "0%stop"
+            return f"{head}->{kill}"
 
         return ";".join(f"{point}={spec(point)}" for point in self.code.failpoints())
 
@@ -326,7 +335,7 @@ class ChaosRun:
             name = f"chaos-w{i + 1}"
             part = self.partitions.get(name)
             extra = {"db": part.url} if part else {}  # type: ignore[attr-defined]
-            env = self.settings_env(failpoints=self._failpoints(), **extra)
+            env = self.settings_env(failpoints=self.worker_failpoints(i), **extra)
             self.workers.append(
                 worker_process(
                     name, env, logs, concurrency=self.cfg.concurrency, pool=self.cfg.pool
