@@ -593,12 +593,16 @@ class ChaosRun:
         return len(self._lines("submitted.log"))
 
     def _pick(self) -> ManagedProcess | None:
+        """A worker for a kill or a freeze: alive, neither frozen nor stopped, and not cut off
+        from Postgres while another is not (a cut worker claims nothing, so a kill or freeze
+        of it met no execution in flight: CI's three kills of each kind met none)."""
         alive = [
             w
             for w in self.workers
             if w.alive() and w.name not in self._paused and not self._has_stopped(w)
         ]
-        return self.rng.choice(alive) if alive else None
+        reachable = [w for w in alive if not self._cut(w)]
+        return self.rng.choice(reachable or alive) if alive else None
 
     def _fault_kill_main(self) -> Fault | None:
         w = self._pick()
