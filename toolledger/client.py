@@ -24,8 +24,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -195,6 +197,20 @@ def receipt_of(view: CallView) -> Receipt | None:
 # ------------------------------------------------------------------------ wake-ups
 
 
+#: Every Notifier and Stats of this process, made anew in a forked child (``_after_fork``).
+_FORKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for held in list(_FORKED):
+        with contextlib.suppress(Exception):
+            held._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 Key = tuple[str, str]
 
 
@@ -217,6 +233,23 @@ class Notifier:
         #: Seconds before the first reconnect of a lost listener (then doubling, up to 5).
         self.reconnect_pause = 0.2
         #: No wake-ups can come (an in-memory database, no bell directory): waiters poll.
+        self.unavailable = False
+        _FORKED.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the listener is the parent's (its thread did not come along,
+        its socket is the parent's session), and so are the waiters; the child starts its own
+        at its first wait. Inherited as started, it never rang a child's waiter: each found
+        its receipt at a fallback read, 10 s late, in every child of a prefork server made
+        after the parent's first wait (a cold review). The parent's connection is left open
+        and unused: closing it in the child would end the parent's session."""
+        stopped = self._stop.is_set()  # a client closed before the fork stays closed
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._watchers = defaultdict(list)
+        self._ready, self._stop = threading.Event(), threading.Event()
+        if stopped:
+            self._stop.set()
+        self._thread = None
         self.unavailable = False
 
     @property
@@ -324,7 +357,7 @@ class Notifier:
 # ------------------------------------------------------------------------ the client
 
 
-@dataclass
+@dataclass(eq=False)  # one per client, told apart by identity (a fork renews its lock)
 class Stats:
     """How waits ended. ``woken``: the receipt was there at the first read or at a read a
     wake-up caused; ``found_by_poll``: at a fallback read (should stay 0: a wake-up missed);
@@ -335,6 +368,12 @@ class Stats:
     timeouts: int = 0
     fallback_reads: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        _FORKED.add(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
 
     def add(self, name: str) -> None:
         with self._lock:
