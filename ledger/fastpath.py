@@ -153,6 +153,11 @@ def psycopg_statements() -> tuple[str, str, dict[str, str]]:
     return _psycopg_sql(_CLAIM), _psycopg_sql(_FINISH), dict(_STATUSES)
 
 
+#: Connections of a pool that threads may not keep for their life: room for the generic
+#: path's reads and writes (a wait's reads, a worker's lease keeper and landings) and for the
+#: statements of threads past the rest (``HeldConnectionStore.statement_connection``).
+HOLD_RESERVE = 8
+
 #: Every held-connection store of this process, for a fork's child to forget (below).
 _STORES: weakref.WeakSet[HeldConnectionStore] = weakref.WeakSet()
 #: What a forked child inherited and must neither use nor close: closing a psycopg connection
@@ -169,6 +174,7 @@ def _forget_in_child() -> None:
         with contextlib.suppress(Exception):
             _INHERITED.extend(store._held)
             store._held = []
+            store._opening = 0
             store._local = threading.local()
             store._lock = threading.Lock()
             store.engine.dispose(close=False)
@@ -188,25 +194,58 @@ class HeldConnectionStore(Store):
         self.engine = ledger.engine
         self._local = threading.local()
         self._held: list[Any] = []
+        self._opening = 0  # threads opening the connection they will keep (_room_to_hold)
         self._lock = threading.Lock()
         _STORES.add(self)
 
     def _setup(self, dbapi: Any) -> None:
         """Configure a connection once, when a thread first takes it."""
 
+    def _room_to_hold(self) -> bool:
+        """Whether this thread may keep a connection for its life, its place taken if so:
+        while the pool keeps ``HOLD_RESERVE`` of its connections for everything else (a
+        worker's pool is sized for its threads plus those: ``db.reserve_threads``). Every
+        thread held one, and a process whose threads outnumbered the pool (an agent server's
+        50 threads sharing one Client) starved: the threads past it failed their submits,
+        and no read was left a connection, so every thread's wait failed (a cold review)."""
+        pool = self.engine.pool
+        room = None  # no bound to the pool (NullPool, StaticPool, max_overflow=-1)
+        if isinstance(pool, sa.QueuePool) and pool._max_overflow >= 0:
+            room = pool.size() + pool._max_overflow - HOLD_RESERVE
+        with self._lock:
+            # (places taken, not only connections held: threads opening theirs at once all
+            # found room in a check made before any of them held one)
+            if room is not None and len(self._held) + self._opening >= room:
+                return False
+            self._opening += 1
+            return True
+
+    def _configured(self) -> Any:
+        pooled = self.engine.raw_connection()
+        try:
+            self._setup(pooled.dbapi_connection)
+        except Exception:
+            pooled.invalidate()
+            raise
+        return pooled
+
     def connection(self) -> Any:
-        """This thread's connection (checked out of the engine's pool, kept)."""
+        """This thread's connection (checked out of the engine's pool, kept); when the pool
+        has no more room for one kept for good (``_room_to_hold``), one for the next
+        statement alone, which ``release`` closes (configured for these statements, it never
+        goes back to the pool: see ``_give_back``)."""
         pooled = getattr(self._local, "pooled", None)
         if pooled is None:
-            pooled = self.engine.raw_connection()
+            if not self._room_to_hold():
+                return self._configured()
             try:
-                self._setup(pooled.dbapi_connection)
-            except Exception:
-                pooled.invalidate()
-                raise
-            self._local.pooled = pooled
-            with self._lock:
-                self._held.append(pooled)
+                pooled = self._configured()
+                self._local.pooled = pooled
+                with self._lock:
+                    self._held.append(pooled)
+            finally:
+                with self._lock:
+                    self._opening -= 1
             # A thread that ends gives its connection back (threads that come and go, e.g.
             # one per request, would otherwise exhaust the pool).
             weakref.finalize(threading.current_thread(), self._give_back, pooled)
@@ -224,12 +263,21 @@ class HeldConnectionStore(Store):
         with contextlib.suppress(Exception):
             pooled.invalidate()
 
+    def release(self, pooled: Any) -> None:
+        """After a statement on ``pooled``: a connection taken for it alone is closed; this
+        thread's own stays."""
+        if pooled is getattr(self._local, "pooled", None) or pooled.dbapi_connection is None:
+            return  # kept, or dropped already
+        with contextlib.suppress(Exception):
+            pooled.invalidate()
+
     def _drop(self, pooled: Any) -> None:
         """Forget a broken connection (the next call opens another)."""
         with self._lock:
             if pooled in self._held:
                 self._held.remove(pooled)
-        self._local.pooled = None
+        if getattr(self._local, "pooled", None) is pooled:  # (not one of a single statement)
+            self._local.pooled = None
         pooled.invalidate()
 
     def close(self) -> None:
@@ -292,6 +340,16 @@ class PostgresStore(HeldConnectionStore):
             raise sa.exc.DBAPIError.instance(
                 sql, params, exc, psycopg.Error, hide_parameters=True
             ) from exc
+        try:
+            return self._row(pooled, statement, sql, params)
+        finally:
+            self.release(pooled)
+
+    def _row(
+        self, pooled: Any, statement: sa.TextualSelect, sql: str, params: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        import psycopg
+
         try:
             row = pooled.dbapi_connection.execute(sql, params).fetchone()
         except psycopg.Error as exc:

@@ -172,6 +172,8 @@ class SqliteStore(HeldConnectionStore):
             raise sa.exc.DBAPIError.instance(
                 "", None, exc, sqlite3.Error, hide_parameters=True
             ) from exc
+        finally:
+            self.release(pooled)  # one taken for this transaction alone (see connection)
 
     @staticmethod
     def _run(

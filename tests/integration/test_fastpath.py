@@ -744,3 +744,53 @@ def test_fastpath__a_process_with_many_files_open_keeps_its_connection(pg_url):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_fastpath__more_threads_than_the_pool_holds_still_submit_and_read(db_url):
+    """Each thread kept a connection of the pool for its life, so a process whose threads
+    outnumber the pool (an agent server's 50 threads sharing one Client; the pool holds
+    4 + 40) starved: the threads past it failed their submits after the pool's timeout, and
+    with every connection held no read was left a connection, so every wait of every thread
+    failed too (a cold review: 44 threads, 44 waits failed). Threads past the pool's room now
+    take a connection for one statement; the rest of the pool stays for the reads."""
+    import threading
+
+    from toolledger.ledger.db import create_engine
+
+    engine = create_engine(db_url, timeout=2, pool_size=4, max_overflow=8)  # SQLite: 5 + 40
+    ledger = Ledger(engine)
+    assert isinstance(ledger.store, PostgresStore | SqliteStore)
+    threads_n = engine.pool.size() + engine.pool._max_overflow + 4  # type: ignore[attr-defined]
+    submitted = threading.Barrier(threads_n + 1)
+    done = threading.Event()
+    errors: list[BaseException] = []
+    statuses: list[Status] = []
+    scope = f"crowd-{engine.dialect.name}"
+
+    def agent_thread(n: int) -> None:
+        try:  # submitted, then read, while every other thread lives on
+            ledger.submit(scope, f"c{n}", "write_file", {"path": f"p{n}", "content": "x"})
+            submitted.wait(90)
+            statuses.append(ledger.get(scope, f"c{n}").operation.status)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                submitted.abort()
+        done.wait(90)
+
+    threads = [threading.Thread(target=agent_thread, args=(n,)) for n in range(threads_n)]
+    for t in threads:
+        t.start()
+    try:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            submitted.wait(90)
+        deadline = time.monotonic() + 90
+        while len(statuses) + len(errors) < threads_n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert errors == []
+        assert statuses == [Status.PENDING_APPROVAL] * threads_n
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        ledger.close()
