@@ -150,11 +150,16 @@ class _Ledger:
                 # recorded earlier, waiting for a person; this run's approval is that decision
                 with contextlib.suppress(StateError):  # decided meanwhile: that stands
                     await asyncio.to_thread(sync.approve, scope, tool_call_id, by=by)
-            if isinstance(self.client, AsyncClient):  # woken on the loop: no thread held
-                # (a read-only call ran at once, unrecorded: its handle holds its receipt)
-                receipt = await AsyncCallHandle(self.client, handle).result(timeout)
-            else:
-                receipt = await asyncio.to_thread(handle.result, timeout)
+            # woken on the loop, whichever client: no thread held (a Client's wait held one of
+            # the loop's default executor for its whole wait, 6 on 2 cores: a turn's parallel
+            # calls past that many, and the application's own to_thread work, queued behind
+            # the waits; a cold review). A read-only call ran at once, unrecorded: its handle
+            # holds its receipt.
+            client = self.client
+            waiting = AsyncCallHandle(
+                client if isinstance(client, AsyncClient) else AsyncClient.of(sync), handle
+            )
+            receipt = await waiting.result(timeout)
         return receipt.text
 
 

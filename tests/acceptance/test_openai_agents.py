@@ -500,3 +500,72 @@ def test_policy__asked_once_a_call_on_its_own_copy_of_the_arguments(world: Stack
     assert view.operation.decided_by == "policy:budget"
     assert view.operation.args == APPEND[2]  # the model's arguments, recorded and run
     assert landed(world.sandbox / "conv-policy" / "notes" / "log.txt") == "once\n"
+
+
+def test_parallel_calls_through_a_sync_client__their_waits_hold_no_executor_thread(
+    tmp_path: Path,
+) -> None:
+    """The SDK runs a turn's tool calls at once. Through a ``Client`` each call's wait held a
+    thread of the event loop's default executor (6 on 2 cores) for as long as it waited: a
+    turn of 6 slow calls left the application's own ``asyncio.to_thread`` work, and any
+    later call's submit, queued behind the waits (a cold review). The wait is on the loop
+    now, as with an AsyncClient (and as the LangChain adapter's ``_arun``)."""
+    import concurrent.futures
+
+    from agents.tool_context import ToolContext
+
+    from toolledger.ledger.ledger import Ledger
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": f"sqlite:///{tmp_path / 'l.db'}",
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sb"),
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+        }
+    )  # fmt: skip  (no worker: every call waits out its timeout)
+    calls = [f"c{i}" for i in range(6)]
+
+    async def go(client: Client, ledger: Ledger) -> tuple[str, list[Any]]:
+        loop = asyncio.get_running_loop()
+        # a default executor of 2 threads: what 6 are on 2 cores, on any machine; the test's
+        # own reads in a thread of their own
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        own = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        (tool,) = [
+            t
+            for t in ledger_function_tools(client, scope="par", approve=always, timeout=15)
+            if t.name == "write_file"
+        ]
+
+        async def one(call_id: str) -> str:
+            args = json.dumps({"path": f"{call_id}.txt", "content": "x"})
+            ctx = ToolContext(None, tool_name="write_file", tool_call_id=call_id,
+                              tool_arguments=args)  # fmt: skip
+            return str(await tool.on_invoke_tool(ctx, args))
+
+        def recorded() -> list[str]:
+            return sorted(str(c.tool_call_id) for c in ledger.list_calls(scope="par"))
+
+        running = [asyncio.create_task(one(c)) for c in calls]
+        for _ in range(100):  # every call recorded (10 s at most), its wait begun
+            if await loop.run_in_executor(own, recorded) == calls:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        try:  # while the 6 wait, the application's own work in a thread
+            answer = await asyncio.wait_for(asyncio.to_thread(lambda: "answered"), 5)
+        except TimeoutError:
+            answer = "queued behind the waits"
+        ended = await asyncio.gather(*running, return_exceptions=True)
+        own.shutdown()
+        return answer, ended
+
+    with Client(settings) as client:
+        ledger = Ledger(settings.db)
+        try:
+            answer, ended = asyncio.run(go(client, ledger))
+        finally:
+            ledger.close()
+    assert answer == "answered"
+    assert [calls_waiting(e) is not None for e in ended] == [True] * len(calls), ended
