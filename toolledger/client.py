@@ -295,7 +295,12 @@ class Notifier:
                 callbacks = [cb for k in found for cb in self._watchers.get(k, ())]
         for cb in callbacks:
             self.woken += 1
-            cb()
+            try:
+                cb()
+            except Exception as exc:  # noqa: BLE001 - one waiter's wake-up, not the listener's
+                # (one that raised ended the embedded listener's thread, and sent the Postgres
+                # one reconnecting at every ring, the waiters after it never woken: a review)
+                log.warning("a waiter's wake-up failed: %s: %s", type(exc).__name__, exc)
 
     def wake_all(self) -> None:
         self.dispatch(b"")
@@ -861,7 +866,9 @@ class AsyncClient:
             rung = asyncio.Event()
 
             def wake() -> None:
-                loop.call_soon_threadsafe(rung.set)
+                # the loop closed with this wait pending (never cancelled): nobody waits there
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(rung.set)
 
             by_poll = False
             with sync.notifier.watch(key, wake):

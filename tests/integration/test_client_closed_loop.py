@@ -1,0 +1,60 @@
+"""A wait left pending in an event loop that was closed without cancelling it (a loop run by
+hand, ``asyncio.wait``'s pending tasks never cancelled) kept its wake-up registered: the
+next receipt for its call made the listener call into the closed loop, whose RuntimeError
+ended the embedded listener's thread (every later wait of the client found its receipt at a
+fallback read, 10 s late) and sent the Postgres listener reconnecting, again at every ring."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from toolledger import AsyncClient, Client
+from toolledger.config import Settings
+
+
+@pytest.fixture
+def client(db_url: str, tmp_path: Path) -> Any:
+    settings = Settings.from_env(
+        {"TOOLLEDGER_DB": db_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+         "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}  # nothing is enqueued: all pending
+    )  # fmt: skip
+    with Client(settings, poll_interval=3600) as c:
+        yield c
+
+
+def test_wait__a_closed_loops_wait_leaves_the_listener_waking_others(
+    client: Client, scope: str
+) -> None:
+    # Given a wait watching a call in a loop closed without cancelling it
+    client.submit(scope, "abandoned", "write_file", {"path": "a.txt", "content": "x"})
+    client.submit(scope, "other", "write_file", {"path": "b.txt", "content": "y"})
+    key = (scope, client.ledger.get(scope, "abandoned").operation.idempotency_key)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(AsyncClient.of(client).wait(scope, "abandoned", timeout=600))
+    for _ in range(300):
+        loop.run_until_complete(asyncio.sleep(0.05))
+        if key in client.notifier._watchers:
+            break
+    assert key in client.notifier._watchers
+    loop.close()
+    # When its call gets a receipt, and then another watched call does
+    woken = client.notifier.woken
+    client.reject(scope, "abandoned", by="alice")
+    for _ in range(600):  # the listener has called the abandoned wait's wake-up
+        if client.notifier.woken > woken:
+            break
+        time.sleep(0.05)
+    other = (scope, client.ledger.get(scope, "other").operation.idempotency_key)
+    rung = threading.Event()
+    with client.notifier.watch(other, rung.set):
+        client.reject(scope, "other", by="alice")
+        # Then the listener still wakes the other call's waiter
+        assert rung.wait(30)
+    del task
