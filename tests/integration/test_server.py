@@ -934,6 +934,44 @@ def test_api__an_unavailable_database_is_said_in_the_apis_shape(
     assert r.status_code == 500 and r.json()["kind"] == "internal" and "detail" not in r.text
 
 
+def test_api_and_console__no_free_connection_in_time_is_503_not_a_bugs_500(
+    fresh_db_url: str, scope: str, tmp_path: Path
+) -> None:
+    """A cold review: with Postgres slow (a lock held on ``operations``), 40 inboxes asked at
+    once were answered 25 times 503 and 15 times 500 ``internal error: TimeoutError``, each
+    with a traceback logged: the pages' pool (8 + 16 connections) ran out before the 40
+    threads did, and SQLAlchemy's "no connection free within the pool timeout" is no
+    ``OperationalError``. It is the database's slowness as much as a lock timeout is: 503."""
+    import sqlalchemy as sa
+
+    from toolledger.ledger.db import create_engine
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    app = create_app(settings, parse_tokens(TOKENS, "test"), metrics=False)
+    # Given a pages' pool whose one connection a slow read holds
+    tiny = Ledger(create_engine(fresh_db_url, pool_size=1, max_overflow=0, pool_timeout=0.1))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        app.state.desk._reader = tiny  # closed with the desk
+        with tiny.engine.connect() as held:
+            held.execute(sa.text("SELECT 1"))
+            # When the API and the console ask for a page
+            r = client.get("/api/inbox", headers=bearer("vera"))
+            page = client.get("/", headers=bearer("vera"))
+        # Then both say the database did not answer in time, as its own timeouts do
+        assert r.status_code == 503, r.text
+        assert r.json()["kind"] == "unavailable" and r.json()["exit_code"] == 1
+        assert page.status_code == 503 and "database unavailable" in page.text
+        # and once the connection is free again, the same read is answered
+        assert client.get("/api/inbox", headers=bearer("vera")).status_code == 200
+
+
 def test_api__an_empty_scope_filter_is_no_filter(server: Any, scope: str) -> None:
     """``?scope=`` was 422 where ``?status=`` is no filter, and the console took both as none."""
     client, ledger = server

@@ -114,6 +114,18 @@ def create_app(
         if not (busy(exc.orig) or unreachable(exc.orig)):
             return await internal(request, exc)
         said = (str(exc.orig).strip().splitlines() or [""])[0][:300]  # the driver's, no SQL
+        return _unavailable(request, said)
+
+    @app.exception_handler(sa.exc.TimeoutError)
+    async def no_connection(request: Request, exc: sa.exc.TimeoutError) -> Response:
+        # every connection of the pool held past its timeout: the database answers slowly (a
+        # lock, a stall), as a lock timeout says. The pages' pool (8 + 16) runs out before the
+        # 40 threads do, and 15 of 40 inboxes asked behind a lock were a bug's 500 with a
+        # traceback each (a cold review)
+        said = str(exc).split(" (Background")[0][:300]  # SQLAlchemy's, without its link
+        return _unavailable(request, f"no connection of the pool free in time: {said}")
+
+    def _unavailable(request: Request, said: str) -> Response:
         log.warning("%s %s: database unavailable: %s", request.method, request.url.path, said)
         message = "database unavailable: try again (what was recorded stands; show tells)"
         if not request.url.path.startswith("/api/"):
