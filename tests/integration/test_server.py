@@ -1198,6 +1198,48 @@ def test_metrics__served_without_a_token_counts_only(fresh_db_url: str, tmp_path
     ledger.close()
 
 
+def test_reads__the_pages_pool_is_made_once_however_many_first_requests_come_at_once(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold review: the pages' pool (Postgres) was made at its first use without a lock,
+    and 40 first requests at once made 39 of them, each opening its own connections (46 to
+    the database where the pool holds at most 24) until the collector found them."""
+    from toolledger.ledger import db
+
+    made: list[Any] = []
+    second = threading.Event()
+
+    def slow_to_make(*args: Any, **kwargs: Any) -> Any:
+        made.append(args)
+        if len(made) > 1:
+            second.set()
+        second.wait(timeout=2)  # the first one made waits for another to start (or 2 s)
+        return real(*args, **kwargs)
+
+    real = db.create_engine
+    served = serving(pg_url, tmp_path)
+    client, _ledger = next(served)
+    try:
+        desk = client.app.state.desk  # type: ignore[attr-defined]
+        monkeypatch.setattr(db, "create_engine", slow_to_make)
+        start = threading.Barrier(8)
+        got: list[Ledger] = []
+
+        def first_read() -> None:
+            start.wait(timeout=30)
+            got.append(desk.reader)
+
+        threads = [threading.Thread(target=first_read) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(got) == 8 and len({id(r) for r in got}) == 1
+        assert len(made) == 1
+    finally:
+        served.close()
+
+
 def test_reads__survive_postgres_dropping_every_connection(
     pg_url: str, tmp_path: Path, scope: str
 ) -> None:

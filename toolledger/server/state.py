@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -94,6 +95,7 @@ class Desk:
         self.auth = auth
         self.submitter = submitter
         self._reader: Ledger | None = None
+        self._making_reader = threading.Lock()
         # read-only calls run apart from the pool every sync endpoint shares, so many at once
         # and so long (``api.submit``): the tool's hard limit, as a worker gives any other tool
         self.reads = ReadSlots(READS_AT_ONCE)
@@ -111,22 +113,26 @@ class Desk:
         no ping at checkout (a connection the server dropped fails its first statement and
         the read is tried again once, ``_read``): a page is four statements, not eight."""
         if self._reader is None:
-            if self.ledger.dialect != "postgresql":
-                self._reader = self.ledger
-            else:
-                from toolledger.ledger.db import create_engine
-
-                engine = create_engine(
-                    self.settings.db,
-                    timeout=self.settings.db_timeout,
-                    statement_timeout=False,
-                    pool_pre_ping=False,
-                    isolation_level="AUTOCOMMIT",
-                    pool_size=8,
-                    max_overflow=16,
-                )
-                self._reader = Ledger(engine, max_args_bytes=self.settings.max_args_bytes)
+            with self._making_reader:  # made once: 40 first requests at once made 39 pools
+                if self._reader is None:
+                    self._reader = self._new_reader()
         return self._reader
+
+    def _new_reader(self) -> Ledger:
+        if self.ledger.dialect != "postgresql":
+            return self.ledger
+        from toolledger.ledger.db import create_engine
+
+        engine = create_engine(
+            self.settings.db,
+            timeout=self.settings.db_timeout,
+            statement_timeout=False,
+            pool_pre_ping=False,
+            isolation_level="AUTOCOMMIT",
+            pool_size=8,
+            max_overflow=16,
+        )
+        return Ledger(engine, max_args_bytes=self.settings.max_args_bytes)
 
     def _read(self, work: Callable[[Ledger], _T]) -> _T:
         """``work`` on the reader, once more if its connection turned out to be dead."""
