@@ -1198,6 +1198,101 @@ def test_metrics__served_without_a_token_counts_only(fresh_db_url: str, tmp_path
     ledger.close()
 
 
+def test_metrics__a_scrape_does_not_wait_for_the_threads_slow_requests_hold(
+    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold review: with Postgres frozen, 45 inboxes asked at once held the 40 threads every
+    request shares, and /metrics, whose read of the ledger's state took one of them, was
+    answered after 15.6 s: past Prometheus' 10 s scrape timeout, so the scrape failed when
+    the ledger's gauges were wanted most. Its read has threads of its own now."""
+    from toolledger.server import state
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    app = create_app(settings, parse_tokens(TOKENS, "test"))
+    slow, held = threading.Event(), threading.Semaphore(0)
+
+    def frozen_inbox(*_args: Any, **_kwargs: Any) -> dict[str, int]:
+        held.release()
+        slow.wait(timeout=60)  # a database that does not answer (until the test lets it)
+        return {"pending_approval": 0, "unknown": 0, "review": 0}
+
+    monkeypatch.setattr(state.Desk, "inbox", frozen_inbox)
+    with TestClient(app) as client:
+        asking = [
+            threading.Thread(target=lambda: client.get("/api/inbox", headers=bearer("vera")))
+            for _ in range(45)
+        ]
+        try:
+            # Given every thread of the shared pool held by a request the database holds
+            for t in asking:
+                t.start()
+            for _ in range(40):
+                assert held.acquire(timeout=30)
+            # When Prometheus scrapes
+            scraped: list[Any] = []
+            scrape = threading.Thread(
+                target=lambda: scraped.append(client.get("/metrics")), daemon=True
+            )
+            scrape.start()
+            scrape.join(timeout=20)  # answered in milliseconds: pinned, not before they end
+            # Then it is answered while they still wait
+            assert scraped and scraped[0].status_code == 200, "the scrape waited for a thread"
+            assert "toolledger_ledger_state_up" in scraped[0].text
+        finally:
+            slow.set()
+            for t in asking:
+                t.join(timeout=60)
+
+
+def test_metrics__a_scrape_does_not_wait_for_a_read_the_database_holds(
+    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold review: the scrape that started a read of the ledger's state waited for it to
+    end (25 s with Postgres frozen for 25 s; for ever if it stays so), where a read that
+    hangs is the case ``toolledger_ledger_state_timestamp_seconds`` and its alert are for.
+    It is served the values last read after ``SCRAPE_WAIT_SECONDS``; the read goes on."""
+    from toolledger.observability import metrics
+
+    settings = Settings.from_env(
+        {
+            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
+            "TOOLLEDGER_HOME": str(tmp_path / "home"),
+        }
+    )
+    app = create_app(settings, parse_tokens(TOKENS, "test"))
+    frozen, reading = threading.Event(), threading.Event()
+
+    def hanging_read(*_args: Any, **_kwargs: Any) -> Any:
+        reading.set()
+        frozen.wait(timeout=60)  # a database that does not answer (until the test lets it)
+        raise RuntimeError("the test let it go")
+
+    monkeypatch.setattr(metrics, "SCRAPE_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(metrics, "state_counts", hanging_read)
+    with TestClient(app) as client:
+        try:
+            # Given a read of the ledger's state that does not end
+            scraped: list[Any] = []
+            scrape = threading.Thread(
+                target=lambda: scraped.append(client.get("/metrics")), daemon=True
+            )
+            scrape.start()
+            # When Prometheus scrapes, Then it is answered while the read still hangs
+            scrape.join(timeout=20)  # answered after SCRAPE_WAIT_SECONDS: pinned, not before
+            assert reading.is_set() and not frozen.is_set()
+            assert scraped and scraped[0].status_code == 200, "the scrape waited for the read"
+            assert "toolledger_ledger_state_up 0.0" in scraped[0].text  # none has ended yet
+        finally:
+            frozen.set()
+
+
 def test_reads__the_pages_pool_is_made_once_however_many_first_requests_come_at_once(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
