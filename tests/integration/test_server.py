@@ -7,6 +7,7 @@ same input layer as the CLI's."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import re
@@ -1205,49 +1206,78 @@ def test_metrics__a_scrape_does_not_wait_for_the_threads_slow_requests_hold(
     request shares, and /metrics, whose read of the ledger's state took one of them, was
     answered after 15.6 s: past Prometheus' 10 s scrape timeout, so the scrape failed when
     the ledger's gauges were wanted most. Its read has threads of its own now."""
-    from toolledger.server import state
+    app = create_app(_settings_for(fresh_db_url, tmp_path), parse_tokens(TOKENS, "test"))
+    with TestClient(app) as client, _every_thread_held(client, monkeypatch):
+        # When Prometheus scrapes, Then it is answered while they still wait
+        scraped = _asked(lambda: client.get("/metrics"))
+        assert scraped is not None and scraped.status_code == 200, "it waited for a thread"
+        assert "toolledger_ledger_state_up" in scraped.text
 
-    settings = Settings.from_env(
+
+def test_api__who_is_asking_is_judged_without_a_thread_slow_requests_hold(
+    fresh_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold review: with Postgres frozen and the 40 threads every request shares held, a
+    wrong token's 401 waited 7.7 s for one, only to compare a secret (and every API request
+    waited twice in the threads' queue: once for its token, once for its work). Judged on
+    the event loop now, as the console judges a bearer: 401, 403 and 429 are answered."""
+    app = create_app(_settings_for(fresh_db_url, tmp_path), parse_tokens(TOKENS, "test"))
+    wrong = {"Authorization": "Bearer not-a-token-of-ours-0123"}
+    with TestClient(app) as client, _every_thread_held(client, monkeypatch):
+        refused = _asked(lambda: client.post("/api/calls/s/c/approve", json={}, headers=wrong))
+        assert refused is not None and refused.status_code == 401, "it waited for a thread"
+        viewer = _asked(lambda: client.post("/api/calls/s/c/approve", headers=bearer("vera")))
+        assert viewer is not None and viewer.status_code == 403, "it waited for a thread"
+
+
+def _settings_for(db_url: str, tmp_path: Path) -> Settings:
+    return Settings.from_env(
         {
-            "TOOLLEDGER_DB": fresh_db_url,
+            "TOOLLEDGER_DB": db_url,
             "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0",
             "TOOLLEDGER_HOME": str(tmp_path / "home"),
         }
     )
-    app = create_app(settings, parse_tokens(TOKENS, "test"))
+
+
+@contextlib.contextmanager
+def _every_thread_held(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """45 inboxes asked at once, each held as a frozen database would hold it: every thread
+    of the pool the requests share (40) is taken until the block ends."""
+    from toolledger.server import state
+
     slow, held = threading.Event(), threading.Semaphore(0)
 
     def frozen_inbox(*_args: Any, **_kwargs: Any) -> dict[str, int]:
         held.release()
-        slow.wait(timeout=60)  # a database that does not answer (until the test lets it)
+        slow.wait(timeout=60)  # a database that does not answer (until the block ends)
         return {"pending_approval": 0, "unknown": 0, "review": 0}
 
     monkeypatch.setattr(state.Desk, "inbox", frozen_inbox)
-    with TestClient(app) as client:
-        asking = [
-            threading.Thread(target=lambda: client.get("/api/inbox", headers=bearer("vera")))
-            for _ in range(45)
-        ]
-        try:
-            # Given every thread of the shared pool held by a request the database holds
-            for t in asking:
-                t.start()
-            for _ in range(40):
-                assert held.acquire(timeout=30)
-            # When Prometheus scrapes
-            scraped: list[Any] = []
-            scrape = threading.Thread(
-                target=lambda: scraped.append(client.get("/metrics")), daemon=True
-            )
-            scrape.start()
-            scrape.join(timeout=20)  # answered in milliseconds: pinned, not before they end
-            # Then it is answered while they still wait
-            assert scraped and scraped[0].status_code == 200, "the scrape waited for a thread"
-            assert "toolledger_ledger_state_up" in scraped[0].text
-        finally:
-            slow.set()
-            for t in asking:
-                t.join(timeout=60)
+    asking = [
+        threading.Thread(target=lambda: client.get("/api/inbox", headers=bearer("vera")))
+        for _ in range(45)
+    ]
+    try:
+        for t in asking:
+            t.start()
+        for _ in range(40):
+            assert held.acquire(timeout=30)
+        yield
+    finally:
+        slow.set()
+        for t in asking:
+            t.join(timeout=60)
+
+
+def _asked(ask: Any) -> Any:
+    """What ``ask`` was answered, or None if it was not within 20 s (answered in milliseconds:
+    the bound pins that it was not waiting for the held threads, not a speed)."""
+    answers: list[Any] = []
+    asking = threading.Thread(target=lambda: answers.append(ask()), daemon=True)
+    asking.start()
+    asking.join(timeout=20)
+    return answers[0] if answers else None
 
 
 def test_metrics__a_scrape_does_not_wait_for_a_read_the_database_holds(
