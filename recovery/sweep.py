@@ -107,18 +107,25 @@ def sweep(
     limit."""
     began = time.perf_counter()
     with tracing.span("sweep", {"toolledger.actor": actor}) as span, logs.bind(sweep=actor):
-        summary = _sweep(
-            ledger,
-            registry,
-            sandbox,
-            grace_seconds=grace_seconds,
-            requeue_after=requeue_after,
-            publish=publish,
-            batch=batch,
-            actor=actor,
-            max_auto_retries=max_auto_retries,
-            reconcile_budget=reconcile_budget,
-        )
+        try:
+            summary = _sweep(
+                ledger,
+                registry,
+                sandbox,
+                grace_seconds=grace_seconds,
+                requeue_after=requeue_after,
+                publish=publish,
+                batch=batch,
+                actor=actor,
+                max_auto_retries=max_auto_retries,
+                reconcile_budget=reconcile_budget,
+            )
+        except BaseException:
+            # A pass the ledger stopped (out of reach, a table gone) is a pass that failed:
+            # uncounted, the passes' rate fell to 0 while a pass failed every interval, as if
+            # none were scheduled (a cold review). Its last success stays as it was.
+            metrics.sweep_finished(time.perf_counter() - began, ok=False)
+            raise
         summary.duration_s = round(time.perf_counter() - began, 4)
         # A tool's broken reconciler is the tool's: its calls wait in the inbox (their alert).
         # Counted as the pass failing, it fired the critical stalled-sweep alert for ever,

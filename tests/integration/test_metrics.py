@@ -957,6 +957,41 @@ def test_sweep_unlanded__the_last_successful_pass_says_how_many_paths_did_not_la
         counters.disable()
 
 
+def test_sweep_duration__a_pass_that_raised_is_a_pass_too(
+    sqlite_template: Path, tmp_path: Path
+) -> None:
+    """A pass the ledger stops (out of reach, a table gone) raised before it was counted:
+    with Postgres stopped for 45 s under a real sweeper, 8 passes ran and failed and
+    ``toolledger_sweep_duration_seconds_count`` stood still, as if no sweep were scheduled
+    (a cold review). It is counted now, and the last success left as it was."""
+    import shutil
+
+    from prometheus_client import CollectorRegistry
+
+    from toolledger.recovery.sweep import sweep
+    from toolledger.registry import load_registry
+    from toolledger.sandbox import Sandbox
+
+    path = tmp_path / "ledger.db"
+    shutil.copyfile(sqlite_template, path)  # a ledger of its own, migrated
+    with sa.create_engine(f"sqlite:///{path}").begin() as conn:
+        conn.execute(sa.text("DROP TABLE executions"))  # the pass cannot read the ledger
+    registry = CollectorRegistry()
+    counters.disable()
+    counters.enable(registry)
+    settings = Settings.from_env({"TOOLLEDGER_SANDBOX": str(tmp_path / "sb")})
+    ledger = Ledger(f"sqlite:///{path}")
+    try:
+        with pytest.raises(sa.exc.OperationalError):
+            sweep(ledger, load_registry(""), Sandbox.configured(settings),
+                  grace_seconds=0, requeue_after=3600, publish=None)  # fmt: skip
+    finally:
+        ledger.close()
+        counters.disable()
+    assert registry.get_sample_value("toolledger_sweep_duration_seconds_count") == 1
+    assert registry.get_sample_value(LAST_SUCCESS) is None
+
+
 def test_metrics_off__no_endpoint_and_no_counting(monkeypatch):
     from toolledger.observability import metrics
 
