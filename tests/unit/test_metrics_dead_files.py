@@ -127,3 +127,34 @@ def test_a_live_processs_files_are_left_alone(
     assert served["toolledger_calls_total{status=running,tool=write_file}"] == 1
     assert served["hobs_busy{}"] == 1  # alive: its live gauge counts
     assert files(group) == [f"counter_{me}.db", f"gauge_livesum_{me}.db"]
+
+
+def test_a_fold_that_fails_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fold that fails part way (a full disk under the group's file) leaves the files as
+    they were: the scrape serves them unfolded, and the next fold counts each once. Written
+    in place, the keys written before the failure were added again at the next try."""
+    group = tmp_path / "group"
+    group.mkdir()
+    children(group, 5, 0)
+    expected = scrape(monkeypatch, group)  # folded once: the group's files hold the counts
+    children(group, 5, 10)
+    written: list[str] = []
+    real = MmapedDict.write_value
+
+    def full_disk(self: MmapedDict, key: str, value: float, timestamp: float) -> None:
+        if len(written) >= 6:  # past the zeros, into the calls counted
+            raise OSError(28, "No space left on device")
+        written.append(key)
+        real(self, key, value, timestamp)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(MmapedDict, "write_value", full_disk)
+        unfolded = scrape(monkeypatch, group)
+    running = "toolledger_calls_total{status=running,tool=write_file}"
+    assert expected[running] == 5
+    assert unfolded[running] == 10
+    folded = scrape(monkeypatch, group)
+    # the dead children's live gauge leaves with the fold (unfolded, its files still served)
+    assert unfolded.pop("hobs_busy{}") == 5 and "hobs_busy{}" not in folded
+    assert folded == pytest.approx(unfolded)  # each count once (summed in another order)
+    assert len(files(group)) <= 4

@@ -458,9 +458,11 @@ def fold_dead(directory: str) -> int:
     histograms summed, a ``min``/``max``/``sum``/``mostrecent`` gauge by its mode; a
     ``live*`` gauge's file removed (its process left the sum). The number of files folded
     or removed. Under ``_group_lock``: served between the two steps, a count would be
-    twice. A crash between them (this process killed) counts the file twice: the worker's
-    group then goes with its directory (a new one at its next start), a ``serve`` group's
-    process restarts into the same directory (an overcount, never a counter going back)."""
+    twice. A fold that fails changes nothing (each group file is renamed into place whole);
+    a crash between the renames and the removals (this process killed) counts the dead
+    files twice: the worker's group then goes with its directory (a new one at its next
+    start), a ``serve`` group's process restarts into the same directory (an overcount,
+    never a counter going back)."""
     from prometheus_client.mmap_dict import MmapedDict
 
     folded: dict[str, dict[str, tuple[float, float]]] = {}  # group file -> key -> value, time
@@ -486,13 +488,28 @@ def fold_dead(directory: str) -> int:
         for key, value, at, _ in _read_values(path):
             into[key] = _fold(mode, into.get(key), (value, at))
         done.append(path)
-    for target, values in folded.items():
-        group_file = MmapedDict(os.path.join(directory, target))  # type: ignore[no-untyped-call]
-        try:
-            for key, (value, at) in values.items():
-                group_file.write_value(key, value, at)  # type: ignore[no-untyped-call]
-        finally:
-            group_file.close()  # type: ignore[no-untyped-call]
+    # each group file written whole under another name, then renamed over the old: a fold
+    # that fails (a full disk) leaves the group's files and the dead ones as they were, and
+    # the next scrape folds them again from the start (written in place, the keys written
+    # before the failure were added a second time at each try)
+    fresh: list[tuple[str, str]] = []
+    try:
+        for target, values in folded.items():
+            staged = os.path.join(directory, f".{target}.{os.getpid()}.tmp")  # not *.db
+            fresh.append((staged, os.path.join(directory, target)))
+            group_file = MmapedDict(staged)  # type: ignore[no-untyped-call]
+            try:
+                for key, (value, at) in values.items():
+                    group_file.write_value(key, value, at)  # type: ignore[no-untyped-call]
+            finally:
+                group_file.close()  # type: ignore[no-untyped-call]
+    except BaseException:
+        for staged, _ in fresh:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+        raise
+    for staged, target in fresh:
+        os.replace(staged, target)
     for path in done:
         path.unlink(missing_ok=True)
     return len(done)
