@@ -22,7 +22,13 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Gauge
 
 #: Buckets (seconds) of the duration histograms: a tool call, a queue wait, a sweep pass.
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+#: Up to a day, a lease's bound (a tool runs up to 5/6 of it): they ended at 300 s, and every
+#: quantile of a longer run or wait read 300 (a cold review). An observation increments one
+#: bucket: more of them cost a scrape a few samples, not the executor.
+BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300,
+    600, 1800, 3600, 7200, 21600, 86400,
+)  # fmt: skip
 
 
 class Metrics:

@@ -992,6 +992,34 @@ def test_sweep_duration__a_pass_that_raised_is_a_pass_too(
     assert registry.get_sample_value(LAST_SUCCESS) is None
 
 
+@pytest.mark.parametrize("seconds", [500, 1500, 3000])
+def test_duration_buckets__tell_apart_what_a_lease_of_an_hour_allows(seconds: float) -> None:
+    """The buckets ended at 300 s: a tool run under a long lease (up to a day; its time
+    limits 2/3 and 5/6 of it) or a job behind a queue of minutes fell in +Inf, and every
+    quantile over 300 s read 300 (histogram_quantile's highest finite bucket): a run of
+    10 minutes and one of 50 looked alike (a cold review)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    counters.disable()
+    counters.enable(registry)
+    try:
+        counters.execution_finished("write_file", seconds)
+        counters.scheduled_started("write_file", time.time() - seconds)
+    finally:
+        counters.disable()
+    for name in ("toolledger_execution_duration_seconds", "toolledger_schedule_to_start_seconds"):
+        finite = [
+            float(s.labels["le"])
+            for metric in registry.collect()
+            if metric.name == name
+            for s in metric.samples
+            if s.name.endswith("_bucket") and s.labels["le"] != "+Inf" and s.value == 1
+        ]
+        # in a finite bucket at most twice its value: a quantile within a factor of 2
+        assert finite and min(finite) <= 2 * seconds, (name, finite)
+
+
 def test_metrics_off__no_endpoint_and_no_counting(monkeypatch):
     from toolledger.observability import metrics
 
