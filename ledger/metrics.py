@@ -63,6 +63,11 @@ class Metrics:
             "Deliveries that did not win the claim (redelivered, not authorised): nothing ran.",
             registry=r,
         )
+        self.calls_left = Counter(
+            "toolledger_calls_left_total",
+            "Deliveries left unclaimed by a worker that does not load the call's tool.",
+            registry=r,
+        )
         self.lease_expired = Counter(
             "toolledger_lease_expired_total",
             "Running executions the sweep declared unknown because their lease expired.",
@@ -182,6 +187,12 @@ def transition(tool: str, status: str, n: int = 1) -> None:
 def claim_lost() -> None:
     if _metrics is not None:
         _metrics.claims_lost.inc()
+
+
+@_never_raises
+def call_left() -> None:
+    if _metrics is not None:
+        _metrics.calls_left.inc()
 
 
 @_never_raises

@@ -306,6 +306,7 @@ class Executor:
         except (NotFound, sa.exc.SQLAlchemyError):
             return False  # the claim decides, and says why, as for any other call
         if waiting:
+            metrics.call_left()
             log.warning(
                 "%s/%s: this worker does not load tool %r: left approved for a worker that "
                 "does (re-published by the sweep; failed as unknown if none has run it %g s "

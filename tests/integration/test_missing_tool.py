@@ -6,12 +6,14 @@ id spent, the model told of a failure for a tool the deployment has)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel
 
+from toolledger.ledger import metrics as counters
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.models import executions
 from toolledger.ledger.transitions import Status
@@ -51,17 +53,28 @@ def _wait_past(seconds: float) -> None:
     time.sleep(seconds + 1.0)  # by the database's clock, which the ledger's events carry
 
 
+@pytest.fixture
+def counted() -> Iterator[Any]:
+    """This process's metrics, in memory, for one test."""
+    counters.disable()
+    try:
+        yield counters.enable()
+    finally:
+        counters.disable()
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["message names the tool", "it does not"])
 def test_a_worker_without_the_tool__leaves_the_call_for_one_with_it(
-    ledger: Ledger, scope: str, tmp_path: Any, named: bool
+    ledger: Ledger, scope: str, tmp_path: Any, named: bool, counted: Any
 ) -> None:
     ledger.submit(scope, "c1", "added_tool", {}, approved_by="al")
     key, sandbox = "added_tool:c1", Sandbox(tmp_path)
     tool = "added_tool" if named else None
     # When a worker that does not load the tool is handed the call
     left = _executor(ledger, OLD, sandbox, 900).execute(scope, key, 1, tool=tool)
-    # Then it does not claim it: still approved, no execution
+    # Then it does not claim it: still approved, no execution, counted
     assert left.state == "left" and left.execution_id is None
+    assert counted.registry.get_sample_value("toolledger_calls_left_total") == 1.0
     assert ledger.get(scope, "c1").operation.status is Status.APPROVED
     assert _executions(ledger, scope) == 0
     # And a worker that loads it runs it, once
