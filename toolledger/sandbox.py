@@ -434,6 +434,15 @@ class Sandbox:
             with self.open_target(parent, name, path, _READ_FLAGS, "read") as fd:
                 yield fd
 
+    @contextlib.contextmanager
+    def open_regular(self, scope: str, path: str) -> Iterator[int | None]:
+        """An fd of the regular, singly linked file at ``path`` to ``fstat`` and read (never
+        a symlink, never blocking on a FIFO), None if absent: a reader that keeps what it
+        learnt of a file by its identity and times (the console's file check) reads only the
+        file it stated."""
+        with self._open_regular(scope, path) as fd:
+            yield fd
+
     def read(self, scope: str, path: str, max_bytes: int | None = None) -> bytes | None:
         """The file's bytes, or None if absent. Never follows a symlink, never blocks on a FIFO."""
         limit = self.max_content_bytes if max_bytes is None else max_bytes
