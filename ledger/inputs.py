@@ -73,6 +73,24 @@ def shown(text: str, keep: str = "") -> str:
     return INVISIBLE.sub(lambda m: m.group() if m.group() in keep else _escape(m.group()), text)
 
 
+def shown_id(text: str) -> str:
+    """An identifier (a scope, a tool call's id, a key, a name) as a person must read it to
+    tell it from every other: each invisible character escaped (``shown``), a backslash typed
+    before ``u`` or ``U`` written twice (so the typed ``zw\\u200b1`` is not the id holding a
+    zero-width space), and each blank a reader cannot see or count escaped too: a space at
+    either end or next to another space, and every other space character (U+00A0 and the
+    like). ``"n16 "`` and ``"n16"`` are both accepted ids, and looked the same on the page
+    where a person approves one of them and in the lists (a cold review)."""
+    text = shown(TYPED_ESCAPE.sub(r"\\\\", text))
+    return _UNSEEN_BLANKS.sub(lambda m: "".join(map(_escape, m.group())), text)
+
+
+#: A backslash before ``u`` or ``U``: what ``shown``'s escapes start with.
+TYPED_ESCAPE = re.compile(r"\\(?=[uU])")
+#: Blanks nobody can count: leading, trailing or doubled spaces, and every other space.
+_UNSEEN_BLANKS = re.compile(r"^\x20+|\x20+\Z|\x20(?=\x20)|(?<=\x20)\x20|[^\S\x20]")
+
+
 def _escape(ch: str) -> str:
     n = ord(ch)
     return f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"

@@ -16,6 +16,7 @@ from urllib.parse import quote
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.helpers import run_cli
 from tests.integration.test_server import login, serving
 from toolledger.ledger.ledger import Ledger
 from toolledger.server import console
@@ -160,3 +161,50 @@ def test_call_page__many_views_at_once_check_the_file_once(
         t.join(30)
     assert hashed.count(11) == 1, hashed
     assert len(results) == 4 and all(r["contains"] for r in results)
+
+
+LOOK_ALIKE = ["n16", "n16 ", " n16", "n\xa016", "n 16", "n  16"]
+
+
+def test_console__ids_differing_by_blanks_read_differently(server: Any, scope: str) -> None:
+    """``"n16 "`` and ``"n16"`` were both accepted and looked the same on the page and in the
+    lists: a person approving could not tell which call. Blanks an id's reader cannot see
+    (leading, trailing, doubled, or other than a space) are written as escapes."""
+    client, ledger = server
+    for i, call in enumerate(LOOK_ALIKE):
+        ledger.submit(scope, call, "write_file", {"path": f"l{i}.txt", "content": "x"})
+    login(client, "ann")
+    listed = client.get("/calls", params={"scope": scope}).text
+    for shown in ("n16<", "n16\\u0020<", "\\u0020n16<", "n\\u00a016<", "n 16<"):
+        assert f">{shown}/a>" in listed, (shown, listed)
+    assert "n\\u0020\\u002016<" in listed or "n\\u0020\\u0020" + "16<" in listed
+    page = client.get(f"/calls/{scope}/" + quote("n16 ", safe="")).text
+    assert f"{scope} / n16\\u0020</span>" in page
+    assert "<title>n16\\u0020" in page or "n16\\u0020 " in page.split("</title>")[0]
+
+
+def test_cli__ids_differing_by_blanks_read_differently(
+    fresh_db_url: str, scope: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI's human output (list, show, approve, events) wrote ``n16 `` as ``n16``: an
+    operator approving from a terminal could not tell which call. ``--json`` is unchanged."""
+    ledger = Ledger(fresh_db_url)
+    try:
+        for i, call in enumerate(LOOK_ALIKE):
+            ledger.submit(scope, call, "write_file", {"path": f"l{i}.txt", "content": "x"})
+    finally:
+        ledger.close()
+    db = ("--db", fresh_db_url)
+    code, out, _ = run_cli(capsys, *db, "list", "--scope", scope)
+    assert code == 0
+    ids = [line.split()[1] for line in out.splitlines()[1:]]
+    assert "n16\\u0020" in ids and "\\u0020n16" in ids and "n16" in ids
+    assert "n\\u00a016" in ids and "n\\u0020\\u002016" in ids
+    assert len(set(out.splitlines()[1:])) == len(LOOK_ALIKE)
+    where = ("--scope", scope, "--tool-call-id", "n16 ")
+    code, out, _ = run_cli(capsys, *db, "show", *where)
+    assert code == 0 and out.startswith(f"{scope}/n16\\u0020 "), out
+    code, out, _ = run_cli(capsys, *db, "approve", *where, "--by", "ann", "--reason", "ok")
+    assert f"{scope}/n16\\u0020 ->" in out, out
+    code, out, _ = run_cli(capsys, *db, "show", *where, "--json")
+    assert json.loads(out)["tool_call_id"] == "n16 "  # the contract's JSON: the id as it is

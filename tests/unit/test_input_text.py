@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import unicodedata
 
-from toolledger.ledger.inputs import INVISIBLE, MARKS_UNSEEN, shown
+from toolledger.ledger.inputs import INVISIBLE, MARKS_UNSEEN, shown, shown_id
 
 
 def test_invisible__is_every_control_format_and_separator_character_and_no_other():
@@ -49,3 +49,26 @@ def test_identifier__a_value_that_is_no_string_is_said_so() -> None:
     for empty in ("", "  ", None):
         with pytest.raises(InvalidIdentifier, match="must not be empty"):
             check_identifier(empty, "tool_call_id")
+
+
+def test_shown_id__ids_differing_only_by_blanks_read_differently() -> None:
+    """``"n16 "`` and ``"n16"`` are both accepted ids and read the same where a person
+    approves one (a cold review): every blank a reader cannot see or count is escaped, a
+    single inner space is kept, and a typed escape stays distinguishable from a real one."""
+    ids = ["n16", "n16 ", " n16", "n\xa016", "n 16", "n  16", "n\u3000", "zw\u200b1", r"zw\u200b1"]
+    seen = [shown_id(i) for i in ids]
+    assert seen == [
+        "n16",
+        "n16\\u0020",
+        "\\u0020n16",
+        "n\\u00a016",
+        "n 16",
+        "n\\u0020\\u002016",
+        "n\\u3000",
+        "zw\\u200b1",
+        "zw\\\\u200b1",
+    ]
+    assert len(set(seen)) == len(ids)
+    for n in range(0x3001):  # every blank character but the space is escaped wherever it is
+        if chr(n).isspace() and n != 0x20:
+            assert shown_id(f"a{chr(n)}b") == f"a\\u{n:04x}b", hex(n)

@@ -21,6 +21,7 @@ from toolledger.cli.common import (
     scope_option_check,
 )
 from toolledger.ledger.errors import StateError
+from toolledger.ledger.inputs import shown_id
 from toolledger.ledger.lightreads import CallReads, events_page
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import Receipt
@@ -67,9 +68,15 @@ def submit(
         raise click.exceptions.Exit(EXIT_FAILURE)  # its result (printed) says why
 
 
+def _call_named(d: dict[str, Any]) -> str:
+    """``scope/tool_call_id`` as a person must read it to tell it from another: ``n16 `` and
+    ``n16`` read the same until 2026-12-07 (``shown_id``: ``n16\\u0020``)."""
+    return f"{shown_id(d['scope'])}/{shown_id(str(d['tool_call_id']))}"
+
+
 def _human_submit(d: dict[str, Any]) -> str:
-    call = f"{d['scope']}/{d['tool_call_id']}"
-    line = f"{d['outcome']}: {call} -> {d['idempotency_key']} [{d['status']}]"
+    call = _call_named(d)
+    line = f"{d['outcome']}: {call} -> {shown_id(d['idempotency_key'])} [{d['status']}]"
     # a warning (the approval not applied) or enqueue_error (logged as it failed, the sweep
     # will publish it) is told on stderr, not here on stdout
     if "result" in d:
@@ -135,8 +142,8 @@ def _shown(reads: CallReads, scope: str, tool_call_id: str) -> dict[str, Any]:
 def _human_show(d: dict[str, Any]) -> str:
     flag = f"  REVIEW: {d['review']}" if d.get("review") else ""
     lines = [
-        f"{d['scope']}/{d['tool_call_id']}  {d['tool']}  [{d['status']}]{flag}",
-        f"  key     {d['idempotency_key']}",
+        f"{_call_named(d)}  {d['tool']}  [{d['status']}]{flag}",
+        f"  key     {shown_id(d['idempotency_key'])}",
         f"  sha256  {d['args_sha256']}",
         f"  args    {json.dumps(d['args'], ensure_ascii=False)[:200]}",
     ]
@@ -182,7 +189,7 @@ def events(c: Context, scope: str, tool_call_id: str, after: int, limit: int) ->
     c.emit(
         page,
         lambda d: "\n".join(
-            f"{e['seq']:>6}  {e['at']}  {e['kind']:<16} {e['actor']:<20} "
+            f"{e['seq']:>6}  {e['at']}  {e['kind']:<16} {shown_id(e['actor']):<20} "
             f"{(e['execution_id'] or '-'):<36}  {json.dumps(e['detail'], ensure_ascii=False)[:120]}"
             for e in d["events"]
         ),
@@ -222,7 +229,11 @@ def list_(c: Context, status: str | None, review: bool, scope: str | None, limit
 
 
 def human_list(d: dict[str, Any]) -> str:
-    calls = d["calls"]
+    # the ids as a person must read them to tell them apart (``n16\u0020``), and aligned so
+    calls = [
+        {**r, "scope": shown_id(r["scope"]), "tool_call_id": _listed_id(r["tool_call_id"])}
+        for r in d["calls"]
+    ]
     w_scope = max([5, *(len(r["scope"]) for r in calls)])
     w_call = max([12, *(len(str(r["tool_call_id"])) for r in calls)])
     lines = [
@@ -238,6 +249,10 @@ def human_list(d: dict[str, Any]) -> str:
             f"{r['status']:<17} {r['attempt']:>7} {r['execution_id'] or '-'}{mark}"
         )
     return "\n".join(lines)
+
+
+def _listed_id(tool_call_id: str | None) -> str | None:
+    return None if tool_call_id is None else shown_id(tool_call_id)
 
 
 @click.command()
@@ -269,7 +284,7 @@ def wait(c: Context, scope: str, tool_call_id: str, timeout: float | None) -> No
 
 def _human_receipt(d: dict[str, Any]) -> str:
     mark = " (reconciled)" if d["reconciled"] else ""
-    head = f"{d['scope']}/{d['tool_call_id']}  [{d['status']}]{mark}  {d['execution_id'] or ''}"
+    head = f"{_call_named(d)}  [{d['status']}]{mark}  {d['execution_id'] or ''}"
     body = head.rstrip() + "\n" + json.dumps(d["content"], ensure_ascii=False, indent=2)
     if d.get("review"):  # a script reading the status alone was misled (a cold review)
         why = (

@@ -22,7 +22,7 @@ from markupsafe import Markup
 from starlette.concurrency import run_in_threadpool
 
 from toolledger.ledger.errors import InvalidArguments, LedgerError
-from toolledger.ledger.inputs import shown
+from toolledger.ledger.inputs import TYPED_ESCAPE, shown, shown_id
 from toolledger.server.auth import (
     LOGIN_COOKIE,
     SESSION_COOKIE,
@@ -76,12 +76,8 @@ def _visible(value: Any) -> Any:
     if isinstance(value, _Shown | Markup):  # pretty's, or a macro's: shown already
         return value
     if isinstance(value, str):
-        return shown(_TYPED_ESCAPE.sub(r"\\\\", value), keep="\n\t")
+        return shown(TYPED_ESCAPE.sub(r"\\\\", value), keep="\n\t")
     return value
-
-
-#: A backslash before ``u`` or ``U``: what ``shown``'s escapes start with.
-_TYPED_ESCAPE = re.compile(r"\\(?=[uU])")
 
 
 #: The characters of one JSON block a page shows (an event's detail, a result, the receipt):
@@ -118,6 +114,8 @@ env = Environment(
     finalize=_visible,
 )
 env.filters["pretty"] = _pretty
+# an id, a scope, a key, a name: its blanks that nobody can count escaped too ("n16 ")
+env.filters["ident"] = lambda v: v if v is None else _Shown(shown_id(str(v)))
 env.filters["pretty_text"] = lambda text: _Shown(shown(text, keep="\n"))  # JSON written
 env.filters["q"] = lambda v: quote(str(v), safe="")
 env.filters["sh"] = lambda v: shlex.quote(str(v))  # a command to copy: one word a value
