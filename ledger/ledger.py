@@ -361,7 +361,11 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         inputs.check_text(reason, "reason")
         with self._write() as conn:
             key = self._key_for(conn, scope, tool_call_id)
-            op = self._operation(conn, scope, key)
+            # the call's row locked before its flag is read: read unlocked, a flag committed
+            # while this waited for the row (a late success against a person's "failed") was
+            # not seen, the compare-and-set on status and attempt still held, and attempt 2
+            # was authorised on a flagged call by someone who never saw the flag (a review)
+            op = self._locked_operation(conn, scope, key)
             if op.status not in RETRYABLE:
                 raise InvalidTransition(
                     op.status,

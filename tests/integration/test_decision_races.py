@@ -17,6 +17,7 @@ import pytest
 
 from tests.integration.test_proof import unknown_attempt
 from toolledger.harness.bench.common import plain_url
+from toolledger.ledger.errors import InvalidTransition
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.transitions import Review, Status
 
@@ -297,4 +298,32 @@ def test_a_review_reads_the_execution_once_the_call_is_its_own(
         assert said.detail["status"] == row.status.value, (said.detail, row.status)
         decided = [e for e in events if e.actor == "r2" and e.kind in ("succeeded", "failed")]
         assert decided, "r2's review changed r1's decision without saying so"
+    assert ledger.verify().ok
+
+
+def test_a_retry_waiting_behind_a_flag_is_refused_by_it(
+    pg_ledger: Ledger, pg_url: str, scope: str
+) -> None:
+    """Carol resolved attempt 1 failed; its executor's late success, on its way, flagged the
+    call contradicted while Bob's retry waited behind it. The retry had read the call (not
+    flagged) before it waited, and its compare-and-set on status and attempt still held once
+    the flag committed: attempt 2 was authorised on a flagged call, which no retry may be
+    (README "The state machine"), by a person who never saw the flag."""
+    ledger = pg_ledger
+    first = unknown_attempt(ledger, scope)
+    ledger.resolve(first, Status.FAILED, by="carol", evidence="no charge in the dashboard")
+    late = {"late_result": {"notified": "ops"}, "status": "succeeded", "proves": "succeeded"}
+    zombie, bob = in_turn(
+        pg_url,
+        scope,
+        lambda: ledger.record_late_result(first, late, actor="zombie", outcome=Status.SUCCEEDED),
+        lambda: ledger.authorize_retry(scope, "c1", by="bob", accept_duplicate=True),
+    )
+    assert not isinstance(zombie, Exception), zombie
+    # the flag came first: the retry is refused by it, nothing authorised
+    assert isinstance(bob, InvalidTransition) and "flagged contradicted" in str(bob), bob
+    view = ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.authorized_attempts) == (Status.FAILED, 1)
+    assert view.operation.review == Review.CONTRADICTED
+    assert [e.kind for e in ledger.events(scope, "c1")][-1] == "flagged"
     assert ledger.verify().ok
