@@ -81,13 +81,18 @@ def test_held_in_the_parent_at_fork__the_child_waits_for_the_parent_then_takes_i
     # and the record lock, the parent's, keeps the child waiting until the parent lets go.
     lock = ProcessLock()
     lock.acquire()
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         refused = lock.acquire(block=False) is False
-        os._exit(0 if refused and lock.acquire(timeout=30) else 1)
-    time.sleep(0.3)
+        os.write(w, b"r" if refused else b"x")
+        os._exit(0 if refused and lock.acquire(timeout=60) else 1)
+    os.close(w)
+    said = os.read(r, 1)  # the parent lets go only once the child has been refused
+    os.close(r)
     lock.release()
     _, status = os.waitpid(pid, 0)
+    assert said == b"r"
     assert os.waitstatus_to_exitcode(status) == 0
 
 
