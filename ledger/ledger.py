@@ -11,6 +11,7 @@ This module holds submission and the humans' decisions; the executor's path is i
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -104,11 +105,15 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         reason: str | None = None,
         actor: str = "agent",
         stamp_enqueued: bool = False,
+        trace: Mapping[str, str] | None = None,
     ) -> Submitted:
         """Record a call. Same key and arguments again returns the existing record.
 
         ``stamp_enqueued``: the caller will publish the job right after this commits, so the
         outbox stamp is written now, in the same transaction (clear_enqueued if it fails).
+        ``trace``: the submit span's W3C context (``tracing.carrier``), kept in the detail of
+        the call's ``submitted`` event (the same insert: no statement more), for the spans
+        recovery makes about the call later to link to (``call_traces``).
         """
         key, sha = check_call(scope, tool_call_id, tool, args, key, self.max_args_bytes)
         try:
@@ -128,7 +133,9 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         status = Status.APPROVED if approved_by else Status.PENDING_APPROVAL
         check_transition(None, status)
         stamp = stamp_enqueued and status is Status.APPROVED
-        submitted = {"tool_call_id": tool_call_id, "tool": tool, "args": args}
+        submitted: dict[str, Any] = {"tool_call_id": tool_call_id, "tool": tool, "args": args}
+        if trace:
+            submitted["trace"] = dict(trace)
         decision = {"attempt": 1, "reason": reason} if approved_by else {}
         if self.store.creates:  # a shortcut for a new key (the rest: one transaction below)
             with contextlib.suppress(sa.exc.IntegrityError):  # the generic path will explain

@@ -356,6 +356,33 @@ class LedgerReads:
         """The evidence events of one execution, oldest first."""
         return self.evidence_for([self.execution(execution_id)]).get(execution_id, [])
 
+    def call_traces(
+        self, calls: Collection[tuple[str, str]]
+    ) -> dict[tuple[str, str], dict[str, str]]:
+        """The W3C trace context each of these calls (scope, key) was submitted under
+        (``Ledger.submit``'s ``trace``), for the spans made about them later to link to: one
+        query, through the (scope, key, seq) index. A call submitted without tracing (or
+        before 2026-12-07) is absent; a detail that is not a context is read as none."""
+        pairs = sorted(set(calls))
+        if not pairs:
+            return {}
+        e = execution_events.c
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(e.scope, e.idempotency_key, e.detail).where(
+                    sa.tuple_(e.scope, e.idempotency_key).in_(pairs),
+                    e.kind == EventKind.SUBMITTED,
+                )
+            ).all()
+        found: dict[tuple[str, str], dict[str, str]] = {}
+        for row in rows:
+            kept = row.detail.get("trace") if isinstance(row.detail, dict) else None
+            if isinstance(kept, dict) and isinstance(kept.get("traceparent"), str):
+                found[row.scope, row.idempotency_key] = {
+                    k: v for k, v in kept.items() if isinstance(v, str)
+                }
+        return found
+
     def evidence_for(self, keyed: Sequence[ExecutionRecord]) -> dict[str, list[EventRecord]]:
         """Evidence events of these executions by execution id, oldest first: one query,
         through the (scope, key, seq) index."""

@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from toolledger.ledger.errors import InvalidTransition, StateError
+import sqlalchemy as sa
+
+from toolledger.ledger.errors import InvalidTransition, NotFound, StateError
 from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.ledger import Ledger, flagged_retry
 from toolledger.ledger.transitions import RETRYABLE, Status
+from toolledger.observability import tracing
 from toolledger.recovery.reconcile import NOT_APPLIED
 from toolledger.tools import Registry, UnknownTool
 
@@ -21,7 +24,86 @@ class DuplicateNotAccepted(StateError):
     """A retry of a tool that is not idempotent must accept a duplicate effect explicitly."""
 
 
+def _about(
+    ledger: Ledger,
+    *,
+    scope: str | None = None,
+    tool_call_id: str | None = None,
+    execution_id: str | None = None,
+) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """The attributes of a person's span about a call, and the trace context the call was
+    submitted under, for the span to link to. Read only when this process traces; a call
+    not found (the decision says so itself) or a ledger that does not answer: no link."""
+    attrs: dict[str, Any] = {
+        "toolledger.scope": scope,
+        "gen_ai.tool.call.id": tool_call_id,
+        "toolledger.execution_id": execution_id,
+    }
+    if not tracing.active():
+        return attrs, None
+    try:
+        if execution_id is not None:
+            ex = ledger.execution(execution_id)
+            scope, key = ex.scope, ex.idempotency_key
+            attrs.update({"toolledger.scope": scope, "toolledger.attempt": ex.attempt})
+        else:
+            assert scope is not None and tool_call_id is not None
+            key = ledger.key_for(scope, tool_call_id)
+        attrs["toolledger.idempotency_key"] = key
+        attrs["gen_ai.tool.name"] = ledger.operation(scope, key).tool
+        return attrs, ledger.call_traces([(scope, key)]).get((scope, key))
+    except (NotFound, sa.exc.SQLAlchemyError):
+        return attrs, None
+
+
 def retry(
+    ledger: Ledger,
+    registry: Registry,
+    enqueue: Enqueue,
+    scope: str,
+    tool_call_id: str,
+    *,
+    by: str,
+    accept_duplicate: bool = False,
+    reason: str | None = None,
+    attempt: int | None = None,
+) -> dict[str, Any]:
+    """A new attempt under the same key, authorised by ``by``, then enqueued (``_retry``).
+
+    Its span, ``retry_tool {tool}``, links to the call's submit span, and so does the
+    execution it publishes (its child): a retry made hours later, from the CLI or the
+    console, is found from the call's trace."""
+    attrs, trace = _about(ledger, scope=scope, tool_call_id=tool_call_id)
+    name = f"retry_tool {attrs.get('gen_ai.tool.name') or ''}".rstrip()
+    with (
+        tracing.span(name, attrs, links=tracing.links_to(trace)) as span,
+        tracing.for_call(trace),
+    ):
+        out = _retry(
+            ledger,
+            registry,
+            enqueue,
+            scope,
+            tool_call_id,
+            by=by,
+            accept_duplicate=accept_duplicate,
+            reason=reason,
+            attempt=attempt,
+        )
+        tracing.annotate(
+            span,
+            {
+                "gen_ai.tool.name": out["tool"],
+                "toolledger.idempotency_key": out["idempotency_key"],
+                "toolledger.attempt": out["attempt"],
+                "toolledger.status": out["status"],
+            },
+            name=f"retry_tool {out['tool']}",
+        )
+        return out
+
+
+def _retry(
     ledger: Ledger,
     registry: Registry,
     enqueue: Enqueue,
@@ -102,6 +184,29 @@ def retry(
 
 
 def resolve(
+    ledger: Ledger,
+    execution_id: str,
+    status: Status,
+    *,
+    by: str,
+    evidence: str,
+    review: bool = False,
+    seen: int | None = None,
+) -> dict[str, Any]:
+    """``_resolve``, in a span (``resolve_tool {tool}``, or ``review_tool {tool}`` for a
+    review) that links to the call's submit span."""
+    attrs, trace = _about(ledger, execution_id=execution_id)
+    what = "review_tool" if review else "resolve_tool"
+    name = f"{what} {attrs.get('gen_ai.tool.name') or ''}".rstrip()
+    with tracing.span(name, attrs, links=tracing.links_to(trace)) as span:
+        out = _resolve(
+            ledger, execution_id, status, by=by, evidence=evidence, review=review, seen=seen
+        )
+        tracing.annotate(span, {"toolledger.status": out["status"]})
+        return out
+
+
+def _resolve(
     ledger: Ledger,
     execution_id: str,
     status: Status,

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
+
 from toolledger.ledger import metrics
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.inputs import storable_object
@@ -183,6 +185,7 @@ def reconcile_unknown(
     last: Position | None = None
     for page in _pages(ledger, page_size, start_after):
         evidence = ledger.evidence_for([ex for ex, _ in page])
+        traces = call_traces(ledger, [(ex.scope, ex.idempotency_key) for ex, _ in page])
         for ex, op in page:
             # at least one row a pass: a budget spent before the first (a slow first page on
             # a loaded machine) reconciled nothing, said nothing was deferred, and would do
@@ -198,7 +201,7 @@ def reconcile_unknown(
                 )
                 return tally
             last = _position(ex)
-            with _observed(ex, op) as span:
+            with _observed(ex, op, traces.get((ex.scope, ex.idempotency_key))) as span:
                 events = evidence.get(ex.execution_id, [])
                 found = _findings(ledger, registry, sandbox, ex, op, events, tally)
                 if tally.out_of_time:  # the pass stops; the next goes on after this row
@@ -223,13 +226,33 @@ def reconcile_unknown(
                     continue
                 tracing.annotate(span, {"toolledger.reconcile.outcome": outcome})
             while on_retry is not None and tally.to_publish:  # published as decided
-                on_retry(*tally.to_publish.pop())
+                scope, key, attempt = tally.to_publish.pop()
+                with tracing.for_call(traces.get((scope, key))):  # its execution links to it
+                    on_retry(scope, key, attempt)
     return tally
 
 
+def call_traces(
+    ledger: Ledger, calls: list[tuple[str, str]]
+) -> dict[tuple[str, str], dict[str, str]]:
+    """The trace contexts these calls were submitted under (``Ledger.call_traces``), read
+    only when this process traces (else nothing is read); a read that failed links nothing
+    (the links are for a person's eyes: the pass goes on)."""
+    if not tracing.active() or not calls:
+        return {}
+    try:
+        return ledger.call_traces(calls)
+    except sa.exc.SQLAlchemyError as exc:
+        log.debug("reading the calls' trace contexts failed: %s", type(exc).__name__)
+        return {}
+
+
 @contextlib.contextmanager
-def _observed(ex: ExecutionRecord, op: OperationRecord) -> Iterator[Any]:
-    """A span and the log ids for one reconciliation."""
+def _observed(
+    ex: ExecutionRecord, op: OperationRecord, trace: dict[str, str] | None = None
+) -> Iterator[Any]:
+    """A span and the log ids for one reconciliation; its span links to the call's submit
+    span (``trace``, its context as the ledger kept it), the sweep's staying its parent."""
     attrs = {
         "gen_ai.tool.name": op.tool,
         "toolledger.scope": ex.scope,
@@ -238,7 +261,7 @@ def _observed(ex: ExecutionRecord, op: OperationRecord) -> Iterator[Any]:
         "toolledger.attempt": ex.attempt,
     }
     with (
-        tracing.span(f"reconcile {op.tool}", attrs) as span,
+        tracing.span(f"reconcile {op.tool}", attrs, links=tracing.links_to(trace)) as span,
         logs.bind(
             scope=ex.scope,
             idempotency_key=ex.idempotency_key,

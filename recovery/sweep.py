@@ -35,7 +35,12 @@ from toolledger.ledger.models import operations
 from toolledger.ledger.records import ExecutionRecord
 from toolledger.ledger.transitions import Status
 from toolledger.observability import logs, tracing
-from toolledger.recovery.reconcile import MAX_AUTO_RETRIES, Position, reconcile_unknown
+from toolledger.recovery.reconcile import (
+    MAX_AUTO_RETRIES,
+    Position,
+    call_traces,
+    reconcile_unknown,
+)
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry
 
@@ -294,9 +299,13 @@ def requeue_lost(
         again = seen.intersection(due)  # a tiny threshold hands back what we just stamped
         seen.update(due)
         todo = [d for d in due if d not in again]
+        # what each call was submitted under: its execution's span links to it (read only
+        # when tracing, one query a batch)
+        traces = call_traces(ledger, [(scope, key) for scope, key, _ in todo])
         for i, (scope, key, attempt) in enumerate(todo):
             try:
-                publish(scope, key, attempt)
+                with tracing.for_call(traces.get((scope, key))):
+                    publish(scope, key, attempt)
                 published += 1
             except Exception as exc:  # noqa: BLE001 - the broker is down: next sweep retries
                 errors.append(f"requeue of {scope}/{key} failed: {exc}")

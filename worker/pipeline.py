@@ -18,7 +18,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -247,6 +247,7 @@ class Executor:
         parent: Any = None,
         report: Callable[[Outcome], None] | None = None,
         tool: str | None = None,
+        links: Sequence[Any] = (),
     ) -> Outcome:
         """Run attempt ``attempt`` of ``scope``/``key`` if this delivery wins its claim.
 
@@ -254,8 +255,10 @@ class Executor:
         label the span and the schedule-to-start histogram; ``tool``, the call's tool as the
         message named it (a label too: the claim reads the tool it runs from the ledger), lets
         a worker that does not load it leave the call without a read; ``parent``: the trace context
-        the message carried (the submitter's span); ``report`` is called with the outcome
-        while the span is current and the call's ids are bound (its log lines carry them)."""
+        the message carried (the submitter's span); ``links``: to the call's own submit span,
+        when another published it (``tracing.call_links``: the sweep, a retry); ``report`` is
+        called with the outcome while the span is current and the call's ids are bound (its
+        log lines carry them)."""
         ids = {
             "gen_ai.operation.name": "execute_tool",
             "gen_ai.tool.call.id": tool_call_id,
@@ -264,7 +267,7 @@ class Executor:
             "toolledger.attempt": attempt,
         }
         with (
-            tracing.span("execute_tool", ids, parent=parent) as span,
+            tracing.span("execute_tool", ids, parent=parent, links=links) as span,
             logs.bind(scope=scope, idempotency_key=key, attempt=attempt, tool_call_id=tool_call_id),
         ):
             outcome = (

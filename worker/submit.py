@@ -212,6 +212,7 @@ class Submitter:
             reason=reason,
             actor=actor,
             stamp_enqueued=True,
+            trace=tracing.carrier(),  # the submit span's, kept with the call (no statement)
         )
         op = submitted.operation
         out = _summary(op, call.scope, call.tool_call_id)

@@ -13,6 +13,7 @@ from toolledger.config import Settings
 from toolledger.ledger.errors import InputError, InvalidArguments
 from toolledger.ledger.identity import check_attempt, check_scope, check_text_id
 from toolledger.observability import tracing
+from toolledger.observability.tracing import CALL_TRACEPARENT
 from toolledger.worker.runtime import default_worker_id, runtime
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ EXECUTE = "toolledger.execute"
 _FIELDS = ("scope", "idempotency_key", "attempt")
 #: Message headers (never arguments): when it was published (Unix time, for the
 #: schedule-to-start histogram) and the tool_call_id the submitter knew (for the span); the
-#: W3C ``traceparent``/``tracestate`` headers carry the submitter's trace context.
+#: W3C ``traceparent``/``tracestate`` headers carry the submitter's trace context, and
+#: ``CALL_TRACEPARENT`` the call's own where another published it (the sweep, a retry).
 PUBLISHED_AT = "toolledger_published_at"
 TOOL_CALL_ID = "toolledger_tool_call_id"
 #: The call's tool, as its producer knew it: a worker that does not load it leaves the call
@@ -38,7 +40,7 @@ TOOL = "toolledger_tool"
 def message_headers(request: Any) -> dict[str, Any]:
     """The custom headers of the message being run (Celery merges them into the request)."""
     headers = dict(getattr(request, "headers", None) or {})
-    for name in (PUBLISHED_AT, TOOL_CALL_ID, "traceparent", "tracestate"):
+    for name in (PUBLISHED_AT, TOOL_CALL_ID, "traceparent", "tracestate", CALL_TRACEPARENT):
         if name not in headers and (value := getattr(request, name, None)) is not None:
             headers[name] = value
     return headers
@@ -130,6 +132,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
                 tool_call_id=call_id,
                 published_at=headers.get(PUBLISHED_AT),
                 parent=tracing.extract(headers),
+                links=tracing.call_links(headers),
                 report=report,
                 tool=tool,
             )

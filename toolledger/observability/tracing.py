@@ -8,16 +8,24 @@ at once, so the CLI's cold start and a worker without tracing pay nothing.
 
 The trace context of the submitting process travels in the Celery message's headers (W3C
 ``traceparent``), so a worker's ``execute_tool`` span is a child of the submit span.
+
+A call's own trace context (its submit span's, ``carrier``) is kept in the ledger with the
+call (the detail of its ``submitted`` event). Every later span about the call made elsewhere
+(the sweep's re-publish and reconciliation, a person's retry, resolution or review, and the
+execution they publish) links to it (``links_to``), its parent staying the span it runs
+under: an operator following a call in a trace UI finds what recovery did to it. A message
+published about a call (``for_call``) carries that context in ``CALL_TRACEPARENT``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 log = logging.getLogger("toolledger.tracing")
@@ -180,18 +188,88 @@ def _span_line(finished: Any) -> str:
 
 @contextlib.contextmanager
 def span(
-    name: str, attributes: Mapping[str, Any] | None = None, *, parent: Any = None
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    parent: Any = None,
+    links: Sequence[Any] = (),
 ) -> Iterator[Any]:
     """A span, current while the block runs; None when tracing is not in use. An
-    exception leaving the block is recorded on it."""
+    exception leaving the block is recorded on it. ``links``: ``links_to``'s."""
     trace = _trace()
     if trace is None:
         yield None
         return
     attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
     tracer = trace.get_tracer("toolledger")
-    with tracer.start_as_current_span(name, context=parent, attributes=attrs) as current:
+    with tracer.start_as_current_span(
+        name, context=parent, attributes=attrs, links=list(links) or None
+    ) as current:
         yield current
+
+
+#: The W3C headers of a call's trace context as the ledger keeps it (``carrier``).
+_W3C = ("traceparent", "tracestate")
+#: The message header that carries the call's own ``traceparent`` (``for_call``), where
+#: ``traceparent`` is the publisher's (the sweep's span, a person's retry).
+CALL_TRACEPARENT = "toolledger_call_traceparent"
+_call: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "toolledger_call_trace", default=None
+)
+
+
+def carrier() -> dict[str, str] | None:
+    """The current span's W3C trace context (``traceparent``, and ``tracestate`` if any), to
+    be kept with the call; None without tracing or a span. Nothing else of the context (no
+    baggage: it is the application's, and may be personal) is kept."""
+    trace = _trace()
+    if trace is None or not trace.get_current_span().get_span_context().is_valid:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    headers: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(headers)
+    kept = {k: v for k in _W3C if isinstance(v := headers.get(k), str)}
+    return kept or None
+
+
+def links_to(kept: Mapping[str, Any] | None) -> list[Any]:
+    """A link to the span whose context ``kept`` is (``carrier``'s, as the ledger kept it),
+    or none: not in use, nothing kept, or not a valid W3C context (a detail the ledger holds
+    is read, never trusted)."""
+    if _trace() is None or not isinstance(kept, Mapping):
+        return []
+    parent = kept.get("traceparent")
+    if not isinstance(parent, str) or len(parent) > 64:
+        return []
+    from opentelemetry.trace import Link, get_current_span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    headers = {"traceparent": parent}
+    if isinstance(state := kept.get("tracestate"), str) and len(state) <= 512:
+        headers["tracestate"] = state
+    context = get_current_span(TraceContextTextMapPropagator().extract(headers))
+    linked = context.get_span_context()
+    return [Link(linked)] if linked.is_valid else []
+
+
+@contextlib.contextmanager
+def for_call(kept: Mapping[str, Any] | None) -> Iterator[None]:
+    """While the block runs, a message published (``inject``) is about the call whose trace
+    context ``kept`` is: it carries it in ``CALL_TRACEPARENT``, and its execution's span links
+    to it (``call_links``)."""
+    token = _call.set(kept if isinstance(kept, Mapping) else None)
+    try:
+        yield
+    finally:
+        _call.reset(token)
+
+
+def call_links(headers: Mapping[str, Any]) -> list[Any]:
+    """The link to the call's own span a message carries (``for_call``), or none."""
+    if _trace() is None:
+        return []
+    return links_to({"traceparent": headers.get(CALL_TRACEPARENT)})
 
 
 def annotate(current: Any, attributes: Mapping[str, Any], name: str | None = None) -> None:
@@ -215,12 +293,16 @@ def failed(current: Any, description: str) -> None:
 
 
 def inject(headers: MutableMapping[str, Any]) -> None:
-    """Write the current trace context into a message's headers (nothing if not in use)."""
+    """Write the current trace context into a message's headers (nothing if not in use), and
+    the call's own (``for_call``) if one is set."""
     if _trace() is None:
         return
     from opentelemetry.propagate import inject as _inject
 
     _inject(headers)
+    kept = _call.get()
+    if kept is not None and isinstance(parent := kept.get("traceparent"), str):
+        headers[CALL_TRACEPARENT] = parent
 
 
 def extract(headers: Mapping[str, Any]) -> Any:
