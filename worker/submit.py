@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from toolledger.config import Settings
-from toolledger.ledger.errors import InputError
+from toolledger.ledger.errors import InputError, NotFound
 from toolledger.ledger.identity import PROXIED_PREFIX, check_call, check_new_tool_call_id
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import OperationRecord
@@ -304,13 +304,33 @@ class Submitter:
     def decide(
         self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool
     ) -> dict[str, Any]:
-        """Approve (and enqueue) or reject a pending call."""
+        """Approve (and enqueue) or reject a pending call. Its span links to the call's
+        submit span, and so does the execution an approval publishes (``tracing.for_call``):
+        a person's decision, made later in another process, is found from the call's trace."""
         attrs = {"toolledger.scope": scope, "gen_ai.tool.call.id": tool_call_id}
         name = "approve_tool" if approve else "reject_tool"
-        with tracing.span(name, attrs) as span:
+        trace = self._call_trace(scope, tool_call_id)
+        with (
+            tracing.span(name, attrs, links=tracing.links_to(trace)) as span,
+            tracing.for_call(trace),
+        ):
             out = self._decide(scope, tool_call_id, by, reason, approve=approve)
             tracing.annotate(span, {"toolledger.status": out["status"]}, f"{name} {out['tool']}")
             return out
+
+    def _call_trace(self, scope: str, tool_call_id: str) -> dict[str, str] | None:
+        """The trace context the call was submitted under (``Ledger.call_traces``), read only
+        when this process traces; a call not found (the decision says so) or a ledger that
+        does not answer: none."""
+        if not tracing.active():
+            return None
+        import sqlalchemy as sa
+
+        try:
+            key = self.ledger.key_for(scope, tool_call_id)
+            return self.ledger.call_traces([(scope, key)]).get((scope, key))
+        except (NotFound, sa.exc.SQLAlchemyError):
+            return None
 
     def _decide(
         self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool

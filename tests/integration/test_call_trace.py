@@ -233,3 +233,25 @@ def test_call_trace__the_call_keeps_its_submit_spans_context_in_its_first_event(
     assert traces["tr", "write_file:c4"]["traceparent"].startswith(
         f"00-{submit.trace_id:032x}-{submit.span_id:016x}-"
     )
+
+
+def test_call_trace__an_approval_links_to_the_submit_span_and_so_does_its_execution(
+    sqlite_url: str, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    """A call waiting for a person, approved later (another process, another trace): the
+    approval's span and the execution it publishes are found from the call's trace."""
+    settings = settings_for(sqlite_url, tmp_path)
+    ledger = Ledger(sqlite_url)
+    broker = Broker()
+    sub = Submitter(settings, ledger=ledger, app=broker)  # type: ignore[arg-type]
+    try:
+        sub.submit(sub.prepare("tr", "c6", "write_file", ARGS))  # pending: nothing published
+        assert broker.sent == []
+        sub.decide("tr", "c6", "alice", None, approve=True)
+    finally:
+        ledger.close()
+    submit, approve = one(spans, "submit_tool write_file"), one(spans, "approve_tool write_file")
+    assert linked(approve, submit), approve.links
+    ((_, headers),) = broker.sent
+    kept = tracing.links_to({"traceparent": headers[tracing.CALL_TRACEPARENT]})[0].context
+    assert kept.span_id == submit.context.span_id
