@@ -96,6 +96,15 @@ def one(spans: InMemorySpanExporter, name: str) -> ReadableSpan:
     return found
 
 
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
 def make_unknown(ledger: Ledger, scope: str, key: str, attempt: int = 1) -> str:
     """Attempt ``attempt`` claimed by a worker that died: its lease expired."""
     claim = ledger.claim(scope, key, attempt, worker_id="gone", lease_seconds=0.01)
@@ -255,3 +264,54 @@ def test_call_trace__an_approval_links_to_the_submit_span_and_so_does_its_execut
     ((_, headers),) = broker.sent
     kept = tracing.links_to({"traceparent": headers[tracing.CALL_TRACEPARENT]})[0].context
     assert kept.span_id == submit.context.span_id
+
+
+def test_call_trace__a_real_worker_links_a_republished_execution_to_the_submit_span(
+    tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    """The header travels through a real broker and a prefork pool child (the console
+    exporter writes the child's spans, one JSON line each, to the worker's log): the job the
+    sweep re-published runs in a span linked to the call's submit span. The embedded ledger
+    and broker: no services."""
+    import json
+
+    from toolledger.harness.processes import service_env, stop_all, worker_process
+    from toolledger.worker.app import create_app
+
+    env_settings = {"sandbox": str(tmp_path / "sb"), "home": str(tmp_path / "home")}
+    settings = Settings.from_env(
+        {f"TOOLLEDGER_{k.upper()}": v for k, v in env_settings.items()}
+        | {"TOOLLEDGER_METRICS": "off"}
+    )
+    otel = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "tl-test-links"}
+    env = {**service_env(**env_settings), "TOOLLEDGER_METRICS": "off", **otel}
+    worker = worker_process("w1", env, tmp_path / "logs", concurrency=1)
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        app = create_app(settings)
+        sub = Submitter(settings, app=app)
+        sub.submit(sub.prepare("real", "c1", "write_file", ARGS))  # pending: not published
+        sub.ledger.approve("real", "c1", by="alice")  # approved, never published (lost)
+        summary = run_sweep(sub.ledger, settings, app.toolledger_publish, 0)
+        assert summary.requeued == 1
+        wait_for(
+            lambda: sub.ledger.get("real", "c1").operation.status is Status.SUCCEEDED,
+            60,
+            "the call to succeed",
+        )
+        wait_for(lambda: '"execute_tool write_file"' in worker.log_text(), 30, "its span")
+        sub.close()
+        app.close()
+    finally:
+        stop_all([worker])
+    (line,) = [
+        x for x in worker.log_text().splitlines() if '"name": "execute_tool write_file"' in x
+    ]
+    execute = json.loads(line[line.index("{") :])  # after the log's prefix, if any
+    submit = one(spans, "submit_tool write_file").get_span_context()
+    links = [link["context"] for link in execute["links"]]
+    assert {"trace_id": f"0x{submit.trace_id:032x}", "span_id": f"0x{submit.span_id:016x}"} in [
+        {"trace_id": c["trace_id"], "span_id": c["span_id"]} for c in links
+    ], execute
+    assert execute["context"]["trace_id"] == f"0x{one(spans, 'sweep').context.trace_id:032x}"
