@@ -3,7 +3,7 @@ worker (the sweep's re-publish and the execution it starts, its reconciliation, 
 retry and resolution) links to the call's submit span, whose context the ledger keeps with
 the call; the span it runs under stays its parent. Before 2026-12-07 each was in the sweep's
 or the CLI's trace only, and an operator following a call in a trace UI lost it exactly
-when something went wrong (a cold review). In-memory exporter, SQLite: no services."""
+when something went wrong (a cold review). In-memory exporter; each backend."""
 
 from __future__ import annotations
 
@@ -129,10 +129,10 @@ def run_sweep(ledger: Ledger, settings: Settings, publish: Any, requeue_after: f
 
 
 def test_call_trace__the_reconciliation_links_to_the_calls_submit_span(
-    sqlite_url: str, tmp_path: Path, spans: InMemorySpanExporter
+    db_url: str, tmp_path: Path, spans: InMemorySpanExporter
 ) -> None:
-    settings = settings_for(sqlite_url, tmp_path)
-    ledger = Ledger(sqlite_url)
+    settings = settings_for(db_url, tmp_path)
+    ledger = Ledger(db_url)
     broker = Broker()
     sub = Submitter(settings, ledger=ledger, app=broker)  # type: ignore[arg-type]
     try:
@@ -152,13 +152,16 @@ def test_call_trace__the_reconciliation_links_to_the_calls_submit_span(
 
 
 def test_call_trace__a_job_the_sweep_republished_links_its_execution_to_the_submit_span(
-    sqlite_url: str, tmp_path: Path, spans: InMemorySpanExporter
+    db_url: str, tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from toolledger.worker import runtime
     from toolledger.worker.app import create_app
     from toolledger.worker.tasks import EXECUTE, publish
 
-    settings = settings_for(sqlite_url, tmp_path)
-    ledger = Ledger(sqlite_url)
+    monkeypatch.setattr(runtime, "_runtime", None)  # this process's: built for this ledger
+
+    settings = settings_for(db_url, tmp_path)
+    ledger = Ledger(db_url)
     broker = Broker()
     broker.down = True  # the first publish is lost: the sweep re-publishes the call
     sub = Submitter(settings, ledger=ledger, app=broker)  # type: ignore[arg-type]
@@ -187,12 +190,12 @@ def test_call_trace__a_job_the_sweep_republished_links_its_execution_to_the_subm
 
 
 def test_call_trace__a_persons_retry_and_resolution_link_to_the_submit_span(
-    sqlite_url: str, tmp_path: Path, spans: InMemorySpanExporter
+    db_url: str, tmp_path: Path, spans: InMemorySpanExporter
 ) -> None:
     from toolledger.recovery import humans
 
-    settings = settings_for(sqlite_url, tmp_path)
-    ledger = Ledger(sqlite_url)
+    settings = settings_for(db_url, tmp_path)
+    ledger = Ledger(db_url)
     broker = Broker()
     sub = Submitter(settings, ledger=ledger, app=broker)  # type: ignore[arg-type]
     try:
@@ -224,12 +227,12 @@ def test_call_trace__a_persons_retry_and_resolution_link_to_the_submit_span(
 
 
 def test_call_trace__the_call_keeps_its_submit_spans_context_in_its_first_event(
-    sqlite_url: str, tmp_path: Path, spans: InMemorySpanExporter
+    db_url: str, tmp_path: Path, spans: InMemorySpanExporter
 ) -> None:
     """Where the context is kept: the ``submitted`` event's detail, written by the insert
     that records the call (no statement more); a call submitted without tracing keeps none."""
-    settings = settings_for(sqlite_url, tmp_path)
-    ledger = Ledger(sqlite_url)
+    settings = settings_for(db_url, tmp_path)
+    ledger = Ledger(db_url)
     sub = Submitter(settings, ledger=ledger, app=Broker())  # type: ignore[arg-type]
     try:
         sub.submit(sub.prepare("tr", "c4", "write_file", ARGS))
@@ -245,12 +248,12 @@ def test_call_trace__the_call_keeps_its_submit_spans_context_in_its_first_event(
 
 
 def test_call_trace__an_approval_links_to_the_submit_span_and_so_does_its_execution(
-    sqlite_url: str, tmp_path: Path, spans: InMemorySpanExporter
+    db_url: str, tmp_path: Path, spans: InMemorySpanExporter
 ) -> None:
     """A call waiting for a person, approved later (another process, another trace): the
     approval's span and the execution it publishes are found from the call's trace."""
-    settings = settings_for(sqlite_url, tmp_path)
-    ledger = Ledger(sqlite_url)
+    settings = settings_for(db_url, tmp_path)
+    ledger = Ledger(db_url)
     broker = Broker()
     sub = Submitter(settings, ledger=ledger, app=broker)  # type: ignore[arg-type]
     try:
