@@ -40,7 +40,7 @@ TOOL = "toolledger_tool"
 def message_headers(request: Any) -> dict[str, Any]:
     """The custom headers of the message being run (Celery merges them into the request)."""
     headers = dict(getattr(request, "headers", None) or {})
-    for name in (PUBLISHED_AT, TOOL_CALL_ID, "traceparent", "tracestate", CALL_TRACEPARENT):
+    for name in (PUBLISHED_AT, TOOL_CALL_ID, TOOL, "traceparent", "tracestate", CALL_TRACEPARENT):
         if name not in headers and (value := getattr(request, name, None)) is not None:
             headers[name] = value
     return headers
