@@ -1616,3 +1616,27 @@ def test_chaos_run__a_kill_or_freeze_picks_a_worker_not_cut_off_while_there_is_o
     assert {run._pick().name for _ in range(40)} == {"chaos-w2"}  # type: ignore[union-attr]
     run.partitions["chaos-w2"].is_cut = True  # type: ignore[attr-defined]
     assert {run._pick().name for _ in range(40)} == {"chaos-w1", "chaos-w2", "chaos-w3"}  # type: ignore[union-attr]
+
+
+def test_checker__a_spooled_outcome_under_a_database_fault_is_explained():
+    """An execution whose terminal write a Postgres crash or terminate kept from the ledger
+    spools its outcome (the worker's own record that it could not commit), the sweep revokes
+    it and settles the spool as evidence: the database fault explains that unknown. The
+    spool's record names no error, and the checker failed a clean run of CI's once database
+    faults struck work in flight (12-07: a pg_crash at 22.6 s, its commit spooled at 26 s).
+    A spool with no database fault while it was held explains nothing."""
+    name = "every unknown lines up with a fault on that execution"
+    spooled = {"spool": "e-w1-1:1", "worker_id": "chaos-w1@h:101", "late_result": {},
+               "status": "succeeded", "error": None}  # fmt: skip
+    for faults, explained in (
+        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING}], True),
+        ([{"kind": "pg_terminate", "pids": [], "target": "postgres", "t": DURING}], True),
+        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING + 600}], False),
+        ([], False),
+    ):
+        w = World()
+        _unknown_without_a_fault(w)
+        w.event("chaos_write:w1", "e-w1-1", "evidence", **spooled)
+        f = copy.copy(w.facts())
+        f.faults = faults
+        assert (name not in broken(f)) == explained, faults

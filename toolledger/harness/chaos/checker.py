@@ -651,6 +651,16 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     )
     if db_fault and any(word in own for word in DB_ERRORS):
         return "its own database connection failed"
+    # its outcome spooled: the worker's own record that its terminal write could not reach
+    # the ledger (the spool names no error; a database fault met its commit in CI, 12-07)
+    spooled = any(
+        e["kind"] == "evidence"
+        and e["detail"].get("spool")
+        and e["detail"].get("worker_id") == ex["worker_id"]
+        for e in f.events_of(eid)
+    )
+    if db_fault and spooled:
+        return "its own database connection failed"
     for how, died in f.deaths.get(pid, []) if pid is not None else []:
         # e.g. killed by Celery's hard time limit after a stalled fsync; at any time, every
         # kill_child's logged death explained any unknown of that pid, and a crash (exitcode
