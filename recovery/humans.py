@@ -68,28 +68,83 @@ def retry(
     reason: str | None = None,
     attempt: int | None = None,
 ) -> dict[str, Any]:
-    """A new attempt under the same key, authorised by ``by``, then enqueued (``_retry``).
+    """A new attempt under the same key, authorised by ``by``, then enqueued.
+
+    The first attempt may have taken effect (unknown) or partly taken effect (failed): for a
+    tool that is not idempotent, a retry can apply the effect twice, and the person must say
+    that they accept it. ``attempt``: the last attempt the person saw when they decided (the
+    console's page, ``show``'s ``last_attempt``); refused if there is a later one now
+    (helper-91: a page showing attempt 1 authorised attempt 3, accepting a duplicate of an
+    attempt 2 nobody had seen).
 
     Its span, ``retry_tool {tool}``, links to the call's submit span, and so does the
     execution it publishes (its child): a retry made hours later, from the CLI or the
-    console, is found from the call's trace."""
+    console, is found from the call's trace.
+    """
     attrs, trace = _about(ledger, scope=scope, tool_call_id=tool_call_id)
     name = f"retry_tool {attrs.get('gen_ai.tool.name') or ''}".rstrip()
     with (
         tracing.span(name, attrs, links=tracing.links_to(trace)) as span,
         tracing.for_call(trace),
     ):
-        out = _retry(
-            ledger,
-            registry,
-            enqueue,
-            scope,
-            tool_call_id,
-            by=by,
-            accept_duplicate=accept_duplicate,
-            reason=reason,
-            attempt=attempt,
+        view = ledger.get(scope, tool_call_id)
+        op = view.operation
+        # against the last attempt, which a withdrawal does not lower (``CallView.last_attempt``):
+        # against ``authorized_attempts``, a page read before attempts 2 and 3 existed was taken
+        # as current once a withdrawal made attempt 1 current again (a cold review)
+        if attempt is not None and attempt != view.last_attempt:
+            raise InvalidTransition(
+                op.status,
+                Status.APPROVED,
+                f"a retry of {tool_call_id!r} decided on attempt {attempt}: it is attempt "
+                f"{view.last_attempt} ({op.status}) now; look again",
+            )
+        if op.tool.startswith(PROXIED_PREFIX):
+            raise UnknownTool(
+                f"unknown tool {op.tool!r}: an upstream tool the MCP proxy forwards, which no "
+                "worker runs; resolve the call once you know what the upstream did"
+            )
+        if op.status not in RETRYABLE:  # before any advice on duplicates: none would help
+            raise InvalidTransition(
+                op.status, Status.APPROVED, f"a retry of {tool_call_id!r} (only unknown or failed)"
+            )
+        if op.review is not None:  # before any advice on duplicates: a person reviews it first
+            flagged = flagged_retry(tool_call_id, op.review)
+            raise InvalidTransition(op.status, Status.APPROVED, flagged)
+        tool = registry.get(op.tool)
+        # No duplicate when every attempt before is proven to have left nothing: a sandboxed
+        # tool's that did not succeed by their own commit (the fence), and any the sweep proved
+        # not applied (its reconciler's word, an executor that never started the tool). Only
+        # the fence counted: a person had to accept a duplicate of an attempt proven never to
+        # have run, and the log said they did (a cold review).
+        nothing_landed = all(
+            (tool.sandboxed and e.fenced and not e.own_success)
+            or (e.status is Status.FAILED and e.reconciled and e.result == NOT_APPLIED)
+            for e in view.executions
         )
+        if not (tool.idempotent or nothing_landed or accept_duplicate):
+            raise DuplicateNotAccepted(
+                f"{op.tool} is not idempotent: the {op.status} attempt may already have taken "
+                "effect, so a retry may apply it a second time; accept a duplicate effect "
+                "explicitly (--accept-duplicate; accept_duplicate in the API and the Python "
+                "client)"
+            )
+        retried = ledger.authorize_retry(
+            scope, tool_call_id, by=by, accept_duplicate=accept_duplicate, reason=reason, seen=op
+        )  # refused if another attempt came meanwhile: the duplicate check was about these
+        out: dict[str, Any] = {
+            "scope": scope,
+            "tool_call_id": tool_call_id,
+            "idempotency_key": retried.idempotency_key,
+            "tool": retried.tool,
+            "status": retried.status.value,
+            "attempt": retried.authorized_attempts,
+            "authorized_by": by,
+            "duplicate_effect_accepted": accept_duplicate,
+        }
+        if not (tool.idempotent or nothing_landed):
+            out["warning"] = f"{by} accepted that {op.tool} may take effect twice"
+        out.update(enqueue(scope, retried.idempotency_key, retried.authorized_attempts))
         tracing.annotate(
             span,
             {
@@ -103,110 +158,7 @@ def retry(
         return out
 
 
-def _retry(
-    ledger: Ledger,
-    registry: Registry,
-    enqueue: Enqueue,
-    scope: str,
-    tool_call_id: str,
-    *,
-    by: str,
-    accept_duplicate: bool = False,
-    reason: str | None = None,
-    attempt: int | None = None,
-) -> dict[str, Any]:
-    """A new attempt under the same key, authorised by ``by``, then enqueued.
-
-    The first attempt may have taken effect (unknown) or partly taken effect (failed): for a
-    tool that is not idempotent, a retry can apply the effect twice, and the person must say
-    that they accept it. ``attempt``: the last attempt the person saw when they decided (the
-    console's page, ``show``'s ``last_attempt``); refused if there is a later one now
-    (helper-91: a page showing attempt 1 authorised attempt 3, accepting a duplicate of an
-    attempt 2 nobody had seen).
-    """
-    view = ledger.get(scope, tool_call_id)
-    op = view.operation
-    # against the last attempt, which a withdrawal does not lower (``CallView.last_attempt``):
-    # against ``authorized_attempts``, a page read before attempts 2 and 3 existed was taken
-    # as current once a withdrawal made attempt 1 current again (a cold review)
-    if attempt is not None and attempt != view.last_attempt:
-        raise InvalidTransition(
-            op.status,
-            Status.APPROVED,
-            f"a retry of {tool_call_id!r} decided on attempt {attempt}: it is attempt "
-            f"{view.last_attempt} ({op.status}) now; look again",
-        )
-    if op.tool.startswith(PROXIED_PREFIX):
-        raise UnknownTool(
-            f"unknown tool {op.tool!r}: an upstream tool the MCP proxy forwards, which no "
-            "worker runs; resolve the call once you know what the upstream did"
-        )
-    if op.status not in RETRYABLE:  # before any advice on duplicates: none would help
-        raise InvalidTransition(
-            op.status, Status.APPROVED, f"a retry of {tool_call_id!r} (only unknown or failed)"
-        )
-    if op.review is not None:  # before any advice on duplicates: a person reviews it first
-        raise InvalidTransition(op.status, Status.APPROVED, flagged_retry(tool_call_id, op.review))
-    tool = registry.get(op.tool)
-    # No duplicate when every attempt before is proven to have left nothing: a sandboxed
-    # tool's that did not succeed by their own commit (the fence), and any the sweep proved
-    # not applied (its reconciler's word, an executor that never started the tool). Only
-    # the fence counted: a person had to accept a duplicate of an attempt proven never to
-    # have run, and the log said they did (a cold review).
-    nothing_landed = all(
-        (tool.sandboxed and e.fenced and not e.own_success)
-        or (e.status is Status.FAILED and e.reconciled and e.result == NOT_APPLIED)
-        for e in view.executions
-    )
-    if not (tool.idempotent or nothing_landed or accept_duplicate):
-        raise DuplicateNotAccepted(
-            f"{op.tool} is not idempotent: the {op.status} attempt may already have taken "
-            "effect, so a retry may apply it a second time; accept a duplicate effect explicitly "
-            "(--accept-duplicate; accept_duplicate in the API and the Python client)"
-        )
-    retried = ledger.authorize_retry(
-        scope, tool_call_id, by=by, accept_duplicate=accept_duplicate, reason=reason, seen=op
-    )  # refused if another attempt came meanwhile: the duplicate check was about these
-    out: dict[str, Any] = {
-        "scope": scope,
-        "tool_call_id": tool_call_id,
-        "idempotency_key": retried.idempotency_key,
-        "tool": retried.tool,
-        "status": retried.status.value,
-        "attempt": retried.authorized_attempts,
-        "authorized_by": by,
-        "duplicate_effect_accepted": accept_duplicate,
-    }
-    if not (tool.idempotent or nothing_landed):
-        out["warning"] = f"{by} accepted that {op.tool} may take effect twice"
-    out.update(enqueue(scope, retried.idempotency_key, retried.authorized_attempts))
-    return out
-
-
 def resolve(
-    ledger: Ledger,
-    execution_id: str,
-    status: Status,
-    *,
-    by: str,
-    evidence: str,
-    review: bool = False,
-    seen: int | None = None,
-) -> dict[str, Any]:
-    """``_resolve``, in a span (``resolve_tool {tool}``, or ``review_tool {tool}`` for a
-    review) that links to the call's submit span."""
-    attrs, trace = _about(ledger, execution_id=execution_id)
-    what = "review_tool" if review else "resolve_tool"
-    name = f"{what} {attrs.get('gen_ai.tool.name') or ''}".rstrip()
-    with tracing.span(name, attrs, links=tracing.links_to(trace)) as span:
-        out = _resolve(
-            ledger, execution_id, status, by=by, evidence=evidence, review=review, seen=seen
-        )
-        tracing.annotate(span, {"toolledger.status": out["status"]})
-        return out
-
-
-def _resolve(
     ledger: Ledger,
     execution_id: str,
     status: Status,
@@ -221,14 +173,26 @@ def _resolve(
     clears the flag). Without it, a flag is never settled by a resolution decided before it
     was raised: StaleFence (``Ledger.resolve``). ``seen``: the ``seq`` of the call's newest
     event the person looked at; the review is refused if a flag it would settle was raised
-    since, or the call changed (``Ledger.review``)."""
-    done = ledger.resolve(execution_id, status, by=by, evidence=evidence, review=review, seen=seen)
-    return {
-        "execution_id": execution_id,
-        "scope": done.scope,
-        "idempotency_key": done.idempotency_key,
-        "status": done.status.value,
-        "result": done.result,
-        "reconciled": done.reconciled,
-        "resolved_by": by,
-    }
+    since, or the call changed (``Ledger.review``).
+
+    Its span, ``resolve_tool {tool}`` (``review_tool {tool}`` for a review), links to the
+    call's submit span.
+    """
+    attrs, trace = _about(ledger, execution_id=execution_id)
+    what = "review_tool" if review else "resolve_tool"
+    name = f"{what} {attrs.get('gen_ai.tool.name') or ''}".rstrip()
+    with tracing.span(name, attrs, links=tracing.links_to(trace)) as span:
+        done = ledger.resolve(
+            execution_id, status, by=by, evidence=evidence, review=review, seen=seen
+        )
+        out = {
+            "execution_id": execution_id,
+            "scope": done.scope,
+            "idempotency_key": done.idempotency_key,
+            "status": done.status.value,
+            "result": done.result,
+            "reconciled": done.reconciled,
+            "resolved_by": by,
+        }
+        tracing.annotate(span, {"toolledger.status": out["status"]})
+        return out

@@ -9,24 +9,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from toolledger import AsyncClient, Client
-from toolledger.config import Settings
 
 
 @pytest.fixture
-def client(db_url: str, tmp_path: Path) -> Any:
-    settings = Settings.from_env(
-        {"TOOLLEDGER_DB": db_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
-         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
-         "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}  # nothing is enqueued: all pending
-    )  # fmt: skip
-    with Client(settings, poll_interval=3600) as c:
-        yield c
+def client(pending_client: Any) -> Any:
+    return pending_client
 
 
 def test_wait__a_closed_loops_wait_leaves_the_listener_waking_others(

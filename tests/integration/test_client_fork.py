@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from toolledger import Client
-from toolledger.config import Settings
 
 #: How long the child waits for a wake-up before it reports that none came.
 WAKE_WAIT = 30.0
 
 
 @pytest.fixture
-def client(db_url: str, tmp_path: Path) -> Any:
-    settings = Settings.from_env(
-        {"TOOLLEDGER_DB": db_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
-         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
-         "TOOLLEDGER_BROKER": "redis://127.0.0.1:1/0"}  # nothing is enqueued: all pending
-    )  # fmt: skip
-    with Client(settings, poll_interval=3600) as c:  # a fallback read would never come
-        yield c
+def client(pending_client: Any) -> Any:
+    return pending_client
 
 
 def _child(client: Client, scope: str, call_id: str, ready: int, report: int) -> None:

@@ -13,17 +13,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-    InMemorySpanExporter,
-)
 
 from toolledger.config import Settings
 from toolledger.harness.processes import ManagedProcess, service_env, stop_all
@@ -63,27 +56,6 @@ EXECUTE_ATTRIBUTES = {
     "toolledger.attempt",
     "toolledger.status",
 }
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[InMemorySpanExporter]:
-    """This process's spans (one SDK provider per process: added to it if one is set); shut
-    down afterwards, so that the rest of the session's spans are not kept."""
-    memory = InMemorySpanExporter()
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    yield memory
-    memory.shutdown()
-
-
-@pytest.fixture
-def spans(exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    exporter.clear()
-    yield exporter
-    exporter.clear()
 
 
 def read_spans(path: Path) -> list[dict[str, Any]]:
