@@ -13,6 +13,7 @@ import fcntl
 import json
 import multiprocessing
 import os
+import select
 import threading
 import time
 from pathlib import Path
@@ -450,11 +451,24 @@ def test_locks__a_file_never_the_one_locked_gives_up_at_lock_wait(tmp_path, monk
 
 def _fork_sleeper() -> int:
     """A child that does nothing with any lock and lives until killed (a tool's forked helper,
-    a prefork child)."""
+    a prefork child). Returns once the child runs: its copies of lock files are closed by the
+    fork's hooks before ``os.fork`` returns in it, so until then (a loaded machine may not run
+    a new child for a second: CI's one failure of this file) it holds them, as it would
+    without the hooks; the claim tested is that it keeps none once it runs."""
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
+        os.close(r)
+        os.write(w, b".")
+        os.close(w)
         time.sleep(60)
         os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 60)
+        assert ready and os.read(r, 1) == b".", "a forked child did not run within 60 s"
+    finally:
+        os.close(r)
     return pid
 
 
