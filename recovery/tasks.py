@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any, cast
 
+import sqlalchemy as sa
 from celery import Task, shared_task
 
 from toolledger.config import Settings
@@ -25,6 +26,14 @@ SWEEP = "toolledger.sweep"
 
 Publish = Callable[[str, str, int], None]
 
+
+class SweepFailed(Exception):
+    """A pass the database stopped (out of reach, busy, or refusing a statement), told in one
+    line: Celery logged the driver's error through SQLAlchemy with its traceback, about 120
+    lines every interval for as long as the database was down (a cold review). Celery still
+    records the task failed (``throws``: at INFO, without a traceback); a bug keeps its own."""
+
+
 _parts: tuple[int, Ledger, Registry, Sandbox] | None = None
 
 
@@ -38,23 +47,44 @@ def parts(settings: Settings) -> tuple[Ledger, Registry, Sandbox]:
     return _parts[1], _parts[2], _parts[3]
 
 
-@shared_task(name=SWEEP, bind=True)  # type: ignore[untyped-decorator]
+@shared_task(name=SWEEP, bind=True, throws=(SweepFailed,))  # type: ignore[untyped-decorator]
 def sweep(task: Task) -> dict[str, Any]:
     """One recovery pass, with the settings and the publisher of the app that runs it."""
     settings = cast(Settings, task.app.toolledger_settings)
     publish = cast(Publish, task.app.toolledger_publish)
     ledger, registry, sandbox = parts(settings)
-    summary = run_sweep(
-        ledger,
-        registry,
-        sandbox,
-        grace_seconds=settings.sweep_grace,
-        requeue_after=settings.requeue_after,
-        publish=publish,
-        max_auto_retries=settings.max_auto_retries,
-        # under the soft time limit the worker's app sets for every task: half of it for
-        # reconcilers, which may each wait on a service; the next pass goes on after them
-        reconcile_budget=settings.soft_time_limit / 2,
-    )
+    try:
+        summary = run_sweep(
+            ledger,
+            registry,
+            sandbox,
+            grace_seconds=settings.sweep_grace,
+            requeue_after=settings.requeue_after,
+            publish=publish,
+            max_auto_retries=settings.max_auto_retries,
+            # under the soft time limit the worker's app sets for every task: half of it for
+            # reconcilers, which may each wait on a service; the next pass goes on after them
+            reconcile_budget=settings.soft_time_limit / 2,
+        )
+    except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
+        said = _database_said(exc)
+        log.error("%s: this pass stopped, %s; the next pass tries again", SWEEP, said)
+        raise SweepFailed(said) from None
     log.info("%s: %s", SWEEP, json.dumps(summary.to_json()))
     return summary.to_json()
+
+
+def _database_said(exc: sa.exc.DBAPIError | sa.exc.TimeoutError) -> str:
+    """What stopped a pass, in one line, with the driver's own words (never a statement: they
+    show no parameters, and no URL's password is in a driver's message)."""
+    from toolledger.ledger.db import busy, unreachable
+
+    orig = getattr(exc, "orig", None)
+    words = " ".join(str(orig if orig is not None else exc).split())
+    if isinstance(exc, sa.exc.TimeoutError):
+        return f"the ledger out of reach (no free connection in the pool): {words}"
+    if unreachable(orig):
+        return f"the ledger out of reach: {words}"
+    if busy(orig):
+        return f"the ledger busy: {words}"
+    return f"the ledger refused it: {type(orig).__name__}: {words}"
