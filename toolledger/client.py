@@ -864,11 +864,17 @@ class AsyncClient:
             key = (scope, view.operation.idempotency_key)
             await self._run(sync.notifier.start, _start_wait(timeout))
             rung = asyncio.Event()
+            # Held weakly: the notifier holds ``wake`` and the event holds this task (its
+            # waiter's callback), so a strong hold kept a wait abandoned in a closed loop, its
+            # watcher, task and loop, for the process's life. A running wait is held by its
+            # caller and its timer; an abandoned one is collected, its ``watch`` then closed.
+            weak_rung = weakref.ref(rung)
 
             def wake() -> None:
                 # the loop closed with this wait pending (never cancelled): nobody waits there
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(rung.set)
+                if (event := weak_rung()) is not None:
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(event.set)
 
             by_poll = False
             with sync.notifier.watch(key, wake):

@@ -7,6 +7,7 @@ fallback read, 10 s late) and sent the Postgres listener reconnecting, again at 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from typing import Any
@@ -50,3 +51,28 @@ def test_wait__a_closed_loops_wait_leaves_the_listener_waking_others(
         # Then the listener still wakes the other call's waiter
         assert rung.wait(30)
     del task
+
+
+def test_wait__a_closed_loops_wait_is_forgotten_once_nothing_holds_it(
+    client: Client, scope: str
+) -> None:
+    # A wait abandoned in a closed loop held itself alive through its own wake-up (the
+    # notifier's callback held its event, whose waiter's callback held the task): its
+    # watcher, its task and the loop stayed for the process's life, one set per such wait.
+    client.submit(scope, "forgotten", "write_file", {"path": "a.txt", "content": "x"})
+    key = (scope, client.ledger.get(scope, "forgotten").operation.idempotency_key)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(AsyncClient.of(client).wait(scope, "forgotten", timeout=600))
+    for _ in range(300):
+        loop.run_until_complete(asyncio.sleep(0.05))
+        if key in client.notifier._watchers:
+            break
+    assert key in client.notifier._watchers
+    loop.close()
+    del task
+    for _ in range(200):  # a read it had started on a thread may still hold it a moment
+        gc.collect()
+        if key not in client.notifier._watchers:
+            break
+        time.sleep(0.05)
+    assert key not in client.notifier._watchers
