@@ -176,6 +176,10 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
             if not self._insert_tool_call(conn, scope, tool_call_id, key, sha):
                 return Submitted(op, tool_call_id, "existing")
             if created is None:
+                # The call's row first: a link's event must draw its seq holding it, as every
+                # decision's does, or it may commit after a later seq, and a history paged
+                # between the two (``events --after``) never shows it (a cold review)
+                self._locked_operation(conn, scope, key)
                 self._append(
                     conn,
                     event(EventKind.LINKED, scope, key, actor, {"tool_call_id": tool_call_id}),
