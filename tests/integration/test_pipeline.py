@@ -24,11 +24,26 @@ from toolledger import failpoints
 from toolledger.builtin_tools import BUILTINS
 from toolledger.effects import LeaseLost, effects_of, path_hash
 from toolledger.ledger.ledger import Ledger
+from toolledger.ledger.models import executions
 from toolledger.ledger.transitions import Review, Status
+from toolledger.ledger.types import db_now_plus
 from toolledger.recovery.sweep import sweep
 from toolledger.sandbox import Sandbox
 from toolledger.tools import OutcomeUnknown, Registry, ToolContext, ToolError, make_tool
 from toolledger.worker.pipeline import Executor, LeaseKeeper
+
+
+def expire_lease(ledger: Ledger, execution_id: str) -> None:
+    """End a running execution's lease now, as its running out would. These tests ran with a
+    0.3 s lease and slept past it: on a loaded machine (CI) the lease keeper missed a renewal
+    before the tool started, the tool was never run, and the spool the test reads was never
+    written (CI's one failure of this file)."""
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            executions.update()
+            .where(executions.c.execution_id == execution_id, executions.c.status == "running")
+            .values(lease_expires_at=db_now_plus(-1))
+        )
 
 
 class NoArgs(BaseModel):
@@ -813,7 +828,7 @@ def test_pipeline__claim_commit_that_cannot_be_learned_is_spooled_not_lost(
 ):
     monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     flaky = ClaimCommitUnknowable(db_url)
-    outcome, view = run("ok", executor_ledger=flaky, lease=0.3)
+    outcome, view = run("ok", executor_ledger=flaky)
     flaky.close()
     # The executor says it does not know, never "lost"; the row is running under its token
     assert outcome.state == "unsure"
@@ -822,7 +837,7 @@ def test_pipeline__claim_commit_that_cannot_be_learned_is_spooled_not_lost(
     assert pending_files(Sandbox(tmp_path)) == [f"{ex.execution_id}.spool"]
     # When the database answers again, its word "I never started the tool" is recorded and
     # the sweep proves the effect absent: not applied (a human need not guess)
-    time.sleep(0.35)
+    expire_lease(ledger, outcome.execution_id)
     summary = sweep(
         ledger, REGISTRY, Sandbox(tmp_path), grace_seconds=0, requeue_after=60, publish=None
     )
@@ -997,11 +1012,9 @@ def test_pipeline__a_spooled_result_after_revocation_becomes_evidence_lands_noth
 ):
     monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     broken = FinishUnreachable(db_url)
-    outcome, view = run(
-        "write_file", {"path": "r.txt", "content": "v1"}, executor_ledger=broken, lease=0.2
-    )
+    outcome, view = run("write_file", {"path": "r.txt", "content": "v1"}, executor_ledger=broken)
     broken.close()
-    time.sleep(0.25)
+    expire_lease(ledger, outcome.execution_id)
     ledger.mark_expired(grace_seconds=0)  # the sweep revoked it while the database was away
     landing = effects_of(Sandbox(tmp_path)).settle(ledger)
     assert (landing.recorded, landing.evidence, landing.landed, landing.discarded) == (0, 1, 0, 1)
@@ -1017,7 +1030,7 @@ def test_pipeline__a_spools_temporary_file_a_killed_writer_left_is_removed_once_
 ):
     # Given the temporary file of a spool whose writer was killed before its rename (it held
     # the result; no effect), and one of an execution this ledger does not know
-    outcome, _, spool_file = spooled(lease=0.3)
+    outcome, _, spool_file = spooled()
     eid = outcome.execution_id
     left = spool_file.with_name(f"{spool_file.name}.tmp4242.0a1b2c3d")  # as named since 12-06
     spool_file.rename(left)
@@ -1033,7 +1046,7 @@ def test_pipeline__a_spools_temporary_file_a_killed_writer_left_is_removed_once_
     # When settles run: its execution still running, even an old file stays (its writer may
     # be at work); once revoked, a fresh one stays (a writer woken from a freeze renames it)
     assert settle_at(hours_ago) == 0 and left.exists()
-    time.sleep(0.35)
+    expire_lease(ledger, eid)
     assert ledger.mark_expired(grace_seconds=0)
     assert settle_at(time.time()) == 0 and left.exists()
     # Then once revoked and an hour old it is removed; the stranger is nobody's to judge
@@ -1179,11 +1192,11 @@ def test_pipeline__a_spool_damaged_into_other_json_is_set_aside_not_retried_or_r
     # effects lacked a field was recorded under its lease, and the landing of its path then
     # failed on it (a KeyError out of settle: no later path landed, the sweep pass ended);
     # one whose result, error or late result had another shape failed again every pass.
-    outcome, view, _ = spooled(damage, lease=0.3)
+    outcome, view, _ = spooled(damage)
     eid = outcome.execution_id
     sandbox = Sandbox(tmp_path)
     if revoked:
-        time.sleep(0.35)
+        expire_lease(ledger, eid)
         ledger.mark_expired(grace_seconds=0)
     status = ledger.execution(eid).status
     landing = effects_of(sandbox).settle(ledger)
@@ -1196,7 +1209,7 @@ def test_pipeline__a_spool_damaged_into_other_json_is_set_aside_not_retried_or_r
     again = effects_of(sandbox).settle(ledger)
     assert again.failed == 0 and again.problems == []
     # what is left is an execution whose result was lost: the sweep's (unknown, fenced)
-    time.sleep(0.35)
+    expire_lease(ledger, eid)
     summary = sweep(ledger, REGISTRY, sandbox, grace_seconds=0, requeue_after=60, publish=None)
     assert not summary.errors
     assert ledger.execution(eid).status is not Status.RUNNING
@@ -2081,14 +2094,14 @@ def test_settle__an_unsure_claim_that_commits_after_a_settle_still_ends_not_appl
     failed not_applied by itself."""
     monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.001)
     flaky = ClaimNeverCommitted(db_url)
-    outcome, view = run("ok", executor_ledger=flaky, lease=0.3)
+    outcome, view = run("ok", executor_ledger=flaky)
     flaky.close()
     assert outcome.state == "unsure" and not view.executions
     effects_of(Sandbox(tmp_path)).settle(ledger)  # before the claim lands
     claim = flaky.lost
     assert claim is not None
     assert ledger.claim(*claim["args"], **claim["kwargs"]) is not None  # it lands now
-    time.sleep(0.35)
+    expire_lease(ledger, outcome.execution_id)
     summary = sweep(
         ledger, REGISTRY, Sandbox(tmp_path), grace_seconds=0, requeue_after=60, publish=None
     )
