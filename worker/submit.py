@@ -196,7 +196,15 @@ class Submitter:
         }
         with tracing.span(f"submit_tool {call.tool}", attrs) as span:
             out = self._submit(call, approved_by, reason, actor)
-            tracing.annotate(span, {"toolledger.status": out["status"]})
+            outcome = out["outcome"]
+            tracing.annotate(
+                span, {"toolledger.status": out["status"], "toolledger.outcome": outcome}
+            )
+            if span is not None and outcome != "created":
+                # a replay (an agent restarted: another trace) or a new id linked to the key:
+                # found from the call's own trace, as its approval and execution are
+                for link in tracing.links_to(self._call_trace(call.scope, call.tool_call_id)):
+                    span.add_link(link.context, link.attributes)
             return out
 
     def _submit(

@@ -297,3 +297,31 @@ def test_call_trace__a_real_worker_links_a_republished_execution_to_the_submit_s
         {"trace_id": c["trace_id"], "span_id": c["span_id"]} for c in links
     ], execute
     assert execute["context"]["trace_id"] == f"0x{one(spans, 'sweep').context.trace_id:032x}"
+
+
+def test_call_trace__a_replayed_or_linked_submit_links_to_the_calls_first_submit_span(
+    db_url: str, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    """An agent restarted after a crash submits its calls again (another trace): each replay's
+    span, and a new id's linked to the call's key, is found from the call's own trace; it stood
+    alone before (a cold review), its outcome unsaid."""
+    settings = settings_for(db_url, tmp_path)
+    ledger = Ledger(db_url)
+    sub = Submitter(settings, ledger=ledger, app=Broker())  # type: ignore[arg-type]
+    try:
+        first = sub.submit(sub.prepare("tr", "c7", "write_file", ARGS))
+        sub.submit(sub.prepare("tr", "c7", "write_file", ARGS))  # the replay
+        sub.submit(sub.prepare("tr", "c8", "write_file", ARGS, key=first["idempotency_key"]))
+    finally:
+        ledger.close()
+    created, replayed, link = [
+        s for s in spans.get_finished_spans() if s.name == "submit_tool write_file"
+    ]
+    assert [s.attributes.get("toolledger.outcome") for s in (created, replayed, link)] == [
+        "created",
+        "existing",
+        "linked",
+    ]
+    assert not created.links
+    assert linked(replayed, created), replayed.links
+    assert linked(link, created), link.links
