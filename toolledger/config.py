@@ -579,6 +579,17 @@ def _text(value: Any) -> str:
     return value
 
 
+def _url(value: Any) -> str:
+    """A URL, a SQLite file's ``~`` expanded: ``sqlite:///~/x.db`` made a folder named ``~``
+    in the working directory (a cold review); a shell leaves a ``~`` inside a URL as it is."""
+    url = _text(value)
+    path = _sqlite_file(url)
+    if path is None or not path.startswith("~"):
+        return url
+    scheme, _, rest = url.partition(":///")
+    return f"{scheme}:///{os.path.expanduser(path)}{rest[len(path) :]}"
+
+
 def _failpoints(value: Any) -> str:
     """A failpoint spec that parses (else it failed where the first call ran: exit 1)."""
     text = _text(value)
@@ -706,8 +717,8 @@ _URL_BREAKERS = re.compile(r"\?|%[0-9A-Fa-f]{2}")
 #: query (0.2 s of the 0.25 s issue 18 allows ``toolledger show``).
 FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "home": (_path, DEFAULT_HOME),
-    "db": (_text, ""),
-    "broker": (_text, ""),
+    "db": (_url, ""),
+    "broker": (_url, ""),
     "broker_prefix": (_text, ""),
     "sandbox": (_path, Path()),
     "lease_seconds": (_lease, 30.0),
@@ -720,7 +731,8 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     # as beat --interval: at least 0.1 s
     "sweep_interval": (_within(_number, 0.1, MAX_LEASE_SECONDS, "seconds"), 10.0),
     "sweep_grace": (_year_at_most(_non_negative), 5.0),
-    "requeue_after": (_year_at_most(_positive), 120.0),
+    # 0 re-publishes every approved, unclaimed call, as ``sweep --requeue-after 0`` does
+    "requeue_after": (_year_at_most(_non_negative), 120.0),
     "tool_wait": (_year_at_most(_non_negative), 900.0),
     "tools": (_text, ""),
     "queue": (_text, "toolledger"),

@@ -569,3 +569,35 @@ def test_cli__a_warning_is_one_line_and_a_logged_one_carries_no_prefix_of_ours(m
         assert warnings.formatwarning("ignored option", UserWarning, "x.py", 1) == "ignored option"
     finally:
         logging.captureWarnings(False)
+
+
+def test_settings__requeue_after_zero_is_taken_from_the_environment_as_from_the_option():
+    """``sweep --requeue-after 0`` re-publishes every approved, unclaimed call (the README's
+    own example); ``TOOLLEDGER_REQUEUE_AFTER=0``, the same setting, was refused, exit 2 (a
+    cold review of the CLI)."""
+    assert (
+        Settings.from_env(
+            {"TOOLLEDGER_HOME": "/tmp/h", "TOOLLEDGER_REQUEUE_AFTER": "0"}
+        ).requeue_after
+        == 0
+    )
+    with pytest.raises(ConfigError, match="greater than or equal to 0"):
+        Settings.from_env({"TOOLLEDGER_HOME": "/tmp/h", "TOOLLEDGER_REQUEUE_AFTER": "-1"})
+
+
+@pytest.mark.parametrize("scheme", ["sqlite", "sqlite+pysqlite"])
+def test_settings__a_sqlite_url_under_the_home_directory_is_expanded(tmp_path, scheme):
+    """``sqlite:///~/x.db`` made a folder named ``~`` in the working directory and a ledger
+    in it (a cold review of the CLI): a ``~`` a shell did not expand (inside a URL, after
+    ``--db=``, in a compose file) is the user's home, as in every other path they give."""
+    home = str(Path.home())
+    s = Settings.from_env(
+        {
+            "TOOLLEDGER_HOME": str(tmp_path),
+            "TOOLLEDGER_DB": f"{scheme}:///~/x.db?timeout=3",
+            "TOOLLEDGER_BROKER": "embedded+sqlite:///~/b.db",
+        }
+    )
+    assert s.db == f"{scheme}:///{home}/x.db?timeout=3"
+    assert s.broker == f"embedded+sqlite:///{home}/b.db"
+    assert Settings.from_env({"TOOLLEDGER_DB": "postgresql://u@h/~x"}).db == "postgresql://u@h/~x"
