@@ -57,8 +57,9 @@ def test_cli__bad_input_refused_exit_6_nothing_written(
 ):
     monkeypatch.setenv("TOOLLEDGER_MAX_ARGS_BYTES", "100")
     before = row_counts(ledger.engine)
-    base = ["submit", "--scope", scope, "--tool-call-id", "c1", "--tool", "write_file"]
-    code, out, err = run(*base, *argv)
+    base = ["submit", "--scope", scope, "--tool-call-id", "c1"]
+    tool = [] if "--tool" in argv else ["--tool", "write_file"]  # an option is given once
+    code, out, err = run(*base, *tool, *argv)
     assert code == 6, err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -1168,3 +1169,31 @@ def test_cli__a_celery_option_that_does_not_exist_makes_no_ledger(
     code, _out, err = run_cli(capsys, *argv)
     assert code == 2 and says in err and err.count("\n") == 1, err
     assert not home.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tool-call-id", "c1", "--scope", "other"],
+        ["--tool-call-id", "c1", "--approved-by", "ann", "--approved-by", "bob"],
+        ["--tool-call-id", "c1", "--tool-call-id", "c2"],
+        ["--tool-call-id", "c1", "--args", ARGS],
+    ],
+    ids=["scope", "approved-by", "tool-call-id", "args"],
+)
+def test_cli__an_option_given_twice_is_refused_not_the_last_taken(run, ledger, scope, argv):
+    """Click took the last in silence: ``submit --scope a … --scope b`` recorded the call in
+    ``b`` (a cold review of the CLI). Exit 2, one line naming the option, nothing recorded."""
+    before = row_counts(ledger.engine)
+    base = ["submit", "--scope", scope, "--tool", "write_file", "--args", ARGS, "--json"]
+    code, out, err = run(*base, *argv)
+    assert code == 2 and out == "", err
+    assert "given more than once" in json.loads(err)["error"]
+    assert row_counts(ledger.engine) == before
+
+
+def test_cli__a_global_option_given_twice_is_refused(capsys, tmp_path):
+    a, b = f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"
+    code, out, err = run_cli(capsys, "--db", a, "--db", b, "db", "upgrade")
+    assert code == 2 and out == "" and "--db given more than once" in err, err
+    assert not (tmp_path / "a.db").exists() and not (tmp_path / "b.db").exists()

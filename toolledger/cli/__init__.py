@@ -109,7 +109,43 @@ def load_command(name: str) -> click.Command:
     """The command ``name`` of ``COMMANDS``, its module imported now."""
     module, _, attribute = COMMANDS[name][0].partition(":")
     command: click.Command = getattr(importlib.import_module(module), attribute)
+    return once_each(command)
+
+
+def once_each(command: click.Command) -> click.Command:
+    """``command`` (and its subcommands) refusing an option that takes one value given twice,
+    exit 2: click took the last in silence, and ``submit --scope a … --scope b`` recorded the
+    call in ``b`` (a cold review of the CLI). Flags, counts and ``multiple`` options repeat."""
+    if not getattr(command, "_once_each", False):
+        make_parser = command.make_parser
+
+        def strict(ctx: click.Context) -> Any:
+            parser = make_parser(ctx)
+            parse = parser.parse_args
+
+            def parse_once(args: list[str]) -> Any:
+                opts, rest, order = parse(args=args)
+                _refuse_repeated(ctx, order)
+                return opts, rest, order
+
+            parser.parse_args = parse_once  # type: ignore[method-assign]
+            return parser
+
+        command.make_parser = strict  # type: ignore[method-assign]
+        command._once_each = True  # type: ignore[attr-defined]
+    for sub in getattr(command, "commands", {}).values():
+        once_each(sub)
     return command
+
+
+def _refuse_repeated(ctx: click.Context, order: list[click.Parameter]) -> None:
+    seen: set[str | None] = set()
+    for param in order:  # one entry per time it was given, in the order given
+        if isinstance(param, click.Option) and not (param.is_flag or param.multiple or param.count):
+            if param.name in seen:
+                name = max(param.opts, key=len)
+                raise click.UsageError(f"{name} given more than once: give it once", ctx)
+            seen.add(param.name)
 
 
 class Interrupted(Exception):
@@ -205,6 +241,9 @@ def cli(
     _remember_given(ctx)
     ctx.obj = Context(settings, json=as_json)
     ctx.call_on_close(ctx.obj.close)
+
+
+once_each(cli)  # --db given twice, as a command's option
 
 
 #: The settings this run was given as options (``--db``…), not by the environment: an error
