@@ -7,6 +7,7 @@ refusal leaves every file as it was."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import unicodedata
 from functools import partial
@@ -753,3 +754,37 @@ def test_replace_durably__two_threads_replacing_one_file_each_write_it_whole(tmp
         t.join(60)
     assert not errors and target.read_bytes() in bodies
     assert [p.name for p in tmp_path.iterdir()] == ["a.spool"]  # no temporary file left
+
+
+def test_execute__a_call_whose_effect_did_not_land_exits_1(world, monkeypatch, capsys, sqlite_url):
+    """``execute`` of a call whose write was kept aside (its target became a directory
+    between the commit and the landing) exited 0, its receipt saying ``succeeded`` and
+    ``bytes_written``: a script took the file for written (a cold review of the CLI). The
+    call ended, flagged ``not_landed``: its JSON on stdout as ever, exit 1, one error line."""
+    sb, _, mine = world
+    cli = partial(run_cli, capsys, "--db", sqlite_url, "--sandbox", str(sb.root), "--json")
+    call = ["--scope", "me", "--tool-call-id", "c-aside"]
+    args = '{"path": "plain.txt", "content": "aside"}'
+    code, _, err = cli(
+        "submit", *call, "--tool", "write_file", "--args", args, "--approved-by", "al"
+    )
+    assert code == 0, err
+    publish = Effects.publish
+
+    def plant_then_publish(self: Effects, *a: Any) -> Any:
+        (mine / "plain.txt").unlink()
+        (mine / "plain.txt").mkdir()
+        return publish(self, *a)
+
+    monkeypatch.setattr(Effects, "publish", plant_then_publish)
+    code, out, err = cli("execute", *call)
+    assert code == 1, err
+    data = json.loads(out)
+    assert (data["status"], data["review"], data["landing"]["refused"]) == (
+        "succeeded",
+        "not_landed",
+        1,
+    )
+    lines = [json.loads(line) for line in err.splitlines()]
+    assert lines[-1]["exit_code"] == 1 and "did not land" in lines[-1]["error"], err
+    assert (mine / "plain.txt").is_dir()

@@ -71,6 +71,13 @@ def execute(c: Context, scope: str, tool_call_id: str) -> None:
             EXIT_FAILURE,
             c.json,
         )
+    if data.get("review") == "not_landed":  # its receipt says done, the sandbox does not
+        # (a cold review: exit 0 let a script take the file for written)
+        fail(
+            _NOT_ON_RECORD["not_landed"].format(call=f"{scope}/{tool_call_id}"),
+            EXIT_FAILURE,
+            c.json,
+        )
 
 
 #: What ``execute`` says on stderr (exit 1) of a call whose end is not on record.
@@ -82,6 +89,10 @@ _NOT_ON_RECORD = {
     "unkept": (
         "{call} ran, but neither the ledger nor the disk could take its outcome (full?): it "
         "is lost, and the sweep will find the call unknown, its effect possibly applied"
+    ),
+    "not_landed": (
+        "{call} ended, but its effect did not land (kept aside): the call is flagged "
+        "not_landed for a person (toolledger show; resolve --review)"
     ),
     "unsure": (
         "{call}: whether its claim was recorded could not be learned (the ledger out of "
