@@ -279,3 +279,17 @@ def test_review__confirming_not_landed_leaves_a_flag_raised_on_another_execution
     assert ledger.get(scope, "c1").operation.review is None
     assert ledger.reviewed_not_landed([second.execution_id]) == {"k2"}
     assert ledger.verify().ok
+
+
+def test_resolve__review_of_an_unknown_call_not_flagged_warns_of_no_flag(cli, ledger, scope):
+    """``resolve --review`` of an unknown execution whose call is flagged for nothing is a
+    resolution; it warned that the review "settles every flag waiting on this execution,
+    including any raised after you looked", of a call no flag waited on (a cold review of the
+    CLI). Resolved, exit 0, and no such warning, in the JSON or on stderr."""
+    eid = unknown_call(ledger, scope)
+    argv = ["resolve", "--execution-id", eid, "--as", "succeeded", "--by", "dana"]
+    code, out, err = cli(*argv, "--evidence", "one line in a.txt", "--review", "--json")
+    assert code == 0 and err == "", err
+    data = json.loads(out)
+    assert data["status"] == "succeeded" and "warning" not in data
+    assert ledger.get(scope, "c1").operation.review is None

@@ -22,7 +22,7 @@ from toolledger.cli.common import (
     person_option_check,
 )
 from toolledger.config import MAX_SETTING_SECONDS
-from toolledger.ledger.identity import check_scope
+from toolledger.ledger.identity import check_scope, check_text_id
 from toolledger.ledger.transitions import TERMINAL, Status
 from toolledger.recovery.humans import resolve as resolve_call
 from toolledger.recovery.humans import retry as retry_call
@@ -143,6 +143,10 @@ def resolve(
     the review is then refused if the call changed after you looked."""
     if seen is not None and not review:
         raise CliError("--seen goes with --review: it says what the review saw", EXIT_USAGE)
+    # an unknown execution is resolved, not reviewed: no flag is settled, none to warn of (it
+    # warned of flags "raised after you looked" on a call flagged for nothing: a cold review)
+    check_text_id(execution_id, "execution_id", 64)  # refused as the resolution refuses it
+    reviewing = review and c.recorded_ledger.execution(execution_id).status in TERMINAL
     out = resolve_call(
         c.recorded_ledger,
         execution_id,
@@ -152,7 +156,7 @@ def resolve(
         review=review,
         seen=seen,
     )
-    if review and seen is None:  # once it is given: a refusal stays one line on stderr
+    if reviewing and seen is None:  # once it is given: a refusal stays one line on stderr
         out["warning"] = (
             "a review without --seen settles every flag waiting on this execution, including "
             "any raised after you looked: pass --seen with show's last_seq to be refused instead"
