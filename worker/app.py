@@ -288,9 +288,25 @@ def check_sandbox_format(settings: Settings) -> None:
     effects_of(Sandbox.configured(settings)).check_format()
 
 
+def check_broker_url(url: str) -> None:
+    """ConfigError unless kombu can read ``url``: it takes the URL's query as keywords of its
+    Connection, and one it does not take (``redis://h/0?socket_timeout=5``) failed every
+    enqueue, "the sweep will re-enqueue it", the call recorded and never published, and a
+    worker's start as an internal error (a cold review). Nothing is connected."""
+    from kombu import Connection
+
+    broker.register()
+    try:
+        Connection(url)
+    except (TypeError, KeyError, ValueError) as exc:  # never the URL: it may hold a password
+        raise ConfigError(
+            f"TOOLLEDGER_BROKER: an option in its query is not one kombu takes ({exc})"
+        ) from None
+
+
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
-    broker.register()
+    check_broker_url(settings.broker)
     if settings.broker.startswith(f"{broker.ALIAS}+"):
         Path(settings.broker.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
     app = Celery(

@@ -1197,3 +1197,62 @@ def test_cli__a_global_option_given_twice_is_refused(capsys, tmp_path):
     code, out, err = run_cli(capsys, "--db", a, "--db", b, "db", "upgrade")
     assert code == 2 and out == "" and "--db given more than once" in err, err
     assert not (tmp_path / "a.db").exists() and not (tmp_path / "b.db").exists()
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=5", "foo=bar"])
+def test_cli__a_broker_url_whose_options_kombu_refuses_is_a_setting_to_mend(
+    run, ledger, scope, monkeypatch, query
+):
+    """kombu takes a broker URL's query as keywords of its Connection: one it does not take
+    failed every enqueue ("the sweep will re-enqueue it", exit 0, the call recorded and never
+    published, every sweep failing alike) and a worker's start as an "internal error" (a cold
+    review of the CLI). Refused as a setting, exit 2, nothing recorded."""
+    monkeypatch.setenv("TOOLLEDGER_BROKER", f"redis://:s3cret@127.0.0.1:6379/13?{query}")
+    before = row_counts(ledger.engine)
+    code, out, err = submit(run, scope, "c1", ARGS, "--approved-by", "ann", "--json")
+    assert code == 2 and out == "", err
+    error = json.loads(err)["error"]
+    assert error.startswith("TOOLLEDGER_BROKER: ") and "s3cret" not in error, error
+    assert row_counts(ledger.engine) == before
+
+
+CHATTY_TOOLS = '''
+from pydantic import BaseModel
+from toolledger.tools import tool
+
+class To(BaseModel):
+    to: str
+
+@tool(idempotent=False)
+def chatty(args: To, ctx) -> dict:
+    """Prints while it runs."""
+    print("hello from the tool")
+    return {"ok": args.to}
+
+@tool(read_only=True)
+def chatty_read(args: To, ctx) -> dict:
+    """Prints while it reads."""
+    print("reading")
+    return {"read": args.to}
+'''
+
+
+def test_cli__a_tools_print_never_reaches_the_answer_on_stdout(run, scope, tmp_path, monkeypatch):
+    """A tool's print() went to stdout before the answer: ``execute --json`` and a read-only
+    ``submit --json`` printed "hello from the tool" and then the JSON, which no script could
+    parse (a cold review of the CLI). It goes to stderr; stdout is the answer alone."""
+    (tmp_path / "chatty_cli_tools.py").write_text(CHATTY_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "chatty_cli_tools")
+    monkeypatch.setenv("TOOLLEDGER_SANDBOX", str(tmp_path / "sandbox"))
+    call = ["--scope", scope, "--tool-call-id", "c1"]
+    code, out, err = run("submit", *call, "--tool", "chatty", "--args", '{"to": "x"}',
+                         "--approved-by", "ann", "--json")  # fmt: skip
+    assert code == 0, err
+    code, out, err = run("execute", *call, "--json")
+    assert code == 0 and json.loads(out)["status"] == "succeeded", out
+    assert "hello from the tool" in err
+    code, out, err = run("submit", "--scope", scope, "--tool-call-id", "r1", "--tool",
+                         "chatty_read", "--args", '{"to": "y"}', "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["result"] == {"read": "y"}, out
+    assert "reading" in err

@@ -59,6 +59,8 @@ def submit(
     # before any write; with no ledger's file yet there is no earlier call to replay, and a
     # refused call must not make one (exit 6 says nothing was recorded: a cold review)
     fresh = c.missing_ledger() is not None
+    if approved_by is not None:
+        c.check_broker()  # it will be enqueued: a broker URL no enqueue can use is refused now
     call = c.submitter.prepare(scope, tool_call_id, tool, args, key, replay=not fresh)
     out = c.submitter.submit(call, approved_by=approved_by, reason=reason)
     c.emit(out, _human_submit)
@@ -92,6 +94,8 @@ def _decision(name: str, approve: bool) -> click.Command:
     @pass_ctx
     def command(c: Context, scope: str, tool_call_id: str, by: str, reason: str | None) -> None:
         c.require_ledger()
+        if approve:
+            c.check_broker()
         out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
         out["outcome"] = "decided"
         c.emit(out, _human_submit)

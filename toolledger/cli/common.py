@@ -11,6 +11,7 @@ settings or the worker; those are imported where they are first used.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -175,6 +176,13 @@ class Context:
             log_as_warning_lines()
         return Submitter(self.settings, ledger=lambda: self.ledger)
 
+    def check_broker(self) -> None:
+        """ConfigError (exit 2) for a broker URL kombu cannot read, before a command that will
+        enqueue records anything (``worker.app.check_broker_url``). Loads kombu: only then."""
+        from toolledger.worker.app import check_broker_url
+
+        check_broker_url(self.settings.broker)
+
     def warn(self, message: str) -> None:
         """A warning of the command's own, one line on stderr: ``toolledger: warning: …``,
         ``{"warning": …}`` under ``--json``. Never on stdout, which is the command's answer."""
@@ -192,9 +200,10 @@ class Context:
 
     def emit(self, data: Any, human: Callable[[Any], str] | None = None) -> None:
         if self.json or human is None:
-            click.echo(json.dumps(data, ensure_ascii=False, indent=2, default=str))
+            text = json.dumps(data, ensure_ascii=False, indent=2, default=str)
         else:
-            click.echo(human(data))
+            text = human(data)
+        click.echo(text, file=answer_stream())
 
 
 def log_as_warning_lines() -> None:
@@ -258,9 +267,40 @@ def pass_ctx(f: F) -> F:
     @functools.wraps(f)
     def with_context(*args: Any, **kwargs: Any) -> Any:
         ctx = click.get_current_context()
-        return ctx.invoke(f, context_of(ctx), *args, **kwargs)
+        c = context_of(ctx)
+        if _command_of(ctx) in ANSWERS_ON_STDOUT_ONLY:
+            return ctx.invoke(f, c, *args, **kwargs)
+        # a tool's or a tools module's print() (run by execute, a read-only submit, a
+        # reconciler) went to stdout before the answer, and --json's stdout was no JSON (a
+        # cold review of the CLI): while the command runs, stdout is stderr, the answer not
+        _answer.append(sys.stdout)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                return ctx.invoke(f, c, *args, **kwargs)
+        finally:
+            _answer.pop()
 
     return with_context  # type: ignore[return-value]
+
+
+#: The commands whose stdout is not an answer but a stream of their own (MCP's protocol, a
+#: worker's banner, the showcase's story): a print() there is left where it goes.
+ANSWERS_ON_STDOUT_ONLY = frozenset({"worker", "beat", "serve", "mcp", "demo", "chaos", "bench"})
+#: Where a command's answer is written (the stdout it was started with), innermost last.
+_answer: list[Any] = []
+
+
+def answer_stream() -> Any:
+    """The stream a command's answer goes to: stdout, even while the command's own run has
+    ``sys.stdout`` sent to stderr (``pass_ctx``)."""
+    return _answer[-1] if _answer else sys.stdout
+
+
+def _command_of(ctx: click.Context) -> str | None:
+    """The name of the top-level command ``ctx`` runs under (``mcp`` for ``mcp serve``)."""
+    while ctx.parent is not None and ctx.parent.parent is not None:
+        ctx = ctx.parent
+    return ctx.info_name
 
 
 def parse_json_object(raw: str, what: str, limit: int) -> dict[str, Any]:

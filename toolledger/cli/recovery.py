@@ -16,6 +16,7 @@ from toolledger.cli.common import (
     CliError,
     Context,
     Seconds,
+    answer_stream,
     call_options,
     json_option,
     pass_ctx,
@@ -200,6 +201,7 @@ def retry(
     Refused, exit 5, while a flag waits on the call (list --review): review it first
     (resolve --review)."""
     c.require_ledger()
+    c.check_broker()
     sub = c.submitter
     out = retry_call(
         sub.ledger,
@@ -249,7 +251,7 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
         report = repair_transcript(
             read_transcript(transcript), c.recorded_ledger, scope, fmt, name=str(transcript)
         )
-        click.echo(report.text.encode("utf-8"), nl=False)
+        click.echo(report.text.encode("utf-8"), nl=False, file=answer_stream())
         if c.json:  # stdout is the transcript's: the summary a script asked for goes to stderr
             data = {"transcript": str(transcript), "out": "-", **report.to_json()}
             click.echo(json.dumps(data, ensure_ascii=False, default=str), err=True)
