@@ -601,11 +601,13 @@ def _failpoints(value: Any) -> str:
 
 
 def _path(value: Any) -> Path:
+    """A path, its leading ``~`` expanded: a shell leaves it as written in ``--sandbox=~/sb``,
+    a compose or systemd environment file, and a folder named ``~`` was made (a cold review)."""
     if isinstance(value, Path):
-        return value
+        return value.expanduser()
     if not isinstance(value, str):
         raise ValueError("Input should be a valid path")
-    return Path(value)
+    return Path(value).expanduser()
 
 
 def _number(value: Any) -> float:

@@ -601,3 +601,11 @@ def test_settings__a_sqlite_url_under_the_home_directory_is_expanded(tmp_path, s
     assert s.db == f"{scheme}:///{home}/x.db?timeout=3"
     assert s.broker == f"embedded+sqlite:///{home}/b.db"
     assert Settings.from_env({"TOOLLEDGER_DB": "postgresql://u@h/~x"}).db == "postgresql://u@h/~x"
+
+
+def test_settings__a_home_or_sandbox_under_the_home_directory_is_expanded():
+    """``TOOLLEDGER_SANDBOX=~/sb`` from an environment file (no shell expands it there) made a
+    folder named ``~`` in the working directory (a cold review of the CLI)."""
+    s = Settings.from_env({"TOOLLEDGER_HOME": "~/tl", "TOOLLEDGER_SANDBOX": "~/sb"})
+    assert (s.home, s.sandbox) == (Path.home() / "tl", Path.home() / "sb")
+    assert s.db == f"sqlite:///{Path.home() / 'tl' / 'ledger.db'}"
