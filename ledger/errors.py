@@ -92,6 +92,17 @@ class InvalidTransition(StateError):
         super().__init__(f"cannot go from {old or 'nothing'} to {new}{where}")
 
 
+class StaleAttempt(InvalidTransition):
+    """A decision taken on an attempt that is no longer the call's last: look again."""
+
+    def __init__(self, old: str, what: str) -> None:
+        super().__init__(old, "approved")
+        # "cannot go from unknown to approved" said a retry of an unknown call was never
+        # allowed, where it was refused only for being decided on an older attempt (a cold
+        # review of the CLI): the message says that alone
+        self.args = (what,)
+
+
 class StaleFence(StateError):
     """The row is no longer this executor's: its status or lease token changed."""
 

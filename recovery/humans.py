@@ -7,7 +7,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from toolledger.ledger.errors import InvalidTransition, NotFound, StateError
+from toolledger.ledger.errors import InvalidTransition, NotFound, StaleAttempt, StateError
 from toolledger.ledger.identity import PROXIED_PREFIX
 from toolledger.ledger.ledger import Ledger, flagged_retry
 from toolledger.ledger.transitions import RETRYABLE, Status
@@ -93,11 +93,10 @@ def retry(
         # against ``authorized_attempts``, a page read before attempts 2 and 3 existed was taken
         # as current once a withdrawal made attempt 1 current again (a cold review)
         if attempt is not None and attempt != view.last_attempt:
-            raise InvalidTransition(
+            raise StaleAttempt(
                 op.status,
-                Status.APPROVED,
                 f"a retry of {tool_call_id!r} decided on attempt {attempt}: it is attempt "
-                f"{view.last_attempt} ({op.status}) now; look again",
+                f"{view.last_attempt} ({op.status}) now; look again (toolledger show)",
             )
         if op.tool.startswith(PROXIED_PREFIX):
             raise UnknownTool(
