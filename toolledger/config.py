@@ -580,9 +580,11 @@ def _text(value: Any) -> str:
 
 
 def _url(value: Any) -> str:
-    """A URL, a SQLite file's ``~`` expanded: ``sqlite:///~/x.db`` made a folder named ``~``
-    in the working directory (a cold review); a shell leaves a ``~`` inside a URL as it is."""
-    url = _text(value)
+    """A URL, stripped, a SQLite file's ``~`` expanded: ``sqlite:///~/x.db`` made a folder
+    named ``~`` in the working directory (a cold review); a shell leaves a ``~`` in a URL."""
+    # its ends' whitespace is no part of it: "…/ledger.db\n" (a YAML block scalar) was a
+    # file of that name, another ledger than the workers' (a cold review)
+    url = _text(value).strip()
     path = _sqlite_file(url)
     if path is None or not path.startswith("~"):
         return url

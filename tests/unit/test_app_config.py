@@ -609,3 +609,16 @@ def test_settings__a_home_or_sandbox_under_the_home_directory_is_expanded():
     s = Settings.from_env({"TOOLLEDGER_HOME": "~/tl", "TOOLLEDGER_SANDBOX": "~/sb"})
     assert (s.home, s.sandbox) == (Path.home() / "tl", Path.home() / "sb")
     assert s.db == f"sqlite:///{Path.home() / 'tl' / 'ledger.db'}"
+
+
+def test_settings__a_urls_surrounding_whitespace_is_no_part_of_it(tmp_path):
+    """``TOOLLEDGER_DB`` ending in a newline (a YAML block scalar, a heredoc) made a ledger
+    file named ``"ledger.db\\n"``, another ledger than the workers' (a cold review of the
+    CLI); a ``_FILE`` secret was stripped already."""
+    env = {
+        "TOOLLEDGER_HOME": str(tmp_path),
+        "TOOLLEDGER_DB": f" sqlite:///{tmp_path}/l.db\n",
+        "TOOLLEDGER_BROKER": "redis://127.0.0.1:6379/13\n",
+    }
+    s = Settings.from_env(env)
+    assert (s.db, s.broker) == (f"sqlite:///{tmp_path}/l.db", "redis://127.0.0.1:6379/13")
