@@ -293,11 +293,11 @@ def check_broker_url(url: str) -> None:
     Connection, and one it does not take (``redis://h/0?socket_timeout=5``) failed every
     enqueue, "the sweep will re-enqueue it", the call recorded and never published, and a
     worker's start as an internal error (a cold review). Nothing is connected."""
-    from kombu import Connection
+    from kombu.connection import Connection
 
     broker.register()
     try:
-        Connection(url)
+        Connection(url)  # type: ignore[no-untyped-call]
     except (TypeError, KeyError, ValueError) as exc:  # never the URL: it may hold a password
         raise ConfigError(
             f"TOOLLEDGER_BROKER: an option in its query is not one kombu takes ({exc})"
