@@ -81,6 +81,10 @@ class SweepSummary:
     #: pass; reads of them fail ``not_settled`` and reconcilers say nothing about them
     #: meanwhile. One pass after another with some: look for that lander.
     busy: int = 0
+    #: Committed effects that could not land (their target turned unsafe: a directory, a
+    #: hard link): kept aside, their calls flagged ``not_landed`` for a person. They were in
+    #: a log line only, the summary saying nothing (a cold review of the CLI).
+    kept_aside: int = 0
     #: Tools' reconcilers that raised or outlasted the soft time limit (each also in
     #: ``errors``): their calls stay unknown for a person. Not the pass's own failure: it
     #: counts as a success.
@@ -212,6 +216,7 @@ def _sweep(
         summary.spooled_results = landing.recorded + landing.evidence
         summary.strangers = landing.strangers
         summary.busy = landing.busy
+        summary.kept_aside = landing.refused
         if landing.busy:
             log.warning(
                 "%d paths' committed bytes could not land: another lander holds their lock "

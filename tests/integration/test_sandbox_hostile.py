@@ -788,3 +788,27 @@ def test_execute__a_call_whose_effect_did_not_land_exits_1(world, monkeypatch, c
     lines = [json.loads(line) for line in err.splitlines()]
     assert lines[-1]["exit_code"] == 1 and "did not land" in lines[-1]["error"], err
     assert (mine / "plain.txt").is_dir()
+
+
+def test_sweep__counts_the_effects_it_kept_aside(submitter, world, monkeypatch):
+    """A sweep whose settle kept an effect aside (its target became a directory after the
+    commit) said so only in a log line: its JSON summary counted nothing of it, ``landed``
+    0, ``errors`` [] (a cold review of the CLI). ``kept_aside`` counts them; each call is
+    flagged ``not_landed`` as before."""
+    from toolledger.effects import Landing
+    from toolledger.recovery.sweep import sweep
+
+    sb, _, mine = world
+    monkeypatch.setattr(Effects, "publish", lambda self, *a: Landing())  # a crash: not landed
+    call, outcome = append_planted_after_commit(
+        submitter, sb, monkeypatch, "c-swept", "later\n", lambda: None
+    )
+    assert outcome.status is Status.SUCCEEDED
+    monkeypatch.undo()  # the next settle is the sweep's, landing as ever
+    (mine / "plain.txt").unlink()
+    (mine / "plain.txt").mkdir()
+    summary = sweep(
+        submitter.ledger, load_registry(), sb, grace_seconds=60, requeue_after=60, publish=None
+    )
+    assert (summary.landed, summary.to_json()["kept_aside"]) == (0, 1)
+    assert submitter.ledger.get("me", call.tool_call_id).operation.review == "not_landed"

@@ -91,6 +91,7 @@ def sweep(c: Context, grace: float | None, requeue_after: float | None, no_reque
                 "still_unknown",
                 "contradicted",
                 "landed",
+                "kept_aside",
                 "requeued",
                 "duration_s",
             )
