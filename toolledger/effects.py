@@ -55,6 +55,7 @@ Outside the sandbox nothing is fenced: a tool that calls a service must send
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -105,7 +106,8 @@ class Book(Protocol):
 
 _STAGE = re.compile(
     r"^(?P<eid>[0-9a-f-]{36})\.(?P<n>\d+)\.(?P<h>[0-9a-f]{32})\."
-    r"(?P<kind>write|append|refused|applying-(?P<offset>\d+))$"
+    r"(?P<kind>write|append|refused|applying-(?P<offset>\d+)"
+    r"|replaced-(?P<by>\d+)-(?P<was>write|append))$"
 )
 _SPOOL = re.compile(r"^(?P<eid>[0-9a-f-]{36})\.spool$")
 #: A spool's temporary file (``_replace_durably``), left by a process killed writing it.
@@ -270,12 +272,19 @@ class StageFile:
     execution_id: str
     n: int
     h: str
-    kind: str  # write | append | applying | refused
+    kind: str  # write | append | applying | refused | replaced
     offset: int = 0
+    #: a replaced effect's: the seq of the write that replaces it, and what it was staged as
+    by: int = 0
+    was: str = ""
 
     @property
     def name(self) -> str:
-        kind = f"applying-{self.offset}" if self.kind == "applying" else self.kind
+        kind = self.kind
+        if kind == "applying":
+            kind = f"applying-{self.offset}"
+        elif kind == "replaced":
+            kind = f"replaced-{self.by}-{self.was}"
         return f"{self.execution_id}.{self.n}.{self.h}.{kind}"
 
     @classmethod
@@ -283,8 +292,14 @@ class StageFile:
         m = _STAGE.match(name)
         if m is None:
             return None
+        if m["by"] is not None:
+            return cls(m["eid"], int(m["n"]), m["h"], "replaced", 0, int(m["by"]), m["was"])
         kind = "applying" if m["offset"] is not None else m["kind"]
         return cls(m["eid"], int(m["n"]), m["h"], kind, int(m["offset"] or 0))
+
+    def replaced_by(self, seq: int) -> StageFile:
+        """The name this staged write or append takes once the write of ``seq`` replaces it."""
+        return StageFile(self.execution_id, self.n, self.h, "replaced", 0, seq, self.kind)
 
 
 @dataclass
@@ -783,15 +798,50 @@ class Effects:
                 )
                 asked = sorted(set(asked) | newcomers)
                 known = self._ask(book, h, asked)
-            steps = []
+            steps, replaced = [], []
             for f in files:
-                if mine is not None and f.execution_id == own_id:
-                    st = mine[1].get(f.n)
-                    if st is not None and _names(f, mine[0].scope, st.path, st.kind):
-                        steps.append(_Step(mine[0], f, st.path, st.sha256))
+                if f.kind == "replaced":
+                    replaced.append(f)
+                elif mine is not None and f.execution_id == own_id:
+                    if step := _committed(f, mine, known):
+                        steps.append(step)
                 elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing, limit):
                     steps.append(step)
-            self._land_in_order(pfd, steps, book, landing)
+            held = self._replaced_steps(pfd, files, replaced, mine, known, landing)
+            self._land_in_order(pfd, steps, held, book, landing)
+
+    def _replaced_steps(
+        self,
+        pfd: int,
+        files: list[StageFile],
+        replaced: list[StageFile],
+        mine: tuple[Commit, dict[int, Staged]] | None,
+        known: dict[str, EffectState],
+        landing: Landing,
+    ) -> list[_Step]:
+        """The effects a write replaced, renamed ``replaced-<its seq>`` just before its rename,
+        that a crash left (``_land``). The write still staged has not landed: they go with it
+        (dropped once it lands, kept aside and flagged with it if it cannot). Its stage gone,
+        it landed (the rename takes the stage): they are dropped, never landed over it."""
+        if not replaced:
+            return []
+        writes = {
+            step.seq
+            for f in files
+            if f.kind == "write" and (step := _committed(f, mine, known)) is not None
+        }
+        held = []
+        for f in replaced:
+            step = _committed(f, mine, known)
+            if step is None:  # not this ledger's commit (cannot be: only commits are replaced)
+                landing.strangers += 1
+            elif f.by in writes:
+                held.append(step)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f.name, dir_fd=pfd)
+                    landing.discarded += 1
+        return held
 
     def unlanded_on(self, book: Book, scope: str, path: str) -> str | None:
         """Why a read of this path now would not see what the ledger says happened, or None.
@@ -911,21 +961,26 @@ class Effects:
             landing.discarded += 1
         return None
 
-    def _land_in_order(self, pfd: int, steps: list[_Step], book: Book, landing: Landing) -> None:
+    def _land_in_order(
+        self, pfd: int, steps: list[_Step], held: list[_Step], book: Book, landing: Landing
+    ) -> None:
         """Land the path's committed effects in seq order. An effect older than the newest
-        write (an older write, an append) never lands: the write replaces it. It is dropped
-        once that write is about to land (every check passed, its rename next: a crash after
-        the rename must not find an older write still staged, which would land over it). If
-        the write cannot land (its target became a directory), it is set aside and flagged,
-        and so are the older ones it would have replaced (dropped before, a cold review found
-        a succeeded append's bytes gone and its call unflagged); a write left for the next
-        settle keeps them for it."""
+        write (an older write, an append) never lands: the write replaces it. It is renamed
+        ``replaced-<seq>`` once that write is about to land (every check passed, its rename
+        next: a crash after the rename must not find an older write still staged, which would
+        land over it) and dropped once it has. If the write cannot land (its target became a
+        directory), the older ones it would have replaced are set aside and flagged, then the
+        write (dropped before, a cold review found a succeeded append's bytes gone and its call
+        unflagged); a write left for the next settle keeps them for it. ``held``: those a
+        crash left renamed for a write still staged (``_replaced_steps``)."""
         redo = [s for s in steps if s.file.kind == "applying"]  # decided before a crash
         rest = sorted((s for s in steps if s.file.kind != "applying"), key=_order)
         writes = [s for s in rest if s.file.kind == "write"]
         newest = writes[-1] if writes else None
         cut = rest.index(newest) if newest is not None else 0
-        older, todo = rest[:cut], [*redo, *rest[cut:]]
+        landing_now = {s.seq for s in writes}  # a write left for later keeps its own
+        older = [*rest[:cut], *(s for s in held if s.file.by in landing_now)]
+        todo = [*redo, *rest[cut:]]
         for i, s in enumerate(todo):
             if self._land(pfd, s, book, landing, older if s is newest else []) is None:
                 landing.left += len(todo) - i - 1  # after it, in commit order: it goes first
@@ -936,17 +991,22 @@ class Effects:
     ) -> str | None:
         """Land one effect (LANDED), or set it aside (ASIDE); None if it is left for the next
         settle (an error of a moment): then nothing newer on its path may land before it.
-        ``replaced``: the older effects a write replaces, dropped just before it lands, set
-        aside and flagged with it if it cannot."""
-        dropped = False
+        ``replaced``: the older effects a write replaces, renamed just before it lands and
+        dropped once it has, set aside and flagged before it if it cannot."""
+        current = list(replaced)  # under the names they have now
 
         def drop() -> None:
-            nonlocal dropped
-            dropped = True
-            for old in replaced:  # replaced by a newer write: its bytes never land
+            # Renamed, not removed: a crash between here and the write's rename left them
+            # gone, and a target made a folder before the next settle then flagged the write
+            # alone, a succeeded append's bytes lost unflagged (a cold review). The name says
+            # which write replaces them: the next settle finds whether it landed.
+            for i, old in enumerate(current):
+                if old.file.kind == "replaced":
+                    continue  # so named by a lander a crash cut short
+                to = old.file.replaced_by(s.seq)
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(old.file.name, dir_fd=pfd)
-                    landing.discarded += 1
+                    os.rename(old.file.name, to.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+                current[i] = dataclasses.replace(old, file=to)
 
         try:
             if s.file.kind == "write":
@@ -959,40 +1019,20 @@ class Effects:
                 log.warning("%s (the next settle finishes it)", problem)
                 landing.problems.append(problem)
                 landing.unlanded.append(problem)
-                if dropped and not isinstance(exc, _Unfinished):
-                    # dropped for a rename that then failed (ENOSPC, EIO): the next settle
-                    # lands the write, or sets it aside, without knowing what it replaced
-                    # (a cold review: a succeeded append's bytes gone, its call unflagged).
-                    # Flagged now, though the write may land then: a person confirms.
-                    why = (
-                        f"replaced by the write of seq {s.seq} on {s.path!r}, which did not "
-                        f"land when they were dropped ({exc}): it lands at a later settle or "
-                        "is set aside"
-                    )
-                    for old in replaced:
-                        self._flag_dropped(old, book, landing, why)
-                return None
-            outcome = self._set_aside(pfd, s, book, landing, str(exc))
+                return None  # what it replaces waits with it, renamed or not
+            # Those it replaces first: a crash before the write is set aside leaves it
+            # staged, and them with it, for the next settle to refuse again
             why = f"replaced by the write of seq {s.seq} on {s.path!r}, which could not land"
-            for old in replaced if outcome is not None else []:
-                if not dropped:
-                    outcome = self._set_aside(pfd, old, book, landing, why)
-                    if outcome is None:
-                        break
-                else:  # the write failed after the check (a directory made at that moment)
-                    self._flag_dropped(old, book, landing, why)
-            return outcome
+            for old in current:
+                if self._set_aside(pfd, old, book, landing, why) is None:
+                    return None
+            return self._set_aside(pfd, s, book, landing, str(exc))
+        for old in current:  # landed: what it replaced never lands
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old.file.name, dir_fd=pfd)
+                landing.discarded += 1
         landing.landed += 1
         return LANDED
-
-    def _flag_dropped(self, s: _Step, book: Book, landing: Landing, why: str) -> None:
-        detail = {"path": s.path, "n": s.file.n, "seq": s.seq, "reason": f"{why}; dropped"}
-        try:
-            book.record_not_landed(s.file.execution_id, detail)
-        except Exception as flag_exc:  # noqa: BLE001 - its bytes are gone: said in the log
-            problem = f"effect {s.file.name} on {s.path!r} dropped, not flagged: {flag_exc}"
-            log.error("%s", problem)
-            landing.problems.append(problem)
 
     def _set_aside(
         self, pfd: int, s: _Step, book: Book, landing: Landing, reason: str
@@ -1490,8 +1530,27 @@ def _status(value: str | None) -> Status | None:
 def _names(f: StageFile, scope: str, path: str, kind: str) -> bool:
     """Whether a committed effect (its path and kind) is the one staged as ``f`` (same
     number): a stage file left by a stage that failed is never taken for another effect."""
-    staged_kind = "append" if f.kind == "applying" else f.kind
+    staged_kind = {"applying": "append", "replaced": f.was}.get(f.kind, f.kind)
     return staged_kind == kind and path_hash(scope, path) == f.h
+
+
+def _committed(
+    f: StageFile, mine: tuple[Commit, dict[int, Staged]] | None, known: dict[str, EffectState]
+) -> _Step | None:
+    """``f`` as the step of its execution's own commit (this lander's, or one the ledger
+    says succeeded), or None if its execution did not commit it."""
+    if mine is not None and f.execution_id == mine[0].execution_id:
+        st = mine[1].get(f.n)
+        if st is not None and _names(f, mine[0].scope, st.path, st.kind):
+            return _Step(mine[0], f, st.path, st.sha256)
+        return None
+    state = known.get(f.execution_id)
+    if state is None or not state.own_success or f.n >= len(state.effects):
+        return None
+    effect = state.effects[f.n]
+    if not _names(f, state.scope, effect["path"], effect["kind"]):
+        return None
+    return _Step(Commit.of(state), f, effect["path"], effect["sha256"])
 
 
 def _is_running(state: EffectState | None) -> bool:

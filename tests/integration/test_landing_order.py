@@ -8,6 +8,7 @@ appends)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -206,34 +207,50 @@ def test_order__a_write_refused_after_its_check_flags_the_effects_it_replaced(
     tmp_path, monkeypatch
 ):
     # the folder made between the write's check and its rename: the older effects were
-    # dropped already (so that a crash after the rename cannot land them); their calls are
-    # flagged all the same
+    # renamed aside already (so that a crash after the rename cannot land them); their calls
+    # are flagged all the same, and their bytes kept (until 2026-12-07 they were gone)
     sb, staged, book = _append_then_write(tmp_path)
     _rename_to_path_fails(monkeypatch, IsADirectoryError(21, "Is a directory"))
     landing = effects_of(sb).settle(book)
-    assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 1)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 2)
     assert sorted(book.flags) == sorted(e for e, _ in staged)
-    assert "dropped" in book.flags[staged[0][0]][0]["reason"]
+    assert "replaced by the write of seq 2" in book.flags[staged[0][0]][0]["reason"]
+    kept = sorted(p.read_bytes() for p in effects_of(sb).pending_dir.iterdir())
+    assert kept == [b"A\n", b"W\n"]
 
 
-def test_order__a_write_whose_rename_fails_for_a_moment_flags_the_effects_it_dropped(
+def test_order__a_write_whose_rename_fails_for_a_moment_keeps_the_effects_it_replaces(
     tmp_path, monkeypatch
 ):
-    # a cold review of the day's diff: the older effects dropped, the write's rename then
+    # a cold review of 2026-12-06's diff: the older effects dropped, the write's rename then
     # failed with an error of a moment (ENOSPC): it was left for the next settle, which knew
     # nothing of what it replaced; once its target was a folder only the write was flagged,
-    # the succeeded append's bytes gone and its call unflagged. Flagged at the failure now.
+    # the succeeded append's bytes gone and its call unflagged. Flagged at the failure then
+    # (though the write might land later); kept, renamed for the write, since 2026-12-07:
+    # the next settle knows what the write replaces, and flags it only if it cannot land
     sb, staged, book = _append_then_write(tmp_path)
     real = _rename_to_path_fails(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     landing = effects_of(sb).settle(book)
-    assert (landing.landed, landing.discarded, landing.refused) == (0, 1, 0)
-    assert list(book.flags) == [staged[0][0]]  # the append's call; the write waits
-    assert "did not land" in book.flags[staged[0][0]][0]["reason"]
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 0)
+    assert not book.flags
     monkeypatch.setattr(os, "rename", real)
     (tmp_path / "sb" / SCOPE / PATH).mkdir()  # then its target is a folder
     later = effects_of(sb).settle(book)
-    assert (later.landed, later.refused) == (0, 1)
+    assert (later.landed, later.refused) == (0, 2)
     assert sorted(book.flags) == sorted(e for e, _ in staged)  # both calls told
+
+
+def test_order__a_write_left_for_a_moment_then_landed_drops_what_it_replaced_unflagged(
+    tmp_path, monkeypatch
+):
+    sb, _staged, book = _append_then_write(tmp_path)
+    real = _rename_to_path_fails(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    effects_of(sb).settle(book)
+    monkeypatch.setattr(os, "rename", real)
+    later = effects_of(sb).settle(book)
+    assert (later.landed, later.discarded, later.refused) == (1, 1, 0)
+    assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"W\n"
+    assert not book.flags and not any(effects_of(sb).pending_dir.iterdir())
 
 
 def test_pending_on__counts_the_bytes_of_executions_running_or_committed_only(tmp_path):
@@ -264,3 +281,59 @@ def test_pending_on__counts_the_bytes_of_executions_running_or_committed_only(tm
     assert effects.pending_on(SCOPE, PATH, away)
     assert effects.pending_on(SCOPE, PATH)  # no ledger to ask: every staged byte counts
     assert not effects.pending_on(SCOPE, "other.txt", away)
+
+
+class Killed(BaseException):
+    """The lander's process killed where this is raised (nothing of it runs on)."""
+
+
+def test_order__a_crash_between_the_drop_and_the_rename_keeps_what_the_write_replaced(
+    tmp_path, monkeypatch
+):
+    # Given an append, then a write, committed on PATH, whose lander is killed after it
+    # dropped the append (replaced by the write) and before the write's rename (a cold
+    # review: SIGKILLed there, the append's stage was gone; the target made a folder before
+    # the next settle, only the write was flagged: the succeeded append's bytes were lost
+    # and its call unflagged, verify ok)
+    sb, staged, book = _append_then_write(tmp_path)
+    real = os.rename
+
+    def killed(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == PATH:
+            raise Killed
+        real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", killed)
+    with contextlib.suppress(Killed):
+        effects_of(sb).settle(book)
+    monkeypatch.setattr(os, "rename", real)
+    # When the target is a folder at the next settle
+    (tmp_path / "sb" / SCOPE / PATH).mkdir()
+    landing = effects_of(sb).settle(book)
+    # Then both calls are flagged and both effects' bytes kept aside, for a person
+    assert (landing.landed, landing.refused) == (0, 2)
+    assert sorted(book.flags) == sorted(e for e, _ in staged)
+    assert "replaced by the write of seq 2" in book.flags[staged[0][0]][0]["reason"]
+    kept = sorted(p.read_bytes() for p in effects_of(sb).pending_dir.iterdir())
+    assert kept == [b"A\n", b"W\n"]
+
+
+def test_order__a_crash_after_the_rename_never_lands_what_the_write_replaced(tmp_path, monkeypatch):
+    # Given the same, killed just after the write's rename (the append dropped before it)
+    sb, _staged, book = _append_then_write(tmp_path)
+    real = os.rename
+
+    def killed_after(src: Any, dst: Any, **kw: Any) -> None:
+        real(src, dst, **kw)
+        if dst == PATH:
+            raise Killed
+
+    monkeypatch.setattr(os, "rename", killed_after)
+    with contextlib.suppress(Killed):
+        effects_of(sb).settle(book)
+    monkeypatch.setattr(os, "rename", real)
+    # When the next settle runs, Then the append never lands over the write, nothing is left
+    landing = effects_of(sb).settle(book)
+    assert landing.landed == 0 and not book.flags
+    assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"W\n"
+    assert not any(effects_of(sb).pending_dir.iterdir())
