@@ -299,7 +299,8 @@ class StageFile:
 
     def replaced_by(self, seq: int) -> StageFile:
         """The name this staged write or append takes once the write of ``seq`` replaces it."""
-        return StageFile(self.execution_id, self.n, self.h, "replaced", 0, seq, self.kind)
+        was = self.was if self.kind == "replaced" else self.kind
+        return StageFile(self.execution_id, self.n, self.h, "replaced", 0, seq, was)
 
 
 @dataclass
@@ -1001,8 +1002,10 @@ class Effects:
             # alone, a succeeded append's bytes lost unflagged (a cold review). The name says
             # which write replaces them: the next settle finds whether it landed.
             for i, old in enumerate(current):
-                if old.file.kind == "replaced":
+                if old.file.kind == "replaced" and old.file.by == s.seq:
                     continue  # so named by a lander a crash cut short
+                # (named for an older write this one replaces too, a crash cut short: named
+                # for this one now, or that write's own renaming would leave them for dropped)
                 to = old.file.replaced_by(s.seq)
                 with contextlib.suppress(FileNotFoundError):
                     os.rename(old.file.name, to.name, src_dir_fd=pfd, dst_dir_fd=pfd)

@@ -337,3 +337,34 @@ def test_order__a_crash_after_the_rename_never_lands_what_the_write_replaced(tmp
     assert landing.landed == 0 and not book.flags
     assert (tmp_path / "sb" / SCOPE / PATH).read_bytes() == b"W\n"
     assert not any(effects_of(sb).pending_dir.iterdir())
+
+
+def test_order__two_crashes_before_two_writes_keep_what_both_replaced(tmp_path, monkeypatch):
+    # Given an append and a write committed on PATH, a lander killed between the drop and the
+    # rename (the append renamed for the write of seq 2), then a newer write (seq 3) and a
+    # lander killed there too (the older write renamed for it)
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W1\n")]
+    real = os.rename
+
+    def killed(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == PATH:
+            raise Killed
+        real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", killed)
+    with contextlib.suppress(Killed):
+        effects_of(sb).settle(FlaggingBook(staged))
+    staged.append(_stage_as(sb, "write", b"W2\n"))
+    book = FlaggingBook(staged)
+    with contextlib.suppress(Killed):
+        effects_of(sb).settle(book)
+    monkeypatch.setattr(os, "rename", real)
+    # When the target is a folder at the next settle, Then all three are kept and flagged
+    (tmp_path / "sb" / SCOPE / PATH).mkdir()
+    landing = effects_of(sb).settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 3)
+    assert sorted(book.flags) == sorted(e for e, _ in staged)
+    kept = sorted(p.read_bytes() for p in effects_of(sb).pending_dir.iterdir())
+    assert kept == [b"A\n", b"W1\n", b"W2\n"]
