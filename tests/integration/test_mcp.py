@@ -532,9 +532,11 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
         host.send(close=True)
         host.proc.wait(60)
     errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
+    # a request whose id can be read is answered under it (JSON-RPC 2.0 §5: null only when
+    # it cannot): its method no string, id 5
     assert (
         errors
-        == [(None, -32700), (None, -32600), (None, -32700), (None, -32700)] + [(None, -32600)] * 3
+        == [(None, -32700), (5, -32600), (None, -32700), (None, -32700)] + [(None, -32600)] * 3
     ), replies
     said = [r["error"]["message"] for r in replies if r and "error" in r]
     assert said[2] == "Parse error: duplicate key 'name' in one object", said
@@ -544,6 +546,42 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
         for kind in ("float", "bool", "NoneType")
     ], said
     assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_batches_and_refused_requests__answered_under_their_own_ids_nothing_run(
+    world: Stack, command: str
+) -> None:
+    """A JSON-RPC batch (MCP removed them in 2025-06-18; the SDK reads none) gets one -32600
+    for each request in it, under that request's id; a request the SDK refuses whose id can
+    be read (an escaped lone surrogate, nested past the SDK's depth) is answered under its id.
+    Each was one error with id null: the host never heard about its requests and waited on
+    them for ever (a cold review). Nothing in a batch runs; the session goes on."""
+    scope = scope_of("batch")
+    call = {"jsonrpc": "2.0", "id": "c", "method": "tools/call", "params": {
+        "name": "charge" if command == "proxy" else "write_file",
+        "arguments": {"amount": 1} if command == "proxy" else {"path": "b.txt", "content": "x"},
+        "_meta": {ID: "batched", SCOPE: scope}}}  # fmt: skip
+    lines = [
+        HELLO,
+        INITIALIZED,
+        json.dumps([{"jsonrpc": "2.0", "id": 7, "method": "ping"}, call, json.loads(INITIALIZED)]),
+        json.dumps([json.loads(INITIALIZED)]),  # notifications alone: one error, id null
+        '{"jsonrpc":"2.0","id":8,"method":"ping","params":{"a":"\\udcff"}}',
+        '{"jsonrpc":"2.0","id":9,"method":"ping","params":' + "[" * 300 + "]" * 300 + "}",
+        '{"jsonrpc":"2.0","id":2,"method":"ping"}',
+    ]
+    argv = ["serve"] if command == "serve" else proxy_argv()
+    with raw_host(world, argv, kill_after=60) as host:
+        host.send(*lines)
+        replies = [host.reply() for _ in range(7)]
+        host.send(close=True)
+        host.proc.wait(60)
+    errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
+    assert errors == [(7, -32600), ("c", -32600), (None, -32600), (8, -32700), (9, -32700)], replies
+    assert "batch is not supported" in replies[1]["error"]["message"], replies
+    assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies
+    assert world.ledger().list_calls(scope=scope) == []  # nothing in the batch ran
 
 
 @pytest.mark.parametrize("command", ["serve", "proxy"])

@@ -190,6 +190,11 @@ def log_to_stderr(level: int = logging.WARNING) -> None:
 _REFUSED = "\x00toolledger-refused: "
 #: The same, for JSON that is no request: answered -32600, "Invalid Request".
 _INVALID = "\x00toolledger-invalid: "
+#: The same, for a batch (a JSON array), then the ids of its requests as a JSON array: MCP
+#: dropped JSON-RPC batches (2025-06-18) and the SDK reads none, so each request of one is
+#: refused -32600 under its own id (it was one error, id null: the host never heard about its
+#: requests, and waited on each of them for ever).
+_BATCH = "\x00toolledger-batch: "
 
 
 class _DuplicateKey(ValueError):
@@ -221,12 +226,37 @@ def screened(raw: bytes) -> str:
         return f"{_REFUSED}duplicate key {one_line(str(exc.args[0]))[:200]!r} in one object\n"
     except (ValueError, RecursionError):
         return text  # not JSON: the SDK says so
+    if isinstance(message, list) and message:  # ``[]`` is the SDK's -32600, id null
+        ids = [m["id"] for m in message if _a_request(m)]
+        return f"{_BATCH}{json.dumps(ids)}\n"
     request = isinstance(message, dict) and "method" in message  # not a response of the host's
     if request and "id" in message and not _an_id(message["id"]):
         # the SDK read it as a notification and nobody answered: the host waited for ever
         kind = type(message["id"]).__name__
         return f"{_INVALID}an id is a string or an integer, not {kind}\n"
     return text
+
+
+def _a_request(message: Any) -> bool:
+    """Whether ``message`` (parsed JSON) is a request a host waits on: a method, an id."""
+    return isinstance(message, dict) and "method" in message and _an_id(message.get("id"))
+
+
+def _request_id(errors: list[Any]) -> types.RequestId | None:
+    """The id of the request the SDK refused, if the line it read is one (JSON-RPC 2.0 §5:
+    null only when the id cannot be read): a request with an escaped lone surrogate, nested
+    past the SDK's depth, or with a member of the wrong type was answered id null, and the
+    host never heard about its own id (a cold review). Read on this path only."""
+    # the line itself: the text the SDK could not parse, else the object nearest the top (a
+    # string or an object within its params is no line: its id would name another request)
+    for error in sorted(errors, key=lambda e: len(e.get("loc", ()))):
+        line = error.get("input")
+        if error.get("type") == "json_invalid" and isinstance(line, str):
+            with contextlib.suppress(ValueError, RecursionError):
+                line = json.loads(line)
+        if _a_request(line):
+            return line["id"]  # type: ignore[no-any-return]
+    return None
 
 
 def _an_id(value: Any) -> bool:
@@ -446,6 +476,12 @@ async def answering_malformed(
                     else (types.INVALID_REQUEST, "Invalid Request")
                 )
                 line = errors[0].get("input") if errors else None
+                if isinstance(line, str) and line.startswith(_BATCH):
+                    ids = json.loads(line.removeprefix(_BATCH))
+                    log.warning("a batch from the host refused: %d requests", len(ids))
+                    for refused in ids or [None]:  # its notifications alone: once, id null
+                        await write.send(_batch_refused(refused))
+                    continue
                 if isinstance(line, str) and line.startswith(_REFUSED):
                     text = f"{text}: {line.removeprefix(_REFUSED).strip()}"
                 elif isinstance(line, str) and line.startswith(_INVALID):
@@ -453,8 +489,9 @@ async def answering_malformed(
                     text = f"Invalid Request: {line.removeprefix(_INVALID).strip()}"
                 log.warning("a line from the host is no JSON-RPC message: %s", text)
                 error = types.ErrorData(code=code, message=text)
+                refused = _request_id(errors)
                 await write.send(
-                    SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=error))
+                    SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=refused, error=error))
                 )
 
     async with anyio.create_task_group() as pumping:
@@ -463,6 +500,18 @@ async def answering_malformed(
             yield receive
         finally:
             pumping.cancel_scope.cancel()
+
+
+def _batch_refused(request_id: types.RequestId | None) -> SessionMessage:
+    """The answer to each request of a batch: refused, nothing run (none was recorded)."""
+    error = types.ErrorData(
+        code=types.INVALID_REQUEST,
+        message=(
+            "Invalid Request: a JSON-RPC batch is not supported (MCP removed batching in "
+            "2025-06-18): nothing in it was run; send each message on a line of its own"
+        ),
+    )
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
 
 
 def _initialized_already(request_id: types.RequestId) -> SessionMessage:
