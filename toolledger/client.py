@@ -449,6 +449,12 @@ class Client:
     def ledger(self) -> Ledger:
         return self._submitter.ledger
 
+    def warm(self) -> None:
+        """Import now what the first submit's publish would import between its call's commit
+        and its publish (``Submitter.warm``): for a process that submits at once when asked,
+        and may be killed then (``mcp serve``)."""
+        self._submitter.warm()
+
     def close(self) -> None:
         self.notifier.close()
         self._submitter.close()

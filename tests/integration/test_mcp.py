@@ -1586,6 +1586,67 @@ def test_serve__a_stop_signal_ends_it_while_the_host_reads_none_of_its_output(
     assert code in exit_codes, (code, took)  # as with its stdout read
 
 
+#: ``mcp serve`` whose publishes each write (to the file ``argv[1]``) the Celery, kombu and
+#: amqp modules imported while they ran.
+_COUNTING_SERVE = """
+import json, sys
+from toolledger.worker import submit
+enqueue, out = submit.Submitter.enqueue, sys.argv[1]
+def counted(self, *args, **kwargs):
+    before = set(sys.modules)
+    try:
+        return enqueue(self, *args, **kwargs)
+    finally:
+        new = [m for m in set(sys.modules) - before if m.split(".")[0] in ("celery", "kombu", "amqp")]
+        with open(out, "a") as f:
+            f.write(json.dumps(sorted(new)) + "\\n")
+submit.Submitter.enqueue = counted
+sys.argv = ["toolledger", "mcp", "serve"]
+from toolledger.entry import main
+main()
+"""
+
+
+def test_serve__the_first_calls_publish_imports_nothing_between_its_commit_and_its_send(
+    world: Stack, tmp_path: Path
+) -> None:
+    """A new ``serve``'s first call imported Celery, its amqp and events parts and the
+    broker's transport (~380 modules, 1.2-1.4 s) between its commit and its publish: a host
+    that killed the server then (11 of 12 SIGKILLs 0-0.8 s after the call) left the call
+    approved and unpublished, and a server started again within 5 s answered it "approved"
+    after its whole --timeout, the sweep publishing it 120 s later (a cold review). They are
+    imported while the host starts its session, calls waiting on them: the publish imports
+    none of them."""
+    imported = tmp_path / "imported.jsonl"
+    scope = scope_of("warm")
+    call = {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+        "name": "write_file", "arguments": {"path": "w.txt", "content": "x"},
+        "_meta": {ID: "first", SCOPE: scope}}}  # fmt: skip
+    with (world.root / "mcp-stderr.log").open("a") as errlog:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _COUNTING_SERVE, str(imported)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            env=world.env(),
+            cwd=ROOT,
+        )
+        killer = threading.Timer(90, proc.kill)
+        killer.start()
+        try:
+            host = RawHost(proc)
+            host.hello()
+            host.send(call, close=True)
+            reply = host.reply()
+            assert proc.wait(60) == 0
+        finally:
+            killer.cancel()
+            proc.kill()
+            proc.wait()
+    assert reply["result"]["_meta"]["toolledger/status"] == "succeeded", reply
+    assert [json.loads(line) for line in imported.read_text().splitlines()] == [[]]
+
+
 def test_serve__a_read_only_tool_is_bounded_by_the_timeout(world: Stack, tmp_path: Path) -> None:
     """helper-93: a read-only tool ran inline in the submit, past ``--timeout`` (an 8 s read
     answered after 8 s with --timeout 2), and held serve's exit after stdin closed. It runs

@@ -137,9 +137,10 @@ def build_server(
     approved_by: str,
     timeout: float,
     in_flight: InFlight,
+    warmed: anyio.Event | None = None,
 ) -> Server[Any]:
     """The MCP server: ``tools/list`` from ``registry``, ``tools/call`` through ``client``
-    (each counted ``in_flight`` while it is answered)."""
+    (each counted ``in_flight`` while it is answered; none submitted before ``warmed``)."""
     listed = types.ListToolsResult(tools=[mcp_tool(t) for t in registry])
 
     async def list_tools(
@@ -151,6 +152,8 @@ def build_server(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         with in_flight.one():
+            if warmed is not None:  # the first publish's imports paid before a commit
+                await warmed.wait()
             return await answer(ctx, params)
 
     async def answer(
@@ -231,6 +234,19 @@ async def serve(
     default_scope = check_scope(scope if scope is not None else f"mcp-{session}")
     client = AsyncClient(settings)
     in_flight = InFlight()
+    warmed = anyio.Event()
+
+    async def warm() -> None:
+        """``Client.warm`` while the host starts the session, calls waiting on it: the first
+        call's publish imported Celery and the broker's transport between its commit and its
+        send (1.2-1.4 s), and a server killed there left the call unpublished, a server
+        started again within 5 s waiting out its ``--timeout`` for it (a cold review). Not
+        before ``initialize``: a host's 5 s for it (the OpenAI Agents SDK's) is short enough."""
+        try:
+            await anyio.to_thread.run_sync(client.sync.warm)
+        finally:
+            warmed.set()
+
     try:
         server = build_server(
             client,
@@ -240,6 +256,7 @@ async def serve(
             approved_by=approved_by,
             timeout=timeout,
             in_flight=in_flight,
+            warmed=warmed,
         )
         # at the input's end, the calls in flight are answered before the session ends
         lines = StdinLines(in_flight)
@@ -251,7 +268,9 @@ async def serve(
             async with (
                 stdio_server(stdin, stdout) as (raw, write),
                 answering_malformed(raw, write) as read,
+                anyio.create_task_group() as warming,
             ):
+                warming.start_soon(warm)
                 await server.run(read, write, server.create_initialization_options())
     finally:
         await client.close()

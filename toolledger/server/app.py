@@ -190,18 +190,9 @@ def create_app(
 
 
 def _warm(sub: Submitter) -> None:
-    """Import, before the first request, what the first publish would import on a request's
-    thread: Celery, the broker's kombu transport and, through kombu's SQLAlchemy transport,
-    ``sqlalchemy.orm``, which other threads' statements reach meanwhile (a cold review: the
-    first decisions sent at once to a fresh server saw a half-imported ``sqlalchemy.orm`` and
-    answered 500). Nothing connects; a transport that cannot load is left to the request,
-    which reports it."""
-    import sqlalchemy.orm  # noqa: F401
-
-    try:
-        sub.app.connection_for_write().transport  # noqa: B018 - loads the transport's module
-    except Exception as exc:  # noqa: BLE001 - the first publish says what is wrong
-        log.warning("the broker's transport could not be loaded at start: %s", exc)
+    """What the first publish would import on a request's thread, imported before the first
+    request (``Submitter.warm``)."""
+    sub.warm()
 
 
 def _mount_metrics(app: FastAPI, sub: Submitter) -> None:
