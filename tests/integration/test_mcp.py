@@ -1130,6 +1130,45 @@ def test_proxy__a_recorded_call_of_a_tool_the_upstream_no_longer_lists_is_replay
     assert [c["tool"] for c in invocations(log)] == ["charge"]  # sent once, never again
 
 
+def test_proxy__a_call_never_sent_of_a_tool_no_longer_listed_is_failed_after_the_tool_wait(
+    world: Stack, tmp_path: Path
+) -> None:
+    """A proxy killed between its record of a call and its claim leaves it approved (the
+    call is recorded here as that proxy did, the window being a few milliseconds wide). If
+    the upstream no longer lists the tool, a proxy asked the call again answered "not
+    finished, approved" each time, for ever: it sends nothing it cannot list, the sweep
+    publishes no proxy's call, and no person's command takes an approved call (a cold
+    review). Within ``TOOLLEDGER_TOOL_WAIT`` of its approval it is still left (the upstream
+    may list it again); past it, the proxy asked claims it and fails it, never sent, and
+    every answer after is that receipt. Nothing is ever sent upstream."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("never-sent")
+    meta = {ID: "n1", SCOPE: scope}
+    world.ledger().submit(scope, "n1", "mcp.charge", {"amount": 5}, approved_by="mcp",
+                          actor="mcp-proxy")  # fmt: skip
+    env = {"MCP_UPSTREAM_LOG": str(log), "MCP_UPSTREAM_DROP": "charge"}
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with mcp_server(world, *proxy_argv("--timeout", "1"), **env) as s:
+            out["within"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+        async with mcp_server(
+            world, *proxy_argv("--timeout", "1"), **env, TOOLLEDGER_TOOL_WAIT="0.5"
+        ) as s:
+            out["past"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+            out["again"] = await s.call_tool("charge", {"amount": 5}, meta=meta)
+        return out
+
+    out = run_async(go)
+    assert out["within"].meta["toolledger/status"] == "approved", out["within"]
+    assert out["past"].meta["toolledger/status"] == "failed", out["past"]
+    assert out["past"].is_error
+    assert "no longer lists the tool 'charge'" in out["past"].content[0].text
+    assert out["again"] == out["past"]
+    assert world.ledger().receipt(scope, "n1").status.value == "failed"
+    assert invocations(log) == []  # never sent
+
+
 def test_proxy__the_agents_sdks_retry_of_a_call_named_by_mcp_call_meta_is_sent_once(
     world: Stack, tmp_path: Path
 ) -> None:

@@ -257,9 +257,11 @@ class Proxy:
         timeout: float,
         time_limit: float,
         grace: float = 5.0,
+        tool_wait: float = 900.0,
     ) -> None:
         self.client, self.ledger, self.upstream = client, ledger, upstream
         self.grace = grace  # past its lease, a forward's row is unknown after this (the sweep's)
+        self.tool_wait = tool_wait  # a never-sent call of a tool no more listed: failed after
         self.forwards, self.gone = forwards, gone
         self.scope, self.session, self.approved_by = scope, session, approved_by
         self.idempotent, self.lease, self.timeout = idempotent, lease, timeout
@@ -415,7 +417,50 @@ class Proxy:
             raise unknown
         if op.status is Status.RUNNING:
             await self._expire(op)
+        if op.status is Status.APPROVED and refused is None:
+            await self._never_sent(op, params.name)
         return await self._answer(ident)
+
+    async def _never_sent(self, op: OperationRecord, name: str) -> None:
+        """A call recorded and never claimed (its proxy killed between the two), of a tool the
+        upstream no longer lists: it was never sent (a proxy sends only what it claimed), and
+        it can be sent nowhere now. Past ``tool_wait`` (``TOOLLEDGER_TOOL_WAIT``, as a worker
+        that does not load a call's tool waits for one that does) from its approval, it is
+        claimed and failed, not sent: it stayed approved for ever, answered "not finished"
+        each time it was asked, out of the sweep's reach (it publishes no proxy's call) and
+        of a person's (a cold review). Sooner, the upstream may list the tool again (a
+        restart): left approved, sent by the proxy it is asked of then. Housekeeping: a
+        database failure is logged, and the answer goes on."""
+        try:
+            if self.tool_wait > 0 and await self._db(
+                self.ledger.authorised_within, op.scope, op.idempotency_key, self.tool_wait
+            ):
+                return
+            claim = await self._db(
+                self.ledger.claim,
+                op.scope,
+                op.idempotency_key,
+                op.authorized_attempts,
+                worker_id=self.worker_id,
+                lease_seconds=self.lease,
+            )
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("%s/%s: not failed: %s", op.scope, op.idempotency_key, _db_error(exc))
+            return
+        if claim is None:  # another proxy took it meanwhile: its record answers
+            return
+        said = (
+            f"not sent upstream: the upstream server no longer lists the tool {name!r}, and "
+            f"the call was never sent (its proxy stopped between recording it and sending it)"
+        )
+        log.warning("%s: %s", claim.execution_id, said)
+        with anyio.CancelScope(shield=True):  # claimed: on record before anything else
+            await self._record(
+                claim,
+                Status.FAILED,
+                {"content": [{"type": "text", "text": said}], "isError": True},
+                said,
+            )
 
     def _recorded_call(
         self, ident: CallIdentity, name: str, args: dict[str, Any]
@@ -1041,6 +1086,7 @@ async def proxy(
                                 timeout=timeout,
                                 time_limit=time_limit,
                                 grace=settings.sweep_grace,
+                                tool_wait=settings.tool_wait,
                             )
                             exited = await _serve(handlers, gone)
                 pipe.cancel_scope.cancel()
