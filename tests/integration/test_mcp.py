@@ -1169,6 +1169,56 @@ def test_proxy__a_call_never_sent_of_a_tool_no_longer_listed_is_failed_after_the
     assert invocations(log) == []  # never sent
 
 
+#: An upstream speaking JSON-RPC by hand: its one tool, ``charge``, logged to ``argv[1]`` and
+#: answered with a ``result`` of null (JSON-RPC allows any value; MCP wants an object).
+_NULL_RESULT_UPSTREAM = """
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if "id" not in message or "method" not in message:
+        continue
+    method, result = message["method"], {}
+    if method == "initialize":
+        result = {"protocolVersion": message["params"]["protocolVersion"],
+                  "capabilities": {"tools": {}}, "serverInfo": {"name": "raw", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": [{"name": "charge", "inputSchema": {"type": "object"}}]}
+    elif method == "tools/call":
+        with open(sys.argv[1], "a") as log:
+            log.write(json.dumps(message["params"]) + "\\n")
+        result = None
+    print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result}), flush=True)
+"""
+
+
+def test_proxy__an_upstream_answer_the_sdk_cannot_read_is_recorded_unknown_at_once(
+    world: Stack, tmp_path: Path
+) -> None:
+    """An upstream answered a call with ``"result": null``: the SDK's reader dropped the
+    answer, and the forward waited out ``--time-limit`` (an hour by default), its lease
+    renewed, while every ask was answered "running" (a cold review). The answer is taken
+    for an error of the request it names: the call is recorded unknown at once (the
+    upstream answered: whether it ran is not known), never sent again, and the proxy goes
+    on."""
+    log = tmp_path / "upstream.log"
+    scope = scope_of("null-result")
+    argv = ["proxy", "--timeout", "5", "--", sys.executable, "-c", _NULL_RESULT_UPSTREAM, str(log)]
+
+    async def go() -> list[Any]:
+        async with mcp_server(world, *argv) as s:
+            first = await s.call_tool("charge", {}, meta={ID: "c1", SCOPE: scope})
+            again = await s.call_tool("charge", {}, meta={ID: "c1", SCOPE: scope})
+            await s.send_ping()
+            return [first, again]
+
+    first, again = run_async(go)
+    assert first.meta["toolledger/status"] == "unknown", first
+    assert first.is_error and again == first
+    assert len(invocations(log)) == 1  # sent once
+    events = world.ledger().events(scope, "c1")
+    assert any("could not be read" in json.dumps(e.detail) for e in events), events
+
+
 def test_proxy__the_agents_sdks_retry_of_a_call_named_by_mcp_call_meta_is_sent_once(
     world: Stack, tmp_path: Path
 ) -> None:

@@ -242,21 +242,44 @@ def _a_request(message: Any) -> bool:
     return isinstance(message, dict) and "method" in message and _an_id(message.get("id"))
 
 
-def _request_id(errors: list[Any]) -> types.RequestId | None:
-    """The id of the request the SDK refused, if the line it read is one (JSON-RPC 2.0 §5:
-    null only when the id cannot be read): a request with an escaped lone surrogate, nested
-    past the SDK's depth, or with a member of the wrong type was answered id null, and the
-    host never heard about its own id (a cold review). Read on this path only."""
-    # the line itself: the text the SDK could not parse, else the object nearest the top (a
-    # string or an object within its params is no line: its id would name another request)
+def _a_response(message: Any) -> bool:
+    """Whether ``message`` (parsed JSON) answers a request: an id, a result or an error."""
+    return (
+        isinstance(message, dict)
+        and "method" not in message
+        and ("result" in message or "error" in message)
+        and _an_id(message.get("id"))
+    )
+
+
+def _refused_line(errors: list[Any]) -> Any:
+    """The line the SDK refused, as parsed JSON where it can be read: the text it could not
+    parse, else the object nearest the top (a string or an object within its params or its
+    result is no line: its id would name another request). Read on this path only."""
     for error in sorted(errors, key=lambda e: len(e.get("loc", ()))):
         line = error.get("input")
         if error.get("type") == "json_invalid" and isinstance(line, str):
             with contextlib.suppress(ValueError, RecursionError):
                 line = json.loads(line)
-        if _a_request(line):
-            return line["id"]  # type: ignore[no-any-return]
+        if isinstance(line, dict) and "id" in line:
+            return line
     return None
+
+
+def _request_id(errors: list[Any]) -> types.RequestId | None:
+    """The id of the request the SDK refused, if the line it read is one (JSON-RPC 2.0 §5:
+    null only when the id cannot be read): a request with an escaped lone surrogate, nested
+    past the SDK's depth, or with a member of the wrong type was answered id null, and the
+    host never heard about its own id (a cold review)."""
+    line = _refused_line(errors)
+    return line["id"] if _a_request(line) else None  # type: ignore[no-any-return]
+
+
+def response_id(errors: list[Any]) -> types.RequestId | None:
+    """The id of the request an answer the SDK refused (from an upstream: a ``result`` that
+    is null or no object, an escaped lone surrogate) was meant for, else None."""
+    line = _refused_line(errors)
+    return line["id"] if _a_response(line) else None  # type: ignore[no-any-return]
 
 
 def _an_id(value: Any) -> bool:

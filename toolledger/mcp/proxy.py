@@ -74,6 +74,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 
 from toolledger.client import AsyncClient, ReceiptTimeout
 from toolledger.config import ConfigError, Settings
@@ -113,6 +114,7 @@ from toolledger.mcp.common import (
     pending_result,
     receipt_meta,
     receipt_result,
+    response_id,
 )
 
 log = logging.getLogger("toolledger.mcp")
@@ -930,11 +932,30 @@ async def _relay(
         with cut:
             async with sink:
                 async for item in source:
-                    await sink.send(item)
+                    await sink.send(_unreadable_answer(item))
     except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
         pass
     finally:
         gone.set()
+
+
+def _unreadable_answer(item: SessionMessage | Exception) -> SessionMessage | Exception:
+    """An answer of the upstream's that the SDK could not read (a ``result`` that is null or
+    no object, an escaped lone surrogate) as an error for the request it names: the SDK's
+    session dropped it, and the forward waited for ``--time-limit`` (an hour by default),
+    its lease renewed, before it was recorded unknown (a cold review). The forward records
+    it unknown at once: the upstream answered, whether it ran is not known."""
+    if not isinstance(item, ValidationError):
+        return item
+    request_id = response_id(item.errors())
+    if request_id is None:  # no answer of ours to be found in it: the SDK logged it
+        return item
+    log.warning("the upstream's answer to request %s could not be read", request_id)
+    error = types.ErrorData(
+        code=types.INTERNAL_ERROR,
+        message="the upstream's answer could not be read: no JSON-RPC result or error of MCP's",
+    )
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
 
 
 #: How often the upstream's process is looked at, and how long its stdout is still read once
