@@ -272,14 +272,14 @@ def _request_id(errors: list[Any]) -> types.RequestId | None:
     past the SDK's depth, or with a member of the wrong type was answered id null, and the
     host never heard about its own id (a cold review)."""
     line = _refused_line(errors)
-    return line["id"] if _a_request(line) else None  # type: ignore[no-any-return]
+    return line["id"] if _a_request(line) else None
 
 
 def response_id(errors: list[Any]) -> types.RequestId | None:
     """The id of the request an answer the SDK refused (from an upstream: a ``result`` that
     is null or no object, an escaped lone surrogate) was meant for, else None."""
     line = _refused_line(errors)
-    return line["id"] if _a_response(line) else None  # type: ignore[no-any-return]
+    return line["id"] if _a_response(line) else None
 
 
 def _an_id(value: Any) -> bool:
