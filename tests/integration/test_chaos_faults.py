@@ -5,13 +5,17 @@ cause)."""
 
 from __future__ import annotations
 
+import time
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import redis
 
-from toolledger.harness.chaos.harness import ChaosRun
+from toolledger.harness.chaos.harness import ChaosConfig, ChaosRun, Fault
 
 
 def test_redis_flush__of_nothing_is_no_fault(redis_server: str) -> None:
@@ -36,3 +40,116 @@ def test_pg_crash__without_a_postmaster_is_no_fault() -> None:
     run: Any = SimpleNamespace(cluster=cluster)
     assert ChaosRun._fault_pg_crash(run) is None
     assert started == [True]  # left running, as a crash's end leaves it
+
+
+def _bare_run(tmp_path: Path, **config: Any) -> ChaosRun:
+    """A run with no world: its injector and its targeting, on faults the test makes."""
+    cfg = ChaosConfig(out=tmp_path, db="", broker="", lease_seconds=1.0, **config)
+    run = ChaosRun(cfg)
+    run.began = time.time()
+    return run
+
+
+@dataclass
+class FakeWorker:
+    name: str
+    pid: int
+    kids: list[int] = field(default_factory=list)
+    kind: str = "worker"
+    restarts: int = 0
+
+    def alive(self) -> bool:
+        return True
+
+    def children(self) -> list[int]:
+        return list(self.kids)
+
+    def log_text(self) -> str:
+        return "celery@x ready."
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        pass
+
+
+class FakePartition:
+    is_cut = False
+
+    def cut(self) -> None:
+        pass
+
+    def heal(self) -> None:
+        pass
+
+
+def test_inject__a_fault_waiting_for_work_in_flight_holds_up_no_other(tmp_path: Path) -> None:
+    """A kill due while nothing is in flight waits for work, bounded, while the faults due
+    after it go in on time: the injector waited up to 34 s for one fault's target, holding
+    every later fault, then fired the backlog at once (CI: 10 faults within 0.5 s)."""
+    run: Any = _bare_run(tmp_path, faults=2, duration=1.0)
+    run._schedule = lambda: [(0.0, "kill_main"), (0.2, "redis_flush")]
+    run._held_executions = lambda: {}  # nothing in flight on any worker
+    run._fault_kill_main = lambda: None  # and so no target
+    missed_when_flushed: list[dict[str, int]] = []
+
+    def flush() -> Fault:
+        missed_when_flushed.append(dict(run.missed))
+        return Fault(0, "redis_flush", "redis")
+
+    run._fault_redis_flush = flush
+    run._inject()
+    assert missed_when_flushed == [{}]  # in while the kill still waited
+    assert run.missed == {"kill_main": 1}  # which then gave up, counted
+    assert [f.kind for f in run.faults] == ["redis_flush"]
+
+
+def test_pick__only_a_worker_up_that_holds_work_in_flight(tmp_path: Path) -> None:
+    """A kill, a freeze or a cut strikes a worker holding a claimed execution, never one
+    frozen by a zombie (a partition and a freeze struck one worker at once) nor one that
+    holds nothing (CI's kills met no execution in flight, 0 of 3 of each kind)."""
+    for seed in range(20):
+        run: Any = _bare_run(tmp_path, seed=seed)
+        frozen, idle, busy = (
+            FakeWorker("w1", 101, [111]),
+            FakeWorker("w2", 202, [212]),
+            FakeWorker("w3", 303, [313]),
+        )
+        run.workers = [frozen, idle, busy]
+        run.partitions = {w.name: FakePartition() for w in run.workers}
+        run._paused = {"w1"}
+        run._busy = {111: "w1", 313: "w3"}  # the frozen one's execution, and w3's child's
+        fault = ChaosRun._fault_partition(run)
+        for timer in run._timers:
+            timer.cancel()
+        assert fault is not None and fault.target == "w3", (seed, fault)
+        assert ChaosRun._pick(run) is None  # w3 is cut now: nobody else holds work
+        run.partitions["w3"].is_cut = False
+        child = ChaosRun._fault_kill_child
+        run._busy = {313: "w3"}
+        with mock.patch("os.kill") as kill:
+            fault = child(run)
+        assert fault is not None and fault.pids == [313] and kill.call_args.args[0] == 313
+
+
+def test_inject__one_worker_taken_out_at_a_time(tmp_path: Path) -> None:
+    """With one of two workers frozen, a freeze, a cut or a kill of the main process waits:
+    the last worker up is not taken out (both stood frozen or cut most of CI's window)."""
+    run: Any = _bare_run(tmp_path)
+    run.workers = [FakeWorker("w1", 101, [111]), FakeWorker("w2", 202, [212])]
+    run.partitions = {w.name: FakePartition() for w in run.workers}
+    run._paused = {"w1"}
+    for kind in ("zombie", "partition", "kill_main"):
+        assert run._try_fault(kind, {212: "w2"}) is None, kind
+    run._paused = set()
+    fault = run._try_fault("partition", {212: "w2"})
+    for timer in run._timers:
+        timer.cancel()
+    assert fault is not None and fault.target == "w2"
+
+
+def test_default_faults__scale_with_the_fleet() -> None:
+    """The default density follows what the fleet can take: more workers, more faults; and
+    two of each kind at least."""
+    two = ChaosConfig(out=Path("."), db="", broker="", workers=2, duration=45)
+    four = ChaosConfig(out=Path("."), db="", broker="", workers=4, duration=45)
+    assert two.faults >= 2 * len(two.kinds)
+    assert four.faults > two.faults

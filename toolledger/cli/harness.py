@@ -52,7 +52,9 @@ def demo(c: Context) -> int:
     "--faults",
     type=click.IntRange(0),
     default=0,
-    help="External faults to inject [default: max(24, duration/2.5)].",
+    help="External faults to inject [default: as many as the fleet can take while each meets "
+    "work: about (workers - 1) * duration / (lease + 6 s) worker-disabling ones, the other "
+    "kinds in proportion, two of each kind at least].",
 )
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option(

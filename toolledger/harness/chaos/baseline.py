@@ -182,6 +182,10 @@ class BaselineRun(ChaosRun):
                 still.append((job, since))
         return still
 
+    def _held_executions(self) -> dict[int, str] | None:
+        """Unknown: plain Celery keeps no ledger, so its faults strike on schedule."""
+        return None
+
     def _fault_duplicate(self) -> Any:
         from toolledger.harness.chaos.harness import Fault
 

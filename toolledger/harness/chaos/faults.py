@@ -23,18 +23,30 @@ class FaultKind:
     lasts: str | None = None
     #: Whether it cuts executions off from the database (all of them, or its target's).
     database: bool = False
+    #: Whether it takes its worker out of the fleet while it lasts (a freeze, a cut, a main
+    #: process killed until its restart is ready): one such at a time while one is left up.
+    disables: bool = False
 
 
 KINDS: dict[str, FaultKind] = {
     k.name: k
     for k in (
-        FaultKind("kill_main", "tab:red", in_baseline=True, blames="pid"),
+        FaultKind("kill_main", "tab:red", in_baseline=True, blames="pid", disables=True),
         FaultKind("kill_child", "tab:orange", in_baseline=True, blames="pid"),
-        FaultKind("zombie", "tab:purple", in_baseline=True, blames="pid", lasts="frozen_s"),
+        FaultKind(
+            "zombie", "tab:purple", in_baseline=True, blames="pid", lasts="frozen_s", disables=True
+        ),
         FaultKind("redis_flush", "tab:brown", in_baseline=True),
         FaultKind("pg_terminate", "tab:blue", database=True),
         FaultKind("duplicate", "tab:gray", in_baseline=True),
-        FaultKind("partition", "tab:pink", blames="pid_or_host", lasts="cut_s", database=True),
+        FaultKind(
+            "partition",
+            "tab:pink",
+            blames="pid_or_host",
+            lasts="cut_s",
+            database=True,
+            disables=True,
+        ),
         FaultKind("pg_crash", "black", lasts="down_s", database=True),
     )
 }
@@ -44,5 +56,9 @@ EXTERNAL = tuple(KINDS)
 BASELINE = tuple(k.name for k in KINDS.values() if k.in_baseline)
 #: The kinds that cut executions off from the database.
 DATABASE = tuple(k.name for k in KINDS.values() if k.database)
+#: The kinds that can cut an execution off: each waits (bounded) for one in flight to strike.
+MEETS_WORK = tuple(k.name for k in KINDS.values() if k.blames or k.database)
+#: The kinds that take a worker out of the fleet while they last.
+DISABLES = tuple(k.name for k in KINDS.values() if k.disables)
 #: The timeline's colour for failpoint firings (inside the workers, not on the schedule).
 FAILPOINT_COLOUR = "tab:olive"

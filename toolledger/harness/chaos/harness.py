@@ -37,10 +37,11 @@ import sqlalchemy as sa
 from toolledger import failpoints, jsonlines
 from toolledger.harness import scratch
 from toolledger.harness.chaos import partition as partitions
-from toolledger.harness.chaos.faults import DATABASE, EXTERNAL
+from toolledger.harness.chaos.faults import DATABASE, DISABLES, EXTERNAL, MEETS_WORK
 from toolledger.harness.chaos.pgcluster import PgCluster, find_bin, free_port
 from toolledger.harness.chaos.workload import Workload, make_workload
 from toolledger.harness.processes import (
+    READY_MARKERS,
     ManagedProcess,
     beat_process,
     children_of,
@@ -89,13 +90,28 @@ class ChaosConfig:
 
     def __post_init__(self) -> None:
         if not self.faults:
-            self.faults = max(24, int(self.duration / 2.5))
+            self.faults = default_faults(self)
         slots = self.workers * self.concurrency
         rate = self.jobs / (self.duration * SUBMIT_SHARE)
         if not self.hold_ms:
             self.hold_ms = int(min(1500, max(50, 500 * slots / rate)))
         if not self.failpoint_percent:
             self.failpoint_percent = round(max(0.5, 100 * 8 / self.jobs), 2)
+
+
+def default_faults(cfg: ChaosConfig) -> int:
+    """As many faults as the fleet can take while each meets work: the kinds that take a
+    worker out (a freeze, a cut: a lease and more each; a kill until the restart) one at a
+    time while one worker is left up, so the window holds about ``(workers - 1) * duration
+    / (lease + FREEZE_PAST_LEASE)`` of them, the other kinds in proportion; two of each kind
+    at least. One every 2.5 s whatever the fleet (24 in CI's 45 s on two workers, a quarter
+    of them 14 s freezes or cuts) left both workers frozen or cut most of the window, and
+    the kills met no execution in flight (a cold review)."""
+    kinds = len(cfg.kinds) or 1
+    disabling = max(1, sum(1 for k in cfg.kinds if k in DISABLES))
+    hold = cfg.lease_seconds + FREEZE_PAST_LEASE
+    fits = (max(1, cfg.workers) - 1 or 1) * cfg.duration / hold
+    return max(2 * kinds, int(fits * kinds / disabling))
 
 
 @dataclass
@@ -196,6 +212,9 @@ class ChaosRun:
         self._stopped: dict[int, float] = {}  # pid stopped by a failpoint -> first seen
         self.woken: list[dict[str, Any]] = []  # each of them, woken after the revocation
         self._probe: sa.Engine | None = None  # reads the run's ledger for _on_record
+        #: the held executions' processes when the fault being injected was due (pid -> worker)
+        self._busy: dict[int, str] | None = {}
+        self._ready: dict[str, int] = {}  # worker -> its restarts when it was last seen ready
         #: prefork parents stopped with their child (the value: whether it was woken since)
         self._held_parents: dict[int, bool] = {}
         #: woken processes -> (the execution they stopped on, when): until it is on record
@@ -491,14 +510,6 @@ class ChaosRun:
     def _revoked(self, eid: str) -> bool:
         return self._probe_events(eid, "unknown", since=0.0)
 
-    def _let_woken_finish(self) -> None:
-        """Hold a database fault while a process woken after its revocation goes on to the
-        fence (its parent still held): it is the run's one measure of the fence, and a crash
-        or a cut at that moment ends it in a spool or a kill instead (two runs in three)."""
-        deadline = time.time() + PARENT_HOLD
-        while time.time() < deadline and self._completing:
-            time.sleep(0.1)
-
     def _stopped_on(self, pid: int) -> str | None:
         """The execution ``pid`` stopped on: its last ``stop`` firing's."""
         stops = [
@@ -566,43 +577,121 @@ class ChaosRun:
         return plan
 
     def _inject(self) -> None:
-        for n, (at, kind) in enumerate(self._schedule()):
-            time.sleep(max(0.0, self.began + at - time.time()))
-            if kind in DATABASE:  # it waits while a woken process goes on to the fence
-                self._let_woken_finish()
-            fault = getattr(self, f"_fault_{kind}")()
-            # no target right now (every worker restarting, or stopped until its woken
-            # execution meets the fence): as soon as there is one
-            deadline = time.time() + self.cfg.lease_seconds + FREEZE_PAST_LEASE + PARENT_HOLD
-            while fault is None and time.time() < deadline:
-                time.sleep(0.25)
-                fault = getattr(self, f"_fault_{kind}")()
-            if fault is not None:
-                fault.t = fault.t or time.time()
-                self.faults.append(fault)
-                jsonlines.append(self.out / "faults.log", fault.to_json(), fsync=False)
-            else:
-                self.missed[kind] += 1
-                self.progress(f"a {kind} fault found no target: not injected")
-            if n and n % max(1, self.cfg.faults // 10) == 0:
-                done = self.submitted()
-                self.progress(f"{len(self.faults)} faults, {done}/{self.cfg.jobs} jobs submitted")
+        """Each fault, once due, waits (bounded) until it can strike work in flight, without
+        holding up the faults due after it: one that waited for a target blocked the whole
+        schedule for up to 34 s and the backlog then fired at once, and kills, terminates
+        and crashes met no execution in CI (a cold review)."""
+        plan = self._schedule()
+        pending: list[tuple[float, str]] = []  # due, not yet injected: (deadline, kind)
+        wait = self.cfg.lease_seconds + FREEZE_PAST_LEASE
+        done = 0
+        while plan or pending:
+            while plan and self.began + plan[0][0] <= time.time():
+                at, kind = plan.pop(0)
+                pending.append((self.began + at + wait, kind))
+            busy = self._held_executions() if pending else None
+            # a kind struck less often first: two due at once for the one worker that may be
+            # taken out, the one whose kind has not met the fleet yet takes it
+            struck = Counter(f.kind for f in self.faults)
+            pending.sort(key=lambda p: (struck[p[1]], p[0]))
+            for item in list(pending):
+                deadline, kind = item
+                fault = self._try_fault(kind, busy)
+                if fault is not None:
+                    fault.t = fault.t or time.time()
+                    self.faults.append(fault)
+                    jsonlines.append(self.out / "faults.log", fault.to_json(), fsync=False)
+                    busy = self._held_executions()  # what is in flight in the fleet it left
+                elif time.time() >= deadline and (
+                    struck[kind] or time.time() >= self.began + self.cfg.duration + wait
+                ):
+                    # a kind not struck yet waits to the window's end and a lease more: a
+                    # threads fleet restarting after each failpoint kill had no worker up and
+                    # holding work within a lease of a kill's time, three times of three
+                    self.missed[kind] += 1
+                    up = ", ".join(w.name for w in self._up()) or "none"
+                    self.progress(
+                        f"a {kind} fault found no target: not injected (workers up: {up}; "
+                        f"processes of theirs holding an execution: {len(busy or {})})"
+                    )
+                else:
+                    continue
+                pending.remove(item)
+                done += 1
+                if done % max(1, self.cfg.faults // 10) == 0:
+                    jobs = self.submitted()
+                    self.progress(
+                        f"{len(self.faults)} faults, {jobs}/{self.cfg.jobs} jobs submitted"
+                    )
+            time.sleep(0.1)
+
+    def _try_fault(self, kind: str, busy: dict[int, str] | None) -> Fault | None:
+        """Inject ``kind`` now if it can strike work in flight, else None (it waits). ``busy``
+        None: what is in flight is not known (the baseline keeps no ledger)."""
+        if kind in DATABASE and self._completing:
+            return None  # a woken process goes on to the fence: the run's one measure of it
+        if kind in MEETS_WORK and busy is not None and not busy:
+            return None  # no execution in flight on a worker that is up: it would meet none
+        if kind in DISABLES and len(self._up()) < min(2, len(self.workers)):
+            # the last worker up is not taken out: freezes and cuts struck every worker at
+            # once and held the whole fleet most of CI's window. A worker a failpoint stopped
+            # counts as out (the run's own measure of the fence: it holds the first worker
+            # most of a short run's first 40 s), or a fault on the other stood the fleet still
+            return None
+        self._busy = busy
+        fault: Fault | None = getattr(self, f"_fault_{kind}")()
+        return fault
+
+    def _up(self) -> list[ManagedProcess]:
+        """The workers that can take work now: not taken out by a fault (``_taken_out``) nor
+        stopped by a failpoint."""
+        return [w for w in self.workers if not self._taken_out(w) and not self._has_stopped(w)]
+
+    def _taken_out(self, w: ManagedProcess) -> bool:
+        """Whether a fault has ``w`` out of the fleet now: frozen, cut off, or killed and not
+        yet ready again."""
+        if not w.alive() or w.name in self._paused or self._cut(w):
+            return True
+        if self._ready.get(w.name) != w.restarts:
+            if READY_MARKERS[w.kind] not in w.log_text():
+                return True  # restarting: it holds nothing yet
+            self._ready[w.name] = w.restarts
+        return False
+
+    def _held_executions(self) -> dict[int, str] | None:
+        """The processes of the workers up now that hold a claimed execution not yet ended,
+        by the ledger (``executions.worker_id`` ends with the pid): pid -> worker name."""
+        pids = {pid: w.name for w in self._up() for pid in [w.pid, *w.children()]}
+        if not pids:
+            return {}
+        if self._probe is None:
+            self._probe = create_engine(self.db_url, pool_size=1, max_overflow=0)
+        try:
+            with self._probe.connect() as conn:
+                held = conn.execute(
+                    sa.text(
+                        "SELECT worker_id FROM executions WHERE scope = :s AND status = 'running'"
+                    ),
+                    {"s": self.scope},
+                ).scalars()
+                found = [_pid_of(worker_id) for worker_id in held]
+        except sa.exc.SQLAlchemyError:
+            return {}  # the server is down or cut: nothing is known to be in flight
+        return {pid: pids[pid] for pid in found if pid in pids}
 
     def submitted(self) -> int:
         """How many jobs the agent has submitted so far (for the progress line)."""
         return len(self._lines("submitted.log"))
 
     def _pick(self) -> ManagedProcess | None:
-        """A worker for a kill or a freeze: alive, neither frozen nor stopped, and not cut off
-        from Postgres while another is not (a cut worker claims nothing, so a kill or freeze
-        of it met no execution in flight: CI's three kills of each kind met none)."""
-        alive = [
-            w
-            for w in self.workers
-            if w.alive() and w.name not in self._paused and not self._has_stopped(w)
-        ]
-        reachable = [w for w in alive if not self._cut(w)]
-        return self.rng.choice(reachable or alive) if alive else None
+        """A worker for a kill, a freeze or a cut: one that is up and holds an execution in
+        flight by the ledger (``_busy``, read when the fault was due). A worker frozen, cut
+        off, stopped or restarting claims nothing, and a fault on it met nothing: CI's three
+        kills of each kind met none, and a partition and a freeze struck one worker at once."""
+        up = self._up()
+        if self._busy is not None:
+            up = [w for w in up if w.name in self._busy.values()]
+        return self.rng.choice(up) if up else None
 
     def _fault_kill_main(self) -> Fault | None:
         w = self._pick()
@@ -615,9 +704,11 @@ class ChaosRun:
     def _fault_kill_child(self) -> Fault | None:
         w = self._pick()
         children = w.children() if w else []
+        if self._busy is not None:
+            children = [c for c in children if c in self._busy]
         if not w or not children:
             return None
-        child = self.rng.choice(children)
+        child = self.rng.choice(children)  # a child holding an execution in flight
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
@@ -644,13 +735,9 @@ class ChaosRun:
 
     def _fault_partition(self) -> Fault | None:
         """One worker cut off from Postgres (packets vanish) past its lease, then healed."""
-        cut = [n for n, p in self.partitions.items() if getattr(p, "is_cut", False)]
-        candidates = [
-            w for w in self.workers if w.alive() and w.name not in cut and not self._has_stopped(w)
-        ]
-        if not candidates:
+        w = self._pick()  # up: neither cut already, frozen, stopped nor restarting
+        if w is None:
             return None
-        w = self.rng.choice(candidates)
         part = self.partitions[w.name]
         part.cut()
         part.is_cut = True  # type: ignore[attr-defined]
@@ -818,6 +905,14 @@ class ChaosRun:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def _pid_of(worker_id: str | None) -> int | None:
+    """The pid an execution's ``worker_id`` (``host:pid``) names."""
+    try:
+        return int((worker_id or "").rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def _is_stopped(pid: int) -> bool:
