@@ -5,6 +5,9 @@ cause)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -153,3 +156,27 @@ def test_default_faults__scale_with_the_fleet() -> None:
     four = ChaosConfig(out=Path("."), db="", broker="", workers=4, duration=45)
     assert two.faults >= 2 * len(two.kinds)
     assert four.faults > two.faults
+
+
+def test_up__a_worker_whose_child_a_failpoint_just_stopped_is_not(tmp_path: Path) -> None:
+    """A failpoint stops a prefork child (SIGSTOP) at once; the supervisor notices it within
+    0.3 s. A fault due meanwhile took the worker for one up and froze it: its wake then woke
+    the stopped child before its revocation, and the run's fence measure met nothing."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while _state(child.pid) != "T" and time.time() < deadline:
+            time.sleep(0.05)
+        run: Any = _bare_run(tmp_path)
+        stopped, other = FakeWorker("w1", os.getpid(), [child.pid]), FakeWorker("w2", 1)
+        run.workers = [stopped, other]
+        run.partitions = {}
+        assert [w.name for w in run._up()] == ["w2"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
