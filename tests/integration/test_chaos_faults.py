@@ -180,3 +180,36 @@ def test_up__a_worker_whose_child_a_failpoint_just_stopped_is_not(tmp_path: Path
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_try_fault__a_database_fault_waits_only_for_a_woken_process_running(
+    tmp_path: Path,
+) -> None:
+    """A Postgres crash or terminate waits while a woken process runs on to the fence, not
+    while it stands stopped again or has ended; a partition (its target's cut only) never
+    waits for it. On threads the first worker's one process stopped at each point in turn
+    and was killed whole, so it stood in the harness's books as on its way to the fence from
+    its first wake to the end: CI's threads run never injected a crash, 4 runs of 4."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    run: Any = _bare_run(tmp_path)
+    stopper, busy_one = FakeWorker("w1", os.getpid()), FakeWorker("w2", 202, [212])
+    run.workers = [stopper, busy_one, FakeWorker("w3", 303)]  # a cut leaves w3 up
+    run.partitions = {w.name: FakePartition() for w in run.workers}
+    struck: list[str] = []
+    for kind in ("pg_crash", "pg_terminate"):
+        setattr(run, f"_fault_{kind}", lambda kind=kind: struck.append(kind) or Fault(0, kind))
+    busy = {212: "w2"}
+    run._completing = {os.getpid(): ("e1", time.time())}  # woken, running: it waits
+    assert run._try_fault("pg_crash", busy) is None
+    fault = run._try_fault("partition", busy)  # the other worker's cut meets it not
+    for timer in run._timers:
+        timer.cancel()
+    assert fault is not None and fault.target == "w2", fault
+    run.partitions["w2"].is_cut = False
+    run._stopped = {os.getpid(): time.time()}  # stopped again at a later point: frozen
+    assert run._try_fault("pg_crash", busy) is not None
+    run._stopped = {}
+    run._completing = {gone.pid: ("e1", time.time())}  # killed whole since its wake
+    assert run._try_fault("pg_terminate", busy) is not None
+    assert struck == ["pg_crash", "pg_terminate"]

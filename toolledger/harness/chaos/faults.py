@@ -56,6 +56,9 @@ EXTERNAL = tuple(KINDS)
 BASELINE = tuple(k.name for k in KINDS.values() if k.in_baseline)
 #: The kinds that cut executions off from the database.
 DATABASE = tuple(k.name for k in KINDS.values() if k.database)
+#: The kinds that cut every worker's executions off the database at once (a partition cuts only
+#: its target's): a woken process on its way to the fence would meet them too.
+WHOLE_DATABASE = tuple(k.name for k in KINDS.values() if k.database and k.blames is None)
 #: The kinds that can cut an execution off: each waits (bounded) for one in flight to strike.
 MEETS_WORK = tuple(k.name for k in KINDS.values() if k.blames or k.database)
 #: The kinds that take a worker out of the fleet while they last.
