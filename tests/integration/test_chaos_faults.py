@@ -213,3 +213,44 @@ def test_try_fault__a_database_fault_waits_only_for_a_woken_process_running(
     run._completing = {gone.pid: ("e1", time.time())}  # killed whole since its wake
     assert run._try_fault("pg_terminate", busy) is not None
     assert struck == ["pg_crash", "pg_terminate"]
+
+
+def test_inject__a_kind_not_struck_yet_waits_past_the_window_for_work(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A kind never struck still waits for work past the window's end and a lease: on a
+    loaded machine a threads fleet killed whole by each failpoint firing had two workers up
+    for about a second of CI's window, and kill_main and zombie were never injected."""
+    monkeypatch.setattr("toolledger.harness.chaos.harness.FREEZE_PAST_LEASE", 0.0)
+    run: Any = _bare_run(tmp_path, faults=1, duration=0.2)
+    run.cfg.lease_seconds = 1.0  # one wait: 1 s; the window's end and a wait: 1.2 s
+    run._schedule = lambda: [(0.0, "kill_main")]
+    seen_after = run.began + 0.2 + 1.0 + 0.3  # work shows up once the old wait is over
+    run._held_executions = lambda: {101: "w1"} if time.time() >= seen_after else {}
+    run._fault_kill_main = lambda: Fault(0, "kill_main", "w1")
+    run._inject()
+    assert run.missed == {}, run.missed
+    assert [f.kind for f in run.faults] == ["kill_main"]
+
+
+def test_inject__a_repeat_that_takes_a_worker_out_leaves_it_to_a_kind_not_struck(
+    tmp_path: Path,
+) -> None:
+    """Two due at once for the one worker that may be taken out: a second cut waits while a
+    kill of a main process, not struck yet, waits for its target (a second cut took it)."""
+    run: Any = _bare_run(tmp_path, faults=3, duration=0.5)
+    run.workers = [FakeWorker("w1", 101), FakeWorker("w2", 202)]
+    run.partitions = {w.name: FakePartition() for w in run.workers}
+    run._schedule = lambda: [(0.0, "partition"), (0.1, "kill_main"), (0.1, "partition")]
+    run._held_executions = lambda: {101: "w1"}
+    kill_tries: list[float] = []
+
+    def kill_main() -> Fault | None:
+        kill_tries.append(time.time())
+        return Fault(0, "kill_main", "w1") if len(kill_tries) > 3 else None
+
+    run._fault_kill_main = kill_main
+    run._fault_partition = lambda: Fault(0, "partition", "w1")
+    run._all_done = lambda: True  # no waiting past the window here
+    run._inject()
+    assert [f.kind for f in run.faults][:2] == ["partition", "kill_main"], run.faults
