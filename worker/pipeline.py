@@ -573,6 +573,7 @@ class Executor:
         """
         pause = TERMINAL_BACKOFF_SECONDS
         ambiguous = False  # a try failed: its commit may have succeeded all the same
+        lost: str | None = None  # the last try's database error, for a late result's record
         try:
             for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
                 try:
@@ -583,7 +584,7 @@ class Executor:
                     # the row left running: maybe by our own earlier commit, whose answer was
                     # lost. Only the row can tell (a cold review: read as a revocation, a
                     # committed success's bytes were dropped, and verify said ok)
-                    written = self._already_written(claim, status, result, error, staged)
+                    written = self._already_written(claim, status, result, error, staged, lost)
                     if written is not None:
                         return written
                     log.warning(
@@ -591,13 +592,13 @@ class Executor:
                         claim.execution_id,
                     )
                 except sa.exc.SQLAlchemyError as exc:
-                    ambiguous = True
-                    log.warning("terminal write of %s failed: %s", claim.execution_id, _brief(exc))
+                    ambiguous, lost = True, _brief(exc)
+                    log.warning("terminal write of %s failed: %s", claim.execution_id, lost)
                 if not tries_left:
                     break
                 time.sleep(pause)
                 pause *= 2
-                written = self._already_written(claim, status, result, error, staged)
+                written = self._already_written(claim, status, result, error, staged, lost)
                 if written is not None:
                     return written
         except SoftTimeLimitExceeded:
@@ -642,6 +643,7 @@ class Executor:
         result: dict[str, Any] | None,
         error: str | None,
         staged: list[Staged],
+        lost: str | None = None,
     ) -> Outcome | None:
         try:
             state = self.ledger.effect_states([claim.execution_id]).get(claim.execution_id)
@@ -652,7 +654,7 @@ class Executor:
         if state.holds_own_write(status):
             metrics.transition(claim.tool, status)  # our commit did land
             return Outcome("finished", claim.execution_id, status, result, state.seq)
-        return self._late(claim, status, result, error, staged)
+        return self._late(claim, status, result, error, staged, lost)
 
     def _late(
         self,
@@ -661,11 +663,18 @@ class Executor:
         result: dict[str, Any] | None,
         error: str | None,
         staged: list[Staged],
+        lost: str | None = None,
     ) -> Outcome:
         """The row is no longer ours: the execution was revoked. Its staged effects will be
-        dropped, never landed; its result is kept as evidence for recovery."""
+        dropped, never landed; its result is kept as evidence for recovery, with the database
+        error that kept its terminal write from the ledger if one did (``write_error``): why it
+        came late. Without it a Postgres crash that held the write until the sweep revoked the
+        execution left no word of itself in the ledger, and the chaos checker found the unknown
+        unexplained (CI's threads run, 12-07: 2 such)."""
         metrics.stale_result()
         detail = self._late_detail(claim, status, result, error, staged)
+        if lost:
+            detail["write_error"] = lost
         try:
             self.ledger.record_late_result(
                 claim.execution_id,

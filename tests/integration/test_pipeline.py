@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -714,6 +715,55 @@ def test_pipeline__a_human_resolution_met_after_a_lost_write_is_not_taken_for_it
     assert kinds[-1] == "evidence", kinds
     assert ledger.verify().ok
     deciding.close()
+
+
+class FailsWhileTheSweepRevokes(Ledger):
+    """The terminal write fails (a Postgres crash: nothing committed) while the sweep marks
+    the execution unknown for its lease, which the crash kept the keeper from renewing."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.revoked = False
+
+    def finish(self, execution_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not self.revoked:
+            self.revoked = True
+            self.mark_unknown(execution_id, reason="lease expired", actor="sweep")
+            crash = psycopg.OperationalError("server closed the connection unexpectedly")
+            raise sa.exc.OperationalError("UPDATE", {}, crash)  # as psycopg's, through SQLAlchemy
+        return super().finish(execution_id, *args, **kwargs)
+
+
+def test_pipeline__a_late_result_says_the_database_error_that_made_it_late(
+    run, ledger, db_url, monkeypatch
+):
+    """The late result of an execution revoked while a database fault held its terminal
+    write names that fault's error: it said nothing of it, and the chaos checker found such
+    an unknown explained by nothing (CI's threads run, 12-07: a Postgres crash, 2 unknowns)."""
+    monkeypatch.setattr("toolledger.worker.pipeline.TERMINAL_BACKOFF_SECONDS", 0.01)
+    revoking = FailsWhileTheSweepRevokes(db_url)
+    outcome, view = run("ok", executor_ledger=revoking)
+    assert outcome.state == "stale"
+    late = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "evidence"]
+    assert len(late) == 1, late
+    assert late[0].detail["write_error"].startswith("OperationalError"), late[0].detail
+    revoking.close()
+
+
+def test_pipeline__a_late_result_without_a_database_error_names_none(run, ledger, db_url):
+    """Revoked with no write failing (the fence alone): no ``write_error``."""
+
+    class RevokedFirst(Ledger):
+        def finish(self, execution_id: str, *args: Any, **kwargs: Any) -> Any:
+            self.mark_unknown(execution_id, reason="lease expired", actor="sweep")
+            return super().finish(execution_id, *args, **kwargs)
+
+    revoked = RevokedFirst(db_url)
+    outcome, view = run("ok", executor_ledger=revoked)
+    assert outcome.state == "stale"
+    late = [e for e in ledger.events(view.scope, view.tool_call_id) if e.kind == "evidence"]
+    assert len(late) == 1 and "write_error" not in late[0].detail, late
+    revoked.close()
 
 
 class AlwaysFails(Ledger):
