@@ -1062,6 +1062,32 @@ def test_checker__a_failpoint_that_ended_the_process_explains_its_other_executio
         assert (name not in broken(f)) == explained, firing
 
 
+def test_checker__a_stop_holds_its_process_until_its_wake():
+    """A threads thread takes its claim's time, another thread's failpoint stops the process,
+    and the claim goes out when the harness wakes it, 15 s on: the execution began after the
+    firing, within the stop, and its unknown is the stop's (a threads run at load 12, 12-07:
+    explained by nothing). The stop lasts to its wake only: one woken before the execution
+    began, or a stop never woken, explains nothing later (the checker stays able to fail)."""
+    name = "every unknown lines up with a fault on that execution"
+    stop_t = (BEGAN - timedelta(seconds=10)).timestamp()  # the claim went out 10 s after it
+    for wakes, explained in (
+        ({101: [(BEGAN + timedelta(seconds=1)).timestamp()]}, True),
+        ({101: [(BEGAN - timedelta(seconds=5)).timestamp()]}, False),  # woken before the claim
+        ({202: [(BEGAN + timedelta(seconds=1)).timestamp()]}, False),  # another process's
+        ({}, False),
+    ):
+        w = World()
+        _unknown_without_a_fault(w)
+        (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+        held["started_at"] = BEGAN
+        w.events[-1]["at"] = WENT_UNKNOWN
+        f = copy.copy(w.facts())
+        f.firings = [{"ref": "other", "point": "after_stage", "action": "stop", "pid": 101,
+                      "t": stop_t}]  # fmt: skip
+        f.wakes = wakes
+        assert (name not in broken(f)) == explained, wakes
+
+
 def test_checker__a_fault_that_cannot_stop_a_worker_explains_no_unknown():
     """Only kinds whose entry says they blame a process explain an unknown on it: a Redis
     flush or a duplicate publication at the same pid or host does not."""

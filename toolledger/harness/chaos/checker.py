@@ -78,6 +78,8 @@ class Facts:
     #: pool children that died, as their workers logged it: pid -> each (how, Unix time or
     #: None) it died (a pid is reused: only its last death was kept, a cold review)
     deaths: dict[int, list[tuple[str, float | None]]] = field(default_factory=dict)
+    #: processes a failpoint stopped: pid -> each time the harness woke it (Unix time)
+    wakes: dict[int, list[float]] = field(default_factory=dict)
     stale_running: list[str] = field(default_factory=list)  # expired leases after the sweep
     verify: list[str] = field(default_factory=list)  # verify's differences
     #: files in the scope's folder at a path no job has (a stray write of anyone's)
@@ -570,6 +572,27 @@ def _fault_held(fault: dict[str, Any], ex: dict[str, Any], unknown: dict[str, An
     return _while_held(fault.get("t"), ex.get("started_at"), unknown.get("at"), lasted)
 
 
+def _stop_lasted(f: Facts, firing: dict[str, Any]) -> float:
+    """How long a ``stop`` firing held its process: to the harness's next wake of it (0: an
+    instant, for any other action or a stop never woken). A threads worker's thread that took
+    its claim's time, then was stopped with the process by another thread's failpoint, sends
+    the claim when woken, 15 s after the firing: its claim lost at once to its own lease's
+    clock, its unknown was explained by nothing (a threads run at load 12, 12-07)."""
+    t = firing.get("t")
+    if firing.get("action") != "stop" or t is None:
+        return 0.0
+    woke = [w for w in f.wakes.get(firing.get("pid") or 0, []) if w >= t]
+    return min(woke) - t if woke else 0.0
+
+
+def _wakes(woken: list[dict[str, Any]]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = defaultdict(list)
+    for w in woken:
+        if isinstance(w.get("pid"), int) and isinstance(w.get("woke"), int | float):
+            out[w["pid"]].append(float(w["woke"]))
+    return dict(out)
+
+
 def unknowns_explained(f: Facts) -> tuple[Invariant, Counter[str]]:
     """Every execution that went unknown lines up with a fault on that very execution: a
     failpoint that fired on it or ended its process (a threads pool's process holds several),
@@ -631,7 +654,9 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
             pid is not None
             and fp.get("pid") == pid
             and fp.get("action") in PROCESS_ENDING
-            and _while_held(fp.get("t"), ex.get("started_at"), unknown.get("at"))
+            and _while_held(
+                fp.get("t"), ex.get("started_at"), unknown.get("at"), _stop_lasted(f, fp)
+            )
         ):
             return f"failpoint {fp['point']} ended its process"
     held = [fault for fault in f.faults if _fault_held(fault, ex, unknown)]
@@ -1128,6 +1153,7 @@ def gather(
         faults=faults,
         firings=read_lines(out / "failpoints.log"),
         deaths=child_deaths(out / "logs"),
+        wakes=_wakes(read_lines(out / "woken.log")),
         stale_running=stale,
         verify=[json.dumps(d.to_json()) for d in report.differences],
         stray_files=stray,

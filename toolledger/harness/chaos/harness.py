@@ -347,7 +347,7 @@ class ChaosRun:
         self.out.mkdir(parents=True, exist_ok=True)
         # an earlier run's world in a reused --out: the checker judges the whole sandbox
         shutil.rmtree(self.out / "sandbox", ignore_errors=True)
-        for name in ("effects.log", "failpoints.log", "faults.log", "charges.log",
+        for name in ("effects.log", "failpoints.log", "faults.log", "charges.log", "woken.log",
                      "operator.log", "submitted.log", "finish", "operator.done"):  # fmt: skip
             (self.out / name).unlink(missing_ok=True)
         for marker in failpoints.first_markers(str(self.out / "failpoints.log")):
@@ -495,7 +495,11 @@ class ChaosRun:
                 elif self._may_wake(pid, now - self._stopped[pid], held, w):
                     os.kill(pid, signal.SIGCONT)
                     since = self._stopped.pop(pid)
-                    self.woken.append({"pid": pid, "worker": w.name, "t": since, "held_s": held})
+                    # the checker holds a stop as lasting to its wake: a threads process
+                    # another thread stopped sends its claim when woken, past the firing
+                    woke = {"pid": pid, "worker": w.name, "t": since, "held_s": held, "woke": now}
+                    self.woken.append(woke)
+                    jsonlines.append(self.out / "woken.log", woke, fsync=False)
                     self._completing[pid] = (self._stopped_on(pid), now)
                     if w.pid in self._held_parents:
                         self._held_parents[w.pid] = True
