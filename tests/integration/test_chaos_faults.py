@@ -124,7 +124,7 @@ def test_pick__only_a_worker_up_that_holds_work_in_flight(tmp_path: Path) -> Non
         for timer in run._timers:
             timer.cancel()
         assert fault is not None and fault.target == "w3", (seed, fault)
-        assert ChaosRun._pick(run) is None  # w3 is cut now: nobody else holds work
+        assert ChaosRun._pick(run, "partition") is None  # w3 is cut now: nobody else holds work
         run.partitions["w3"].is_cut = False
         child = ChaosRun._fault_kill_child
         run._busy = {313: "w3"}
@@ -140,6 +140,7 @@ def test_inject__one_worker_taken_out_at_a_time(tmp_path: Path) -> None:
     run.workers = [FakeWorker("w1", 101, [111]), FakeWorker("w2", 202, [212])]
     run.partitions = {w.name: FakePartition() for w in run.workers}
     run._paused = {"w1"}
+    run._held_executions = lambda: {212: "w2"}
     for kind in ("zombie", "partition", "kill_main"):
         assert run._try_fault(kind, {212: "w2"}) is None, kind
     run._paused = set()
@@ -200,6 +201,7 @@ def test_try_fault__a_database_fault_waits_only_for_a_woken_process_running(
     for kind in ("pg_crash", "pg_terminate"):
         setattr(run, f"_fault_{kind}", lambda kind=kind: struck.append(kind) or Fault(0, kind))
     busy = {212: "w2"}
+    run._held_executions = lambda: busy
     run._completing = {os.getpid(): ("e1", time.time())}  # woken, running: it waits
     assert run._try_fault("pg_crash", busy) is None
     fault = run._try_fault("partition", busy)  # the other worker's cut meets it not
@@ -254,3 +256,18 @@ def test_inject__a_repeat_that_takes_a_worker_out_leaves_it_to_a_kind_not_struck
     run._all_done = lambda: True  # no waiting past the window here
     run._inject()
     assert [f.kind for f in run.faults][:2] == ["partition", "kill_main"], run.faults
+
+
+def test_pick__a_kind_that_takes_a_worker_out_leaves_one_up_at_the_pick(tmp_path: Path) -> None:
+    """A worker may go out between the count of those up and the pick (a failpoint killed
+    it): the pick counts again, and a freeze never takes the last one up (a zombie froze the
+    last worker up beside one frozen: none up for 10 s). A child kill takes no worker out."""
+    run: Any = _bare_run(tmp_path)
+    run.workers = [FakeWorker("w1", 101, [111]), FakeWorker("w2", 202, [212])]
+    run.partitions = {w.name: FakePartition() for w in run.workers}
+    run._paused = {"w1"}  # went out after the count
+    run._busy = {212: "w2"}
+    for kind in ("zombie", "partition", "kill_main"):
+        assert ChaosRun._pick(run, kind) is None, kind
+    picked = ChaosRun._pick(run, "kill_child")
+    assert picked is not None and picked.name == "w2"
