@@ -271,3 +271,37 @@ def test_pick__a_kind_that_takes_a_worker_out_leaves_one_up_at_the_pick(tmp_path
         assert ChaosRun._pick(run, kind) is None, kind
     picked = ChaosRun._pick(run, "kill_child")
     assert picked is not None and picked.name == "w2"
+
+
+def test_held_executions__a_dead_child_not_yet_reaped_holds_nothing(tmp_path: Path) -> None:
+    """A pool child a failpoint killed is listed until its parent reaps it, and its execution
+    stays running in the ledger until the sweep: it was taken for work in flight, and a
+    zombie froze a worker whose only such children had died (it met nothing)."""
+    import sqlalchemy as sa
+
+    dead = subprocess.Popen(["true"])  # exits; not waited for: a zombie process until reaped
+    deadline = time.time() + 10
+    while _state(dead.pid) != "Z" and time.time() < deadline:
+        time.sleep(0.05)
+    run: Any = _bare_run(tmp_path)
+    run.scope = "s"
+    run.workers = [FakeWorker("w1", os.getpid(), [dead.pid])]
+    run.partitions = {}
+    run._probe = sa.create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        with run._probe.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE executions (scope TEXT, status TEXT, worker_id TEXT)"
+            )
+            conn.exec_driver_sql(
+                "INSERT INTO executions VALUES ('s', 'running', ?)", (f"vm:{dead.pid}",)
+            )
+        assert run._held_executions() == {}
+        with run._probe.begin() as conn:  # and a live one is seen
+            conn.exec_driver_sql(
+                "INSERT INTO executions VALUES ('s', 'running', ?)", (f"vm:{os.getpid()}",)
+            )
+        assert run._held_executions() == {os.getpid(): "w1"}
+    finally:
+        run._probe.dispose()
+        dead.wait()

@@ -728,7 +728,10 @@ class ChaosRun:
     def _held_executions(self) -> dict[int, str] | None:
         """The processes of the workers up now that hold a claimed execution not yet ended,
         by the ledger (``executions.worker_id`` ends with the pid): pid -> worker name."""
-        pids = {pid: w.name for w in self._up() for pid in [w.pid, *w.children()]}
+        # a pool child a failpoint killed is listed until its parent reaps it, its execution
+        # still running by the ledger: a zombie froze a worker whose only "busy" children had
+        # died, and met nothing (prefork, load 12)
+        pids = {pid: w.name for w in self._up() for pid in [w.pid, *w.children()] if _alive(pid)}
         if not pids:
             return {}
         if self._probe is None:
