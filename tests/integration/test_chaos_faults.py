@@ -305,3 +305,42 @@ def test_held_executions__a_dead_child_not_yet_reaped_holds_nothing(tmp_path: Pa
     finally:
         run._probe.dispose()
         dead.wait()
+
+
+def test_zombie__a_worker_found_holding_nothing_once_frozen_is_thawed(tmp_path: Path) -> None:
+    """The work in flight is read, then the worker frozen: if its execution ended or its child
+    died in between, the freeze meets nothing (prefork at load 20: a child a failpoint killed
+    0.2 s before). Frozen, the ledger is read again; holding nothing, it is thawed at once and
+    nothing is injected."""
+    import sqlalchemy as sa
+
+    sent: list[int] = []
+
+    class Signalled(FakeWorker):
+        def signal(self, sig: int, *, group: bool = False) -> None:
+            sent.append(sig)
+
+    run: Any = _bare_run(tmp_path)
+    run.scope = "s"
+    worker = Signalled("w1", os.getpid())
+    run.workers = [worker, FakeWorker("w2", 202)]
+    run.partitions = {}
+    run._busy = {os.getpid(): "w1"}  # as read when the fault was due
+    run._probe = sa.create_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        with run._probe.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE executions (scope TEXT, status TEXT, worker_id TEXT)"
+            )
+        assert run._fault_zombie() is None  # nothing running on it by now
+        assert sent == [signal.SIGSTOP, signal.SIGCONT] and run._paused == set()
+        with run._probe.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO executions VALUES ('s', 'running', ?)", (f"vm:{os.getpid()}",)
+            )
+        fault = run._fault_zombie()
+        for timer in run._timers:
+            timer.cancel()
+        assert fault is not None and fault.target == "w1" and run._paused == {"w1"}
+    finally:
+        run._probe.dispose()

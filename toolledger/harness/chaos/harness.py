@@ -725,13 +725,16 @@ class ChaosRun:
                 self.progress(f"{w.name} ready {since:.1f} s after its restart {w.restarts}")
         return False
 
-    def _held_executions(self) -> dict[int, str] | None:
-        """The processes of the workers up now that hold a claimed execution not yet ended,
-        by the ledger (``executions.worker_id`` ends with the pid): pid -> worker name."""
+    def _held_executions(
+        self, workers: list[ManagedProcess] | None = None
+    ) -> dict[int, str] | None:
+        """The processes of ``workers`` (None: those up now) that hold a claimed execution not
+        yet ended, by the ledger (``executions.worker_id`` ends with the pid): pid -> worker."""
         # a pool child a failpoint killed is listed until its parent reaps it, its execution
         # still running by the ledger: a zombie froze a worker whose only "busy" children had
         # died, and met nothing (prefork, load 12)
-        pids = {pid: w.name for w in self._up() for pid in [w.pid, *w.children()] if _alive(pid)}
+        fleet = self._up() if workers is None else workers
+        pids = {pid: w.name for w in fleet for pid in [w.pid, *w.children()] if _alive(pid)}
         if not pids:
             return {}
         if self._probe is None:
@@ -798,6 +801,14 @@ class ChaosRun:
         pids = [w.pid, *w.children()]
         self._paused.add(w.name)
         w.signal(signal.SIGSTOP, group=True)
+        if self._busy is not None and not self._held_executions([w]):
+            # frozen, it holds nothing in flight by the ledger: its execution ended, or its
+            # child died, since the read a moment ago (prefork at load 20: a child killed by a
+            # failpoint 0.2 s before the freeze, the zombie met nothing). Thawed at once, it
+            # waits on, as a scheduler's hiccup would have held it
+            w.signal(signal.SIGCONT, group=True)
+            self._paused.discard(w.name)
+            return None
         # past its lease, and long enough for the sweep to revoke it and for the operator
         # or a later writer to act before it wakes: what a zombie could then land would show
         frozen = self.cfg.lease_seconds + FREEZE_PAST_LEASE
