@@ -182,7 +182,9 @@ class BaselineRun(ChaosRun):
                 still.append((job, since))
         return still
 
-    def _held_executions(self) -> dict[int, str] | None:
+    def _held_executions(
+        self, workers: list[ManagedProcess] | None = None
+    ) -> dict[int, str] | None:
         """Unknown: plain Celery keeps no ledger, so its faults strike on schedule."""
         return None
 
