@@ -1642,9 +1642,9 @@ def test_chaos_run__a_kill_or_freeze_picks_a_worker_not_cut_off_while_there_is_o
     run.workers = workers  # type: ignore[assignment]
     run._busy = {w.pid: w.name for w in workers}  # each holds an execution in flight
     run.partitions = {w.name: NS(is_cut=w.name != "chaos-w2") for w in workers}  # type: ignore[misc]
-    assert {run._pick().name for _ in range(40)} == {"chaos-w2"}  # type: ignore[union-attr]
+    assert {run._pick("kill_child").name for _ in range(40)} == {"chaos-w2"}  # type: ignore[union-attr]
     run.partitions["chaos-w2"].is_cut = True  # type: ignore[attr-defined]
-    assert run._pick() is None
+    assert run._pick("kill_child") is None
 
 
 def test_checker__a_spooled_outcome_under_a_database_fault_is_explained():
@@ -1669,3 +1669,26 @@ def test_checker__a_spooled_outcome_under_a_database_fault_is_explained():
         f = copy.copy(w.facts())
         f.faults = faults
         assert (name not in broken(f)) == explained, faults
+
+
+def test_checker__a_partition_explains_a_claim_committed_just_after_its_heal_only():
+    """A claim sent while its worker was cut off committed after the heal (TCP retransmitted
+    it) with the worker gone on: its unknown is the partition's, within PARTITION_TAIL_S of
+    the heal; one claimed long after it is not (and never another worker's)."""
+    from toolledger.harness.chaos.checker import PARTITION_TAIL_S
+
+    name = "every unknown lines up with a fault on that execution"
+    cut = 14.0
+    for healed_before_claim, target, explained in (
+        (2.0, "chaos-w1", True),  # 2 s after the heal, as seen in CI's runs
+        (PARTITION_TAIL_S + 5.0, "chaos-w1", False),
+        (2.0, "chaos-w2", False),  # another worker's cut
+    ):
+        w = World()
+        _unknown_without_a_fault(w)
+        (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+        held["started_at"] = BEGAN
+        t = BEGAN.timestamp() - healed_before_claim - cut
+        f = copy.copy(w.facts())
+        f.faults = [{"kind": "partition", "pids": [], "target": target, "t": t, "cut_s": cut}]
+        assert (name not in broken(f)) is explained, (healed_before_claim, target)
