@@ -920,6 +920,10 @@ class AsyncClient:
 
         return await run_turn_async(self, scope, message, approve=approve, timeout=timeout)
 
+    async def warm(self) -> None:
+        """``Client.warm``, on a thread (it imports)."""
+        await self._run(self.sync.warm)
+
     async def close(self) -> None:
         await self._run(self.sync.close)
 
