@@ -22,21 +22,28 @@ def client(pending_client: Any) -> Any:
     return pending_client
 
 
-def test_wait__a_closed_loops_wait_leaves_the_listener_waking_others(
-    client: Client, scope: str
-) -> None:
-    # Given a wait watching a call in a loop closed without cancelling it
-    client.submit(scope, "abandoned", "write_file", {"path": "a.txt", "content": "x"})
-    client.submit(scope, "other", "write_file", {"path": "b.txt", "content": "y"})
-    key = (scope, client.ledger.get(scope, "abandoned").operation.idempotency_key)
+def abandon_wait(client: Client, scope: str, tool_call_id: str) -> tuple[Any, Any]:
+    """A wait for the call, watching it, in an event loop then closed without cancelling it:
+    the call's key and the wait's task."""
+    key = (scope, client.ledger.get(scope, tool_call_id).operation.idempotency_key)
     loop = asyncio.new_event_loop()
-    task = loop.create_task(AsyncClient.of(client).wait(scope, "abandoned", timeout=600))
+    task = loop.create_task(AsyncClient.of(client).wait(scope, tool_call_id, timeout=600))
     for _ in range(300):
         loop.run_until_complete(asyncio.sleep(0.05))
         if key in client.notifier._watchers:
             break
     assert key in client.notifier._watchers
     loop.close()
+    return key, task
+
+
+def test_wait__a_closed_loops_wait_leaves_the_listener_waking_others(
+    client: Client, scope: str
+) -> None:
+    # Given a wait watching a call in a loop closed without cancelling it
+    client.submit(scope, "abandoned", "write_file", {"path": "a.txt", "content": "x"})
+    client.submit(scope, "other", "write_file", {"path": "b.txt", "content": "y"})
+    _, task = abandon_wait(client, scope, "abandoned")
     # When its call gets a receipt, and then another watched call does
     woken = client.notifier.woken
     client.reject(scope, "abandoned", by="alice")
@@ -60,15 +67,7 @@ def test_wait__a_closed_loops_wait_is_forgotten_once_nothing_holds_it(
     # notifier's callback held its event, whose waiter's callback held the task): its
     # watcher, its task and the loop stayed for the process's life, one set per such wait.
     client.submit(scope, "forgotten", "write_file", {"path": "a.txt", "content": "x"})
-    key = (scope, client.ledger.get(scope, "forgotten").operation.idempotency_key)
-    loop = asyncio.new_event_loop()
-    task = loop.create_task(AsyncClient.of(client).wait(scope, "forgotten", timeout=600))
-    for _ in range(300):
-        loop.run_until_complete(asyncio.sleep(0.05))
-        if key in client.notifier._watchers:
-            break
-    assert key in client.notifier._watchers
-    loop.close()
+    key, task = abandon_wait(client, scope, "forgotten")
     del task
     for _ in range(200):  # a read it had started on a thread may still hold it a moment
         gc.collect()

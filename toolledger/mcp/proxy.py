@@ -357,19 +357,23 @@ class Proxy:
                     await self._expire(op)
                 if op.status is Status.APPROVED:
                     self._check_upstream()  # recorded, not claimed: the next proxy sends it
-                    claim = await self._db(
-                        self.ledger.claim,
-                        op.scope,
-                        op.idempotency_key,
-                        op.authorized_attempts,
-                        worker_id=self.worker_id,
-                        lease_seconds=self.lease,
-                    )
+                    claim = await self._claim(op)
                     if claim is not None:  # ours: forwarded once, in the background, so that
                         self.forwards.start_soon(self._forward, claim)  # a timeout stops no one
             except sa.exc.SQLAlchemyError as exc:
                 raise MCPError(types.INTERNAL_ERROR, _db_error(exc)) from None
         return await self._answer(ident)
+
+    async def _claim(self, op: OperationRecord) -> Claim | None:
+        """The call's authorised attempt, claimed by this proxy (None: another took it)."""
+        return await self._db(
+            self.ledger.claim,
+            op.scope,
+            op.idempotency_key,
+            op.authorized_attempts,
+            worker_id=self.worker_id,
+            lease_seconds=self.lease,
+        )
 
     async def _answer(self, ident: CallIdentity) -> types.CallToolResult:
         """The call's receipt, once it is there (within ``timeout``), else where it stands."""
@@ -438,14 +442,7 @@ class Proxy:
                 self.ledger.authorised_within, op.scope, op.idempotency_key, self.tool_wait
             ):
                 return
-            claim = await self._db(
-                self.ledger.claim,
-                op.scope,
-                op.idempotency_key,
-                op.authorized_attempts,
-                worker_id=self.worker_id,
-                lease_seconds=self.lease,
-            )
+            claim = await self._claim(op)
         except sa.exc.SQLAlchemyError as exc:
             log.warning("%s/%s: not failed: %s", op.scope, op.idempotency_key, _db_error(exc))
             return
