@@ -36,7 +36,7 @@ from toolledger.ledger.identity import (
 from toolledger.ledger.models import operations, tool_calls
 from toolledger.ledger.outbox import LedgerOutbox
 from toolledger.ledger.reads import op_key
-from toolledger.ledger.records import ExecutionRecord, OperationRecord, Submitted
+from toolledger.ledger.records import Decided, ExecutionRecord, OperationRecord, Submitted
 from toolledger.ledger.resolution import LedgerResolution
 from toolledger.ledger.sessions import LedgerSessions
 from toolledger.ledger.store import Store
@@ -301,16 +301,20 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         reason: str | None = None,
         stamp_enqueued: bool = False,
     ) -> OperationRecord:
-        """pending_approval -> approved: attempt 1 may now run (see submit's stamp_enqueued)."""
-        return self._decide(scope, tool_call_id, Status.APPROVED, by, reason, stamp_enqueued)
+        """pending_approval -> approved: attempt 1 may now run (see submit's stamp_enqueued).
+        The same person's approval with the same reason, given again, is answered with the
+        call as it stands (``decide``)."""
+        return self.decide(
+            scope, tool_call_id, Status.APPROVED, by, reason, stamp_enqueued
+        ).operation
 
     def reject(
         self, scope: str, tool_call_id: str, *, by: str, reason: str | None = None
     ) -> OperationRecord:
-        """pending_approval -> rejected: nothing will ever run."""
-        return self._decide(scope, tool_call_id, Status.REJECTED, by, reason)
+        """pending_approval -> rejected: nothing will ever run (given again, as ``approve``)."""
+        return self.decide(scope, tool_call_id, Status.REJECTED, by, reason).operation
 
-    def _decide(
+    def decide(
         self,
         scope: str,
         tool_call_id: str,
@@ -318,7 +322,14 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         by: str,
         reason: str | None,
         stamp_enqueued: bool = False,
-    ) -> OperationRecord:
+    ) -> Decided:
+        """A person's decision on a pending call, ``new`` approved or rejected.
+
+        A call no longer pending is refused (InvalidTransition), unless the decision it
+        carries is this one, by this person, for this reason: then nothing is written and the
+        outcome is ``existing``. A script whose approval committed and whose answer was lost
+        (a timeout, a dropped connection) asks again and learns it stands (until 2026-12-07
+        it was refused, exit 5 / 409, the same as someone else's contrary decision)."""
         check_transition(Status.PENDING_APPROVAL, new)
         check_text_id(by, "decider", inputs.MAX_ACTOR)
         inputs.check_text(reason, "reason")
@@ -343,13 +354,18 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
                 .returning(*operations.c)
             ).first()
             if row is None:
-                current = self._operation(conn, scope, key).status
-                raise InvalidTransition(current, new, f"call {tool_call_id!r}")
+                current = self._operation(conn, scope, key)
+                if _decision_of(current) is new and (current.decided_by, current.reason) == (
+                    by,
+                    reason,
+                ):
+                    return Decided(current, "existing")
+                raise InvalidTransition(current.status, new, f"call {tool_call_id!r}")
             self._append(conn, event(new, scope, key, by, detail))
             if new is Status.REJECTED:
                 db.receipt_written(conn, scope, key)
         metrics.transition(row.tool, new)
-        return OperationRecord.from_row(row)
+        return Decided(OperationRecord.from_row(row), "decided")
 
     def authorize_retry(
         self,
@@ -452,6 +468,14 @@ def flagged_retry(tool_call_id: str, review: str) -> str:
         "person's review before any new attempt (an earlier attempt may have taken effect): "
         "review it first (show the call, then resolve --review); nothing changed"
     )
+
+
+def _decision_of(op: OperationRecord) -> Status | None:
+    """The decision a call carries: rejected, approved (every status past the approval: a
+    retry keeps the first decision's ``decided_by`` and reason), or None while it waits."""
+    if op.status is Status.PENDING_APPROVAL:
+        return None
+    return Status.REJECTED if op.status is Status.REJECTED else Status.APPROVED
 
 
 def _action_conflict(

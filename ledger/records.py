@@ -305,6 +305,16 @@ class Submitted:
 
 
 @dataclass(frozen=True, slots=True)
+class Decided:
+    """What a person's decision did: ``decided`` (recorded, its event appended), or
+    ``existing``: the same person had made the same decision, with the same reason, before
+    (a decision retried after its answer was lost): nothing written, the call as it stands."""
+
+    operation: OperationRecord
+    outcome: Literal["decided", "existing"]
+
+
+@dataclass(frozen=True, slots=True)
 class CallView:
     """Everything known about one tool call: its action and every attempt at it.
     ``flags``: the flags still waiting on it, from its history (read only when the call is

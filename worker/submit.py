@@ -257,17 +257,25 @@ class Submitter:
                     tool=op.tool,
                 )
             )
-        elif not _a_workers(op):
-            pass  # a proxy's call (a proxy sends it), or one flagged (no claim takes it)
-        elif op.status is Status.APPROVED and not op.enqueued_at:
-            out.update(
-                self.enqueue(
-                    op.scope, op.idempotency_key, attempt, tool_call_id=call_id, tool=op.tool
-                )
-            )
-        elif (again := self.publish_if_lost(op, call_id)) is not None:
-            out.update(again)
+        else:
+            out.update(self._publish_again(op, call_id) or {})
         return out
+
+    def _publish_again(self, op: OperationRecord, tool_call_id: str) -> dict[str, Any] | None:
+        """A replay's publish (a submit or a decision given again): a call approved and
+        never stamped published, one stamped and lost published again (``publish_if_lost``),
+        else none (the enqueue's report, or None)."""
+        if not _a_workers(op):
+            return None  # a proxy's call (a proxy sends it), or one flagged (no claim takes it)
+        if op.status is Status.APPROVED and not op.enqueued_at:
+            return self.enqueue(
+                op.scope,
+                op.idempotency_key,
+                op.authorized_attempts,
+                tool_call_id=tool_call_id,
+                tool=op.tool,
+            )
+        return self.publish_if_lost(op, tool_call_id)
 
     def publish_if_lost(self, op: OperationRecord, tool_call_id: str) -> dict[str, Any] | None:
         """Publish again a call approved, stamped more than ``REPUBLISH_AFTER`` ago and still
@@ -343,12 +351,16 @@ class Submitter:
     def _decide(
         self, scope: str, tool_call_id: str, by: str, reason: str | None, *, approve: bool
     ) -> dict[str, Any]:
-        if approve:
-            op = self.ledger.approve(scope, tool_call_id, by=by, reason=reason, stamp_enqueued=True)
-        else:
-            op = self.ledger.reject(scope, tool_call_id, by=by, reason=reason)
+        new = Status.APPROVED if approve else Status.REJECTED
+        decided = self.ledger.decide(scope, tool_call_id, new, by, reason, stamp_enqueued=approve)
+        op = decided.operation
         out = _summary(op, scope, tool_call_id)
-        if op.status is Status.APPROVED:
+        out["outcome"] = decided.outcome
+        if decided.outcome == "existing":
+            # the same decision, given again: published again only as a replayed submit is
+            # (its publish may have died with the process that decided)
+            out.update(self._publish_again(op, tool_call_id) or {})
+        elif op.status is Status.APPROVED:
             out.update(
                 self.enqueue(
                     scope,

@@ -174,7 +174,7 @@ def _in_state(ledger: Ledger, scope: str, status: Status) -> dict[str, Any]:
     sub = ledger.submit(scope, "c1", "append_file", ARGS, approved_by="a" if approve_now else None)
     ctx: dict[str, Any] = {"key": sub.operation.idempotency_key, "claim": None}
     if status is Status.REJECTED:
-        ledger.reject(scope, "c1", by="bob")
+        ledger.reject(scope, "c1", by="carol")  # bob's reject below is refused, not replayed
     if status in (Status.RUNNING, Status.SUCCEEDED, Status.FAILED, Status.UNKNOWN):
         ctx["claim"] = ledger.claim(scope, ctx["key"], 1, worker_id="w")
     if status in (Status.SUCCEEDED, Status.FAILED):

@@ -97,7 +97,6 @@ def _decision(name: str, approve: bool) -> click.Command:
         if approve:
             c.check_broker()
         out = c.submitter.decide(scope, tool_call_id, by, reason, approve=approve)
-        out["outcome"] = "decided"
         c.emit(out, _human_submit)
         if out.get("warning") and not c.json:
             c.warn(out["warning"])

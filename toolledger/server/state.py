@@ -457,7 +457,6 @@ class Desk:
         who.require(Action.DECIDE)
         self.check_visible(who, scope, tool_call_id)
         out = self.submitter.decide(scope, tool_call_id, who.name, reason, approve=approve)
-        out["outcome"] = "decided"
         return out
 
     def retry(
