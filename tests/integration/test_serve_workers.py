@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from toolledger.harness.processes import service_env, toolledger_argv
 
@@ -169,3 +170,74 @@ def test_serve__workers_serve_one_sum_of_their_counters_and_the_gauges_once(
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
     assert list(shared.iterdir()) == []  # removed at exit
+
+
+def _serve_until_exit(env: dict[str, str], workers: int, limit: float) -> tuple[int | None, str]:
+    """``serve --workers N`` run until it exits or ``limit`` s pass (then stopped: None)."""
+    argv = [*toolledger_argv(), "serve", "--port", str(_free_port()), "--workers", str(workers)]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        said, _ = proc.communicate(timeout=limit)
+        return proc.returncode, said.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        said, _ = proc.communicate(timeout=20)
+        return None, said.decode(errors="replace")
+
+
+def test_serve__workers_whose_ledger_cannot_be_opened_exit_with_its_one_line(
+    tmp_path: Path,
+) -> None:
+    """A ledger ``serve`` cannot open at start (Postgres not answering; a file that is another
+    application's database) is one line and exit 1, with ``--workers 2`` as with one process.
+    Until 2026-12-07 each of uvicorn's processes died at its start with the whole traceback,
+    uvicorn started it again, and again: 78 tracebacks (10,926 lines) in 40 s, for ever,
+    nothing answering and ``serve`` never exiting (a cold review)."""
+    import sqlite3
+
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    tokens = "vera:viewer:viewer-secret-0123456789"
+    for db in (
+        f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}/none",
+        f"sqlite:///{other}",
+    ):
+        env = service_env(
+            home=str(tmp_path / "home"), sandbox=str(tmp_path / "sandbox"), metrics="off",
+            db=db, api_tokens=tokens,
+        )  # fmt: skip
+        code, said = _serve_until_exit(env, 1, 60)
+        assert code == 1, said[-2000:]
+        alone = said.strip().splitlines()[-1]
+        assert alone.startswith("toolledger: error: "), said[-2000:]
+        code, said = _serve_until_exit(env, 2, 60)
+        assert "Traceback" not in said, said[-3000:]
+        assert code == 1, said[-2000:]
+        assert said.strip().splitlines()[-1] == alone, said[-2000:]
+
+
+def test_serve__a_process_started_again_without_its_ledger_says_one_line(
+    tmp_path: Path, monkeypatch: Any, capfd: Any
+) -> None:
+    """A process uvicorn starts again while Postgres is down (the parent checked it only at
+    start) exits 1 with one line logged, not its traceback."""
+    from toolledger.server.run import app_from_env
+
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}/none"
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    for k in [k for k in os.environ if k.startswith("TOOLLEDGER_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("TOOLLEDGER_DB", url)
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TOOLLEDGER_METRICS", "off")
+    monkeypatch.setenv("TOOLLEDGER_API_TOKENS", "vera:viewer:viewer-secret-0123456789")
+    monkeypatch.setenv("TOOLLEDGER_API_SESSION_KEY", "k" * 32)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
+    with pytest.raises(SystemExit) as ended:
+        app_from_env()
+    assert ended.value.code == 1
+    said = capfd.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "cannot start: connection failed" in said[0], said

@@ -74,6 +74,7 @@ def run(
         proxy = {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
     _can_listen(host, port, workers)
     if workers > 1:
+        _ledger_opens(settings)
         # Each worker process builds its app from the environment: the settings as resolved
         # here (the command line's --db/--broker/--sandbox included) and one session key, so
         # that a session cookie from one process is good in every other.
@@ -137,6 +138,20 @@ def _can_listen(host: str, port: int, workers: int) -> None:
                 raise OSError(f"serve: cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
+def _ledger_opens(settings: Settings) -> None:
+    """What each of ``--workers``' processes does first (``create_app``: the database answers,
+    the schema is at head), done once here: refused, it is one line and exit 1, as with one
+    process. Each process died at its start with the whole traceback, uvicorn started it
+    again, and again: 78 tracebacks in 40 s, for ever, nothing answering (a cold review)."""
+    from toolledger.ledger.db import create_engine, ensure_schema
+
+    engine = create_engine(settings.db, timeout=settings.db_timeout)
+    try:
+        ensure_schema(engine)
+    finally:
+        engine.dispose()
+
+
 def _uvicorn(app: Any, **options: Any) -> None:
     """``uvicorn.run``, its failure to start (exit 3, said in its log) an error of ours."""
     import uvicorn
@@ -179,16 +194,27 @@ def _urls_for_workers(settings: Settings) -> dict[str, str]:
 
 def app_from_env() -> Any:
     """The app of one of ``serve --workers N``'s processes (uvicorn's factory)."""
+    import sqlalchemy as sa
+
+    from toolledger.ledger.errors import LedgerError
+    from toolledger.ledger.revision import SchemaError
     from toolledger.observability.logs import configure_logging
     from toolledger.observability.metrics import join_serve_group
     from toolledger.server.app import create_app
 
     configure_logging()
     join_serve_group()  # before create_app builds the counters
-    return create_app(
-        Settings.from_env(),
-        load_tokens(),
-        insecure_local=os.environ.get("TOOLLEDGER_SERVE_INSECURE_LOCAL") == "1",
-        secure_cookies=os.environ.get("TOOLLEDGER_SERVE_SECURE_COOKIES") == "1",
-        session_key=os.environ["TOOLLEDGER_API_SESSION_KEY"].encode(),
-    )
+    try:
+        return create_app(
+            Settings.from_env(),
+            load_tokens(),
+            insecure_local=os.environ.get("TOOLLEDGER_SERVE_INSECURE_LOCAL") == "1",
+            secure_cookies=os.environ.get("TOOLLEDGER_SERVE_SECURE_COOKIES") == "1",
+            session_key=os.environ["TOOLLEDGER_API_SESSION_KEY"].encode(),
+        )
+    except (sa.exc.OperationalError, LedgerError, ConfigError, SchemaError) as exc:
+        # the ledger out of reach when uvicorn starts a process again (the parent checked it
+        # at start: ``_ledger_opens``): one line a try, not its traceback, until it answers
+        said = str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""]
+        log.error("serve: process %d cannot start: %s", os.getpid(), said[0][:300])
+        raise SystemExit(1) from None
