@@ -2078,3 +2078,28 @@ def test_docs__swagger_ui_is_one_release_checked_by_the_browser(server: Any) -> 
         assert f"swagger-ui-dist@{SWAGGER_UI_VERSION}/" in url and digest.startswith("sha384-")
     assert re.fullmatch(r"\d+\.\d+\.\d+", SWAGGER_UI_VERSION)  # one release, not a range
     assert "/openapi.json" in page and client.get("/openapi.json").status_code == 200
+
+
+def test_api__no_answer_is_kept_by_a_cache(server: Any, scope: str) -> None:
+    """Every answer under /api/ says ``Cache-Control: no-store``, as the console's pages do:
+    a call's arguments and results were sent without it, for a browser or a caching proxy in
+    front to keep on disk (a cold review)."""
+    client, ledger = server
+    pending(ledger, scope, "c1")
+    h = bearer("otto")
+    body = {"scope": scope, "tool_call_id": "c2", "tool": "write_file", "args": {"path": "b"}}
+    answers = {
+        "show": client.get(f"/api/calls/{scope}/c1", headers=h),
+        "events": client.get(f"/api/calls/{scope}/c1/events", headers=h),
+        "list": client.get("/api/calls", params={"scope": scope}, headers=h),
+        "inbox": client.get("/api/inbox", headers=h),
+        "submit": client.post("/api/calls", json=body, headers=h),
+        "not found": client.get(f"/api/calls/{scope}/nope", headers=h),
+        "no token": client.get(f"/api/calls/{scope}/c1"),
+        "bad path": client.get(f"/api/calls/{scope}/bad%FE", headers=h),
+        "HEAD": client.head(f"/api/calls/{scope}/c1", headers=h),
+    }
+    said = {what: r.headers.get("cache-control") for what, r in answers.items()}
+    assert said == dict.fromkeys(answers, "no-store"), said
+    page = client.get("/login")  # the console's own, unchanged
+    assert page.headers["cache-control"] == "no-store"

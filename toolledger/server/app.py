@@ -24,6 +24,7 @@ from toolledger.server.deps import (
     BodyLimit,
     HeadAsGet,
     LoopbackOnly,
+    NoStoreApi,
     StrictPath,
     error_response,
     max_body_for,
@@ -91,6 +92,7 @@ def create_app(
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimit, api_limit=max_body_for(settings))
     app.add_middleware(StrictPath)
+    app.add_middleware(NoStoreApi)  # outside the others: their refusals carry it too
     if app.state.local is not None:
         app.add_middleware(LoopbackOnly)
 

@@ -297,6 +297,32 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
+class NoStoreApi:
+    """``Cache-Control: no-store`` on every answer under ``/api/``, as the console's pages
+    have it: a call's arguments and results (an agent's data, a token a tool returned) were
+    sent without it, and a browser (``--insecure-local``, ``/docs``' "Try it out") or a
+    caching proxy in front could keep them on disk (a cold review). A header a route set
+    itself stands."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/api/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def no_store(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"cache-control" for k, _ in headers):
+                    headers.append((b"cache-control", b"no-store"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, no_store)
+
+
 def require_suffix(request: Request, suffix: str) -> None:
     """A POST to an escaped id ending in ``/suffix`` names no action: never this one."""
     if not suffixed(request, suffix):
