@@ -826,7 +826,7 @@ def test_api__a_path_whose_escapes_are_not_utf8_is_refused(server: Any, scope: s
     pending(ledger, scope, "bad\ufffd")
     for path in (f"/api/calls/{scope}/bad%FF", f"/calls/{scope}/bad%FF"):
         r = client.get(path, headers=bearer("ann"))
-        assert r.status_code == 422 and "not UTF-8" in r.json()["error"], r.text
+        assert r.status_code == 422 and "not UTF-8" in r.text, r.text  # the console's: a page
     r = client.post(f"/api/calls/{scope}/bad%FE/approve", json={}, headers=bearer("ann"))
     assert r.status_code == 422
     assert ledger.get(scope, "bad\ufffd").operation.status is Status.PENDING_APPROVAL
@@ -2103,3 +2103,20 @@ def test_api__no_answer_is_kept_by_a_cache(server: Any, scope: str) -> None:
     assert said == dict.fromkeys(answers, "no-store"), said
     page = client.get("/login")  # the console's own, unchanged
     assert page.headers["cache-control"] == "no-store"
+
+
+def test_console__a_refusal_before_any_route_is_its_error_page(server: Any, scope: str) -> None:
+    """A path not UTF-8 and a form over the bound are refused before any route: the console's
+    error page for a person, as every other console error (they were raw JSON in the browser;
+    a cold review), the API's JSON under /api/ as before."""
+    client, _ = server
+    answers = {
+        "path": client.get(f"/calls/{scope}/bad%FE"),
+        "form": client.post("/login", data={"token": "x" * (300 * 1024)}),
+    }
+    said = {k: (r.status_code, r.headers["content-type"].split(";")[0]) for k, r in answers.items()}
+    assert said == {"path": (422, "text/html"), "form": (413, "text/html")}, said
+    assert "not UTF-8" in answers["path"].text and "limit" in answers["form"].text
+    assert answers["path"].headers["content-security-policy"]  # the console's headers
+    api = client.get(f"/api/calls/{scope}/bad%FE", headers=bearer("vera"))
+    assert api.status_code == 422 and api.json()["kind"] == "input"

@@ -7,7 +7,7 @@ import urllib.parse
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from toolledger.config import ConfigError, Settings
 from toolledger.ledger import inputs
@@ -156,7 +156,7 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
             message = f"request body of {int(declared)} bytes is over the {limit}-byte limit"
-            await error_response(BodyTooLarge(message))(scope, receive, send)
+            await refusal(scope, BodyTooLarge(message))(scope, receive, send)
             return
         seen = 0
 
@@ -270,7 +270,7 @@ class StrictPath:
                 # the call x of scope acme, where the client named the scope "acme/x"
                 why = "a scope holds no '/': the path's scope segment has an escaped one"
             if why is not None:
-                await error_response(InvalidArguments(why))(scope, receive, send)
+                await refusal(scope, InvalidArguments(why))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -334,6 +334,19 @@ def suffixed(request: Request, suffix: str) -> bool:
     sent escaped (``x%2Fevents``), which the router has already unescaped."""
     raw: bytes = request.scope.get("raw_path") or request.url.path.encode()
     return raw.endswith(b"/" + suffix.encode())
+
+
+def refusal(scope: Any, exc: LedgerError) -> Response:
+    """A middleware's refusal, before any route: the API's JSON under ``/api/``, and
+    elsewhere the console's error page, as the routes' errors are (a person reads it): a form
+    over the bound, a path not UTF-8, were shown as raw JSON in the browser (a cold review)."""
+    if scope["path"].startswith("/api/") or "app" not in scope:
+        return error_response(exc)
+    from toolledger.server import console
+
+    status = console._status_of(exc)
+    page = console.render(Request(scope), "error.html", status, who=None, error=str(exc))
+    return page
 
 
 def error_response(exc: BaseException) -> JSONResponse:
