@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -81,6 +82,77 @@ def retry(
     execution it publishes (its child): a retry made hours later, from the CLI or the
     console, is found from the call's trace.
     """
+    asked = RetryAsked(scope, tool_call_id, by, accept_duplicate, reason, attempt)
+    try:
+        return _retry(ledger, registry, enqueue, asked)
+    except InvalidTransition:
+        again = _retry_given_again(ledger, enqueue, asked)
+        if again is None:
+            raise
+        return again
+
+
+@dataclass(frozen=True)
+class RetryAsked:
+    """A retry as a person asked for it (``retry``'s arguments)."""
+
+    scope: str
+    tool_call_id: str
+    by: str
+    accept_duplicate: bool
+    reason: str | None
+    attempt: int | None
+
+
+def _retry_given_again(
+    ledger: Ledger, enqueue: Enqueue, asked: RetryAsked
+) -> dict[str, Any] | None:
+    """The answer to a retry the ledger refused that is one it took already: the call's last
+    attempt was authorised by this very retry (this person, this reason, this acceptance of a
+    duplicate, and, when the retry names the ``attempt`` it saw, the attempt after it), as a
+    script whose answer was lost sends it again. None for any other refusal. Until
+    2026-12-07 it was refused (exit 5 / 409, "it is attempt 2 now; look again"), as anyone
+    else's retry, and the script could not tell its own retry stood. Nothing is written; a
+    retry whose publish never happened (its process killed after the commit: never stamped)
+    is published, as a replayed submit would."""
+    scope, tool_call_id, by, attempt = asked.scope, asked.tool_call_id, asked.by, asked.attempt
+    accept_duplicate, reason = asked.accept_duplicate, asked.reason
+    view = ledger.get(scope, tool_call_id)
+    op, last = view.operation, view.last_attempt
+    if attempt is not None and attempt + 1 != last:
+        return None
+    mine = {"retry": True, "accept_duplicate": accept_duplicate, "reason": reason}
+    given = [
+        ev
+        for ev in ledger.events(scope, tool_call_id)
+        if ev.kind == Status.APPROVED.value and ev.detail.get("attempt") == last
+    ]
+    if not given or given[-1].actor != by:
+        return None
+    if {k: given[-1].detail.get(k) for k in mine} != mine:
+        return None
+    out: dict[str, Any] = {
+        "scope": scope,
+        "tool_call_id": tool_call_id,
+        "idempotency_key": op.idempotency_key,
+        "tool": op.tool,
+        "status": op.status.value,
+        "attempt": last,
+        "authorized_by": by,
+        "duplicate_effect_accepted": accept_duplicate,
+        "outcome": "existing",
+    }
+    workers = op.review is None and not op.tool.startswith(PROXIED_PREFIX)
+    if workers and op.status is Status.APPROVED and op.enqueued_at is None:
+        out.update(enqueue(scope, op.idempotency_key, op.authorized_attempts))
+    return out
+
+
+def _retry(
+    ledger: Ledger, registry: Registry, enqueue: Enqueue, asked: RetryAsked
+) -> dict[str, Any]:
+    scope, tool_call_id, by, attempt = asked.scope, asked.tool_call_id, asked.by, asked.attempt
+    accept_duplicate, reason = asked.accept_duplicate, asked.reason
     attrs, trace = _about(ledger, scope=scope, tool_call_id=tool_call_id)
     name = f"retry_tool {attrs.get('gen_ai.tool.name') or ''}".rstrip()
     with (
@@ -140,6 +212,7 @@ def retry(
             "attempt": retried.authorized_attempts,
             "authorized_by": by,
             "duplicate_effect_accepted": accept_duplicate,
+            "outcome": "decided",
         }
         if not (tool.idempotent or nothing_landed):
             out["warning"] = f"{by} accepted that {op.tool} may take effect twice"

@@ -153,3 +153,92 @@ def test_api__a_decision_posted_twice_is_200_existing_and_one_event(
         r = client.post(url, json={"reason": "fine"}, headers=bearer("otto"))
         assert r.status_code == 409 and r.json()["kind"] == "state"
         assert history(ledger, scope, "a").count("approved") == 1
+
+
+# ---------------------------------------------------------------------------- retry
+
+
+def unknown_notify(ledger: Ledger, scope: str) -> None:
+    """Attempt 1 of a call of a tool that is not idempotent, claimed, then declared unknown."""
+    ledger.submit(scope, "c1", "notify", {"to": "ops"}, approved_by="al")
+    claim = ledger.claim(scope, "notify:c1", 1, worker_id="w")
+    assert claim is not None
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+
+
+@pytest.fixture
+def retry_cli(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    monkeypatch.setenv("TOOLLEDGER_BROKER", "redis://127.0.0.1:1/0")  # enqueue fails visibly
+    monkeypatch.setenv("TOOLLEDGER_SANDBOX", str(tmp_path / "sandbox"))
+    monkeypatch.setenv("TOOLLEDGER_TOOLS", "tests.external_tools")
+    return lambda *argv: run_cli(capsys, "--db", db_url, *argv)
+
+
+def test_cli__a_retry_given_again_by_its_person_is_its_attempt_as_it_stands(
+    retry_cli: Any, ledger: Ledger, scope: str
+) -> None:
+    """A script's retry whose answer was lost, sent again: it was refused, exit 5, "it is
+    attempt 2 (approved) now; look again", as anyone else's retry."""
+    unknown_notify(ledger, scope)
+    argv = ["retry", "--scope", scope, "--tool-call-id", "c1", "--accept-duplicate", "--json"]
+    code, out, err = retry_cli(*argv, "--by", "carol", "--attempt", "1", "--reason", "r")
+    assert code == 0 and json.loads(out)["attempt"] == 2, err
+    assert json.loads(out)["outcome"] == "decided"
+    before = history(ledger, scope)
+    code, out, err = retry_cli(*argv, "--by", "carol", "--attempt", "1", "--reason", "r")
+    assert code == 0, err
+    again = json.loads(out)
+    assert (again["outcome"], again["attempt"], again["status"]) == ("existing", 2, "approved")
+    assert again["authorized_by"] == "carol" and again["duplicate_effect_accepted"] is True
+    code, out, err = retry_cli(*argv, "--by", "carol", "--reason", "r")  # no --attempt: the same
+    assert code == 0 and json.loads(out)["outcome"] == "existing", err
+    # anything else is refused as ever: another person, reason, acceptance, or attempt seen
+    for other in (
+        ["--by", "dan", "--attempt", "1", "--reason", "r"],
+        ["--by", "carol", "--attempt", "1", "--reason", "other"],
+        ["--by", "carol", "--attempt", "1"],
+        ["--by", "carol", "--attempt", "2", "--reason", "r"],
+    ):
+        code, _, err = retry_cli(*argv, *other)
+        assert code == 5, (other, err)
+    code, _, err = retry_cli(
+        "retry", "--scope", scope, "--tool-call-id", "c1", "--by", "carol", "--attempt", "1",
+        "--reason", "r",
+    )  # fmt: skip
+    assert code == 5, err  # it accepted a duplicate; this one does not
+    assert history(ledger, scope) == before
+    # attempt 2 ran and ended unknown meanwhile: the retry decided on attempt 1 still stands
+    claim = ledger.claim(scope, "notify:c1", 2, worker_id="w")
+    assert claim is not None
+    ledger.mark_unknown(claim.execution_id, reason="lease expired", actor="sweep")
+    code, out, err = retry_cli(*argv, "--by", "carol", "--attempt", "1", "--reason", "r")
+    assert code == 0 and json.loads(out)["outcome"] == "existing", err
+    assert json.loads(out)["status"] == "unknown"
+    assert ledger.get(scope, "c1").operation.authorized_attempts == 2
+
+
+def test_retry__given_again_publishes_only_an_attempt_never_stamped(
+    ledger: Ledger, scope: str
+) -> None:
+    from toolledger.recovery import humans
+    from toolledger.registry import load_registry
+
+    registry = load_registry("tests.external_tools")
+    published: list[int] = []
+
+    def enqueue(scope_: str, key: str, attempt: int) -> dict[str, Any]:
+        published.append(attempt)
+        return {"enqueued": True}
+
+    unknown_notify(ledger, scope)
+    kw: dict[str, Any] = {"by": "carol", "accept_duplicate": True, "attempt": 1}
+    humans.retry(ledger, registry, enqueue, scope, "c1", **kw)
+    assert published == [2]
+    # the process that retried was killed before its publish stamped the call: published
+    out = humans.retry(ledger, registry, enqueue, scope, "c1", **kw)
+    assert out["outcome"] == "existing" and published == [2, 2]
+    ledger.mark_enqueued(scope, "notify:c1", 2)  # published and stamped: the sweep's, now
+    humans.retry(ledger, registry, enqueue, scope, "c1", **kw)
+    assert published == [2, 2]
