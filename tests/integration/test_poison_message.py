@@ -116,3 +116,60 @@ def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
             client.close()
     finally:
         stop_all([worker])
+
+
+#: Items pushed onto the queue's Redis list as they are, not kombu messages: before
+#: 2026-12-07 each stopped the worker that popped it ("Unrecoverable error": a
+#: JSONDecodeError, or a KeyError/TypeError building the message), one worker per item.
+RAW = [
+    b"garbage",
+    b"[" * 50_000,
+    b'"x"',
+    b"{}",
+    b'{"properties": 5}',
+    b'{"body": "x", "properties": {}}',
+    b'{"body": "x", "headers": 5, "properties": {"delivery_tag": "t", "body_encoding": "base64"}}',
+    b'{"body": "x", "properties": {"delivery_tag": "t", "body_encoding": "rot13"}}',
+]
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_worker__an_item_that_is_no_kombu_message_is_dropped_and_the_worker_goes_on(
+    redis_server: str, redis_prefix: str, tmp_path: Path, pool: str
+) -> None:
+    env = service_env(
+        db=f"sqlite:///{tmp_path / 'ledger.db'}",
+        broker=redis_server,
+        broker_prefix=redis_prefix,
+        sandbox=str(tmp_path / "sandbox"),
+        home=str(tmp_path / "home"),
+        metrics="off",
+        queue=QUEUE,
+    )
+
+    def cli(*argv: str) -> dict:
+        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    worker = worker_process("raw", env, tmp_path / "logs", pool=pool, concurrency=2)
+    worker.start()
+    client = redis.Redis.from_url(redis_server)
+    try:
+        worker.wait_ready(60)
+        client.lpush(f"{redis_prefix}{QUEUE}", *RAW)  # popped from the right: in this order
+        args = json.dumps({"path": "a.txt", "content": "after"})
+        cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+            "--args", args, "--approved-by", "al")  # fmt: skip
+        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "30")
+        log = worker.log_text()
+        assert got["status"] == "succeeded", (got, log[-3000:])
+        assert worker.alive(), log[-3000:]
+        assert "Unrecoverable error" not in log, log[-3000:]
+        assert log.count("that is not a kombu message") == len(RAW), log[-3000:]
+        assert "garbage" not in log  # one line each, never the item's contents
+        assert client.llen(f"{redis_prefix}{QUEUE}") == 0
+    finally:
+        client.close()
+        stop_all([worker])
