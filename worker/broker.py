@@ -34,6 +34,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import sqlalchemy as kombu_sqla
 
 from toolledger.ledger import doorbell
+from toolledger.worker.envelope import UNREADABLE, dropped, envelope_fault
 
 ALIAS = "embedded"
 #: Poll interval while the worker has jobs in hand (a finished one frees a slot silently).
@@ -66,6 +67,13 @@ class Channel(kombu_sqla.Channel):
         database = _database(self.connection.client)
         with _process_lock(database):  # kombu creates its tables here
             return super()._open()  # type: ignore[no-untyped-call]
+
+    def _get(self, queue: str) -> Any:  # type: ignore[override]
+        try:
+            return super()._get(queue)  # type: ignore[no-untyped-call]
+        except UNREADABLE as exc:  # its row is marked taken already: dropped
+            dropped(queue, type(exc).__name__)
+            raise Empty() from None
 
     def _get_or_create(self, queue: str) -> Any:
         try:
@@ -126,6 +134,13 @@ class Transport(kombu_sqla.Transport):
                     time.sleep(wait)
                 else:
                     bell.wait(wait)
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        why = envelope_fault(message, self.channels[0] if self.channels else None)
+        if why is not None:
+            dropped(queue, why)
+            return
+        super()._deliver(message, queue)  # type: ignore[no-untyped-call]
 
     def _busy(self) -> bool:
         """Jobs in hand: a slot may free without a ring, so keep polling quickly."""

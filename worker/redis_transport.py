@@ -13,19 +13,12 @@ Chosen for ``redis://`` brokers by ``worker.app`` (Celery's own ``broker_transpo
 setting); ``rediss://`` and Sentinel keep kombu's transports as they are, and so does a
 failover list (``redis://a;redis://b``) once it fails over: kombu reads the scheme again.
 
-A raw item pushed onto a queue (``LPUSH toolledger garbage``) that is not a kombu message
-is dropped here with one line: kombu decoded it inside the worker's event loop, and a
-``JSONDecodeError`` (or a ``KeyError`` for an envelope without ``properties``) stopped the
-worker ("Unrecoverable error"); each such item stopped one more worker of the fleet (a
-review, 2026-12-07). A job's message is only a pointer: a call it named is still approved
-in the ledger, re-published by the sweep's outbox.
+An item on a queue that is no kombu message (a raw ``LPUSH``) is dropped with one line
+(``worker.envelope``), never a worker stopped.
 """
 
 from __future__ import annotations
 
-import binascii
-import json
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from queue import Empty
@@ -33,45 +26,7 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 
-log = logging.getLogger("toolledger.worker")
-
-#: What decoding an item that is not a kombu message raises (deep nesting: RecursionError).
-_UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)
-
-
-def envelope_fault(payload: Any, channel: Any) -> str | None:
-    """What keeps a decoded item from being a kombu message a virtual channel can deliver,
-    or None: a mapping with ``properties`` holding a text ``delivery_tag`` and a
-    ``delivery_info`` mapping, headers a mapping or none, a body kombu can decode."""
-    if not isinstance(payload, dict):
-        return "not a mapping"
-    properties = payload.get("properties")
-    if not isinstance(properties, dict) or not isinstance(properties.get("delivery_tag"), str):
-        return "no properties with a delivery tag"
-    if not isinstance(properties.get("delivery_info", {}), dict):
-        return "its delivery info is not a mapping"
-    if not isinstance(payload.get("headers") or {}, dict):
-        return "its headers are not a mapping"
-    body, encoding = payload.get("body"), properties.get("body_encoding")
-    if body is not None and not isinstance(body, str):
-        return "its body is not text"
-    if encoding is not None and not isinstance(encoding, str):
-        return "its body encoding is not text"
-    if body and encoding and encoding.lower() != "utf-8" and channel is not None:
-        if encoding not in channel.codecs:
-            return "its body encoding is unknown"
-        try:
-            channel.decode_body(body, encoding)
-        except (binascii.Error, ValueError, TypeError):
-            return "its body does not decode"
-    return None
-
-
-def dropped(queue: str | None, why: str) -> None:
-    """One line for an item dropped from a queue (never its contents)."""
-    where = f"queue {queue}" if queue else "a queue"
-    log.error("dropped an item on %s that is not a kombu message: %s", where, why)
-
+from toolledger.worker.envelope import UNREADABLE, dropped, envelope_fault
 
 #: Celery's ``broker_transport`` value that selects this transport.
 NAME = "toolledger.worker.redis_transport:Transport"
@@ -93,14 +48,14 @@ class Channel(kombu_redis.Channel):
     def _brpop_read(self, **options: Any) -> bool:
         try:
             return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
-        except _UNREADABLE as exc:  # popped, undecodable: gone from the queue, dropped
+        except UNREADABLE as exc:  # popped, undecodable: gone from the queue, dropped
             dropped(None, type(exc).__name__)
             return True
 
     def _get(self, queue: str, timeout: Any = None) -> Any:
         try:
             return super()._get(queue)  # type: ignore[no-untyped-call]
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             dropped(queue, type(exc).__name__)
             raise Empty() from None
 

@@ -8,7 +8,9 @@ fleet. Real worker, real Redis, raw messages published beside the job's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -172,4 +174,51 @@ def test_worker__an_item_that_is_no_kombu_message_is_dropped_and_the_worker_goes
         assert client.llen(f"{redis_prefix}{QUEUE}") == 0
     finally:
         client.close()
+        stop_all([worker])
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_embedded_worker__a_row_that_is_no_kombu_message_is_dropped_and_the_worker_goes_on(
+    tmp_path: Path, pool: str
+) -> None:
+    broker_db = tmp_path / "broker.db"
+    env = service_env(
+        db=f"sqlite:///{tmp_path / 'ledger.db'}",
+        broker=f"embedded+sqlite:///{broker_db}",
+        sandbox=str(tmp_path / "sandbox"),
+        home=str(tmp_path / "home"),
+        metrics="off",
+        queue=QUEUE,
+    )
+
+    def cli(*argv: str) -> dict:
+        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    worker = worker_process("rows", env, tmp_path / "logs", pool=pool, concurrency=2)
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        with contextlib.closing(sqlite3.connect(broker_db, timeout=30)) as db:
+            (queue_id,) = db.execute(
+                "SELECT id FROM kombu_queue WHERE name = ?", (QUEUE,)
+            ).fetchone()
+            db.executemany(
+                "INSERT INTO kombu_message (visible, timestamp, payload, version, queue_id)"
+                " VALUES (1, datetime('now'), ?, 1, ?)",
+                [(raw.decode(), queue_id) for raw in RAW],
+            )
+            db.commit()
+        args = json.dumps({"path": "a.txt", "content": "after"})
+        cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+            "--args", args, "--approved-by", "al")  # fmt: skip
+        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "30")
+        log = worker.log_text()
+        assert got["status"] == "succeeded", (got, log[-3000:])
+        assert worker.alive(), log[-3000:]
+        assert "Unrecoverable error" not in log, log[-3000:]
+        assert log.count("that is not a kombu message") == len(RAW), log[-3000:]
+    finally:
         stop_all([worker])
