@@ -94,6 +94,19 @@ def _time_limits(value: Any) -> bool:
     )
 
 
+def own_time_limits(message: Any, body: Any) -> None:
+    """The worker's own time limits for every message (its settings, checked at start: soft <
+    hard < lease), never the message's ``timelimit``: a forged ``[0.5, 1]`` had a prefork
+    child killed half a second into an approved call, leaving it running until its lease
+    expired, then unknown; a sweep's re-publication carried the limits of the app that sent
+    it (the beat's settings), not the worker's (a review, 2026-12-07)."""
+    headers = message.headers
+    if isinstance(headers, dict) and "timelimit" in headers:
+        headers["timelimit"] = None
+    if isinstance(body, dict) and "timelimit" in body:  # protocol 1, a hybrid body
+        body["timelimit"] = None
+
+
 def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:
     """Celery's default strategy, refusing a message it cannot make a request of (a body
     not ``[args, kwargs, embed]``, no task id) as an invalid task: logged, acked, dropped."""
@@ -104,6 +117,7 @@ def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> 
     ) -> Any:
         why = malformed(message)
         if why is None:
+            own_time_limits(message, body)
             try:
                 return handle(message, body, ack, reject, callbacks, **kw)
             except (InvalidTaskError, DecodeError, ContentDisallowed):

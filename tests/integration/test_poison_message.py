@@ -222,3 +222,49 @@ def test_embedded_worker__a_row_that_is_no_kombu_message_is_dropped_and_the_work
         assert log.count("that is not a kombu message") == len(RAW), log[-3000:]
     finally:
         stop_all([worker])
+
+
+def test_worker__a_message_s_time_limits_are_not_the_worker_s(
+    redis_server: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """An approved call's job with ``timelimit`` [0.5, 1] (forged, or sent by an app with other
+    settings: the sweep's re-publications carry the sending app's): before 2026-12-07 the
+    prefork child was killed 0.5 s into the tool, the call left running, then unknown."""
+    env = service_env(
+        db=f"sqlite:///{tmp_path / 'ledger.db'}",
+        broker=redis_server,
+        broker_prefix=redis_prefix,
+        sandbox=str(tmp_path / "sandbox"),
+        home=str(tmp_path / "home"),
+        metrics="off",
+        queue=QUEUE,
+        failpoints="before_effect=sleep(2)",
+    )
+
+    def cli(*argv: str) -> dict:
+        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    args = json.dumps({"path": "a.txt", "content": "x"})
+    cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+        "--args", args, "--approved-by", "al")  # fmt: skip
+    client = redis.Redis.from_url(redis_server)
+    try:
+        client.delete(f"{redis_prefix}{QUEUE}")  # its own job gone: only the one below
+    finally:
+        client.close()
+    body = json.dumps([["s", "write_file:c1", 1], {}, {"callbacks": None, "errbacks": None}])
+    _publish(redis_server, redis_prefix, body, _headers(timelimit=[0.5, 1]))
+    worker = worker_process("limits", env, tmp_path / "logs", pool="prefork", concurrency=1)
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "30")
+        log = worker.log_text()
+        assert got["status"] == "succeeded", (got, log[-3000:])
+        assert "Hard time limit" not in log, log[-3000:]
+        assert (tmp_path / "sandbox" / "s" / "a.txt").read_text() == "x"
+    finally:
+        stop_all([worker])
