@@ -82,6 +82,7 @@ def create_app(
     app.state.desk = Desk(settings, Authenticator(tokens, session_key), submitter=sub)
     app.state.local = LOCAL if insecure_local and not tokens else None
     app.state.secure_cookies = secure_cookies
+    app.state.refusal_page = console.refusal_page  # deps' refusals before any route
     app.include_router(api.router)
     app.include_router(console.router)
 

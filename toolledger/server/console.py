@@ -149,6 +149,11 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> HT
     return HTMLResponse(html, status_code=status, headers=secure_headers())
 
 
+def refusal_page(request: Request, exc: LedgerError) -> HTMLResponse:
+    """The error page of a request refused before any route (``deps.refusal``)."""
+    return render(request, "error.html", _status_of(exc), who=None, error=str(exc))
+
+
 async def render_off_loop(
     request: Request, name: str, status: int = 200, **context: Any
 ) -> HTMLResponse:

@@ -338,15 +338,15 @@ def suffixed(request: Request, suffix: str) -> bool:
 
 def refusal(scope: Any, exc: LedgerError) -> Response:
     """A middleware's refusal, before any route: the API's JSON under ``/api/``, and
-    elsewhere the console's error page, as the routes' errors are (a person reads it): a form
+    elsewhere the console's error page (``app.state.refusal_page``, which the app sets: this
+    module is below the console's), as the routes' errors are (a person reads it): a form
     over the bound, a path not UTF-8, were shown as raw JSON in the browser (a cold review)."""
-    if scope["path"].startswith("/api/") or "app" not in scope:
+    app = scope.get("app")
+    page = getattr(app.state, "refusal_page", None) if app is not None else None
+    if scope["path"].startswith("/api/") or page is None:
         return error_response(exc)
-    from toolledger.server import console
-
-    status = console._status_of(exc)
-    page = console.render(Request(scope), "error.html", status, who=None, error=str(exc))
-    return page
+    response: Response = page(Request(scope), exc)
+    return response
 
 
 def error_response(exc: BaseException) -> JSONResponse:
