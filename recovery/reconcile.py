@@ -170,6 +170,7 @@ def reconcile_unknown(
     budget_s: float | None = None,
     start_after: Position | None = None,
     on_retry: Callable[[str, str, int], None] | None = None,
+    on_ask: Callable[[Position], None] | None = None,
 ) -> ReconcileTally:
     """One pass over every execution that is unknown now (page by page).
 
@@ -179,7 +180,9 @@ def reconcile_unknown(
     begin after this execution and wrap around (where the last pass ran out of time), so the
     rows at the front do not take every pass's time. ``on_retry``: called with each attempt
     this pass authorises as it is decided (its publish), instead of listing it in
-    ``to_publish`` for the end of the pass."""
+    ``to_publish`` for the end of the pass. ``on_ask``: called with each row's position before
+    it is reconciled (kept where a process killed there leaves it: the next pass goes on
+    after that row, not from the start to it again)."""
     tally = ReconcileTally()
     began = time.monotonic()
     last: Position | None = None
@@ -201,6 +204,8 @@ def reconcile_unknown(
                 )
                 return tally
             last = _position(ex)
+            if on_ask is not None:
+                on_ask(last)
             with _observed(ex, op, traces.get((ex.scope, ex.idempotency_key))) as span:
                 events = evidence.get(ex.execution_id, [])
                 found = _findings(ledger, registry, sandbox, ex, op, events, tally)

@@ -20,10 +20,13 @@ and lease in its UPDATE; step 2 is a compare-and-set; step 3 stamps what it take
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -110,10 +113,13 @@ def sweep(
     actor: str = "sweep",
     max_auto_retries: int = MAX_AUTO_RETRIES,
     reconcile_budget: float | None = None,
+    resume_file: Path | None = None,
 ) -> SweepSummary:
     """One recovery pass. Never executes a tool. ``reconcile_budget``: seconds the pass may
     spend starting reconciliations (None: as long as it takes), for a pass run under a time
-    limit."""
+    limit. ``resume_file``: where the row being reconciled is kept, so a pass killed there (a
+    reconciler past the hard time limit kills the process) is followed by one that goes on
+    after it."""
     began = time.perf_counter()
     with tracing.span("sweep", {"toolledger.actor": actor}) as span, logs.bind(sweep=actor):
         try:
@@ -128,6 +134,7 @@ def sweep(
                 actor=actor,
                 max_auto_retries=max_auto_retries,
                 reconcile_budget=reconcile_budget,
+                resume_file=resume_file,
             )
         except BaseException:
             # A pass the ledger stopped (out of reach, a table gone) is a pass that failed:
@@ -185,6 +192,7 @@ def _sweep(
     actor: str,
     max_auto_retries: int,
     reconcile_budget: float | None,
+    resume_file: Path | None,
 ) -> SweepSummary:
     # a later version's sandbox: its own sweep settles and reconciles there (FormatTooNew,
     # before anything is changed)
@@ -248,6 +256,18 @@ def _sweep(
                 ledger.mark_enqueued(scope, key, attempt)
 
     where = str(ledger.engine.url)
+    if resume_file is not None:  # kept on disk: outlives a child killed mid-pass
+        if (kept := _read_resume(resume_file, where)) is not None:
+            _resume[where] = kept
+        else:
+            _resume.pop(where, None)
+    on_ask = None
+    if resume_file is not None and reconcile_budget is not None:
+        keep_at: Path = resume_file
+
+        def on_ask(position: Position) -> None:
+            _write_resume(keep_at, where, position)
+
     tally = reconcile_unknown(
         ledger,
         registry,
@@ -258,12 +278,15 @@ def _sweep(
         budget_s=reconcile_budget,
         start_after=_resume.get(where) if reconcile_budget is not None else None,
         on_retry=on_retry,
+        on_ask=on_ask,
     )
     if tally.resume_after is not None:  # (kept if the pass raised: the next starts there)
         _resume[where] = tally.resume_after
         summary.reconcile_deferred = True
     else:
         _resume.pop(where, None)
+    if on_ask is not None and resume_file is not None:
+        _write_resume(resume_file, where, tally.resume_after)
     summary.reconciled, summary.still_unknown = tally.reconciled, tally.still_unknown
     summary.from_late_result, summary.from_reconciler = (
         tally.from_late_result,
@@ -329,3 +352,37 @@ def _unstamp(ledger: Ledger, jobs: list[tuple[str, str, int]], errors: list[str]
     except sa.exc.SQLAlchemyError as exc:  # then due once the threshold has passed again
         errors.append(f"clearing the stamps of {len(jobs)} unpublished calls failed: {exc}")
         log.warning("clearing the stamps of %d unpublished calls failed: %s", len(jobs), exc)
+
+
+def _read_resume(path: Path, where: str) -> Position | None:
+    """Where the last pass over this ledger stopped, as ``_write_resume`` kept it (None: from
+    the start; an unreadable file is no position)."""
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8")).get(where)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(kept, list) and len(kept) == 3 and all(isinstance(k, str) for k in kept):
+        return (kept[0], kept[1], kept[2])
+    return None
+
+
+def _write_resume(path: Path, where: str, position: Position | None) -> None:
+    """Keep (or, None, forget) where passes over this ledger go on; a failure to keep it only
+    loses the place (the next pass starts from the first row)."""
+    try:
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            kept = {}
+        if not isinstance(kept, dict):
+            kept = {}
+        if position is None:
+            kept.pop(where, None)
+        else:
+            kept[where] = list(position)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("keeping where the sweep goes on failed: %s", exc)

@@ -65,6 +65,9 @@ def sweep(task: Task) -> dict[str, Any]:
             # under the soft time limit the worker's app sets for every task: half of it for
             # reconcilers, which may each wait on a service; the next pass goes on after them
             reconcile_budget=settings.soft_time_limit / 2,
+            # a reconciler past the hard limit kills this child, and where it stood with it:
+            # every pass was killed at that row, the rows after it never reconciled
+            resume_file=settings.home / "sweep-resume.json",
         )
     except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
         said = _database_said(exc)

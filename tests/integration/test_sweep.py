@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import multiprocessing
+import os
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -1007,4 +1008,62 @@ def test_sweep__calls_a_failed_publish_left_unpublished_are_due_at_the_next_pass
     published: list[tuple[str, str, int]] = []
     assert requeue_lost(ledger, lambda *a: published.append(a), 60, 1000, errors) == 3
     assert sorted(published) == [("burst", f"k{i}", 1) for i in range(3)]
+    ledger.close()
+
+
+def _dies_asked(args: ContentArgs, ctx: Any) -> Any:
+    os._exit(9)  # as the hard time limit kills the sweep's child while its reconciler hangs
+
+
+def _proves_success(args: ContentArgs, ctx: Any) -> Any:
+    return Evidence(Status.SUCCEEDED, {"ok": True}, {"method": "test"})
+
+
+def _budgeted_sweep(url: str, root: str, resume_file: str) -> None:
+    registry = Registry(
+        [
+            make_tool(_bomb_write, name="hang", reconcile=_dies_asked),
+            make_tool(_bomb_write, name="good", reconcile=_proves_success),
+        ]
+    )
+    ledger = Ledger(url)
+    sweep(
+        ledger,
+        registry,
+        Sandbox(Path(root)),
+        grace_seconds=0,
+        requeue_after=3600,
+        publish=None,
+        reconcile_budget=60,
+        resume_file=Path(resume_file),
+    )
+
+
+def test_sweep__a_pass_killed_in_a_reconciler_is_followed_by_one_that_goes_on_after_it(
+    fresh_db_url: str, sandbox: Sandbox, tmp_path: Path
+) -> None:
+    """A reconciler that swallows the soft time limit runs on to the hard one, which kills the
+    sweep's child, and where the pass stood died with it: every pass began again from the
+    first unknown execution and was killed at the same row, the rows after it never
+    reconciled (a cold review: a real beat, 6 passes killed in 45 s, 5 calls a one-line
+    reconciler proves left unknown)."""
+    ledger = Ledger(fresh_db_url)
+    ledger.submit("a", "h", "hang", {"path": "h", "content": "x"}, approved_by="al")
+    ledger.claim("a", "hang:h", 1, worker_id="dead", lease_seconds=0.01)
+    for i in range(3):
+        ledger.submit("b", f"g{i}", "good", {"path": f"g{i}", "content": "x"}, approved_by="al")
+        ledger.claim("b", f"good:g{i}", 1, worker_id="dead", lease_seconds=0.01)
+    time.sleep(0.1)
+    ctx = multiprocessing.get_context("spawn")
+    for _ in range(2):  # two passes, each killed where the hanging reconciler is asked
+        p = ctx.Process(
+            target=_budgeted_sweep,
+            args=(fresh_db_url, str(sandbox.root), str(tmp_path / "resume.json")),
+        )
+        p.start()
+        p.join(120)
+        assert p.exitcode == 9
+    statuses = {cid: ledger.get("b", cid).operation.status for cid in ("g0", "g1", "g2")}
+    assert statuses == dict.fromkeys(("g0", "g1", "g2"), Status.SUCCEEDED)
+    assert ledger.get("a", "h").operation.status is Status.UNKNOWN
     ledger.close()
