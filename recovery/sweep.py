@@ -385,4 +385,10 @@ def _write_resume(path: Path, where: str, position: Position | None) -> None:
         tmp.write_text(json.dumps(kept), encoding="utf-8")
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("keeping where the sweep goes on failed: %s", exc)
+        if path not in _unkept:  # said once a process: it is written before every row asked
+            _unkept.add(path)
+            log.warning("keeping where the sweep goes on failed (said once): %s", exc)
+
+
+#: Resume files this process could not write (their warning said once).
+_unkept: set[Path] = set()

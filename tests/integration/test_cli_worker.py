@@ -266,6 +266,10 @@ def test_tools__user_module_from_env(run, tmp_path, monkeypatch):
         def send_greeting(args: Args, ctx) -> dict:
             """Send a greeting."""
             return {"sent_to": args.to}
+
+        @tool(idempotent=False)
+        def say_nothing(args: Args, ctx) -> dict:
+            return {}
     ''')
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -273,6 +277,9 @@ def test_tools__user_module_from_env(run, tmp_path, monkeypatch):
     _, out, _ = run("tools", "--json")
     names = [t["name"] for t in json.loads(out)["tools"]]
     assert "send_greeting" in names
+    # a tool without a docstring is listed too (it was "internal error: IndexError", exit 1)
+    code, out, err = run("tools")
+    assert code == 0 and "say_nothing" in out and "Send a greeting." in out, err
 
 
 def test_submit__a_broker_that_never_answers_fails_the_publish_in_bounded_time(

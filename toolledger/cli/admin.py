@@ -302,7 +302,7 @@ def tools(c: Context, fmt: str) -> None:
             f"{d['name']:<14} {'idempotent' if d['idempotent'] else 'not idempotent':<15} "
             f"{'read-only' if d['read_only'] else 'side effect':<12} "
             f"{'reconcilable' if d['reconcilable'] else 'human recovery':<15} "
-            f"{d['description'].splitlines()[0][:70]}"
+            f"{(d['description'].splitlines() or [''])[0][:70]}"  # a tool with no docstring
             for d in definitions
         )
 
