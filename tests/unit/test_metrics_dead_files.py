@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,46 @@ def test_a_fold_that_fails_changes_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert unfolded.pop("hobs_busy{}") == 5 and "hobs_busy{}" not in folded
     assert folded == pytest.approx(unfolded)  # each count once (summed in another order)
     assert len(files(group)) <= 4
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_scrape_does_not_wait_for_a_frozen_lock_holder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process of the group holds the fold lock and does not let go (frozen: a
+    SIGSTOP, a stalled disk). A scrape waited for it for as long: under ``serve --workers
+    N`` on the event loop, so no API request of that process was answered either. It now
+    leaves the group's counters out, one warning line, and serves them once the lock is
+    free."""
+    group = tmp_path / "group"
+    group.mkdir()
+    children(group, 3, 0)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(group / metrics._LOCK_FILE)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        served: list[dict[str, float]] = []
+        scraping = threading.Thread(target=lambda: served.append(scrape(monkeypatch, group)))
+        scraping.daemon = True
+        scraping.start()
+        scraping.join(timeout=30)  # the wait is 1 s; 30 for a loaded machine
+        assert not scraping.is_alive(), "the scrape waits for the lock's frozen holder"
+        assert "toolledger_calls_total{status=running,tool=write_file}" not in served[0]
+        assert "the group's counters not served" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    scraping.join(timeout=30)
+    again = scrape(monkeypatch, group)
+    assert again["toolledger_calls_total{status=running,tool=write_file}"] == 3

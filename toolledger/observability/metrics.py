@@ -407,6 +407,9 @@ _FOLDED_GAUGES = ("min", "max", "sum", "mostrecent")
 #: read that globbed the removed file would fail on it (prometheus_client raises for any
 #: file but a live gauge's). ``serve --workers N``: N processes may scrape the one directory.
 _LOCK_FILE = ".fold.lock"
+#: How long a scrape waits for the group's lock (a fold and a read take milliseconds): past it
+#: the group's counters are left out of that scrape, one warning line, rather than waited for.
+GROUP_LOCK_WAIT_SECONDS = 1.0
 
 
 class GroupFiles:
@@ -431,7 +434,15 @@ class GroupFiles:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        with _group_lock(self.directory):
+        with _group_lock(self.directory) as held:
+            if not held:  # served unfolded, a fold half done would count twice: none served
+                log.warning(
+                    "metrics: the group's counters not served: another process holds %s "
+                    "past %.0f s (frozen?)",
+                    os.path.join(self.directory, _LOCK_FILE),
+                    GROUP_LOCK_WAIT_SECONDS,
+                )
+                return
             try:
                 fold_dead(self.directory)
             except Exception:  # any: the scrape serves the files as they are, unfolded
@@ -441,13 +452,27 @@ class GroupFiles:
 
 
 @contextlib.contextmanager
-def _group_lock(directory: str) -> Iterator[None]:
+def _group_lock(directory: str, wait: float | None = None) -> Iterator[bool]:
+    """The group's lock, waited for ``wait`` seconds at most (``GROUP_LOCK_WAIT_SECONDS``);
+    yields whether it is held. A holder frozen (SIGSTOP, a stalled disk) held every other
+    process's scrape for as long: ``serve --workers N`` renders on its event loop, and each
+    process whose /metrics was scraped answered no request again until it thawed (a cold
+    review: the API's requests timed out on both processes while the lock was held)."""
     import fcntl
 
+    deadline = time.monotonic() + (GROUP_LOCK_WAIT_SECONDS if wait is None else wait)
     fd = os.open(os.path.join(directory, _LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.01)
+        yield True
     finally:
         os.close(fd)  # releases the lock
 
