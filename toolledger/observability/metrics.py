@@ -455,9 +455,10 @@ class GroupFiles:
 def _group_lock(directory: str, wait: float | None = None) -> Iterator[bool]:
     """The group's lock, waited for ``wait`` seconds at most (``GROUP_LOCK_WAIT_SECONDS``);
     yields whether it is held. A holder frozen (SIGSTOP, a stalled disk) held every other
-    process's scrape for as long: ``serve --workers N`` renders on its event loop, and each
-    process whose /metrics was scraped answered no request again until it thawed (a cold
-    review: the API's requests timed out on both processes while the lock was held)."""
+    process's scrape for as long: ``serve --workers N`` renders on its event loop, and a
+    process whose /metrics was scraped answered no request meanwhile (a cold review: 5 s for
+    a SIGSTOPped holder, until uvicorn's health check killed it; a holder in a stalled disk's
+    I/O outlives a kill)."""
     import fcntl
 
     deadline = time.monotonic() + (GROUP_LOCK_WAIT_SECONDS if wait is None else wait)
