@@ -303,7 +303,12 @@ class LedgerStateCollector:
 
     def _served(self) -> tuple[dict[str, dict[str, float]] | None, bool, float]:
         if self.read_on_collect:
-            self.counts()
+            # in a thread of its own, waited for SCRAPE_WAIT_SECONDS: the beat's scrape that
+            # started a read of a frozen database waited for it (20 s and more, past
+            # Prometheus's 10 s timeout: the target down, a cold review); it goes on, unwaited
+            reader = threading.Thread(target=self.counts, name="ledger-state", daemon=True)
+            reader.start()
+            reader.join(SCRAPE_WAIT_SECONDS)
         snap = self._snapshot
         return snap.values, snap.up, snap.read_at
 
