@@ -21,7 +21,8 @@ still take effect). Replay needs the call ids kept by the app (the README says h
 
 Approval is the SDK's human-in-the-loop: a call that ``approve(tool, call_id, args)`` does
 not approve (it returns None; with no ``approve`` at all, every call that is not read-only)
-is a tool with ``needs_approval``: the run stops with an interruption, and once
+is a tool with ``needs_approval``: the run stops with an interruption (any other answer than
+None must be an approver's name, or the run stops, nothing recorded), and once
 ``RunState.approve`` lets it through, the resumed run submits it approved by
 ``approved_by`` (default ``openai-agents``). A call the SDK rejects is never submitted:
 nothing is recorded. A call already in the ledger and decided (a replay) needs no second
@@ -55,6 +56,7 @@ from agents.tool_context import ToolContext
 from toolledger.client import AsyncCallHandle, AsyncClient, Client, unanswered, waiting_on
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InputError, LedgerError, StateError
+from toolledger.ledger.identity import check_text_id
 from toolledger.ledger.transitions import Status
 from toolledger.mcp import META_SCOPE, META_TOOL_CALL_ID
 from toolledger.tools import Registry, Tool
@@ -270,7 +272,13 @@ def _function_tool(
         answer = approve(tool.name, call_id, copy.deepcopy(args))
         # an async policy is awaited: its coroutine was taken for the approver's name, and the
         # model read "approver: must be a string, not coroutine" (a cold review)
-        return await answer if inspect.isawaitable(answer) else answer
+        said = await answer if inspect.isawaitable(answer) else answer
+        if said is None:
+            return None
+        # checked as run_turn checks it, before anything is submitted: a falsy answer (False,
+        # "") meant no pause, and the call was then recorded approved by the SDK's approver,
+        # which nobody gave, and ran (a cold review)
+        return check_text_id(said, f"approver of call {call_id!r}", inputs.MAX_ACTOR)
 
     def asked(key: tuple[str, str], answer: str | None) -> str | None:
         answers[key] = answer

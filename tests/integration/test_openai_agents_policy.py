@@ -1,0 +1,60 @@
+"""The OpenAI Agents SDK adapter's approval policy, answered with something other than an
+approver's name or None: refused before anything is recorded, as run_turn refuses it. No
+worker: what matters is what the ledger records (or not)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CI
+
+if not CI:  # under CI=true the extra must be installed: a missing one fails the import below
+    pytest.importorskip("agents")
+
+from agents import Agent, RunConfig, Runner
+from agents.exceptions import AgentsException
+
+from examples.openai_agents_loop import ScriptedModel
+from toolledger import AsyncClient, Client
+from toolledger.config import Settings
+from toolledger.ledger.errors import NotFound
+from toolledger.openai_agents import ledger_function_tools
+
+
+@pytest.fixture
+def settings(db_url: str, tmp_path: Path) -> Iterator[Settings]:
+    yield Settings.from_env(
+        {"TOOLLEDGER_DB": db_url, "TOOLLEDGER_HOME": str(tmp_path / "home"),
+         "TOOLLEDGER_SANDBOX": str(tmp_path / "sandbox"),
+         "TOOLLEDGER_BROKER": f"embedded+sqlite:///{tmp_path / 'broker.db'}"}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", [False, "", "  ", 0])
+def test_a_falsy_policy_answer_is_refused_not_taken_as_the_sdks_approval(
+    settings: Settings, scope: str, answer: Any
+) -> None:
+    """A policy that said False or "" (meant: not approved) paused nothing, and the call was
+    recorded approved by "openai-agents", which nobody said, and ran."""
+
+    def policy(_tool: str, _call_id: str, _args: dict[str, Any]) -> Any:
+        return answer
+
+    async def go() -> str:
+        model = ScriptedModel([("call_f1", "append_file", {"path": "x.txt", "content": "x\n"})])
+        async with AsyncClient(settings) as client:
+            tools = ledger_function_tools(client, scope=scope, approve=policy, timeout=1)
+            agent = Agent(name="t", model=model, tools=list(tools))
+            with pytest.raises(AgentsException) as stopped:  # the SDK wraps what stopped it
+                await Runner.run(agent, "go", run_config=RunConfig(tracing_disabled=True))
+        return str(stopped.value)
+
+    said = asyncio.run(go())
+    with Client(settings) as client, pytest.raises(NotFound):
+        client.status(scope, "call_f1")  # nothing recorded, nothing run
+    assert "approver of call 'call_f1'" in said, said
