@@ -53,6 +53,7 @@ from toolledger.client import (
 )
 from toolledger.ledger.errors import ConflictError, LedgerError
 from toolledger.ledger.identity import args_sha256
+from toolledger.ledger.inputs import wait_seconds
 from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
@@ -163,6 +164,15 @@ class LedgerTool(BaseTool):
     approve: Approve = default_approve
     timeout: float = 60.0
     handle_tool_error: bool = True  # a refusal by the ledger is a tool error the model reads
+
+    @pydantic.field_validator("timeout")
+    @classmethod
+    def _timeout_checked(cls, value: float) -> float:
+        """Refused here, before any call: checked at the wait, ``nan`` was refused once the
+        call had been recorded and approved, an error the model read (a ToolNode with
+        ``handle_tool_errors``) while its worker ran it: called again, a second effect."""
+        wait_seconds(value)
+        return value
 
     def invoke(
         self, input: str | dict[str, Any] | Any, config: RunnableConfig | None = None, **kwargs: Any

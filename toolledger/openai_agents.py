@@ -210,6 +210,9 @@ def ledger_function_tools(
     an approved call always ends, by its worker or as ``unknown`` by the sweep); past it the
     tool raises CallsWaiting and the run stops, and it cannot be resumed: a new run asks the
     model again, whose new call ids are new calls."""
+    # refused before any call: at the wait, nan was refused once the call had been recorded
+    # and approved, and the run stopped with a plain error while its worker ran it (a review)
+    timeout = inputs.wait_seconds(timeout)
     ledger = _Ledger(client)
     registry = ledger.registry
     chosen = (

@@ -58,3 +58,42 @@ def test_a_falsy_policy_answer_is_refused_not_taken_as_the_sdks_approval(
     with Client(settings) as client, pytest.raises(NotFound):
         client.status(scope, "call_f1")  # nothing recorded, nothing run
     assert "approver of call 'call_f1'" in said, said
+
+
+def test_a_nan_timeout_is_refused_before_any_call_is_recorded(
+    settings: Settings, scope: str
+) -> None:
+    """ledger_function_tools(timeout=nan) was refused at the wait, once the call had been
+    recorded and approved: the run stopped with a plain error while its worker ran it."""
+
+    async def go() -> None:
+        model = ScriptedModel([("call_n1", "append_file", {"path": "x.txt", "content": "x\n"})])
+        async with AsyncClient(settings) as client:
+            tools = ledger_function_tools(
+                client, scope=scope, approve=lambda *_: "policy", timeout=float("nan")
+            )
+            agent = Agent(name="t", model=model, tools=list(tools))
+            await Runner.run(agent, "go", run_config=RunConfig(tracing_disabled=True))
+
+    with pytest.raises((ValueError, AgentsException), match="timeout is nan"):
+        asyncio.run(go())
+    with Client(settings) as client, pytest.raises(NotFound):
+        client.status(scope, "call_n1")
+
+
+def test_langchain__a_nan_timeout_is_refused_before_any_call_is_recorded(
+    settings: Settings, scope: str
+) -> None:
+    """As above, for ledger_tools: a ToolNode(handle_tool_errors=True) handed the late
+    ValueError to the model, which called again under a new id while the first call ran."""
+    pytest.importorskip("langchain_core")
+    from toolledger.langchain import ledger_tools
+
+    call = {"type": "tool_call", "id": "lc_n1", "name": "append_file",
+            "args": {"path": "x.txt", "content": "x\n"}}  # fmt: skip
+    with Client(settings) as client:
+        with pytest.raises(ValueError, match="timeout is nan"):
+            tools = ledger_tools(client, timeout=float("nan"), tools=["append_file"])
+            tools[0].invoke(call, {"configurable": {"thread_id": scope}})
+        with pytest.raises(NotFound):
+            client.status(scope, "lc_n1")
