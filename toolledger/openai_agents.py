@@ -213,6 +213,9 @@ def ledger_function_tools(
     # refused before any call: at the wait, nan was refused once the call had been recorded
     # and approved, and the run stopped with a plain error while its worker ran it (a review)
     timeout = inputs.wait_seconds(timeout)
+    # and the SDK's approver: refused at the submit, the model was told a call a person had
+    # approved in the SDK was refused ("error: approver: must not be empty")
+    check_text_id(approved_by, "approved_by", inputs.MAX_ACTOR)
     ledger = _Ledger(client)
     registry = ledger.registry
     chosen = (

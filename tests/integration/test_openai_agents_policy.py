@@ -22,7 +22,7 @@ from agents.exceptions import AgentsException
 from examples.openai_agents_loop import ScriptedModel
 from toolledger import AsyncClient, Client
 from toolledger.config import Settings
-from toolledger.ledger.errors import NotFound
+from toolledger.ledger.errors import InputError, NotFound
 from toolledger.openai_agents import ledger_function_tools
 
 
@@ -97,3 +97,24 @@ def test_langchain__a_nan_timeout_is_refused_before_any_call_is_recorded(
             tools[0].invoke(call, {"configurable": {"thread_id": scope}})
         with pytest.raises(NotFound):
             client.status(scope, "lc_n1")
+
+
+@pytest.mark.parametrize("approver", ["", " ", "a\nb"])
+def test_an_sdk_approver_the_ledger_refuses_is_refused_when_the_tools_are_made(
+    settings: Settings, scope: str, approver: str
+) -> None:
+    """approved_by="" was refused only at the submit of a call the SDK's person approved: the
+    model read "error: approver ...", a refusal nobody made."""
+
+    async def go() -> Any:
+        model = ScriptedModel([("call_s1", "append_file", {"path": "x.txt", "content": "x\n"})])
+        async with AsyncClient(settings) as client:
+            tools = ledger_function_tools(client, scope=scope, approved_by=approver, timeout=1)
+            agent = Agent(name="t", model=model, tools=list(tools))
+            paused = await Runner.run(agent, "go", run_config=RunConfig(tracing_disabled=True))
+            state = paused.to_state()
+            state.approve(paused.interruptions[0])
+            return await Runner.run(agent, state, run_config=RunConfig(tracing_disabled=True))
+
+    with pytest.raises(InputError, match="approved_by"):
+        asyncio.run(go())
