@@ -34,7 +34,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import sqlalchemy as kombu_sqla
 
 from toolledger.ledger import doorbell
-from toolledger.worker.envelope import UNREADABLE, dropped, envelope_fault
+from toolledger.worker.envelope import UNREADABLE, DropsForeignItems, dropped
 
 ALIAS = "embedded"
 #: Poll interval while the worker has jobs in hand (a finished one frees a slot silently).
@@ -107,7 +107,7 @@ def _worker_stopping() -> bool:
     return any(flag is not None and flag is not False for flag in flags)
 
 
-class Transport(kombu_sqla.Transport):
+class Transport(DropsForeignItems, kombu_sqla.Transport):
     Channel = Channel
     polling_interval = POLL_SECONDS
 
@@ -134,13 +134,6 @@ class Transport(kombu_sqla.Transport):
                     time.sleep(wait)
                 else:
                     bell.wait(wait)
-
-    def _deliver(self, message: Any, queue: str) -> None:
-        why = envelope_fault(message, self.channels[0] if self.channels else None)
-        if why is not None:
-            dropped(queue, why)
-            return
-        super()._deliver(message, queue)  # type: ignore[no-untyped-call]
 
     def _busy(self) -> bool:
         """Jobs in hand: a slot may free without a ring, so keep polling quickly."""

@@ -51,3 +51,17 @@ def dropped(queue: str | None, why: str) -> None:
     """One line for an item dropped from a queue (never its contents)."""
     where = f"queue {queue}" if queue else "a queue"
     log.error("dropped an item on %s that is not a kombu message: %s", where, why)
+
+
+class DropsForeignItems:
+    """A virtual transport's ``_deliver`` that drops an item ``envelope_fault`` finds no
+    kombu message, one line, before kombu's own (mixed in before kombu's Transport)."""
+
+    channels: list[Any]
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        why = envelope_fault(message, self.channels[0] if self.channels else None)
+        if why is not None:
+            dropped(queue, why)
+            return
+        super()._deliver(message, queue)  # type: ignore[misc]

@@ -26,7 +26,7 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 
-from toolledger.worker.envelope import UNREADABLE, dropped, envelope_fault
+from toolledger.worker.envelope import UNREADABLE, DropsForeignItems, dropped
 
 #: Celery's ``broker_transport`` value that selects this transport.
 NAME = "toolledger.worker.redis_transport:Transport"
@@ -60,12 +60,5 @@ class Channel(kombu_redis.Channel):
             raise Empty() from None
 
 
-class Transport(kombu_redis.Transport):
+class Transport(DropsForeignItems, kombu_redis.Transport):
     Channel = Channel
-
-    def _deliver(self, message: Any, queue: str) -> None:
-        why = envelope_fault(message, self.channels[0] if self.channels else None)
-        if why is not None:
-            dropped(queue, why)
-            return
-        super()._deliver(message, queue)  # type: ignore[no-untyped-call]

@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,40 @@ def _publish(broker: str, prefix: str, body: str, headers: dict[str, Any]) -> No
         )  # fmt: skip
 
 
+def redis_env(redis_server: str, redis_prefix: str, tmp_path: Path, **more: str) -> dict[str, str]:
+    """A worker's and the CLI's environment: an embedded ledger, the Redis broker at this
+    test's prefix, the queue QUEUE."""
+    return service_env(
+        db=f"sqlite:///{tmp_path / 'ledger.db'}",
+        broker=redis_server,
+        broker_prefix=redis_prefix,
+        sandbox=str(tmp_path / "sandbox"),
+        home=str(tmp_path / "home"),
+        metrics="off",
+        queue=QUEUE,
+        **more,
+    )
+
+
+def cli_of(env: dict[str, str]) -> Callable[..., dict]:
+    """``toolledger --json ARGV`` in ``env``, its JSON answer (exit 0 asserted)."""
+
+    def cli(*argv: str) -> dict:
+        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    return cli
+
+
+def submit_write(cli: Callable[..., dict], content: str) -> None:
+    """Call c1 of scope s, a write of ``content`` to a.txt, submitted approved."""
+    args = json.dumps({"path": "a.txt", "content": content})
+    cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
+        "--args", args, "--approved-by", "al")  # fmt: skip
+
+
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
     redis_server: str,
@@ -67,31 +102,16 @@ def test_worker__a_malformed_message_is_dropped_and_the_worker_goes_on(
     pool: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    env = service_env(
-        db=f"sqlite:///{tmp_path / 'ledger.db'}",
-        broker=redis_server,
-        broker_prefix=redis_prefix,
-        sandbox=str(tmp_path / "sandbox"),
-        home=str(tmp_path / "home"),
-        metrics="off",
-        queue=QUEUE,
-    )
+    env = redis_env(redis_server, redis_prefix, tmp_path)
 
-    def cli(*argv: str) -> dict:
-        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
+    cli = cli_of(env)
     worker = worker_process("poison", env, tmp_path / "logs", pool=pool, concurrency=2)
     worker.start()
     try:
         worker.wait_ready(60)
         for body, headers in POISON.values():
             _publish(redis_server, redis_prefix, body, headers)
-        args = json.dumps({"path": "a.txt", "content": "after"})
-        cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
-            "--args", args, "--approved-by", "al")  # fmt: skip
+        submit_write(cli, "after")
         # and the same job again from a finalized app, as the sweep's re-publication is sent:
         # Celery adds the app's own time limits to it, which a worker must take
         for name, value in env.items():
@@ -135,41 +155,33 @@ RAW = [
 ]
 
 
+def each_raw_item_dropped(cli: Callable[..., dict], worker: Any) -> str:
+    """After RAW went onto the queue: an approved call still runs, the worker is up and said
+    one line an item; its log."""
+    submit_write(cli, "after")
+    got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "30")
+    log: str = worker.log_text()
+    assert got["status"] == "succeeded", (got, log[-3000:])
+    assert worker.alive(), log[-3000:]
+    assert "Unrecoverable error" not in log, log[-3000:]
+    assert log.count("that is not a kombu message") == len(RAW), log[-3000:]
+    return log
+
+
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_worker__an_item_that_is_no_kombu_message_is_dropped_and_the_worker_goes_on(
     redis_server: str, redis_prefix: str, tmp_path: Path, pool: str
 ) -> None:
-    env = service_env(
-        db=f"sqlite:///{tmp_path / 'ledger.db'}",
-        broker=redis_server,
-        broker_prefix=redis_prefix,
-        sandbox=str(tmp_path / "sandbox"),
-        home=str(tmp_path / "home"),
-        metrics="off",
-        queue=QUEUE,
-    )
+    env = redis_env(redis_server, redis_prefix, tmp_path)
 
-    def cli(*argv: str) -> dict:
-        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
+    cli = cli_of(env)
     worker = worker_process("raw", env, tmp_path / "logs", pool=pool, concurrency=2)
     worker.start()
     client = redis.Redis.from_url(redis_server)
     try:
         worker.wait_ready(60)
         client.lpush(f"{redis_prefix}{QUEUE}", *RAW)  # popped from the right: in this order
-        args = json.dumps({"path": "a.txt", "content": "after"})
-        cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
-            "--args", args, "--approved-by", "al")  # fmt: skip
-        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "30")
-        log = worker.log_text()
-        assert got["status"] == "succeeded", (got, log[-3000:])
-        assert worker.alive(), log[-3000:]
-        assert "Unrecoverable error" not in log, log[-3000:]
-        assert log.count("that is not a kombu message") == len(RAW), log[-3000:]
+        log = each_raw_item_dropped(cli, worker)
         assert "garbage" not in log  # one line each, never the item's contents
         assert client.llen(f"{redis_prefix}{QUEUE}") == 0
     finally:
@@ -191,12 +203,7 @@ def test_embedded_worker__a_row_that_is_no_kombu_message_is_dropped_and_the_work
         queue=QUEUE,
     )
 
-    def cli(*argv: str) -> dict:
-        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
+    cli = cli_of(env)
     worker = worker_process("rows", env, tmp_path / "logs", pool=pool, concurrency=2)
     worker.start()
     try:
@@ -211,15 +218,7 @@ def test_embedded_worker__a_row_that_is_no_kombu_message_is_dropped_and_the_work
                 [(raw.decode(), queue_id) for raw in RAW],
             )
             db.commit()
-        args = json.dumps({"path": "a.txt", "content": "after"})
-        cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
-            "--args", args, "--approved-by", "al")  # fmt: skip
-        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "30")
-        log = worker.log_text()
-        assert got["status"] == "succeeded", (got, log[-3000:])
-        assert worker.alive(), log[-3000:]
-        assert "Unrecoverable error" not in log, log[-3000:]
-        assert log.count("that is not a kombu message") == len(RAW), log[-3000:]
+        each_raw_item_dropped(cli, worker)
     finally:
         stop_all([worker])
 
@@ -230,26 +229,10 @@ def test_worker__a_message_s_time_limits_are_not_the_worker_s(
     """An approved call's job with ``timelimit`` [0.5, 1] (forged, or sent by an app with other
     settings: the sweep's re-publications carry the sending app's): before 2026-12-07 the
     prefork child was killed 0.5 s into the tool, the call left running, then unknown."""
-    env = service_env(
-        db=f"sqlite:///{tmp_path / 'ledger.db'}",
-        broker=redis_server,
-        broker_prefix=redis_prefix,
-        sandbox=str(tmp_path / "sandbox"),
-        home=str(tmp_path / "home"),
-        metrics="off",
-        queue=QUEUE,
-        failpoints="before_effect=sleep(2)",
-    )
+    env = redis_env(redis_server, redis_prefix, tmp_path, failpoints="before_effect=sleep(2)")
 
-    def cli(*argv: str) -> dict:
-        done = subprocess.run([*toolledger_argv(), "--json", *argv], env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
-    args = json.dumps({"path": "a.txt", "content": "x"})
-    cli("submit", "--scope", "s", "--tool-call-id", "c1", "--tool", "write_file",
-        "--args", args, "--approved-by", "al")  # fmt: skip
+    cli = cli_of(env)
+    submit_write(cli, "x")
     client = redis.Redis.from_url(redis_server)
     try:
         client.delete(f"{redis_prefix}{QUEUE}")  # its own job gone: only the one below
