@@ -622,3 +622,10 @@ def _write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    # the rename made durable too: without the folder's fsync a power loss (not a crash) could
+    # bring the old transcript back, its receipts missing again (a cold review, 2026-12-07)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)

@@ -247,6 +247,31 @@ def test_repair__second_repair_adds_nothing(ledger, scope, fmt, tmp_path):
     assert path.read_bytes() == once
 
 
+def test_repair__the_replaced_transcript_and_its_folder_are_fsynced(
+    ledger, scope, tmp_path, monkeypatch
+):
+    """A rename is durable once its folder is fsynced: without it a power loss (not a crash)
+    could bring the old transcript back, its receipts missing again (a cold review)."""
+    import os
+    import stat
+
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    path = tmp_path / "t.json"
+    path.write_text(
+        serialise(build("openai", [("user", "x"), ("calls", [call("c1")])]), "json", "openai")
+    )
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert repair_file(path, ledger, scope).changed
+    assert synced == ["file", "folder"]
+
+
 def test_repair__anthropic_partial_user_turn_gets_the_missing_block_after_the_others(ledger, scope):
     in_state(ledger, scope, "a", Status.SUCCEEDED)
     in_state(ledger, scope, "b", Status.UNKNOWN)
