@@ -35,6 +35,12 @@ def test_json__one_object_per_line_with_the_bound_ids():
     assert text.count("\n") == 1
 
 
+def test_json__every_unicode_line_break_is_escaped_one_record_one_line():
+    text = emit("json", "a%sb", "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+    assert len(text.splitlines()) == 1, text.splitlines()
+    assert json.loads(text)["message"] == "a\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029b"
+
+
 def test_json__no_ids_outside_a_bind_and_binds_nest():
     assert "scope" not in json.loads(emit("json", "x"))
     with logs.bind(scope="outer"), logs.bind(execution_id="inner"):
