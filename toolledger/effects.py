@@ -96,6 +96,20 @@ LOCK_POLL_SECONDS = 0.01
 LANDED, ASIDE = "landed", "aside"
 
 
+def flock_by(fd: int, deadline: float) -> bool:
+    """An exclusive ``flock`` of ``fd``, polled every ``LOCK_POLL_SECONDS`` until
+    ``deadline`` (``time.monotonic()``); whether it is held (``flock`` itself has no
+    timeout, and a holder may be frozen)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LOCK_POLL_SECONDS)
+
+
 class Book(Protocol):
     """What landing asks of the ledger (``ledger.Ledger`` is one)."""
 
@@ -631,14 +645,8 @@ class Effects:
         while True:
             fd = _open_lock(lock, flags, 0o644)
             try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() >= deadline:
-                            raise PathBusy(h) from None
-                        time.sleep(LOCK_POLL_SECONDS)
+                if not flock_by(fd, deadline):
+                    raise PathBusy(h)
                 if _same_file(fd, lock):
                     break
             except BaseException:

@@ -464,21 +464,12 @@ def _group_lock(directory: str, wait: float | None = None) -> Iterator[bool]:
     process whose /metrics was scraped answered no request meanwhile (a cold review: 5 s for
     a SIGSTOPped holder, until uvicorn's health check killed it; a holder in a stalled disk's
     I/O outlives a kill)."""
-    import fcntl
+    from toolledger.effects import flock_by
 
     deadline = time.monotonic() + (GROUP_LOCK_WAIT_SECONDS if wait is None else wait)
     fd = os.open(os.path.join(directory, _LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.01)
-        yield True
+        yield flock_by(fd, deadline)
     finally:
         os.close(fd)  # releases the lock
 
