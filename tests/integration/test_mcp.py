@@ -501,6 +501,20 @@ def raw_host(
             proc.wait()
 
 
+def exchanged(
+    world: Stack, command: str, lines: list[str], answers: int
+) -> tuple[list[Any], list[tuple[Any, int]]]:
+    """``lines`` sent raw to ``mcp serve`` or ``mcp proxy``, then stdin closed: its first
+    ``answers`` replies, and the (id, code) of each error among them."""
+    argv = ["serve"] if command == "serve" else proxy_argv()
+    with raw_host(world, argv, kill_after=60) as host:
+        host.send(*lines)
+        replies = [host.reply() for _ in range(answers)]
+        host.send(close=True)
+        host.proc.wait(60)
+    return replies, [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
+
+
 @pytest.mark.parametrize("command", ["serve", "proxy"])
 def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
     world: Stack, command: str
@@ -525,13 +539,7 @@ def test_malformed_lines__answered_as_json_rpc_asks_and_the_session_goes_on(
         '{"jsonrpc":"2.0","id":null,"method":"ping"}',
         '{"jsonrpc":"2.0","id":2,"method":"ping"}',
     ]
-    argv = ["serve"] if command == "serve" else proxy_argv()
-    with raw_host(world, argv, kill_after=60) as host:
-        host.send(*lines)
-        replies = [host.reply() for _ in range(9)]
-        host.send(close=True)
-        host.proc.wait(60)
-    errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
+    replies, errors = exchanged(world, command, lines, 9)
     # a request whose id can be read is answered under it (JSON-RPC 2.0 §5: null only when
     # it cannot): its method no string, id 5
     assert (
@@ -571,13 +579,7 @@ def test_batches_and_refused_requests__answered_under_their_own_ids_nothing_run(
         '{"jsonrpc":"2.0","id":9,"method":"ping","params":' + "[" * 300 + "]" * 300 + "}",
         '{"jsonrpc":"2.0","id":2,"method":"ping"}',
     ]
-    argv = ["serve"] if command == "serve" else proxy_argv()
-    with raw_host(world, argv, kill_after=60) as host:
-        host.send(*lines)
-        replies = [host.reply() for _ in range(7)]
-        host.send(close=True)
-        host.proc.wait(60)
-    errors = [(r["id"], r["error"]["code"]) for r in replies if r and "error" in r]
+    replies, errors = exchanged(world, command, lines, 7)
     assert errors == [(7, -32600), ("c", -32600), (None, -32600), (8, -32700), (9, -32700)], replies
     assert "batch is not supported" in replies[1]["error"]["message"], replies
     assert {"jsonrpc": "2.0", "id": 2, "result": {}} in replies, replies

@@ -1052,14 +1052,20 @@ def test_checker__a_failpoint_that_ended_the_process_explains_its_other_executio
         ({"point": "after_stage", "action": "kill", "pid": 101, "t": t - 60}, False),  # before
         ({"point": "after_stage", "action": "kill", "pid": 101}, False),  # no time
     ):
-        w = World()
-        _unknown_without_a_fault(w)
-        (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
-        held["started_at"] = began
-        w.events[-1]["at"] = went_unknown
-        f = copy.copy(w.facts())
+        f = _unknown_between(began, went_unknown)
         f.firings = [{"ref": "other", **firing}]
         assert (name not in broken(f)) == explained, firing
+
+
+def _unknown_between(began: Any, went_unknown: Any) -> Facts:
+    """Facts of execution e-w1-1 begun at ``began`` and made unknown at ``went_unknown``,
+    explained by no fault yet (a copy: the caller adds firings, wakes)."""
+    w = World()
+    _unknown_without_a_fault(w)
+    (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+    held["started_at"] = began
+    w.events[-1]["at"] = went_unknown
+    return copy.copy(w.facts())
 
 
 def test_checker__a_stop_holds_its_process_until_its_wake():
@@ -1076,12 +1082,7 @@ def test_checker__a_stop_holds_its_process_until_its_wake():
         ({202: [(BEGAN + timedelta(seconds=1)).timestamp()]}, False),  # another process's
         ({}, False),
     ):
-        w = World()
-        _unknown_without_a_fault(w)
-        (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
-        held["started_at"] = BEGAN
-        w.events[-1]["at"] = WENT_UNKNOWN
-        f = copy.copy(w.facts())
+        f = _unknown_between(BEGAN, WENT_UNKNOWN)
         f.firings = [{"ref": "other", "point": "after_stage", "action": "stop", "pid": 101,
                       "t": stop_t}]  # fmt: skip
         f.wakes = wakes
