@@ -660,6 +660,13 @@ def _a_charge_failed_without_a_fault(w: World) -> None:
     w.charges[:] = [c for c in w.charges if c["key"] != "chaos_charge:c1"]
 
 
+def _a_charge_failed_for_its_lease_without_a_database_fault(w: World) -> None:
+    # the tool's word that its lease was lost explains nothing without a fault that cut it
+    _a_charge_failed_without_a_fault(w)
+    (ex,) = [e for e in w.execs if e["execution_id"] == "e-c1-1"]
+    ex["result"]["lease_lost"] = True
+
+
 def _a_retry_superseded_that_no_fault_authorised(w: World) -> None:
     # "superseded" explains a failure only for an automatic retry (its predecessor judged)
     _a_charge_failed_without_a_fault(w)
@@ -907,6 +914,7 @@ BREAKS = {
     FAILURES: [
         _nothing_succeeded,
         _a_charge_failed_without_a_fault,
+        _a_charge_failed_for_its_lease_without_a_database_fault,
         _a_retry_superseded_that_no_fault_authorised,
         _a_call_rejected,
         _a_call_failed_without_an_execution,
@@ -1670,6 +1678,24 @@ def test_checker__a_spooled_outcome_under_a_database_fault_is_explained():
         f = copy.copy(w.facts())
         f.faults = faults
         assert (name not in broken(f)) == explained, faults
+
+
+def test_checker__a_tool_stopped_by_its_lease_lost_to_a_database_fault_is_explained():
+    """A charge whose tool saw its lease lost (renewals cut by a Postgres crash) and stopped
+    before sending fails by its own word, ``lease_lost``: the database fault while it was
+    held explains that failure (CI, 12-07: the checker failed a clean threads-pool run on
+    it). The same word with no database fault, or one long before, explains nothing."""
+    for faults, explained in (
+        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING}], True),
+        ([{"kind": "pg_terminate", "pids": [], "target": "postgres", "t": DURING}], True),
+        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING + 600}], False),
+        ([], False),
+    ):
+        w = World()
+        _a_charge_failed_for_its_lease_without_a_database_fault(w)
+        f = copy.copy(w.facts())
+        f.faults = faults
+        assert (FAILURES not in broken(f)) == explained, faults
 
 
 def test_checker__a_partition_explains_a_claim_committed_just_after_its_heal_only():

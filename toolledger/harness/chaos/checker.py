@@ -686,6 +686,11 @@ def _cause(f: Facts, ex: dict[str, Any], unknown: dict[str, Any]) -> str | None:
     )
     if db_fault and any(word in own for word in DB_ERRORS):
         return "its own database connection failed"
+    # a tool that saw its lease lost and stopped before its effect (failed, by its own word):
+    # the renewals a database fault cut (CI, 12-07: a charge failed under a Postgres crash)
+    result = ex.get("result")
+    if db_fault and isinstance(result, dict) and result.get("lease_lost") is True:
+        return "its lease was lost to a database fault"
     # its outcome spooled: the worker's own record that its terminal write could not reach
     # the ledger (the spool names no error; a database fault met its commit in CI, 12-07)
     spooled = any(

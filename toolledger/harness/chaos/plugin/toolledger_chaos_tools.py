@@ -123,7 +123,10 @@ def chaos_charge(args: ChargeArgs, ctx: ToolContext) -> dict[str, Any]:
     """Charge an account through the downstream service, under the idempotency key."""
     _hold(args)
     if ctx.lease_lost.is_set():
-        raise ToolError("not sent: this worker lost its lease before the request")
+        # said in the result, so that the run's checker can tie the failure to the fault that
+        # cut the lease's renewals (a Postgres crash in CI, 12-07, read as a failure no fault
+        # explained)
+        raise ToolError("not sent: this worker lost its lease before the request", lease_lost=True)
     body = {
         "key": ctx.idempotency_key,
         "account": args.account,
