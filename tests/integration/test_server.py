@@ -981,6 +981,28 @@ def test_api__an_empty_scope_filter_is_no_filter(server: Any, scope: str) -> Non
     assert r.status_code == 200 and "e1" in [c["tool_call_id"] for c in r.json()["calls"]]
 
 
+def test_api__an_empty_query_value_is_its_default(server: Any, scope: str) -> None:
+    """``?review=`` and ``?limit=`` were 422 where an empty ``?status=`` or ``?scope=`` is no
+    filter (a review): every empty query value is now the parameter's default, and a bad
+    one is still refused."""
+    client, ledger = server
+    pending(ledger, scope, "e1")
+    empty = {"scope": scope, "status": "", "review": "", "limit": "", "cursor": ""}
+    r = client.get("/api/calls", params=empty, headers=bearer("vera"))
+    assert r.status_code == 200, r.text
+    assert [c["tool_call_id"] for c in r.json()["calls"]] == ["e1"]
+    r = client.get(f"/api/calls/{scope}/e1/events", params={"after": "", "limit": ""},
+                   headers=bearer("vera"))  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert [e["kind"] for e in r.json()["events"]][:1] == ["submitted"], r.json()
+    for params in ({"review": "maybe"}, {"limit": "x"}, {"limit": "0"}):
+        bad = client.get("/api/calls", params=params, headers=bearer("vera"))
+        assert bad.status_code == 422, (params, bad.text)
+    bad = client.get(f"/api/calls/{scope}/e1/events", params={"after": "-1"},
+                     headers=bearer("vera"))  # fmt: skip
+    assert bad.status_code == 422, bad.text
+
+
 def test_api__a_client_gone_mid_body_is_no_server_error(server: Any) -> None:
     """A client that disconnects before its body is read left an unhandled ClientDisconnect
     and a traceback in the log (a cold review): it is an ordinary end now."""

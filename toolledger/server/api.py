@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from toolledger.ledger import inputs
 from toolledger.ledger.errors import InvalidArguments
@@ -30,6 +30,13 @@ from toolledger.server.state import Desk
 
 router = APIRouter(prefix="/api")
 Who = Annotated[Token, Depends(api_token)]
+
+
+def _blank_is(default: object) -> BeforeValidator:
+    """An empty query value (a form's or a script's empty field) is the parameter's default,
+    as an empty ``status``, ``scope`` or ``cursor`` is no filter: ``?review=`` and
+    ``?limit=`` were 422 where those were taken as absent (a review)."""
+    return BeforeValidator(lambda value: default if value == "" else value)
 
 
 # The bodies, for the OpenAPI document; parsing itself goes through the input layer.
@@ -97,8 +104,8 @@ def list_calls(
     who: Who,
     status: str | None = None,
     scope: str | None = None,
-    review: bool = False,
-    limit: Annotated[int, Query()] = 100,
+    review: Annotated[bool, Query(), _blank_is(False)] = False,
+    limit: Annotated[int, Query(), _blank_is(100)] = 100,
     cursor: str | None = None,
 ) -> dict[str, Any]:
     """Calls from current state, oldest first; ``next_cursor`` fetches the next page."""
@@ -163,8 +170,8 @@ def events(
     who: Who,
     scope: str,
     tool_call_id: str,
-    after: Annotated[int, Query(ge=0, le=2**62)] = 0,
-    limit: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    after: Annotated[int, Query(ge=0, le=2**62), _blank_is(0)] = 0,
+    limit: Annotated[int, Query(ge=0, le=2**62), _blank_is(0)] = 0,
 ) -> dict[str, Any]:
     """The call's event history, in order (the CLI's ``events``): the events past ``after``
     (a ``seq``), at most ``limit`` (0: all); ``more`` says if some were left."""
