@@ -94,17 +94,30 @@ def _time_limits(value: Any) -> bool:
     )
 
 
-def own_time_limits(message: Any, body: Any) -> None:
-    """The worker's own time limits for every message (its settings, checked at start: soft <
-    hard < lease), never the message's ``timelimit``: a forged ``[0.5, 1]`` had a prefork
-    child killed half a second into an approved call, leaving it running until its lease
-    expired, then unknown; a sweep's re-publication carried the limits of the app that sent
-    it (the beat's settings), not the worker's (a review, 2026-12-07)."""
+#: What a job message may say that the worker decides for itself (set to null on receipt).
+WORKER_S_OWN = ("timelimit", "eta", "expires")
+
+
+def worker_s_own(message: Any, body: Any) -> None:
+    """The worker's own time limits and schedule for every message, never the message's.
+
+    - ``timelimit``: the worker's settings (checked at start: soft < hard < lease). A forged
+      ``[0.5, 1]`` had a prefork child killed half a second into an approved call, leaving it
+      running until its lease expired, then unknown; a sweep's re-publication carried the
+      limits of the app that sent it (the beat's settings), not the worker's (a review,
+      2026-12-07).
+    - ``eta`` and ``expires``: toolledger sends neither (a job runs when delivered, and the
+      ledger, not the message, says whether it may). A forged far-future ``eta`` was held
+      unacked in the worker's memory (on Redis, delivered again to the next worker each
+      visibility timeout, held there too), and a past ``expires`` had Celery drop an
+      approved call's job as revoked: the call waited for the sweep's re-publication.
+    """
     headers = message.headers
-    if isinstance(headers, dict) and "timelimit" in headers:
-        headers["timelimit"] = None
-    if isinstance(body, dict) and "timelimit" in body:  # protocol 1, a hybrid body
-        body["timelimit"] = None
+    for name in WORKER_S_OWN:
+        if isinstance(headers, dict) and name in headers:
+            headers[name] = None
+        if isinstance(body, dict) and name in body:  # protocol 1, a hybrid body
+            body[name] = None
 
 
 def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> Any:
@@ -117,7 +130,7 @@ def guarded_strategy(task: Task, app: Celery, consumer: Any, **options: Any) -> 
     ) -> Any:
         why = malformed(message)
         if why is None:
-            own_time_limits(message, body)
+            worker_s_own(message, body)
             try:
                 return handle(message, body, ack, reject, callbacks, **kw)
             except (InvalidTaskError, DecodeError, ContentDisallowed):

@@ -251,3 +251,35 @@ def test_worker__a_message_s_time_limits_are_not_the_worker_s(
         assert (tmp_path / "sandbox" / "s" / "a.txt").read_text() == "x"
     finally:
         stop_all([worker])
+
+
+@pytest.mark.parametrize("change", ["eta", "expires"])
+def test_worker__a_message_s_schedule_is_not_the_worker_s(
+    redis_server: str, redis_prefix: str, tmp_path: Path, change: str
+) -> None:
+    """An approved call's job with an ``eta`` a day away, or an ``expires`` already past
+    (toolledger sends neither: forged, or sent by hand with Celery's options): before
+    2026-12-07 the first was held unacked in the worker's memory for a day, the second dropped
+    as revoked; either way the call waited, approved, for the sweep. It runs at once now."""
+    env = redis_env(redis_server, redis_prefix, tmp_path)
+
+    cli = cli_of(env)
+    submit_write(cli, "x")
+    client = redis.Redis.from_url(redis_server)
+    try:
+        client.delete(f"{redis_prefix}{QUEUE}")  # its own job gone: only the one below
+    finally:
+        client.close()
+    body = json.dumps([["s", "write_file:c1", 1], {}, {"callbacks": None, "errbacks": None}])
+    when = time.time() + (86_400 if change == "eta" else -3_600)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(when))
+    _publish(redis_server, redis_prefix, body, _headers(**{change: stamp}))
+    worker = worker_process("schedule", env, tmp_path / "logs", pool="threads", concurrency=1)
+    worker.start()
+    try:
+        worker.wait_ready(60)
+        got = cli("wait", "--scope", "s", "--tool-call-id", "c1", "--timeout", "15")
+        assert got["status"] == "succeeded", (got, worker.log_text()[-3000:])
+        assert (tmp_path / "sandbox" / "s" / "a.txt").read_text() == "x"
+    finally:
+        stop_all([worker])
