@@ -47,6 +47,8 @@ class LedgerBase(LedgerReads):
     dialect: str
     #: The hot statements: generic, or one statement each on Postgres (ledger.store).
     store: Store
+    #: Seconds a statement may take (``Ledger``'s ``timeout``); None: the driver's defaults.
+    timeout: float | None = None
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:

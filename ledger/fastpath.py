@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from toolledger.ledger.answers import WATCH, answer_wait
 from toolledger.ledger.errors import StaleFence
 from toolledger.ledger.models import execution_events, executions, operations
 from toolledger.ledger.records import Claim, ExecutionRecord, Finished, OperationRecord, as_utc
@@ -318,6 +319,7 @@ class PostgresStore(HeldConnectionStore):
     def __init__(self, ledger: LedgerBase) -> None:
         super().__init__(ledger)
         statements = (_CLAIM, _FINISH, _SUBMIT)
+        self.answer_wait = answer_wait(ledger.timeout)
         self._sql = {id(s): _psycopg_sql(s) for s in statements}
         self._columns = {id(s): [c.name for c in s.selected_columns] for s in statements}
 
@@ -350,14 +352,24 @@ class PostgresStore(HeldConnectionStore):
     ) -> dict[str, Any] | None:
         import psycopg
 
+        dbapi, wait = pooled.dbapi_connection, None
         try:
-            row = pooled.dbapi_connection.execute(sql, params).fetchone()
+            with (
+                contextlib.nullcontext(None)
+                if self.answer_wait is None
+                else WATCH.bounded(dbapi.pgconn.socket, self.answer_wait)  # answers.py
+            ) as wait:
+                row = dbapi.execute(sql, params).fetchone()
         except psycopg.Error as exc:
-            if pooled.dbapi_connection.closed or isinstance(exc, psycopg.OperationalError):
+            if dbapi.closed or isinstance(exc, psycopg.OperationalError):
                 self._drop(pooled)
+            shown = exc
+            if wait is not None and wait.cut:
+                said = f"no answer in {self.answer_wait:g} s: the connection was cut"
+                shown = psycopg.OperationalError(f"{said} (the statement may have committed)")
             # hide_parameters: a lease token never reaches a log line through an error message
             raise sa.exc.DBAPIError.instance(
-                sql, params, exc, psycopg.Error, hide_parameters=True
+                sql, params, shown, psycopg.Error, hide_parameters=True
             ) from exc
         except BaseException:
             # cut while the server had the statement (Celery's soft time limit raised in the

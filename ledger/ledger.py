@@ -71,6 +71,7 @@ class Ledger(LedgerExecution, LedgerResolution, LedgerOutbox, LedgerSessions):
         )
         self.dialect = self.engine.dialect.name
         self.max_args_bytes = max_args_bytes
+        self.timeout = None if isinstance(url, sa.Engine) else timeout
         self.store = Store(self)
         if fast_path and self.dialect == "postgresql":
             from toolledger.ledger.fastpath import PostgresStore
