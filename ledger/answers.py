@@ -58,6 +58,8 @@ class AnswerWatch:
         finally:
             with self._cv:  # under the lock: never cut once the block has ended
                 wait.done = True
+                while self._due and self._due[0][2].done:  # ended in order, most often
+                    heapq.heappop(self._due)
 
     def _add(self, deadline: float, wait: _Wait) -> None:
         if self._pid != os.getpid():  # forked: the thread is the parent's, the lock may be held
