@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.acceptance.conftest import Stack, landed, wait_until
+from tests.acceptance.conftest import Stack, landed, toolledger, wait_until
 from toolledger.ledger.transitions import Status
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 MARKERS = {
     "claim": b"ON CONFLICT (scope, idempotency_key, attempt) DO NOTHING",
     "finish": b"pg_advisory_xact_lock",
+    "submit": b"ON CONFLICT (scope, idempotency_key) DO NOTHING",
 }
 
 
@@ -83,12 +84,21 @@ class SilentProxy:
                 s.close()
 
 
+@contextlib.contextmanager
+def silent_on(stack: Stack, statement: str) -> Iterator[tuple[str, SilentProxy]]:
+    """The URL of the stack's database through a proxy silent on ``statement``."""
+    url = sa.make_url(stack.db)
+    proxy = SilentProxy((url.host or "127.0.0.1", url.port or 5432), MARKERS[statement])
+    try:
+        yield url.set(host="127.0.0.1", port=proxy.port).render_as_string(False), proxy
+    finally:
+        proxy.close()
+
+
 @pytest.fixture(params=["claim", "finish"])
 def silent_db(stack: Stack, request: pytest.FixtureRequest) -> Iterator[tuple[str, SilentProxy]]:
-    url = sa.make_url(stack.db)
-    proxy = SilentProxy((url.host or "127.0.0.1", url.port or 5432), MARKERS[request.param])
-    yield url.set(host="127.0.0.1", port=proxy.port).render_as_string(False), proxy
-    proxy.close()
+    with silent_on(stack, request.param) as silent:
+        yield silent
 
 
 def test_threads_worker__a_statement_never_answered__the_call_ends_once_and_the_worker_serves_on(
@@ -126,3 +136,21 @@ def test_threads_worker__a_statement_never_answered__the_call_ends_once_and_the_
     ]
     assert ledger.verify().ok
     sub.close()
+
+
+def test_cli_submit__its_statement_never_answered__one_line_then_the_call_is_found_existing(
+    stack: Stack, scope: str
+) -> None:
+    # Given the CLI's database behind a proxy that falls silent on the submit's statement
+    args = ("submit", "--scope", scope, "--tool-call-id", "c1", "--tool", "probe_write",
+            "--args", '{"path": "a", "content": "1"}', "--approved-by", "al")  # fmt: skip
+    with silent_on(stack, "submit") as (db, proxy):
+        # When a call is submitted: its statement commits, its answer never comes
+        code, out, err = toolledger(stack, *args, db=db, lease_seconds="4")
+        assert proxy.fired.is_set()
+    # Then one line, exit 1 (it waited for ever), and the same submit again finds the call
+    assert (code, out) == (1, ""), err
+    assert err.startswith("toolledger: error: database unavailable: no answer in 2 s"), err
+    assert len(err.strip().splitlines()) == 1, err
+    code, out, err = toolledger(stack, *args)
+    assert code == 0 and out.startswith("existing:"), (out, err)
