@@ -419,6 +419,25 @@ class PathBusy(Exception):
     """Another lander holds the path's lock (it may be frozen): try later."""
 
 
+class _NotLocked(OSError):
+    """The file this lander locked is no longer its path's lock file: removed while held."""
+
+
+def _held(locked: Callable[[], bool]) -> bool:
+    """Whether the lander still holds its path's lock file (not if it cannot tell)."""
+    try:
+        return locked()
+    except OSError:
+        return False
+
+
+def _check_locked(locked: Callable[[], bool]) -> None:
+    """_NotLocked unless the lander still holds its path's lock file: checked before each
+    move of bytes, so one whose file was removed while it was frozen moves nothing."""
+    if not _held(locked):
+        raise _NotLocked(errno.ENOLCK, "the path's lock file was removed while held")
+
+
 def _same_file(fd: int, name: str | Path, dir_fd: int | None = None) -> bool:
     """Whether the file open as ``fd`` is the one at ``name`` now (not one removed from it)."""
     try:
@@ -619,17 +638,18 @@ class Effects:
         mine = (commit, {s.n: s for s in staged})
         for h in dict.fromkeys(path_hash(commit.scope, s.path) for s in staged):
             try:
-                with self._path_lock(h):
-                    self._land_path(h, book, mine, landing)
+                with self._path_lock(h) as locked:
+                    self._land_path(h, book, mine, landing, locked)
             except PathBusy:
                 log.info("path %s busy: %s lands later (settle)", h, commit.execution_id)
                 landing.busy += 1
         return landing
 
     @contextlib.contextmanager
-    def _path_lock(self, h: str) -> Iterator[None]:
+    def _path_lock(self, h: str) -> Iterator[Callable[[], bool]]:
         """The path's exclusive flock; PathBusy after the sandbox's ``lock_wait``. The kernel
-        drops it when its holder dies; a frozen holder keeps it (that path waits).
+        drops it when its holder dies; a frozen holder keeps it (that path waits). Yields
+        whether the file locked is still the lock file at the path (``_land`` asks).
 
         A lock file no lander holds may be removed (``sweep_locks``, by a holder of its lock):
         a lander that opened it before then gets, once its lock comes, a file no longer at the
@@ -660,7 +680,7 @@ class Effects:
             if again > 3:  # a removal now and then is the rule; more is the filesystem's doing
                 time.sleep(LOCK_POLL_SECONDS)
         try:
-            yield
+            yield lambda: _same_file(fd, lock)
         finally:
             _close_lock(fd)  # releases the flock (a forked child closed its copy at fork)
 
@@ -776,8 +796,10 @@ class Effects:
         book: Book,
         mine: tuple[Commit, dict[int, Staged]] | None,
         landing: Landing,
+        locked: Callable[[], bool],
     ) -> None:
-        """Under the path's lock: land, in commit order, every committed effect staged on it.
+        """Under the path's lock (``locked``: still held): land, in commit order, every
+        committed effect staged on it.
 
         Commits that touch one path take that path's advisory lock before their seq is drawn
         (``Ledger.finish``), so every commit on it older than ours is visible now, and any
@@ -817,7 +839,7 @@ class Effects:
                 elif step := self._foreign_step(pfd, f, known.get(f.execution_id), landing, limit):
                     steps.append(step)
             held = self._replaced_steps(pfd, files, replaced, mine, known, landing)
-            self._land_in_order(pfd, steps, held, book, landing)
+            self._land_in_order(pfd, steps, held, book, landing, locked)
 
     def _replaced_steps(
         self,
@@ -879,8 +901,8 @@ class Effects:
             if landed_once:
                 return f"bytes committed for {path!r} have not landed yet"
             try:
-                with self._path_lock(h):
-                    self._land_path(h, book, None, Landing())
+                with self._path_lock(h) as locked:
+                    self._land_path(h, book, None, Landing(), locked)
             except PathBusy:
                 return f"bytes committed for {path!r} have not landed: a lander holds the path"
             except OSError as exc:
@@ -971,7 +993,13 @@ class Effects:
         return None
 
     def _land_in_order(
-        self, pfd: int, steps: list[_Step], held: list[_Step], book: Book, landing: Landing
+        self,
+        pfd: int,
+        steps: list[_Step],
+        held: list[_Step],
+        book: Book,
+        landing: Landing,
+        locked: Callable[[], bool],
     ) -> None:
         """Land the path's committed effects in seq order. An effect older than the newest
         write (an older write, an append) never lands: the write replaces it. It is renamed
@@ -991,20 +1019,28 @@ class Effects:
         older = [*rest[:cut], *(s for s in held if s.file.by in landing_now)]
         todo = [*redo, *rest[cut:]]
         for i, s in enumerate(todo):
-            if self._land(pfd, s, book, landing, older if s is newest else []) is None:
+            if self._land(pfd, s, book, landing, older if s is newest else [], locked) is None:
                 landing.left += len(todo) - i - 1  # after it, in commit order: it goes first
                 return
 
     def _land(
-        self, pfd: int, s: _Step, book: Book, landing: Landing, replaced: list[_Step]
+        self,
+        pfd: int,
+        s: _Step,
+        book: Book,
+        landing: Landing,
+        replaced: list[_Step],
+        locked: Callable[[], bool],
     ) -> str | None:
         """Land one effect (LANDED), or set it aside (ASIDE); None if it is left for the next
-        settle (an error of a moment): then nothing newer on its path may land before it.
-        ``replaced``: the older effects a write replaces, renamed just before it lands and
-        dropped once it has, set aside and flagged before it if it cannot."""
+        settle (an error of a moment, or the path's lock file no longer the one ``locked``):
+        then nothing newer on its path may land before it. ``replaced``: the older effects a
+        write replaces, renamed just before it lands and dropped once it has, set aside and
+        flagged before it if it cannot."""
         current = list(replaced)  # under the names they have now
 
         def drop() -> None:
+            _check_locked(locked)
             # Renamed, not removed: a crash between here and the write's rename left them
             # gone, and a target made a folder before the next settle then flagged the write
             # alone, a succeeded append's bytes lost unflagged (a cold review). The name says
@@ -1023,8 +1059,21 @@ class Effects:
             if s.file.kind == "write":
                 self._land_write(pfd, s, drop)
             else:
-                self._land_append(pfd, s)
+                self._land_append(pfd, s, locked)
         except (PathRefused, OSError) as exc:
+            if isinstance(exc, _NotLocked) or not _held(locked):
+                # Its lock file was removed (by hand: the sweep removes only free ones) while
+                # this lander held it, and another may have landed on the path since under a
+                # file of its own: its stage gone, this one flagged the call not_landed, bytes
+                # "kept aside" that did not exist, though they had landed (a cold review). It
+                # moves and judges nothing more; the next settle, under the lock, does.
+                problem = (
+                    f"effect {s.file.name} on {s.path!r} left: its path's lock file was "
+                    "removed while held"
+                )
+                log.warning("%s (the next settle lands it)", problem)
+                landing.problems.append(problem)
+                return None
             if _left_for_later(exc):
                 problem = f"effect {s.file.name} on {s.path!r} not finished: {exc}"
                 log.warning("%s (the next settle finishes it)", problem)
@@ -1097,9 +1146,10 @@ class Effects:
                 raise _Unfinished(exc.errno, f"landed, not yet durable: {exc.strerror}") from exc
         failpoints.hit("after_publish", eid)
 
-    def _land_append(self, pfd: int, s: _Step) -> None:
+    def _land_append(self, pfd: int, s: _Step, locked: Callable[[], bool]) -> None:
         eid, f = s.file.execution_id, s.file
         if f.kind == "append":
+            _check_locked(locked)  # the offset is decided here: by the path's holder only
             # The intent: this append goes at this offset. Durable before the bytes, so doing
             # it again after a crash rewrites the same bytes at the same place.
             applying = StageFile(eid, f.n, f.h, "applying", self._size(s.scope, s.path))
@@ -1108,6 +1158,7 @@ class Effects:
         if f is not s.file:
             os.fsync(pfd)
         failpoints.hit("before_publish", eid)
+        _check_locked(locked)  # (a lander frozen here may wake to another's lock file)
         self._log_effect(s, redo=s.file.kind == "applying")
         # Refused before a byte was written (the target's kind, links or name, or no file in
         # the stage's place): ``_land`` sets the intent aside (``_holder`` finds it), so the
@@ -1322,8 +1373,8 @@ class Effects:
                 summary.left += len(on_path)
                 continue
             try:
-                with self._path_lock(h):
-                    self._land_path(h, ledger, None, summary)
+                with self._path_lock(h) as locked:
+                    self._land_path(h, ledger, None, summary, locked)
             except PathBusy:
                 summary.busy += 1
             except OSError as exc:  # this path's (a folder named like a stage, say): not the rest's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -309,6 +310,33 @@ def test_fence__killed_after_commit_settle_lands_the_effect_once(world, scope):
     assert proc.returncode == 9  # committed, its append intent recorded, no byte written
     world.sweep()
     assert world.file(scope, "log.txt") == b"once\ntwice\n" and world.pending() == []
+
+
+@pytest.mark.parametrize("tool", ["append_file", "write_file"])
+def test_fence__a_lock_file_removed_under_a_frozen_lander_flags_nothing_that_landed(
+    world, scope, tool
+):
+    """Before: the lander woke, found its stage gone (the sweep, under a lock file of its
+    own, had landed it) and flagged the call not_landed, exit 1, "kept aside" bytes that
+    did not exist: a person told to land them by hand would append the line twice."""
+    # Given c1 committed and frozen while landing, holding its path's lock
+    world.submit(scope, "c1", tool, write("log.txt", "once\n"))
+    slow = world.execute(scope, "c1", failpoints="before_publish=stop")
+    world.frozen(slow)
+    # When the lock files are removed by hand and the sweep lands c1 under a new one
+    shutil.rmtree(world.root / "sandbox" / ".toolledger" / "paths")
+    world.sweep()
+    assert world.file(scope, "log.txt") == b"once\n"
+    # and the frozen lander wakes
+    code, out, err = world.wake(slow)
+    # Then it moved and judged nothing more: landed once, the call succeeded and unflagged
+    assert code == 0, err
+    assert json.loads(out)["review"] is None
+    assert world.file(scope, "log.txt") == b"once\n"
+    view = world.ledger.get(scope, "c1")
+    assert (view.operation.status, view.operation.review) == (Status.SUCCEEDED, None)
+    world.sweep()
+    assert world.pending() == [] and world.ledger.verify().ok
 
 
 # ---------------------------------------------------------------------------- proof
