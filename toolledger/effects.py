@@ -1037,7 +1037,12 @@ class Effects:
         then nothing newer on its path may land before it. ``replaced``: the older effects a
         write replaces, renamed just before it lands and dropped once it has, set aside and
         flagged before it if it cannot."""
-        current = list(replaced)  # under the names they have now
+        # under the names they have now; those renamed for another write first: renaming an
+        # older write before what was renamed for it, a crash between the two left those named
+        # for a write no longer staged, taken for landed by the next settle and dropped, and a
+        # target made a folder then flagged the writes alone, an append's bytes gone (a cold
+        # review)
+        current = sorted(replaced, key=lambda old: old.file.kind != "replaced")
 
         def drop() -> None:
             _check_locked(locked)

@@ -368,3 +368,47 @@ def test_order__two_crashes_before_two_writes_keep_what_both_replaced(tmp_path, 
     assert sorted(book.flags) == sorted(e for e, _ in staged)
     kept = sorted(p.read_bytes() for p in effects_of(sb).pending_dir.iterdir())
     assert kept == [b"A\n", b"W1\n", b"W2\n"]
+
+
+def test_order__a_crash_between_two_renames_of_one_drop_keeps_what_it_had_renamed(
+    tmp_path, monkeypatch
+):
+    """Before: the older write was renamed for the newer first, the append (named for that
+    older write) after it; killed between the two, the next settle found no write of seq 2
+    staged, dropped the append as landed, and flagged only the two writes."""
+    # Given an append renamed for the write of seq 2 by a lander killed before that write's
+    # rename; then a newer write (seq 3), whose lander is killed between the two renames of
+    # its drop (the older write's and the append's, renamed for seq 3)
+    sb = Sandbox(tmp_path / "sb").prepare()
+    (tmp_path / "sb" / SCOPE).mkdir()
+    staged = [_stage_as(sb, "append", b"A\n"), _stage_as(sb, "write", b"W1\n")]
+    real = os.rename
+    renames: list[str] = []
+
+    def killed_at(second_of_drop: bool) -> Any:
+        def rename(src: Any, dst: Any, **kw: Any) -> None:
+            renames.append(str(dst))
+            if dst == PATH or (second_of_drop and len(renames) == 2):
+                raise Killed
+            real(src, dst, **kw)
+
+        return rename
+
+    monkeypatch.setattr(os, "rename", killed_at(False))
+    with contextlib.suppress(Killed):
+        effects_of(sb).settle(FlaggingBook(staged))
+    staged.append(_stage_as(sb, "write", b"W2\n"))
+    book = FlaggingBook(staged)
+    renames.clear()
+    monkeypatch.setattr(os, "rename", killed_at(True))
+    with contextlib.suppress(Killed):
+        effects_of(sb).settle(book)
+    monkeypatch.setattr(os, "rename", real)
+    assert all(".replaced-3-" in r for r in renames)  # killed inside the drop for seq 3
+    # When the target is a folder at the next settle, Then all three are kept and flagged
+    (tmp_path / "sb" / SCOPE / PATH).mkdir()
+    landing = effects_of(sb).settle(book)
+    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 3)
+    assert sorted(book.flags) == sorted(e for e, _ in staged)
+    kept = sorted(p.read_bytes() for p in effects_of(sb).pending_dir.iterdir())
+    assert kept == [b"A\n", b"W1\n", b"W2\n"]
