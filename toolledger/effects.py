@@ -174,6 +174,19 @@ def _open_made(path: Path, flags: int, mode: int = 0o777) -> int:
         return os.open(path, flags, mode)
 
 
+#: The clock a lease is kept by in this process: CLOCK_BOOTTIME, which counts the time a
+#: host spent suspended, where time.monotonic() (CLOCK_MONOTONIC) stops. A laptop asleep
+#: past a lease woke to read its claim as held: the database had revoked it by its own clock,
+#: and a tool asking ``ctx.lease_lost`` before an effect outside the sandbox went ahead (a
+#: cold review, 12-07). Elsewhere (macOS, Windows) the monotonic clock, as before.
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def lease_clock() -> float:
+    """Seconds on the lease's clock (``_BOOTTIME``), for its deadlines and renewals."""
+    return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
+
+
 class LeaseFlag(threading.Event):
     """A tool's ``ctx.lease_lost``: set once the claim is lost, and *seen* set by ``is_set``
     and ``wait`` as soon as the lease's deadline on this process's clock has passed, whether
@@ -189,7 +202,7 @@ class LeaseFlag(threading.Event):
     def is_set(self) -> bool:
         if super().is_set():
             return True
-        if time.monotonic() >= self.deadline:
+        if lease_clock() >= self.deadline:
             self.set()
             return True
         return False
@@ -198,9 +211,9 @@ class LeaseFlag(threading.Event):
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the flag is set, the deadline passes, or ``timeout`` (the Event's contract)."""
-        end = math.inf if timeout is None else time.monotonic() + timeout
+        end = math.inf if timeout is None else lease_clock() + timeout
         while not self.is_set():
-            left = min(self.deadline, end) - time.monotonic()
+            left = min(self.deadline, end) - lease_clock()
             if left <= 0:
                 return self.is_set()
             super().wait(None if math.isinf(left) else left)
@@ -209,7 +222,7 @@ class LeaseFlag(threading.Event):
 
 @dataclass
 class LeaseWatch:
-    """One claim's lease as this process sees it, on its own monotonic clock.
+    """One claim's lease as this process sees it, on its own clock (``lease_clock``).
 
     ``deadline``: after it, the claim is treated as lost even if the database could not be
     asked (the lease keeper moves it forward after each successful renewal). ``lost`` is set
@@ -233,7 +246,7 @@ class LeaseWatch:
     def valid(self) -> bool:
         if self.lost.is_set():
             return False
-        if time.monotonic() >= self.deadline:
+        if lease_clock() >= self.deadline:
             self.lost.set()
             return False
         return True

@@ -35,6 +35,7 @@ from toolledger.effects import (
     LeaseWatch,
     Staged,
     effects_of,
+    lease_clock,
     lock_keys,
 )
 from toolledger.ledger import metrics
@@ -133,12 +134,12 @@ class LeaseKeeper:
         self._wakes_at = math.inf  # when the sleeping keeper wakes by itself (under _cv)
 
     def track(self, claim: Claim, sent_at: float) -> LeaseWatch:
-        """Watch ``claim``, whose claim statement was sent at ``sent_at`` (monotonic)."""
+        """Watch ``claim``, whose claim statement was sent at ``sent_at`` (``lease_clock``)."""
         watch = LeaseWatch(claim.execution_id, sent_at + self.keep)
         if self.time_limit:
             watch.renew_until = sent_at + self.time_limit
         with self._cv:
-            self._due[claim.execution_id] = (claim, time.monotonic() + self.interval, watch)
+            self._due[claim.execution_id] = (claim, lease_clock() + self.interval, watch)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="toolledger-leases", daemon=True
@@ -159,7 +160,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         while True:
             with self._cv:
-                now = time.monotonic()
+                now = lease_clock()
                 for eid, (_, _, watch) in list(self._due.items()):
                     if not watch.valid():
                         log.warning("lease of %s not renewed in time: claim treated as lost", eid)
@@ -188,7 +189,7 @@ class LeaseKeeper:
 
     def _renew(self, due: list[tuple[Claim, float, LeaseWatch]]) -> None:
         """Renew every claim that is due, in one statement (``Ledger.renew_leases``)."""
-        sent = time.monotonic()
+        sent = lease_clock()
         held = [(c.execution_id, c.lease_token) for c, _, w in due if sent < w.renew_until]
         renewed: set[str] | None
         try:
@@ -213,7 +214,7 @@ class LeaseKeeper:
                 if ours:
                     watch.deadline = max(watch.deadline, sent + self.keep)
                 retry_in = self.interval if ours else min(self.interval, 1.0)
-                self._due[eid] = (claim, time.monotonic() + retry_in, watch)
+                self._due[eid] = (claim, lease_clock() + retry_in, watch)
 
 
 class Executor:
@@ -391,7 +392,7 @@ class Executor:
         finally:
             self.leases.untrack(claim)
         outcome = self._record(claim, status, result, error, staged)
-        metrics.execution_finished(claim.tool, time.monotonic() - sent_at)
+        metrics.execution_finished(claim.tool, lease_clock() - sent_at)
         # Committed (or not): a crash here leaves staged effects that settle lands (or drops).
         failpoints.hit("after_terminal", eid)
         return self._land(claim, outcome, staged)
@@ -431,7 +432,7 @@ class Executor:
     def _claim_tries(
         self, scope: str, key: str, attempt: int, eid: str, token: str
     ) -> tuple[Claim, float] | Outcome:
-        sent_at, ambiguous, pause = time.monotonic(), False, TERMINAL_BACKOFF_SECONDS
+        sent_at, ambiguous, pause = lease_clock(), False, TERMINAL_BACKOFF_SECONDS
         for tries_left in range(TERMINAL_RETRIES - 1, -1, -1):
             try:
                 claim = self.ledger.claim(
