@@ -95,7 +95,12 @@ class Settings:
     def _derive(self) -> None:
         """Defaults that follow from others, derived once (the object is frozen after)."""
         derived: dict[str, Any] = {}
-        if (not self.db or not self.broker) and (odd := _URL_BREAKERS.search(str(self.home))):
+        odd = _URL_BREAKERS.search(str(self.home)) if not self.db or not self.broker else None
+        if odd is None and not self.broker:
+            # kombu reads ";" in a broker URL as a list of failover URLs: home "a;1" made the
+            # embedded broker the file "a" beside it, shared with home "a;2" (a cold review)
+            odd = _BROKER_URL_BREAKERS.search(str(self.home))
+        if odd is not None:
             # a URL reads "?" as a query and "%41" as an escape: "h%41" put the ledger in
             # "hA", "q?x=1" made the file "q" beside the home (a cold review); "#" and a "%"
             # not followed by two hex digits are read as written (refused at first: helper-103)
@@ -715,6 +720,8 @@ def _within(read: Callable[[Any], Any], low: float, high: float, unit: str) -> C
 
 #: What a home's path may not hold to be written into a ledger's or broker's URL.
 _URL_BREAKERS = re.compile(r"\?|%[0-9A-Fa-f]{2}")
+#: What breaks a broker URL (kombu's list of failover URLs) but not a ledger's.
+_BROKER_URL_BREAKERS = re.compile(r";")
 
 #: Every setting: its name -> (how a given value is read and checked, its default). Read by
 #: hand, not by pydantic-settings: importing that costs a CLI command more than its whole

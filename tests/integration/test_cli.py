@@ -1000,6 +1000,24 @@ def test_cli__a_home_a_url_cannot_carry_is_refused(capsys, tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_cli__a_home_the_broker_url_cannot_carry_is_refused(capsys, tmp_path, monkeypatch):
+    """``TOOLLEDGER_HOME=…/a;1``: kombu reads ``;`` in a broker URL as a list of failover URLs,
+    so the embedded broker was the file ``…/a`` beside the home (``submit --approved-by``,
+    exit 0), and homes ``a;1`` and ``a;2`` shared one broker: one home's workers took the
+    other's jobs (a cold review). Refused before anything is made, as ``?`` and ``%41`` are."""
+    monkeypatch.setenv("TOOLLEDGER_HOME", str(tmp_path / "a;1"))
+    monkeypatch.delenv("TOOLLEDGER_DB", raising=False)
+    monkeypatch.delenv("TOOLLEDGER_BROKER", raising=False)
+    code, _, err = run_cli(capsys, "submit", "--scope", "s", "--tool-call-id", "c", "--tool",
+                           "write_file", "--args", ARGS, "--approved-by", "bob")  # fmt: skip
+    assert code == 2 and "holds ';', which a ledger URL cannot carry" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # a broker of one's own: the home's ';' is no URL's
+    monkeypatch.setenv("TOOLLEDGER_BROKER", f"embedded+sqlite:///{tmp_path / 'broker.db'}")
+    assert run_cli(capsys, "submit", "--scope", "s", "--tool-call-id", "c", "--tool",
+                   "write_file", "--args", ARGS)[0] == 0  # fmt: skip
+
+
 def test_cli__an_empty_revision_is_a_usage_error_before_anything_is_made(
     capsys, tmp_path, monkeypatch
 ):
