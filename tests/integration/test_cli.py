@@ -109,10 +109,15 @@ def test_cli__unsafe_scope_refused_everywhere(run, ledger, bad_scope):
 
 
 def test_cli__unknown_status_refused(run):
+    """A status no call can have is a bad option's value, exit 2 (DESIGN §9: usage), as
+    ``resolve --as bogus`` and ``repair --format bogus`` are: it was exit 6, "input refused",
+    which says a call's input was (a cold review)."""
     code, _, err = run("list", "--status", "done")
-    assert code == 6 and "unknown status 'done'" in err
+    assert code == 2 and "unknown status 'done'" in err
     code, out, err = run("list", "--status", "")
-    assert (code, out) == (6, "") and "unknown status ''" in err
+    assert (code, out) == (2, "") and "unknown status ''" in err
+    code, out, err = run("list", "--status", "done", "--json")
+    assert (code, out) == (2, "") and json.loads(err)["exit_code"] == 2
 
 
 def test_cli__json_errors_are_one_json_object(run, scope):

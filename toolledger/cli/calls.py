@@ -20,12 +20,12 @@ from toolledger.cli.common import (
     person_option_check,
     scope_option_check,
 )
-from toolledger.ledger.errors import StateError
+from toolledger.ledger.errors import InvalidStatus, StateError
 from toolledger.ledger.inputs import shown_id
 from toolledger.ledger.lightreads import CallReads, events_page
 from toolledger.ledger.receipts import receipt_for
 from toolledger.ledger.records import Receipt
-from toolledger.ledger.transitions import parse_status
+from toolledger.ledger.transitions import Status, parse_status
 
 
 @click.command()
@@ -199,6 +199,16 @@ def events(c: Context, scope: str, tool_call_id: str, after: int, limit: int) ->
     )
 
 
+def _status_option(value: str | None) -> Status | None:
+    """``--status`` as a Status; a bad one is a bad option, exit 2, as ``resolve --as bogus``
+    is (it was exit 6, "input refused": a cold review). '' is refused as 'done' is: a
+    script's empty "$STATUS" listed every call (a cold review)."""
+    try:
+        return parse_status(value) if value is not None else None
+    except InvalidStatus as exc:
+        raise click.BadParameter(str(exc), param_hint="'--status'") from None
+
+
 @click.command("list")
 @click.option("--status", help="Only calls in this status (e.g. unknown: the humans' inbox).")
 @click.option(
@@ -218,8 +228,7 @@ def events(c: Context, scope: str, tool_call_id: str, after: int, limit: int) ->
 @pass_ctx
 def list_(c: Context, status: str | None, review: bool, scope: str | None, limit: int) -> None:
     """Calls from current state (never from the history)."""
-    # '' is refused as 'done' is: a script's empty "$STATUS" listed every call (a cold review)
-    wanted = parse_status(status) if status is not None else None
+    wanted = _status_option(status)
     rows = c.recorded_ledger.list_calls(
         status=wanted, scope=scope, limit=limit + 1 if limit else 0, review=review
     )
