@@ -120,6 +120,19 @@ def test_cli__unknown_status_refused(run):
     assert (code, out) == (2, "") and json.loads(err)["exit_code"] == 2
 
 
+def test_cli__version_under_json_is_json(capsys):
+    """``toolledger --version --json`` printed ``toolledger, version 0.1.0``: ``--json`` is
+    machine output on every command (DESIGN §9), and a script's ``json.loads`` failed on it
+    (a cold review). Without ``--json`` it is the line it was."""
+    from importlib.metadata import version
+
+    for argv in (("--version", "--json"), ("--json", "--version")):
+        code, out, err = run_cli(capsys, *argv)
+        assert (code, err) == (0, ""), argv
+        assert json.loads(out) == {"version": version("toolledger")}, argv
+    assert run_cli(capsys, "--version") == (0, f"toolledger, version {version('toolledger')}\n", "")
+
+
 def test_cli__json_errors_are_one_json_object(run, scope):
     code, out, err = run("show", "--scope", scope, "--tool-call-id", "nope", "--json")
     assert code == 4 and out == ""

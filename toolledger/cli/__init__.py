@@ -218,7 +218,14 @@ def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) ->
     help="Sandbox root [env TOOLLEDGER_SANDBOX].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.version_option(package_name="toolledger")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _param, value: _print_version(ctx, value),
+    help="Show the version and exit (JSON with --json).",
+)
 @click.pass_context
 def cli(
     ctx: click.Context,
@@ -244,6 +251,24 @@ def cli(
 
 
 once_each(cli)  # --db given twice, as a command's option
+
+
+def _print_version(ctx: click.Context, wanted: bool) -> None:
+    """``--version``: click's line, or ``{"version": …}`` under ``--json``, which is machine
+    output on every command (it printed the line: a cold review). ``--json`` may come after
+    ``--version``, which is eager: ``main`` has seen the whole command line."""
+    import json
+    from importlib.metadata import version
+
+    if not wanted:
+        return
+    number = version("toolledger")
+    click.echo(json.dumps({"version": number}) if _JSON[0] else f"toolledger, version {number}")
+    ctx.exit()
+
+
+#: Whether this run's command line holds ``--json`` (set by ``main``).
+_JSON = [False]
 
 
 #: The settings this run was given as options (``--db``…), not by the environment: an error
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: run a command, map every error to one line and an exit code."""
     args = sys.argv[1:] if argv is None else argv
     _ON_LINE.clear()  # a run in-process after another (tests, an application's own calls)
-    as_json = "--json" in args
+    as_json = _JSON[0] = "--json" in args
     if as_json:
         log_as_json_lines()
     else:
