@@ -133,6 +133,18 @@ def test_cli__version_under_json_is_json(capsys):
     assert run_cli(capsys, "--version") == (0, f"toolledger, version {version('toolledger')}\n", "")
 
 
+def test_cli__repair_of_a_missing_transcript_is_not_found(run, tmp_path):
+    """``repair`` of a file that is not there is exit 4 (DESIGN §9: not found), as a call or a
+    ledger that is not there is: it was click's usage error, exit 2 (a cold review)."""
+    missing = tmp_path / "nope.jsonl"
+    code, out, err = run("repair", str(missing))
+    assert (code, out) == (4, "") and err.count("\n") == 1, err
+    assert str(missing) in err and "Traceback" not in err
+    code, _, err = run("repair", str(missing), "--json")
+    assert json.loads(err)["exit_code"] == 4
+    assert not missing.exists()
+
+
 def test_cli__json_errors_are_one_json_object(run, scope):
     code, out, err = run("show", "--scope", scope, "--tool-call-id", "nope", "--json")
     assert code == 4 and out == ""

@@ -11,6 +11,7 @@ import click
 
 from toolledger.cli.common import (
     EXIT_FAILURE,
+    EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
     CliError,
@@ -226,7 +227,7 @@ def retry(
 
 
 @click.command()
-@click.argument("transcript", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("transcript", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--scope",
     default=lambda: os.environ.get("TOOLLEDGER_SCOPE", DEFAULT_SCOPE),
@@ -247,6 +248,8 @@ def repair(c: Context, transcript: Path, scope: str, fmt: str | None, out: Path 
     The file is read as bytes (strict UTF-8) and refused, untouched, with exit 6 if it is not
     a well-formed transcript; a symbolic link is never written to (pass its target)."""
     check_scope(scope)
+    if not transcript.exists():  # not found, exit 4, as a call is (it was click's usage error)
+        raise CliError(f"no transcript at {transcript}", EXIT_NOT_FOUND)
     if out is not None and str(out) == "-":
         # bytes in, bytes out: what repair wrote is what it read back, whatever the locale
         report = repair_transcript(
