@@ -316,6 +316,35 @@ def test_cli__text_warnings_are_one_line_on_stderr_once_never_on_stdout(tmp_path
     assert len(said) == 1 and said[0].startswith("toolledger: warning: requeue of "), said
 
 
+def test_cli__a_closed_stdout_is_refused_before_anything_is_done(tmp_path: Path):
+    """Started with stdout closed (``>&-``), a command ran and wrote its answer to stderr,
+    exit 0: ``submit`` recorded the call and ``--json list`` put 18 lines of JSON where a
+    script reads the one line of an error (a cold review). Refused, exit 2, one line,
+    nothing recorded; stdout sent to /dev/null drops the answer as ever."""
+    import os
+
+    import toolledger
+
+    code = str(Path(toolledger.__file__).resolve().parents[1])  # this tree's, not an install's
+    env = {"PATH": "/usr/bin:/bin", "TOOLLEDGER_HOME": str(tmp_path / "home"), "PYTHONPATH": code}
+
+    def cli(*argv: str, closed: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "toolledger", *argv], stdin=subprocess.DEVNULL,
+            stdout=None if closed else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=env, cwd=tmp_path, timeout=60, preexec_fn=(lambda: os.close(1)) if closed else None,
+        )  # fmt: skip
+
+    call = ("--scope", "s", "--tool-call-id", "c1", "--tool", "write_file", "--args", ARGS)
+    for argv in (("submit", *call), ("--json", "submit", *call), ("list",)):
+        done = cli(*argv)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (argv, done.stderr)
+        assert "stdout" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "home").exists()  # nothing recorded, no ledger made
+    assert cli("submit", *call, closed=False).returncode == 0
+    assert cli("show", "--scope", "s", "--tool-call-id", "c1", closed=False).returncode == 0
+
+
 def test_cli__ctrl_c_is_one_line_aborted_while_it_loads_and_while_it_runs(tmp_path: Path):
     """A Ctrl-C while a command ran printed an empty line before its JSON error (click's
     Abort), and one while the script imported the command line a traceback (a cold review)."""

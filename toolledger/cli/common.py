@@ -270,6 +270,13 @@ def pass_ctx(f: F) -> F:
         c = context_of(ctx)
         if _command_of(ctx) in ANSWERS_ON_STDOUT_ONLY:
             return ctx.invoke(f, c, *args, **kwargs)
+        if sys.stdout is None:  # started with fd 1 closed: Python gives no stream
+            # the answer went to stderr, where the redirect below sends print(), exit 0: many
+            # lines where a script reads one error (a cold review). Before anything is done.
+            raise CliError(
+                "stdout is closed: nowhere to write the answer (send it to /dev/null to drop it)",
+                EXIT_USAGE,
+            )
         # a tool's or a tools module's print() (run by execute, a read-only submit, a
         # reconciler) went to stdout before the answer, and --json's stdout was no JSON (a
         # cold review of the CLI): while the command runs, stdout is stderr, the answer not
