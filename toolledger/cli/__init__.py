@@ -257,11 +257,11 @@ def _print_version(ctx: click.Context, wanted: bool) -> None:
     """``--version``: click's line, or ``{"version": …}`` under ``--json``, which is machine
     output on every command (it printed the line: a cold review). ``--json`` may come after
     ``--version``, which is eager: ``main`` has seen the whole command line."""
+    if not wanted:  # every run passes here: nothing imported for it
+        return
     import json
     from importlib.metadata import version
 
-    if not wanted:
-        return
     number = version("toolledger")
     click.echo(json.dumps({"version": number}) if _JSON[0] else f"toolledger, version {number}")
     ctx.exit()
