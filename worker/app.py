@@ -63,6 +63,10 @@ def transport_options(settings: Settings) -> dict[str, Any]:
         # brpop_timeout (1 s) at a time, well within it.
         options["socket_timeout"] = BROKER_SOCKET_TIMEOUT
         options["socket_connect_timeout"] = BROKER_SOCKET_TIMEOUT
+    if scheme == f"{broker.ALIAS}+sqlite":
+        # its SQLite busy timeout, as the ledger's own: a process frozen holding the broker
+        # file's write lock held each publish's try 30 s (a CLI's submit 61 s: a cold review)
+        options[broker.BUSY_TIMEOUT_OPTION] = settings.db_timeout
     if settings.broker_prefix and scheme in ("redis", "rediss", "redis+socket", "sentinel"):
         options["global_keyprefix"] = settings.broker_prefix
     return options

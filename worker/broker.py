@@ -41,6 +41,10 @@ ALIAS = "embedded"
 POLL_SECONDS = 0.05
 #: Longest wait for a ring while idle (a lost ring costs at most this).
 IDLE_WAIT_SECONDS = 1.0
+#: The transport option (seconds) bounding a wait for the broker file's write lock; the app
+#: sets it to TOOLLEDGER_DB_TIMEOUT, as the ledger's own wait.
+BUSY_TIMEOUT_OPTION = "busy_timeout"
+DEFAULT_BUSY_TIMEOUT_SECONDS = 30.0
 
 
 @contextlib.contextmanager
@@ -83,13 +87,15 @@ class Channel(kombu_sqla.Channel):
             return super()._get_or_create(queue)  # type: ignore[no-untyped-call]
 
     def _engine_from_config(self) -> sa.Engine:
-        engine = sa.create_engine(self.connection.client.hostname, connect_args={"timeout": 30})
+        options = self.connection.client.transport_options
+        busy = float(options.get(BUSY_TIMEOUT_OPTION, DEFAULT_BUSY_TIMEOUT_SECONDS))
+        engine = sa.create_engine(self.connection.client.hostname, connect_args={"timeout": busy})
 
         @sa.event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
             cursor = dbapi_conn.cursor()
             cursor.execute("PRAGMA journal_mode = WAL")
-            cursor.execute("PRAGMA busy_timeout = 30000")
+            cursor.execute(f"PRAGMA busy_timeout = {max(1, int(busy * 1000))}")
             cursor.close()
 
         return engine

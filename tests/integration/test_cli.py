@@ -345,6 +345,48 @@ def test_cli__a_closed_stdout_is_refused_before_anything_is_done(tmp_path: Path)
     assert cli("show", "--scope", "s", "--tool-call-id", "c1", closed=False).returncode == 0
 
 
+def test_cli__an_embedded_broker_held_locked_bounds_the_enqueue(tmp_path: Path):
+    """A process holding the embedded broker's write lock (a worker or a ``submit`` stopped
+    with Ctrl-Z mid-publish) held ``submit --approved-by`` 61 s with the ledger's wait at
+    7.5 s: the broker's SQLite busy timeout was 30 s, fixed, for each of the publish's tries
+    (a cold review). The publish now waits as the ledger does, ``TOOLLEDGER_DB_TIMEOUT``:
+    the call is recorded, the failed enqueue said, and the sweep re-publishes it."""
+    import sqlite3
+    import time
+
+    import toolledger
+
+    code = str(Path(toolledger.__file__).resolve().parents[1])  # this tree's, not an install's
+    env = {"PATH": "/usr/bin:/bin", "TOOLLEDGER_HOME": str(tmp_path / "home"),
+           "TOOLLEDGER_DB_TIMEOUT": "1", "PYTHONPATH": code}  # fmt: skip
+
+    def submit(call_id: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "toolledger", "--json", "submit", "--scope", "s",
+             "--tool-call-id", call_id, "--tool", "write_file", "--args", ARGS,
+             "--approved-by", "al"],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=20,
+        )  # fmt: skip
+
+    assert submit("c1").returncode == 0  # the broker's file made
+    holder = sqlite3.connect(tmp_path / "home" / "broker.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # its write lock, held as a frozen process would
+    try:
+        started = time.monotonic()
+        held = submit("c2")
+        took = time.monotonic() - started
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert held.returncode == 0, held.stderr
+    out = json.loads(held.stdout)
+    assert (out["status"], out["enqueued"]) == ("approved", False), out
+    assert "database is locked" in out["enqueue_error"]
+    assert took < 12, took  # 1 s a try, and the process's start
+    after = submit("c3")  # the lock let go: published as ever
+    assert after.returncode == 0 and json.loads(after.stdout)["enqueued"] is True, after.stderr
+
+
 def test_cli__ctrl_c_is_one_line_aborted_while_it_loads_and_while_it_runs(tmp_path: Path):
     """A Ctrl-C while a command ran printed an empty line before its JSON error (click's
     Abort), and one while the script imported the command line a traceback (a cold review)."""
