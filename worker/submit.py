@@ -402,12 +402,13 @@ class Submitter:
                     producer=producer,
                 )
         except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry
+            said = _said(exc)
             log.warning(
-                "enqueue of %s/%s failed (the sweep will re-enqueue it): %s", scope, key, exc
+                "enqueue of %s/%s failed (the sweep will re-enqueue it): %s", scope, key, said
             )
             if stamped:
                 self._stamp(self.ledger.clear_enqueued, scope, key, attempt)
-            return {"enqueued": False, "enqueue_error": f"{type(exc).__name__}: {exc}"}
+            return {"enqueued": False, "enqueue_error": f"{type(exc).__name__}: {said}"}
         if not stamped:
             self._stamp(self.ledger.mark_enqueued, scope, key, attempt)
         return {"enqueued": True}
@@ -461,3 +462,11 @@ class Submitter:
             self._ledger.close()
         if "app" in self.__dict__ and self._app is None:
             self.app.close()
+
+
+def _said(exc: BaseException) -> str:
+    """A failed publish in the driver's words: the embedded broker's SQLAlchemy error quoted
+    its statement, the message's base64 body and a link, 1.3 kB (a cold review)."""
+    orig = getattr(exc, "orig", None)
+    text = str(orig if isinstance(orig, BaseException) else exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -381,7 +381,12 @@ def test_cli__an_embedded_broker_held_locked_bounds_the_enqueue(tmp_path: Path):
     assert held.returncode == 0, held.stderr
     out = json.loads(held.stdout)
     assert (out["status"], out["enqueued"]) == ("approved", False), out
-    assert "database is locked" in out["enqueue_error"]
+    error = out["enqueue_error"]
+    assert error.endswith("database is locked") and "\n" not in error, error
+    # said once, the driver's words: not SQLAlchemy's statement, its base64 message body
+    # and its link (1.3 kB on one line, and four lines in the JSON field: a cold review)
+    said = [json.loads(line)["warning"] for line in held.stderr.splitlines()]
+    assert len(said) == 1 and said[0].endswith("database is locked"), said
     assert took < 12, took  # 1 s a try, and the process's start
     after = submit("c3")  # the lock let go: published as ever
     assert after.returncode == 0 and json.loads(after.stdout)["enqueued"] is True, after.stderr
