@@ -304,8 +304,9 @@ def _publish_one(publish: Publish, scope: str, key: str, attempt: int, errors: l
     try:
         publish(scope, key, attempt)
     except Exception as exc:  # noqa: BLE001 - the broker is down: the outbox retries
-        errors.append(f"publish of {scope}/{key}#{attempt} failed: {exc}")
-        log.warning("publish of %s/%s#%s failed: %s", scope, key, attempt, exc)
+        said = logs.error_line(exc)
+        errors.append(f"publish of {scope}/{key}#{attempt} failed: {said}")
+        log.warning("publish of %s/%s#%s failed: %s", scope, key, attempt, said)
         return False
     return True
 
@@ -336,8 +337,9 @@ def requeue_lost(
                     publish(scope, key, attempt)
                 published += 1
             except Exception as exc:  # noqa: BLE001 - the broker is down: next sweep retries
-                errors.append(f"requeue of {scope}/{key} failed: {exc}")
-                log.warning("requeue of %s/%s failed: %s", scope, key, exc)
+                said = logs.error_line(exc)
+                errors.append(f"requeue of {scope}/{key} failed: {said}")
+                log.warning("requeue of %s/%s failed: %s", scope, key, said)
                 _unstamp(ledger, todo[i:], errors)
                 return published
         if again or len(due) < batch:

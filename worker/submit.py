@@ -23,7 +23,7 @@ from toolledger.ledger.identity import PROXIED_PREFIX, check_call, check_new_too
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.records import OperationRecord
 from toolledger.ledger.transitions import Status
-from toolledger.observability import tracing
+from toolledger.observability import logs, tracing
 from toolledger.registry import load_registry
 from toolledger.sandbox import Sandbox
 from toolledger.tools import Registry, ToolContext, UnknownTool
@@ -402,7 +402,7 @@ class Submitter:
                     producer=producer,
                 )
         except Exception as exc:  # noqa: BLE001 - any broker failure: the sweep will retry
-            said = _said(exc)
+            said = logs.error_line(exc)
             log.warning(
                 "enqueue of %s/%s failed (the sweep will re-enqueue it): %s", scope, key, said
             )
@@ -462,11 +462,3 @@ class Submitter:
             self._ledger.close()
         if "app" in self.__dict__ and self._app is None:
             self.app.close()
-
-
-def _said(exc: BaseException) -> str:
-    """A failed publish in the driver's words: the embedded broker's SQLAlchemy error quoted
-    its statement, the message's base64 body and a link, 1.3 kB (a cold review)."""
-    orig = getattr(exc, "orig", None)
-    text = str(orig if isinstance(orig, BaseException) else exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -388,6 +388,19 @@ def test_cli__an_embedded_broker_held_locked_bounds_the_enqueue(tmp_path: Path):
     said = [json.loads(line)["warning"] for line in held.stderr.splitlines()]
     assert len(said) == 1 and said[0].endswith("database is locked"), said
     assert took < 12, took  # 1 s a try, and the process's start
+    holder = sqlite3.connect(tmp_path / "home" / "broker.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # and the sweep's re-publish of c2: one short line too
+    try:
+        swept = subprocess.run(
+            [sys.executable, "-m", "toolledger", "--json", "sweep", "--requeue-after", "0"],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=20,
+        )  # fmt: skip
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    errors = json.loads(swept.stdout)["errors"]
+    assert swept.returncode == 1 and len(errors) == 1, swept
+    assert errors[0].endswith("database is locked") and "\n" not in errors[0], errors
     after = submit("c3")  # the lock let go: published as ever
     assert after.returncode == 0 and json.loads(after.stdout)["enqueued"] is True, after.stderr
 

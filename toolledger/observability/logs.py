@@ -134,3 +134,12 @@ def restyle(fmt: str, logger: logging.Logger | None = None) -> None:
         h.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
         if not any(isinstance(f, IdsFilter) for f in h.filters):
             h.addFilter(IdsFilter())
+
+
+def error_line(exc: BaseException) -> str:
+    """An error in the driver's words, its first line: a SQLAlchemy error (the embedded
+    broker's) quoted its statement, the message's base64 body and a link, 1.3 kB in a failed
+    publish's warning (a cold review)."""
+    orig = getattr(exc, "orig", None)
+    text = str(orig if isinstance(orig, BaseException) else exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
