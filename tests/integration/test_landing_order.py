@@ -361,7 +361,14 @@ def test_order__two_crashes_before_two_writes_keep_what_both_replaced(tmp_path, 
     with contextlib.suppress(Killed):
         effects_of(sb).settle(book)
     monkeypatch.setattr(os, "rename", real)
-    # When the target is a folder at the next settle, Then all three are kept and flagged
+    _a_folder_in_the_way_keeps_and_flags_all_three(tmp_path, sb, book, staged)
+
+
+def _a_folder_in_the_way_keeps_and_flags_all_three(
+    tmp_path: Path, sb: Sandbox, book: FlaggingBook, staged: list[tuple[str, list[Any]]]
+) -> None:
+    """When the target is a folder at the next settle, Then the append and both writes are
+    kept and flagged, none dropped."""
     (tmp_path / "sb" / SCOPE / PATH).mkdir()
     landing = effects_of(sb).settle(book)
     assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 3)
@@ -405,10 +412,4 @@ def test_order__a_crash_between_two_renames_of_one_drop_keeps_what_it_had_rename
         effects_of(sb).settle(book)
     monkeypatch.setattr(os, "rename", real)
     assert all(".replaced-3-" in r for r in renames)  # killed inside the drop for seq 3
-    # When the target is a folder at the next settle, Then all three are kept and flagged
-    (tmp_path / "sb" / SCOPE / PATH).mkdir()
-    landing = effects_of(sb).settle(book)
-    assert (landing.landed, landing.discarded, landing.refused) == (0, 0, 3)
-    assert sorted(book.flags) == sorted(e for e, _ in staged)
-    kept = sorted(p.read_bytes() for p in effects_of(sb).pending_dir.iterdir())
-    assert kept == [b"A\n", b"W1\n", b"W2\n"]
+    _a_folder_in_the_way_keeps_and_flags_all_three(tmp_path, sb, book, staged)

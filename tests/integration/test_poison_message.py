@@ -223,6 +223,21 @@ def test_embedded_worker__a_row_that_is_no_kombu_message_is_dropped_and_the_work
         stop_all([worker])
 
 
+def _its_job_sent_with(
+    cli: Callable[..., dict], redis_server: str, redis_prefix: str, headers: dict[str, Any]
+) -> None:
+    """Call c1 submitted approved, its own job taken off the queue and sent again with
+    ``headers``: the only message the worker will see."""
+    submit_write(cli, "x")
+    client = redis.Redis.from_url(redis_server)
+    try:
+        client.delete(f"{redis_prefix}{QUEUE}")
+    finally:
+        client.close()
+    body = json.dumps([["s", "write_file:c1", 1], {}, {"callbacks": None, "errbacks": None}])
+    _publish(redis_server, redis_prefix, body, headers)
+
+
 def test_worker__a_message_s_time_limits_are_not_the_worker_s(
     redis_server: str, redis_prefix: str, tmp_path: Path
 ) -> None:
@@ -232,14 +247,7 @@ def test_worker__a_message_s_time_limits_are_not_the_worker_s(
     env = redis_env(redis_server, redis_prefix, tmp_path, failpoints="before_effect=sleep(2)")
 
     cli = cli_of(env)
-    submit_write(cli, "x")
-    client = redis.Redis.from_url(redis_server)
-    try:
-        client.delete(f"{redis_prefix}{QUEUE}")  # its own job gone: only the one below
-    finally:
-        client.close()
-    body = json.dumps([["s", "write_file:c1", 1], {}, {"callbacks": None, "errbacks": None}])
-    _publish(redis_server, redis_prefix, body, _headers(timelimit=[0.5, 1]))
+    _its_job_sent_with(cli, redis_server, redis_prefix, _headers(timelimit=[0.5, 1]))
     worker = worker_process("limits", env, tmp_path / "logs", pool="prefork", concurrency=1)
     worker.start()
     try:
@@ -264,16 +272,9 @@ def test_worker__a_message_s_schedule_is_not_the_worker_s(
     env = redis_env(redis_server, redis_prefix, tmp_path)
 
     cli = cli_of(env)
-    submit_write(cli, "x")
-    client = redis.Redis.from_url(redis_server)
-    try:
-        client.delete(f"{redis_prefix}{QUEUE}")  # its own job gone: only the one below
-    finally:
-        client.close()
-    body = json.dumps([["s", "write_file:c1", 1], {}, {"callbacks": None, "errbacks": None}])
     when = time.time() + (86_400 if change == "eta" else -3_600)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(when))
-    _publish(redis_server, redis_prefix, body, _headers(**{change: stamp}))
+    _its_job_sent_with(cli, redis_server, redis_prefix, _headers(**{change: stamp}))
     worker = worker_process("schedule", env, tmp_path / "logs", pool="threads", concurrency=1)
     worker.start()
     try:

@@ -1656,6 +1656,16 @@ def test_chaos_run__a_kill_or_freeze_picks_a_worker_not_cut_off_while_there_is_o
     assert run._pick("kill_child") is None
 
 
+#: Database faults, and whether each explains what went wrong with an execution held then: one
+#: while it was held does, one ten minutes later does not, and none does not.
+DATABASE_FAULT_WHILE_HELD = (
+    ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING}], True),
+    ([{"kind": "pg_terminate", "pids": [], "target": "postgres", "t": DURING}], True),
+    ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING + 600}], False),
+    ([], False),
+)
+
+
 def test_checker__a_spooled_outcome_under_a_database_fault_is_explained():
     """An execution whose terminal write a Postgres crash or terminate kept from the ledger
     spools its outcome (the worker's own record that it could not commit), the sweep revokes
@@ -1666,12 +1676,7 @@ def test_checker__a_spooled_outcome_under_a_database_fault_is_explained():
     name = "every unknown lines up with a fault on that execution"
     spooled = {"spool": "e-w1-1:1", "worker_id": "chaos-w1@h:101", "late_result": {},
                "status": "succeeded", "error": None}  # fmt: skip
-    for faults, explained in (
-        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING}], True),
-        ([{"kind": "pg_terminate", "pids": [], "target": "postgres", "t": DURING}], True),
-        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING + 600}], False),
-        ([], False),
-    ):
+    for faults, explained in DATABASE_FAULT_WHILE_HELD:
         w = World()
         _unknown_without_a_fault(w)
         w.event("chaos_write:w1", "e-w1-1", "evidence", **spooled)
@@ -1685,12 +1690,7 @@ def test_checker__a_tool_stopped_by_its_lease_lost_to_a_database_fault_is_explai
     before sending fails by its own word, ``lease_lost``: the database fault while it was
     held explains that failure (CI, 12-07: the checker failed a clean threads-pool run on
     it). The same word with no database fault, or one long before, explains nothing."""
-    for faults, explained in (
-        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING}], True),
-        ([{"kind": "pg_terminate", "pids": [], "target": "postgres", "t": DURING}], True),
-        ([{"kind": "pg_crash", "pids": [], "target": "postgres", "t": DURING + 600}], False),
-        ([], False),
-    ):
+    for faults, explained in DATABASE_FAULT_WHILE_HELD:
         w = World()
         _a_charge_failed_for_its_lease_without_a_database_fault(w)
         f = copy.copy(w.facts())
