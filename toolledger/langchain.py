@@ -51,9 +51,9 @@ from toolledger.client import (
     unanswered,
     waiting_on,
 )
-from toolledger.ledger.errors import ConflictError, LedgerError
-from toolledger.ledger.identity import args_sha256
-from toolledger.ledger.inputs import wait_seconds
+from toolledger.ledger.errors import ConflictError, InputError, LedgerError
+from toolledger.ledger.identity import args_sha256, check_text_id
+from toolledger.ledger.inputs import MAX_ACTOR, wait_seconds
 from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
@@ -125,6 +125,24 @@ def check_durable(config: RunnableConfig | None) -> None:
             "durability='sync', so the model's tool calls are saved before they run; "
             "otherwise a crash makes the model call again under new ids, a second effect"
         )
+
+
+class PolicyAnswerRefused(InputError, GraphBubbleUp):
+    """The approval policy answered neither an approver's name nor None: the run stops,
+    nothing recorded, as under run_turn and the SDK's adapter. Also a ``GraphBubbleUp``: a
+    ``ToolNode(handle_tool_errors=True)`` does not hand it to the model."""
+
+
+def _approver(answer: Any, call_id: str) -> str | None:
+    """The policy's answer checked before the submit: a falsy one (False, "") was refused by
+    the submit, a ``ToolException`` the model read as "toolledger refused the call" (a
+    refusal nobody made), where run_turn and the SDK's adapter stop the run."""
+    if answer is None:
+        return None
+    try:
+        return check_text_id(answer, f"approver of call {call_id!r}", MAX_ACTOR)
+    except InputError as exc:
+        raise PolicyAnswerRefused(str(exc)) from None
 
 
 def default_approve(_tool: str, _call_id: str, _args: dict[str, Any]) -> str | None:
@@ -248,7 +266,7 @@ class LedgerTool(BaseTool):
         # the policy's own copy, as run_turn gives it: what it does to it is not recorded
         # and run (a cold review: a policy that stamped the arguments made the call's
         # replay a conflict, told to the model as a refusal, and repair refuse the transcript)
-        approver = self.approve(spec.name, call_id, copy.deepcopy(args))
+        approver = _approver(self.approve(spec.name, call_id, copy.deepcopy(args)), call_id)
         try:
             try:
                 handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)

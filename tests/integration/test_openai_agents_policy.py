@@ -118,3 +118,38 @@ def test_an_sdk_approver_the_ledger_refuses_is_refused_when_the_tools_are_made(
 
     with pytest.raises(InputError, match="approved_by"):
         asyncio.run(go())
+
+
+@pytest.mark.parametrize("answer", [False, "", "  ", 0])
+def test_langchain__a_falsy_policy_answer_stops_the_run_nothing_recorded(
+    settings: Settings, scope: str, answer: Any
+) -> None:
+    """As the SDK's adapter and run_turn: a policy that said False or "" is refused before
+    anything is recorded, and the run stops. The LangChain tool handed the submit's refusal
+    to the model as a tool error ("toolledger refused the call: approver ..."), a refusal
+    nobody made, and a model told "refused" calls again or gives up on a call a person
+    would have approved."""
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import AIMessage
+    from langgraph.checkpoint.memory import MemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from toolledger.langchain import ledger_tools
+
+    call = {"type": "tool_call", "id": "lc_f1", "name": "append_file",
+            "args": {"path": "x.txt", "content": "x\n"}}  # fmt: skip
+    config = {"configurable": {"thread_id": scope}}
+    with Client(settings) as client:
+        tools = ledger_tools(client, approve=lambda *_: answer, tools=["append_file"])
+        with pytest.raises(InputError, match="approver of call 'lc_f1'"):
+            tools[0].invoke(call, config)
+        # a ToolNode that hands every tool error to the model lets this one through too
+        graph = StateGraph(MessagesState)
+        graph.add_node("tools", ToolNode(tools, handle_tool_errors=True))
+        graph.add_edge(START, "tools")
+        app = graph.compile(checkpointer=MemorySaver())
+        with pytest.raises(InputError, match="approver of call 'lc_f1'"):
+            app.invoke({"messages": [AIMessage("", tool_calls=[call])]}, config, durability="sync")
+        with pytest.raises(NotFound):
+            client.status(scope, "lc_f1")
