@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import logging
 import time
@@ -42,7 +43,7 @@ from toolledger.ledger.records import Receipt
 from toolledger.recovery.replay import Call, Format, TranscriptError, detect
 
 if TYPE_CHECKING:
-    from toolledger.client import AsyncClient, Client
+    from toolledger.client import AsyncCallHandle, AsyncClient, CallHandle, Client
     from toolledger.worker.submit import PreparedCall
 
 Approve = Callable[[str, str, dict[str, Any]], Any]
@@ -175,6 +176,79 @@ def _submit_failed(
     raise CallsWaiting(scope, waiting, frozenset({call.id})) from exc
 
 
+def _replayed_unpublished(handle: CallHandle) -> bool:
+    """A call the turn found recorded, approved, and that its replay did not publish again."""
+    out = handle.submitted
+    return (
+        out.get("outcome") not in (None, "created", "read_only")
+        and out.get("status") == "approved"
+        and not out.get("enqueued")
+    )
+
+
+def _first_wait(handle: CallHandle, left: float | None) -> float | None:
+    """How long a call is waited for before its submit is replayed again (None: never).
+
+    A replay publishes a call approved and unclaimed only once its stamp is older than
+    ``REPUBLISH_AFTER`` (its message may still be on its way), and a wait never publishes: an
+    agent SIGKILLed between a call's commit and its publish and restarted at once waited out
+    its whole timeout (the sweep re-publishes after ``requeue_after``, 120 s) while a worker
+    stood idle. The turn's own submit, replayed once past that age, publishes it: one more
+    message at most, the claim deciding which one runs."""
+    from toolledger.worker.submit import REPUBLISH_AFTER
+
+    if not _replayed_unpublished(handle):
+        return None
+    first = REPUBLISH_AFTER + 0.5
+    return None if left is not None and left <= first else first
+
+
+def _publish_if_lost(resubmit: Callable[[], Any], exc: TimeoutError) -> bool:
+    """After a first wait that timed out: the submit replayed if the call is still approved,
+    said as the database answered it (True: it was)."""
+    if getattr(exc, "unanswered", False) or getattr(exc, "status", None) != "approved":
+        return False
+    try:
+        resubmit()
+    except Exception as failed:  # a nudge: the wait goes on, as it would have
+        if not database_failed(failed):
+            raise
+        log.warning("a replayed call's publish again failed: %s", failed)
+    return True
+
+
+def _result(handle: CallHandle, resubmit: Callable[[], Any], left: float | None) -> Receipt:
+    """The call's receipt within ``left`` seconds (``_first_wait``)."""
+    first = _first_wait(handle, left)
+    if first is None:
+        return handle.result(timeout=left)
+    started = time.monotonic()
+    try:
+        return handle.result(timeout=first)
+    except TimeoutError as exc:
+        if not _publish_if_lost(resubmit, exc):
+            raise
+    rest = None if left is None else max(0.0, left - (time.monotonic() - started))
+    return handle.result(timeout=rest)
+
+
+async def _result_async(
+    handle: AsyncCallHandle, resubmit: Callable[[], Any], left: float | None
+) -> Receipt:
+    """``_result`` on the event loop (``resubmit`` in a thread)."""
+    first = _first_wait(handle.handle, left)
+    if first is None:
+        return await handle.result(timeout=left)
+    started = time.monotonic()
+    try:
+        return await handle.result(timeout=first)
+    except TimeoutError as exc:
+        if not await asyncio.to_thread(_publish_if_lost, resubmit, exc):
+            raise
+    rest = None if left is None else max(0.0, left - (time.monotonic() - started))
+    return await handle.result(timeout=rest)
+
+
 def _status_of(exc: TimeoutError) -> str:
     status = getattr(exc, "status", None)
     if status is None:
@@ -225,10 +299,12 @@ def run_turn(
     ]
     deadline = None if timeout is None else time.monotonic() + timeout
     handles: list[tuple[Call, Any]] = []
+    again: dict[str, Callable[[], Any]] = {}  # each call's submit, to replay (_first_wait)
     for call, prepared, approver in zip(calls, checked, approvers, strict=True):
         # submitted in the model's order (workers may run them concurrently)
+        again[call.id] = functools.partial(client.submit_checked, prepared, approved_by=approver)
         try:
-            handles.append((call, client.submit_checked(prepared, approved_by=approver)))
+            handles.append((call, again[call.id]()))
         except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed, or as it is
             _submit_failed(scope, call, [(c, h.status) for c, h in handles], exc)
     for call, handle in handles:
@@ -246,7 +322,7 @@ def run_turn(
             continue
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            outcomes.append((call, handle.result(timeout=left)))
+            outcomes.append((call, _result(handle, again[call.id], left)))
         except TimeoutError as exc:  # ReceiptTimeout: it says where the call stands
             outcomes.append((call, _status_of(exc)))
             if getattr(exc, "unanswered", False):
@@ -280,7 +356,11 @@ async def run_turn_async(
         answer = await approver if inspect.isawaitable(approver) else approver
         approvers.append(_approver(answer, call, prepared))
     handles: list[tuple[Call, Any]] = []
+    again: dict[str, Callable[[], Any]] = {}  # as in run_turn
     for call, prepared, approver in zip(calls, checked, approvers, strict=True):
+        again[call.id] = functools.partial(
+            client.sync.submit_checked, prepared, approved_by=approver
+        )
         try:
             handles.append((call, await client.submit_checked(prepared, approved_by=approver)))
         except Exception as exc:  # noqa: BLE001 - raised again by _submit_failed, or as it is
@@ -293,7 +373,7 @@ async def run_turn_async(
 
     async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:
         try:
-            return call, await handle.result(timeout=timeout)
+            return call, await _result_async(handle, again[call.id], timeout)
         except TimeoutError as exc:
             if getattr(exc, "unanswered", False):
                 unanswered.add(call.id)
