@@ -298,6 +298,12 @@ def run_turn(
         for c, p in asked
     ]
     deadline = None if timeout is None else time.monotonic() + timeout
+    if any(a is not None for a in approvers):
+        # what the first publish imports (Celery, the broker's transport: 0.4-0.5 s), imported
+        # before the first commit: imported between a call's commit and its publish, an agent
+        # SIGKILLed there left the call approved and never published, for the sweep to find
+        # 120 s later (repair meanwhile: "approved: no receipt yet")
+        client.warm()
     handles: list[tuple[Call, Any]] = []
     again: dict[str, Callable[[], Any]] = {}  # each call's submit, to replay (_first_wait)
     for call, prepared, approver in zip(calls, checked, approvers, strict=True):
@@ -355,6 +361,8 @@ async def run_turn_async(
         approver = approve(call.name, call.id, copy.deepcopy(prepared.args)) if approve else None
         answer = await approver if inspect.isawaitable(approver) else approver
         approvers.append(_approver(answer, call, prepared))
+    if any(a is not None for a in approvers):
+        await client.warm()  # as in run_turn
     handles: list[tuple[Call, Any]] = []
     again: dict[str, Callable[[], Any]] = {}  # as in run_turn
     for call, prepared, approver in zip(calls, checked, approvers, strict=True):

@@ -33,6 +33,31 @@ with Client() as client:
 """
 
 
+#: An agent's first turn whose publishes each write (to the file ``argv[1]``) the Celery, kombu
+#: and amqp modules imported while they ran.
+COUNTING_AGENT = """
+import json, sys
+from toolledger import Client
+from toolledger.turns import CallsWaiting
+from toolledger.worker import submit
+enqueue, out = submit.Submitter.enqueue, sys.argv[1]
+def counted(self, *args, **kwargs):
+    before = set(sys.modules)
+    try:
+        return enqueue(self, *args, **kwargs)
+    finally:
+        new = [m for m in set(sys.modules) - before if m.split(".")[0] in ("celery", "kombu", "amqp")]
+        with open(out, "a") as f:
+            f.write(json.dumps(sorted(new)) + "\\n")
+submit.Submitter.enqueue = counted
+with Client() as client:
+    try:
+        client.run_turn(sys.argv[2], json.loads(sys.argv[3]), approve=lambda *_: "p", timeout=0.2)
+    except CallsWaiting:
+        pass
+"""
+
+
 def turn(tag: str) -> dict[str, Any]:
     args = json.dumps({"path": f"{tag}.txt", "content": "once\n"})
     call = {
@@ -113,3 +138,23 @@ def _recorded(ledger: Any, scope: str, call_id: str) -> bool:
     except (NotFound, sa.exc.OperationalError):
         return False
     return True
+
+
+def test_agent_first_turn__its_publish_imports_nothing_between_a_calls_commit_and_its_send(
+    stack: Stack,
+) -> None:
+    """A new agent process's first run_turn imported Celery and the broker's transport
+    (0.4-0.5 s here) between its first call's commit and its publish: an agent SIGKILLed then
+    left the call approved and never published (12 kills 0.3-2.5 s into a turn: 1 call so,
+    repair then saying "approved: there is no receipt yet" 328 times, for the sweep to publish
+    it 120 s later). They are imported before the turn's first commit now, as ``mcp serve``
+    does."""
+    imported = stack.root / "imported.jsonl"
+    scope, message = "first-turn", turn("first")
+    agent = subprocess.run(
+        [sys.executable, "-c", COUNTING_AGENT, str(imported), scope, json.dumps(message)],
+        env=stack.env(),
+        timeout=60,
+    )
+    assert agent.returncode == 0
+    assert [json.loads(line) for line in imported.read_text().splitlines()] == [[]]
