@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Annotated, Any, cast
@@ -58,7 +59,12 @@ from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
-from toolledger.turns import CallsWaiting, database_failed
+from toolledger.turns import (
+    CallsWaiting,
+    database_failed,
+    receipt_replaying,
+    receipt_replaying_async,
+)
 
 #: ``approve(tool, tool_call_id, args) -> approver | None`` (None: a person decides).
 Approve = Callable[[str, str, dict[str, Any]], str | None]
@@ -222,9 +228,9 @@ class LedgerTool(BaseTool):
         return cast("dict[str, Any]", value)
 
     def _run(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
-        scope, call_id, handle = self._submit(config, kwargs)
+        scope, call_id, handle, again = self._submit(config, kwargs)
         with waiting_on(scope, call_id, ToolCallsWaiting):
-            receipt = handle.result(timeout=self.timeout)
+            receipt = receipt_replaying(handle, again, self.timeout)
         return self._message(scope, call_id, receipt)
 
     async def _arun(self, config: RunnableConfig, **kwargs: Any) -> ToolMessage:
@@ -234,17 +240,18 @@ class LedgerTool(BaseTool):
         earlier one's wait ended."""
         # the checks, the policy (user code, maybe blocking) and the submit in a thread
         # that copies this context (_MODEL_ARGS)
-        scope, call_id, handle = await asyncio.to_thread(self._submit, config, kwargs)
+        scope, call_id, handle, again = await asyncio.to_thread(self._submit, config, kwargs)
         waiting = AsyncCallHandle(AsyncClient.of(self.client), handle)
         with waiting_on(scope, call_id, ToolCallsWaiting):
-            receipt = await waiting.result(timeout=self.timeout)
+            receipt = await receipt_replaying_async(waiting, again, self.timeout)
         return self._message(scope, call_id, receipt)
 
     def _submit(
         self, config: RunnableConfig, kwargs: dict[str, Any]
-    ) -> tuple[str, str, CallHandle]:
-        """The call checked and submitted: its scope, its id and its handle (raises
-        ``ToolCallsWaiting`` if a person decides, ``ToolException`` if it is refused)."""
+    ) -> tuple[str, str, CallHandle, Callable[[], Any]]:
+        """The call checked and submitted: its scope, its id, its handle and its submit to
+        replay (``turns.receipt_replaying``) (raises ``ToolCallsWaiting`` if a person decides,
+        ``ToolException`` if it is refused)."""
         call_id = str(kwargs.pop(CALL_ID_FIELD))
         kwargs.pop("run_manager", None)
         scope = thread_id(config)
@@ -267,6 +274,8 @@ class LedgerTool(BaseTool):
         # and run (a cold review: a policy that stamped the arguments made the call's
         # replay a conflict, told to the model as a refusal, and repair refuse the transcript)
         approver = _approver(self.approve(spec.name, call_id, copy.deepcopy(args)), call_id)
+        if approver is not None:  # the publish's imports before the commit (turns.run_turn)
+            self.client.warm()
         try:
             try:
                 handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)
@@ -275,9 +284,8 @@ class LedgerTool(BaseTool):
                     raise
                 # recorded by a version that recorded the validated arguments: its replay
                 # (the id is taken: nothing new can be recorded under it)
-                handle = self.client.submit(
-                    scope, call_id, spec.name, validated, approved_by=approver
-                )
+                args = validated
+                handle = self.client.submit(scope, call_id, spec.name, args, approved_by=approver)
         except LedgerError as exc:  # refused (arguments, a conflict): nothing recorded
             raise ToolException(f"toolledger refused the call: {exc}") from exc
         except Exception as exc:
@@ -286,7 +294,10 @@ class LedgerTool(BaseTool):
             raise unanswered(scope, call_id, ToolCallsWaiting) from exc
         if handle.status == Status.PENDING_APPROVAL.value:  # a person decides: nobody waits
             raise ToolCallsWaiting(scope, {call_id: handle.status})
-        return scope, call_id, handle
+        again = functools.partial(
+            self.client.submit, scope, call_id, spec.name, args, approved_by=approver
+        )
+        return scope, call_id, handle, again
 
     def _message(self, scope: str, call_id: str, receipt: Receipt) -> ToolMessage:
         return ToolMessage(

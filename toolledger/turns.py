@@ -217,7 +217,9 @@ def _publish_if_lost(resubmit: Callable[[], Any], exc: TimeoutError) -> bool:
     return True
 
 
-def _result(handle: CallHandle, resubmit: Callable[[], Any], left: float | None) -> Receipt:
+def receipt_replaying(
+    handle: CallHandle, resubmit: Callable[[], Any], left: float | None
+) -> Receipt:
     """The call's receipt within ``left`` seconds (``_first_wait``)."""
     first = _first_wait(handle, left)
     if first is None:
@@ -232,10 +234,10 @@ def _result(handle: CallHandle, resubmit: Callable[[], Any], left: float | None)
     return handle.result(timeout=rest)
 
 
-async def _result_async(
+async def receipt_replaying_async(
     handle: AsyncCallHandle, resubmit: Callable[[], Any], left: float | None
 ) -> Receipt:
-    """``_result`` on the event loop (``resubmit`` in a thread)."""
+    """``receipt_replaying`` on the event loop (``resubmit`` in a thread)."""
     first = _first_wait(handle.handle, left)
     if first is None:
         return await handle.result(timeout=left)
@@ -328,7 +330,7 @@ def run_turn(
             continue
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            outcomes.append((call, _result(handle, again[call.id], left)))
+            outcomes.append((call, receipt_replaying(handle, again[call.id], left)))
         except TimeoutError as exc:  # ReceiptTimeout: it says where the call stands
             outcomes.append((call, _status_of(exc)))
             if getattr(exc, "unanswered", False):
@@ -381,7 +383,7 @@ async def run_turn_async(
 
     async def one(call: Call, handle: Any) -> tuple[Call, Receipt | str]:
         try:
-            return call, await _result_async(handle, again[call.id], timeout)
+            return call, await receipt_replaying_async(handle, again[call.id], timeout)
         except TimeoutError as exc:
             if getattr(exc, "unanswered", False):
                 unanswered.add(call.id)

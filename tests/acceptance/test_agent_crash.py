@@ -27,9 +27,20 @@ SILENT_PORT = 18111
 
 AGENT = """
 import json, sys
-from toolledger import AsyncClient, Client
+from toolledger import Client
 with Client() as client:
     client.run_turn(sys.argv[1], json.loads(sys.argv[2]), approve=lambda *_: "policy")
+"""
+
+
+#: A LangChain tool's call, outside a graph (its caller keeps the ToolCall's id).
+LANGCHAIN_AGENT = """
+import json, sys
+from toolledger import Client
+from toolledger.langchain import ledger_tools
+with Client() as client:
+    (tool,) = ledger_tools(client, tools=["append_file"])
+    tool.invoke(json.loads(sys.argv[2]), {"configurable": {"thread_id": sys.argv[1]}})
 """
 
 
@@ -86,7 +97,7 @@ def executions(stack: Stack, scope: str, call_id: str) -> int:
         ledger.engine.dispose()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "langchain"])
 def test_agent_killed_between_the_submits_commit_and_its_publish__restarted_at_once_gets_its_receipt(
     stack: Stack, silent_broker: str, mode: str
 ) -> None:
@@ -98,8 +109,11 @@ def test_agent_killed_between_the_submits_commit_and_its_publish__restarted_at_o
     120 s), though a worker stood idle."""
     stack.worker("w1", concurrency=1)
     scope, message = f"crash-publish-{mode}", turn("pub")
+    tool_call = {"type": "tool_call", "id": "pub_0", "name": "append_file",
+                 "args": json.loads(message["tool_calls"][0]["function"]["arguments"])}  # fmt: skip
+    script, given = (LANGCHAIN_AGENT, tool_call) if mode == "langchain" else (AGENT, message)
     agent = subprocess.Popen(
-        [sys.executable, "-c", AGENT, scope, json.dumps(message)],
+        [sys.executable, "-c", script, scope, json.dumps(given)],
         env=stack.env(broker=silent_broker),
     )
     try:
@@ -117,6 +131,13 @@ def test_agent_killed_between_the_submits_commit_and_its_publish__restarted_at_o
     if mode == "sync":  # started again at once, the same turn
         with Client(stack.settings()) as client:
             (result,) = client.run_turn(scope, message, approve=lambda *_: "policy", timeout=15)
+    elif mode == "langchain":
+        from toolledger.langchain import ledger_tools
+
+        with Client(stack.settings()) as client:
+            (tool,) = ledger_tools(client, tools=["append_file"], timeout=15)
+            answer = tool.invoke(tool_call, {"configurable": {"thread_id": scope}})
+        result = {"tool_call_id": answer.tool_call_id, "content": answer.content}
     else:
 
         async def again() -> list[dict[str, Any]]:
