@@ -37,6 +37,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
+from datetime import UTC, datetime
 from typing import Annotated, Any, cast
 
 import pydantic
@@ -76,6 +77,10 @@ _MODEL_ARGS: ContextVar[Any] = ContextVar("toolledger_langchain_model_args", def
 CALL_ID_FIELD = "toolledger_tool_call_id"
 
 DEFAULT_APPROVER = "langgraph"
+
+#: Until then (README: "Until 2026-12-06") the tool recorded LangChain's validated arguments
+#: (``5.0`` made ``5``); since, the model's own, as run_turn and repair read them.
+VALIDATED_UNTIL = datetime(2026, 12, 6, 1, 47, tzinfo=UTC)
 
 
 try:  # a ToolNode lets a GraphBubbleUp through whatever its handle_tool_errors says
@@ -282,6 +287,8 @@ class LedgerTool(BaseTool):
             except ConflictError:
                 if args_sha256(args) == args_sha256(validated):  # (5.0 == 5 in Python)
                     raise
+                if not self._recorded_validated(scope, call_id):
+                    raise  # the model's own arguments were recorded: others are a conflict
                 # recorded by a version that recorded the validated arguments: its replay
                 # (the id is taken: nothing new can be recorded under it)
                 args = validated
@@ -298,6 +305,20 @@ class LedgerTool(BaseTool):
             self.client.submit, scope, call_id, spec.name, args, approved_by=approver
         )
         return scope, call_id, handle, again
+
+    def _recorded_validated(self, scope: str, call_id: str) -> bool:
+        """Whether the call was recorded before ``VALIDATED_UNTIL``, when the tool recorded
+        LangChain's validated arguments: only such a call is replayed under them. Any call
+        was: a replay whose arguments only validated alike (``"5"`` for ``5``, a key the
+        model ignores) was answered with the receipt of a call recorded with other arguments,
+        which run_turn and repair refuse as a conflict (DESIGN §2.4)."""
+        try:
+            created = self.client.ledger.get(scope, call_id).operation.created_at
+        except LedgerError:
+            return False
+        if created.tzinfo is None:  # SQLite keeps UTC without its offset
+            created = created.replace(tzinfo=UTC)
+        return created < VALIDATED_UNTIL
 
     def _message(self, scope: str, call_id: str, receipt: Receipt) -> ToolMessage:
         return ToolMessage(

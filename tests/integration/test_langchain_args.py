@@ -8,10 +8,12 @@ import contextlib
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from tests.conftest import CI
 
@@ -20,9 +22,10 @@ if not CI:  # under CI=true the extra must be installed: a missing one fails the
 
 from toolledger import Client
 from toolledger.config import Settings
-from toolledger.langchain import ledger_tools
+from toolledger.langchain import VALIDATED_UNTIL, ledger_tools
 from toolledger.ledger.errors import NotFound
 from toolledger.ledger.identity import args_sha256
+from toolledger.ledger.models import operations
 from toolledger.recovery.transcript import repair_transcript
 from toolledger.registry import load_registry
 from toolledger.turns import CallsWaiting
@@ -84,6 +87,12 @@ def test_langchain__a_call_recorded_with_validated_arguments_is_still_replayed(
     """A call an earlier version recorded with LangChain's validated arguments, asked again
     after the upgrade with the model's: found (its replay), not refused as a conflict."""
     client.submit(scope, "lc-old", "charge", {"amount": 5})
+    with client.ledger.engine.begin() as conn:  # recorded by that version, before it ended
+        conn.execute(
+            sa.update(operations)
+            .where(operations.c.scope == scope)
+            .values(created_at=VALIDATED_UNTIL - timedelta(days=1))
+        )
     (tool,) = ledger_tools(
         client, registry=load_registry("tests.payment_tools"), approve=lambda *_: None,
         tools=["charge"],
@@ -165,3 +174,31 @@ def test_langchain__concurrent_async_calls_wait_on_the_loop_not_a_thread_each(
     seen, waiting = asyncio.run(scenario())
     assert seen == ["approved"] * 4, seen  # every call submitted, none run
     assert all(waiting), waiting  # and every one still waiting for its receipt
+
+
+@pytest.mark.parametrize(
+    "replayed", [{"amount": "5"}, {"amount": 5.0}, {"amount": 5, "note": "ignored"}]
+)
+def test_langchain__a_replay_differing_only_by_a_coerced_type_or_an_ignored_key_is_a_conflict(
+    client: Client, scope: str, replayed: dict[str, Any]
+) -> None:
+    """A call recorded with ``{"amount": 5}`` (the model's own arguments, as this version
+    records them) asked again under its id with arguments LangChain validates to the same
+    (``"5"``, ``5.0``, a key the model ignores): run_turn and repair refuse it (DESIGN §2.4,
+    another ``args_sha256``), but the tool's fallback for calls recorded by the version that
+    recorded validated arguments took it, and answered the model with the receipt of a call
+    it had not made. Only a call recorded before that version ended is still replayed so."""
+    (tool,) = ledger_tools(
+        client, registry=load_registry("tests.payment_tools"), approve=lambda *_: None,
+        tools=["charge"],
+    )  # fmt: skip
+    config = {"configurable": {"thread_id": scope}}
+    call_id = f"lc-coerced-{len(json.dumps(replayed))}"
+    call = {"type": "tool_call", "id": call_id, "name": "charge", "args": {"amount": 5}}
+    with pytest.raises(CallsWaiting):  # recorded, pending
+        tool.invoke(call, config)
+    with pytest.raises(Exception, match="conflict"):
+        client.run_turn(scope, chat(call_id, json.dumps(replayed))[1], timeout=0.5)
+    message = tool.invoke({**call, "args": replayed}, config)
+    assert message.status == "error" and "conflict" in message.content
+    assert client.ledger.get(scope, call_id).operation.args == {"amount": 5}
