@@ -202,6 +202,17 @@ def _member_span(text: str, i: int, wanted: str) -> tuple[int, int] | None:
     return None
 
 
+def _one_item_line(value: Any, body: str) -> bool:
+    """A single JSON object on one line that is a message or an item (``role``, ``type``),
+    not a container holding them: a JSONL transcript of one line."""
+    return (
+        isinstance(value, dict)
+        and "\n" not in body
+        and not any(k in value for k in ITEM_KEYS)
+        and ("role" in value or "type" in value)
+    )
+
+
 def _dumps(value: Any, **kwargs: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, **kwargs).translate(_LINE_ENDS)
 
@@ -232,6 +243,11 @@ class Document:
         if _skip(text, end) < len(text):  # more after the first value: one value a line
             return cls._jsonl(text, name)
         value = _rules(text, name)
+        if _one_item_line(value, text[start:end]):
+            # JSONL of one line, a message or an item: an agent killed right after writing
+            # its first line, the model's calls, left it so; read as one JSON value it was
+            # refused as a transcript (exit 6), its calls never answered
+            return cls._jsonl(text, name)
         if isinstance(value, list):
             doc = cls(text, "json", value, _array_spans(text, start))
         elif isinstance(value, dict) and any(isinstance(value.get(k), list) for k in ITEM_KEYS):

@@ -197,6 +197,24 @@ def test_repair__mixed_batch_receipts_in_call_order(ledger, scope, fmt, containe
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_repair__a_jsonl_transcript_of_one_line_is_repaired(ledger, scope, fmt):
+    """An agent killed right after writing its first line, the model's calls, left a JSONL
+    transcript of one line: read as one JSON value, an object that holds no list of messages,
+    it was refused (exit 6, "a JSON transcript must be a list of messages ..."), where the
+    same line after a user message was repaired (seen in a crash loop: 2 restarts of 8)."""
+    in_state(ledger, scope, "c1", Status.SUCCEEDED)
+    text = serialise(calls_msg(fmt, [call("c1")]), "jsonl", fmt)
+    assert text.count("\n") == 1
+    report = repair_transcript(text, ledger, scope)
+    assert (report.format, report.container, report.calls) == (fmt, "jsonl", 1)
+    only_insertions(text, report.text)
+    assert tool_results(fmt, report.text, "jsonl") == [
+        ("c1", json.dumps(SAVED, ensure_ascii=False))
+    ]
+    assert not repair_transcript(report.text, ledger, scope).changed
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_repair__rejected_gets_a_rejection_receipt(ledger, scope, fmt):
     in_state(ledger, scope, "call_r", Status.REJECTED)
     text = serialise(build(fmt, [("user", "go"), ("calls", [call("call_r")])]), "json", fmt)
