@@ -60,3 +60,21 @@ def pending_files(sandbox: Any) -> list[str]:
 
     pending = effects_of(sandbox).pending_dir
     return sorted(p.name for p in pending.iterdir()) if pending.is_dir() else []
+
+
+#: The start of a script whose publishes each write (to the file ``argv[1]``) the Celery,
+#: kombu and amqp modules imported while they ran (``Submitter.enqueue`` wrapped).
+COUNT_PUBLISH_IMPORTS = """
+import json, sys
+from toolledger.worker import submit
+enqueue, out = submit.Submitter.enqueue, sys.argv[1]
+def counted(self, *args, **kwargs):
+    before = set(sys.modules)
+    try:
+        return enqueue(self, *args, **kwargs)
+    finally:
+        new = [m for m in set(sys.modules) - before if m.split(".")[0] in ("celery", "kombu", "amqp")]
+        with open(out, "a") as f:
+            f.write(json.dumps(sorted(new)) + "\\n")
+submit.Submitter.enqueue = counted
+"""

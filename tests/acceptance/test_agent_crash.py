@@ -19,11 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 from tests.acceptance.conftest import Stack, wait_until
+from tests.helpers import COUNT_PUBLISH_IMPORTS
 from toolledger import AsyncClient, Client
 from toolledger.ledger.errors import NotFound
-
-#: A port of this suite's range where nothing answers: the first agent's broker.
-SILENT_PORT = 18111
 
 AGENT = """
 import json, sys
@@ -46,27 +44,18 @@ with Client() as client:
 
 #: An agent's first turn whose publishes each write (to the file ``argv[1]``) the Celery, kombu
 #: and amqp modules imported while they ran.
-COUNTING_AGENT = """
-import json, sys
+COUNTING_AGENT = (
+    COUNT_PUBLISH_IMPORTS
+    + """
 from toolledger import Client
 from toolledger.turns import CallsWaiting
-from toolledger.worker import submit
-enqueue, out = submit.Submitter.enqueue, sys.argv[1]
-def counted(self, *args, **kwargs):
-    before = set(sys.modules)
-    try:
-        return enqueue(self, *args, **kwargs)
-    finally:
-        new = [m for m in set(sys.modules) - before if m.split(".")[0] in ("celery", "kombu", "amqp")]
-        with open(out, "a") as f:
-            f.write(json.dumps(sorted(new)) + "\\n")
-submit.Submitter.enqueue = counted
 with Client() as client:
     try:
         client.run_turn(sys.argv[2], json.loads(sys.argv[3]), approve=lambda *_: "p", timeout=0.2)
     except CallsWaiting:
         pass
 """
+)
 
 
 def turn(tag: str) -> dict[str, Any]:
@@ -83,10 +72,9 @@ def turn(tag: str) -> dict[str, Any]:
 def silent_broker() -> Iterator[str]:
     """A Redis URL whose server accepts the connection and never answers: a publish hangs."""
     with socket.socket() as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", SILENT_PORT))
+        listener.bind(("127.0.0.1", 0))  # a port of its own: the cases run side by side
         listener.listen(16)
-        yield f"redis://127.0.0.1:{SILENT_PORT}/12"
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/12"
 
 
 def executions(stack: Stack, scope: str, call_id: str) -> int:

@@ -50,6 +50,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
 from tests.acceptance.conftest import Stack
+from tests.helpers import COUNT_PUBLISH_IMPORTS
 from toolledger.harness.processes import toolledger_argv
 from toolledger.ledger.ledger import Ledger
 from toolledger.ledger.receipts import UNKNOWN_MESSAGE
@@ -1679,23 +1680,14 @@ def test_serve__a_stop_signal_ends_it_while_the_host_reads_none_of_its_output(
 
 #: ``mcp serve`` whose publishes each write (to the file ``argv[1]``) the Celery, kombu and
 #: amqp modules imported while they ran.
-_COUNTING_SERVE = """
-import json, sys
-from toolledger.worker import submit
-enqueue, out = submit.Submitter.enqueue, sys.argv[1]
-def counted(self, *args, **kwargs):
-    before = set(sys.modules)
-    try:
-        return enqueue(self, *args, **kwargs)
-    finally:
-        new = [m for m in set(sys.modules) - before if m.split(".")[0] in ("celery", "kombu", "amqp")]
-        with open(out, "a") as f:
-            f.write(json.dumps(sorted(new)) + "\\n")
-submit.Submitter.enqueue = counted
+_COUNTING_SERVE = (
+    COUNT_PUBLISH_IMPORTS
+    + """
 sys.argv = ["toolledger", "mcp", "serve"]
 from toolledger.entry import main
 main()
 """
+)
 
 
 def test_serve__the_first_calls_publish_imports_nothing_between_its_commit_and_its_send(
