@@ -54,14 +54,15 @@ from toolledger.client import (
     waiting_on,
 )
 from toolledger.ledger.errors import ConflictError, InputError, LedgerError
-from toolledger.ledger.identity import args_sha256, check_text_id
-from toolledger.ledger.inputs import MAX_ACTOR, wait_seconds
+from toolledger.ledger.identity import args_sha256
+from toolledger.ledger.inputs import wait_seconds
 from toolledger.ledger.records import Receipt
 from toolledger.ledger.transitions import Status
 from toolledger.registry import load_registry
 from toolledger.tools import Registry, Tool
 from toolledger.turns import (
     CallsWaiting,
+    approver_named,
     database_failed,
     receipt_replaying,
     receipt_replaying_async,
@@ -148,10 +149,8 @@ def _approver(answer: Any, call_id: str) -> str | None:
     """The policy's answer checked before the submit: a falsy one (False, "") was refused by
     the submit, a ``ToolException`` the model read as "toolledger refused the call" (a
     refusal nobody made), where run_turn and the SDK's adapter stop the run."""
-    if answer is None:
-        return None
     try:
-        return check_text_id(answer, f"approver of call {call_id!r}", MAX_ACTOR)
+        return approver_named(answer, call_id)
     except InputError as exc:
         raise PolicyAnswerRefused(str(exc)) from None
 

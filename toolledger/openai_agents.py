@@ -60,7 +60,7 @@ from toolledger.ledger.identity import check_text_id
 from toolledger.ledger.transitions import Status
 from toolledger.mcp import META_SCOPE, META_TOOL_CALL_ID
 from toolledger.tools import Registry, Tool
-from toolledger.turns import CallsWaiting, database_failed
+from toolledger.turns import CallsWaiting, approver_named, database_failed
 
 Scope = str | Callable[[RunContextWrapper[Any]], str]
 #: ``approve(tool, call_id, args)``: the approver's name, or None; or an awaitable of it (an
@@ -279,12 +279,10 @@ def _function_tool(
         # an async policy is awaited: its coroutine was taken for the approver's name, and the
         # model read "approver: must be a string, not coroutine" (a cold review)
         said = await answer if inspect.isawaitable(answer) else answer
-        if said is None:
-            return None
         # checked as run_turn checks it, before anything is submitted: a falsy answer (False,
         # "") meant no pause, and the call was then recorded approved by the SDK's approver,
         # which nobody gave, and ran (a cold review)
-        return check_text_id(said, f"approver of call {call_id!r}", inputs.MAX_ACTOR)
+        return approver_named(said, call_id)
 
     def asked(key: tuple[str, str], answer: str | None) -> str | None:
         answers[key] = answer

@@ -131,9 +131,19 @@ def _approver(value: Any, call: Call, prepared: PreparedCall) -> str | None:
     it, before any call of the turn is submitted: a name the ledger refuses for the second
     call used to leave the first recorded, approved and run. A read-only call is not
     recorded and uses no approver: its answer is passed on unchecked, as ``submit`` takes it."""
-    if value is None or prepared.read_only:
+    if prepared.read_only:
         return value  # type: ignore[no-any-return]
-    return check_text_id(value, f"approver of call {call.id!r}", inputs.MAX_ACTOR)
+    return approver_named(value, call.id)
+
+
+def approver_named(value: Any, call_id: str) -> str | None:
+    """An approval policy's answer for the call ``call_id``: None (a person decides), or an
+    approver's name as the ledger checks it (``InputError`` for anything else: False, "", 0
+    is no pause, and the call was recorded approved by a name nobody gave). Every adapter
+    checks its policy's answer here, before anything is submitted."""
+    if value is None:
+        return None
+    return check_text_id(value, f"approver of call {call_id!r}", inputs.MAX_ACTOR)
 
 
 log = logging.getLogger("toolledger.client")
