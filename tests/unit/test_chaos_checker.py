@@ -1719,3 +1719,24 @@ def test_checker__a_partition_explains_a_claim_committed_just_after_its_heal_onl
         f = copy.copy(w.facts())
         f.faults = [{"kind": "partition", "pids": [], "target": target, "t": t, "cut_s": cut}]
         assert (name not in broken(f)) is explained, (healed_before_claim, target)
+
+
+def test_checker__a_database_fault_explains_a_claim_tried_through_it_only():
+    """A claim tried again through a Postgres crash commits after it, its lease counted from
+    the first try: no renewal came in time and it went unknown, its ``started_at`` 3 s after
+    the crash ended (CI, 12-08: the checker found no fault). One claimed long after the
+    crash, or with no database fault, is not explained by it."""
+    from toolledger.harness.chaos.checker import CLAIM_RETRY_TAIL_S
+
+    name = "every unknown lines up with a fault on that execution"
+    for ended_before_claim, explained in ((3.0, True), (CLAIM_RETRY_TAIL_S + 5.0, False)):
+        w = World()
+        _unknown_without_a_fault(w)
+        w.event("chaos_write:w1", "e-w1-1", "evidence", error="LeaseLost: not renewed in time")
+        (held,) = [e for e in w.execs if e["execution_id"] == "e-w1-1"]
+        held["started_at"] = BEGAN
+        down = 1.8
+        t = BEGAN.timestamp() - ended_before_claim - down
+        f = copy.copy(w.facts())
+        f.faults = [{"kind": "pg_crash", "pids": [], "target": "postgres", "t": t, "down_s": down}]
+        assert (name not in broken(f)) is explained, ended_before_claim
